@@ -1,0 +1,65 @@
+# The verbs of the template. `make train` and `make test` set everything up first.
+SHELL := /bin/bash
+VENV ?= .venv
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+BIN := $(VENV)/bin
+DATA_DIR ?= data/stdlib
+EXPERIMENT ?= clm_tiny
+ARGS ?=
+CKPT ?=
+
+.DEFAULT_GOAL := help
+.PHONY: help install data tokenizer train eval test test-full lint format bench clean clean-logs
+
+help: ## List the targets
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+install: $(VENV)/.installed ## Create .venv: torch pinned first, then the package with dev tools
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $@
+
+data: install $(DATA_DIR)/manifest.json ## Build the default shards (Python standard library source)
+
+$(DATA_DIR)/manifest.json:
+	$(BIN)/pretrain-data build --source stdlib --out $(DATA_DIR)
+
+tokenizer: data ## Train a BPE tokenizer on the default shards (then use tokenizer=bpe)
+	$(BIN)/pretrain-data tokenizer --data $(DATA_DIR) $(ARGS)
+
+train: install data ## Train (EXPERIMENT=clm_tiny; extra Hydra overrides in ARGS="...")
+	$(BIN)/pretrain experiment=$(EXPERIMENT) $(ARGS)
+
+eval: install ## Evaluate a checkpoint: make eval CKPT=path/to/last.ckpt [ARGS="..."]
+	@test -n "$(CKPT)" || { echo "usage: make eval CKPT=logs/train/runs/<run>/checkpoints/last.ckpt"; exit 2; }
+	$(BIN)/pretrain-eval ckpt_path=$(CKPT) $(ARGS)
+
+test: install ## Run the fast tests
+	$(BIN)/pytest $(ARGS)
+
+test-full: install ## Run all tests, slow ones included
+	$(BIN)/pytest -m "" $(ARGS)
+
+lint: install ## Check style, formatting and types
+	$(BIN)/ruff check src tests scripts
+	$(BIN)/ruff format --check src tests scripts
+	$(BIN)/mypy
+
+format: install ## Fix style and formatting
+	$(BIN)/ruff check --fix src tests scripts
+	$(BIN)/ruff format src tests scripts
+
+bench: install data ## Template overhead vs a plain PyTorch loop, and loader vs model throughput
+	$(BIN)/python scripts/bench_overhead.py --data $(DATA_DIR) $(ARGS)
+
+clean-logs: ## Delete run outputs under logs/
+	find logs -mindepth 1 ! -name .gitkeep -exec rm -rf {} +
+
+clean: clean-logs ## Delete the venv, built data and caches
+	rm -rf $(VENV) data .pytest_cache .ruff_cache .mypy_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,1 @@
+"""A Lightning + Hydra template for pretraining transformers on WebDataset shards."""

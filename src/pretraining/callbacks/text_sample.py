@@ -1,0 +1,31 @@
+"""Print what the model writes, so a run shows what it learned."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+
+class TextSample(Callback):
+    """At the end of training, sample a continuation of `prompt` on rank zero."""
+
+    def __init__(
+        self, prompt: str = "def ", max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 50, seed: int = 0
+    ) -> None:
+        self.prompt, self.max_new_tokens = prompt, max_new_tokens
+        self.temperature, self.top_k, self.seed = temperature, top_k, seed
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.is_global_zero or not hasattr(pl_module, "complete"):
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            text = pl_module.complete(
+                trainer.datamodule.tokenizer,
+                self.prompt,
+                self.max_new_tokens,
+                temperature=self.temperature,
+                top_k=self.top_k,
+            )
+        rank_zero_info(f"\nSample at step {trainer.global_step}:\n{'-' * 60}\n{text}\n{'-' * 60}")

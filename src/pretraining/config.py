@@ -1,0 +1,34 @@
+"""Where configs live, the resolvers they use, and checks across config groups.
+
+Checks that belong to one value live where that value enters (the class that
+takes it); the ones here relate values from different groups.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = PROJECT_ROOT / "configs"
+
+# One suffix per process: two runs started in the same second still get different directories.
+_RUN_SUFFIX = secrets.token_hex(3)
+OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
+OmegaConf.register_new_resolver("run_suffix", lambda: _RUN_SUFFIX, replace=True)
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key and the fix."""
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Stop before any work if values from different groups contradict each other."""
+    block_size, max_seq_len = cfg.data.block_size, cfg.model.backbone.max_seq_len
+    if block_size > max_seq_len:
+        raise ConfigError(
+            f"data.block_size={block_size} exceeds model.backbone.max_seq_len={max_seq_len}: "
+            f"lower data.block_size or raise model.backbone.max_seq_len"
+        )

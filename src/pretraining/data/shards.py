@@ -1,0 +1,293 @@
+"""WebDataset tar shards and their manifest.
+
+`build_shards` turns documents into `train-NNNNNN.tar` / `validation-NNNNNN.tar`
+shards plus a `manifest.json` (per-shard samples, bytes, sha256; dataset
+sources, settings, dedup counts, split rule and a version hash). The whole
+dataset is built in a staging directory and swapped in only when complete, so
+a crash never leaves a half-written shard or manifest where a good one was.
+
+`Manifest.load` reads it back and refuses shards that are missing or altered.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import platform
+import shutil
+import tarfile
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.progress import Progress
+
+from pretraining.data.corpus import Document, normalize
+
+MANIFEST = "manifest.json"
+FORMAT = "pretraining-shards/1"
+SPLITS = ("train", "validation")
+SPLIT_RULE = "validation iff int(sha256(source_id)[:16], 16) / 2**64 < validation_fraction"
+
+
+class ShardError(ValueError):
+    """Shards that cannot be used as they are; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One tar shard as recorded in the manifest."""
+
+    name: str
+    samples: int
+    bytes: int
+    sha256: str
+    text_bytes: int
+
+
+@dataclass
+class BuildSettings:
+    """Everything that decides the bytes of the shards."""
+
+    validation_fraction: float = 0.05
+    max_shard_samples: int = 10_000
+    max_shard_bytes: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ShardError(f"validation_fraction={self.validation_fraction} must be in [0, 1)")
+        if self.max_shard_samples < 1 or self.max_shard_bytes < 1:
+            raise ShardError("max_shard_samples and max_shard_bytes must be positive")
+
+
+@dataclass
+class BuildCounts:
+    """What happened to the documents read."""
+
+    read: int = 0
+    undecodable: int = 0
+    empty: int = 0
+    exact_duplicates: int = 0
+    kept: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
+
+
+def split_of(source_id: str, validation_fraction: float) -> str:
+    """The split a document belongs to: a pure function of its source id."""
+    position = int(hashlib.sha256(source_id.encode()).hexdigest()[:16], 16) / 2**64
+    return "validation" if position < validation_fraction else "train"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write to `path.tmp`, fsync, then rename: readers see the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(tmp, path)
+
+
+class _ShardWriter:
+    """Writes one split's samples into size-bounded, byte-reproducible tar shards."""
+
+    def __init__(self, directory: Path, split: str, settings: BuildSettings) -> None:
+        self.directory, self.split, self.settings = directory, split, settings
+        self.shards: list[ShardInfo] = []
+        self._tar: tarfile.TarFile | None = None
+
+    def write(self, key: str, text: str, meta: dict) -> None:
+        members = {"txt": text.encode(), "json": json.dumps(meta, sort_keys=True).encode()}
+        size = sum(len(data) for data in members.values())
+        if self._tar is None or self._full(size):
+            self._finish_shard()
+            self._start_shard()
+        assert self._tar is not None
+        for extension, data in members.items():
+            info = tarfile.TarInfo(f"{key}.{extension}")
+            info.size, info.mtime, info.mode = len(data), 0, 0o444
+            self._tar.addfile(info, io.BytesIO(data))
+        self._samples += 1
+        self._text_bytes += len(members["txt"])
+
+    def close(self) -> list[ShardInfo]:
+        self._finish_shard()
+        return self.shards
+
+    def _full(self, next_size: int) -> bool:
+        assert self._tar is not None and self._tar.fileobj is not None
+        over_bytes = self._tar.fileobj.tell() + next_size > self.settings.max_shard_bytes
+        return self._samples > 0 and (over_bytes or self._samples >= self.settings.max_shard_samples)
+
+    def _start_shard(self) -> None:
+        self._name = f"{self.split}-{len(self.shards):06d}.tar"
+        self._file = (self.directory / (self._name + ".tmp")).open("wb")
+        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
+        self._samples = self._text_bytes = 0
+
+    def _finish_shard(self) -> None:
+        if self._tar is None:
+            return
+        self._tar.close()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        final = self.directory / self._name
+        os.replace(self.directory / (self._name + ".tmp"), final)
+        self.shards.append(
+            ShardInfo(self._name, self._samples, final.stat().st_size, file_sha256(final), self._text_bytes)
+        )
+        self._tar = None
+
+
+def deduplicated(documents: Iterable[Document], counts: BuildCounts) -> Iterator[tuple[Document, str]]:
+    """Normalise, drop undecodable, empty and exactly repeated documents; yield (doc, text sha256)."""
+    seen: set[str] = set()
+    for document in documents:
+        counts.read += 1
+        if document.text is None:
+            counts.undecodable += 1
+            continue
+        text = normalize(document.text)
+        if not text:
+            counts.empty += 1
+            continue
+        digest = hashlib.sha256(text.encode()).hexdigest()
+        if digest in seen:
+            counts.exact_duplicates += 1
+            continue
+        seen.add(digest)
+        yield Document(document.source_id, text), digest
+
+
+def build_shards(
+    documents: Iterable[Document],
+    out_dir: Path,
+    sources: list[str],
+    settings: BuildSettings | None = None,
+    show_progress: bool = True,
+) -> dict:
+    """Build train/validation shards and the manifest in `out_dir`; return the manifest."""
+    settings = settings or BuildSettings()
+    out_dir = out_dir.resolve()
+    staging = out_dir.with_name(f".{out_dir.name}.building")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    writers = {split: _ShardWriter(staging, split, settings) for split in SPLITS}
+    counts = BuildCounts()
+    with Progress(disable=not show_progress, transient=True) as progress:
+        task = progress.add_task(f"building shards in {out_dir}", total=None)
+        for document, digest in deduplicated(documents, counts):
+            split = split_of(document.source_id, settings.validation_fraction)
+            key = f"{split}-{counts.kept[split]:09d}"
+            writers[split].write(key, document.text or "", {"source_id": document.source_id, "sha256": digest})
+            counts.kept[split] += 1
+            progress.advance(task)
+    shards = {split: writer.close() for split, writer in writers.items()}
+    if counts.kept["train"] == 0:
+        shutil.rmtree(staging)
+        raise ShardError(
+            f"no training documents in {sources} ({counts.read} read, {counts.empty} empty, "
+            f"{counts.undecodable} not UTF-8, {counts.exact_duplicates} duplicates); point at a non-empty corpus"
+        )
+    manifest = _manifest(sources, settings, counts, shards)
+    write_atomically(staging / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    _swap_in(staging, out_dir)
+    return manifest
+
+
+def _manifest(sources: list[str], settings: BuildSettings, counts: BuildCounts, shards: dict) -> dict:
+    body = {
+        "format": FORMAT,
+        "sources": sources,
+        "python": platform.python_version(),
+        "settings": asdict(settings),
+        "split_rule": SPLIT_RULE,
+        "normalization": "NFC, \\n newlines, trailing whitespace and leading blank lines stripped",
+        "dedup": {
+            "method": "exact sha256 of normalised text, first occurrence in source order kept",
+            "documents_read": counts.read,
+            "undecodable_dropped": counts.undecodable,
+            "empty_dropped": counts.empty,
+            "exact_duplicates_dropped": counts.exact_duplicates,
+        },
+        "splits": {
+            split: {
+                "documents": counts.kept[split],
+                "text_bytes": sum(s.text_bytes for s in infos),
+                "shards": [asdict(s) for s in infos],
+            }
+            for split, infos in shards.items()
+        },
+    }
+    # The version names the data, not the build: same shards and settings, same version.
+    version = hashlib.sha256(json.dumps(body["splits"], sort_keys=True).encode()).hexdigest()[:16]
+    return {"version": version, **body}
+
+
+def _swap_in(staging: Path, out_dir: Path) -> None:
+    """Replace `out_dir` by the finished `staging` directory."""
+    old = out_dir.with_name(f".{out_dir.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if out_dir.exists():
+        os.replace(out_dir, old)
+    os.replace(staging, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A loaded, checked manifest: shard lists per split and the dataset version."""
+
+    directory: Path
+    version: str
+    splits: dict[str, list[ShardInfo]]
+
+    @classmethod
+    def load(cls, directory: str | Path, verify_checksums: bool = True) -> Manifest:
+        directory = Path(directory)
+        path = directory / MANIFEST
+        if not path.is_file():
+            raise ShardError(
+                f"no {MANIFEST} in {directory}: build the shards with "
+                f"`pretrain-data build --out {directory}` (or `make data` for the default corpus)"
+            )
+        try:
+            raw = json.loads(path.read_text())
+            splits = {name: [ShardInfo(**s) for s in split["shards"]] for name, split in raw["splits"].items()}
+            manifest = cls(directory, raw["version"], splits)
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ShardError(f"{path} is not a valid manifest ({error}); rebuild with `pretrain-data build`") from error
+        manifest.check(verify_checksums)
+        return manifest
+
+    def check(self, verify_checksums: bool) -> None:
+        """Every listed shard exists with its recorded size (and checksum)."""
+        for shards in self.splits.values():
+            for shard in shards:
+                path = self.directory / shard.name
+                if not path.is_file():
+                    raise ShardError(f"shard {path} is listed in the manifest but missing; rebuild the shards")
+                if path.stat().st_size != shard.bytes or (verify_checksums and file_sha256(path) != shard.sha256):
+                    raise ShardError(
+                        f"shard {path} does not match its manifest entry (size or sha256 differs): it was "
+                        f"altered or truncated; rebuild the shards with `pretrain-data build`"
+                    )
+
+    def urls(self, split: str) -> list[str]:
+        return [str(self.directory / shard.name) for shard in self.shards(split)]
+
+    def shards(self, split: str) -> list[ShardInfo]:
+        shards = self.splits.get(split, [])
+        if not shards:
+            raise ShardError(f"{self.directory / MANIFEST} lists no {split!r} shards; rebuild with more data")
+        return shards

@@ -1,0 +1,111 @@
+"""Tokenizers: raw bytes (no training) or a byte-level BPE trained offline.
+
+Both put the same special tokens at the same fixed ids (pad=0, eos=1, mask=2,
+cls=3), so objectives can rely on them whichever tokenizer is configured.
+`token_bytes[i]` is how many UTF-8 bytes token `i` stands for (0 for special
+tokens): it turns token losses into bits per byte, comparable across tokenizers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<mask>", "<cls>")
+PAD_ID, EOS_ID, MASK_ID, CLS_ID = range(len(SPECIAL_TOKENS))
+
+
+class Tokenizer(Protocol):
+    """What the data stream and the objectives need from a tokenizer."""
+
+    vocab_size: int
+    token_bytes: np.ndarray
+    fingerprint: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Iterable[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes shifted past the special tokens: vocabulary 256 + specials."""
+
+    def __init__(self) -> None:
+        offset = len(SPECIAL_TOKENS)
+        self._offset = offset
+        self.vocab_size = 256 + offset
+        self.token_bytes = np.array([0] * offset + [1] * 256, dtype=np.int64)
+        self.fingerprint = hashlib.sha256(f"bytes/v1:{','.join(SPECIAL_TOKENS)}".encode()).hexdigest()[:16]
+
+    def encode(self, text: str) -> list[int]:
+        return [byte + self._offset for byte in text.encode()]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return bytes(i - self._offset for i in ids if i >= self._offset).decode(errors="replace")
+
+
+class BPETokenizer:
+    """A byte-level BPE `tokenizer.json` from `train_bpe` (the `tokenizers` library)."""
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"tokenizer file {path} not found: train one with "
+                f"`pretrain-data tokenizer --data <shard dir> --out {path}`, or use tokenizer=bytes"
+            )
+        self._tokenizer = HFTokenizer.from_file(str(path))
+        for expected_id, token in enumerate(SPECIAL_TOKENS):
+            if self._tokenizer.token_to_id(token) != expected_id:
+                raise ValueError(
+                    f"{path}: special token {token} must have id {expected_id}; retrain it with `pretrain-data tokenizer`"
+                )
+        self.vocab_size = self._tokenizer.get_vocab_size()
+        self.token_bytes = _byte_level_lengths(self._tokenizer.get_vocab(), self.vocab_size)
+        self.fingerprint = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tokenizer.decode(list(ids))
+
+
+def _byte_level_lengths(vocab: dict[str, int], vocab_size: int) -> np.ndarray:
+    """In byte-level BPE each character of a token string stands for one byte."""
+    lengths = np.zeros(vocab_size, dtype=np.int64)
+    for token, index in vocab.items():
+        if token not in SPECIAL_TOKENS:
+            lengths[index] = len(token)
+    return lengths
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_path: Path) -> BPETokenizer:
+    """Train a byte-level BPE with the fixed special tokens; write `out_path` atomically."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size <= 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size={vocab_size} must exceed 256 bytes + {len(SPECIAL_TOKENS)} special tokens")
+    tokenizer = HFTokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        # Without the full byte alphabet, bytes unseen in training could not be encoded.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_path.with_name(out_path.name + ".tmp")
+    tokenizer.save(str(tmp))
+    tmp.replace(out_path)
+    return BPETokenizer(out_path)

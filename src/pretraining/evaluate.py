@@ -1,0 +1,82 @@
+"""Hydra entry point for evaluation: validate a checkpoint and sample from it.
+
+    pretrain-eval ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt
+
+The model, tokenizer and data come from the config stored in the checkpoint
+(its lineage), so a checkpoint is evaluated the way it was trained.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch import LightningModule, Trainer
+from omegaconf import DictConfig, OmegaConf
+
+from pretraining.config import CONFIG_DIR, ConfigError
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint without executing code from it (tensors and plain data only)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} not found; runs keep them in logs/train/runs/<run>/checkpoints/")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    if "lineage" not in checkpoint:
+        raise ConfigError(f"{path} has no lineage record: it was not written by `pretrain`, so its config is unknown")
+    return checkpoint
+
+
+def build_from_checkpoint(checkpoint: dict[str, Any], data_overrides: dict[str, Any]) -> tuple[LightningModule, Any]:
+    """The objective (with the checkpoint's weights) and the DataModule the checkpoint was trained with."""
+    lineage = checkpoint["lineage"]
+    run = OmegaConf.create(lineage["config"])
+    tokenizer = instantiate(run.tokenizer)
+    if tokenizer.fingerprint != lineage["tokenizer_fingerprint"]:
+        raise ConfigError(
+            f"the tokenizer at {run.tokenizer} (fingerprint {tokenizer.fingerprint}) is not the one this "
+            f"checkpoint was trained with ({lineage['tokenizer_fingerprint']}); restore that tokenizer file"
+        )
+    datamodule = instantiate(run.data, tokenizer=tokenizer, **data_overrides)
+    model = instantiate(run.model, backbone={"vocab_size": tokenizer.vocab_size})
+    model.load_state_dict(checkpoint["state_dict"])
+    return model, datamodule
+
+
+def evaluate(cfg: DictConfig) -> dict[str, Any]:
+    """Validation metrics of `cfg.ckpt_path` and a sample, also written to metrics.json."""
+    checkpoint = load_checkpoint(cfg.ckpt_path)
+    overrides = {
+        key: value for key, value in (("dir", cfg.data_dir), ("val_blocks", cfg.val_blocks)) if value is not None
+    }
+    model, datamodule = build_from_checkpoint(checkpoint, overrides)
+    trainer = Trainer(accelerator=cfg.accelerator, devices=1, logger=False, enable_checkpointing=False)
+    (metrics,) = trainer.validate(model, datamodule=datamodule, verbose=False)
+    result: dict[str, Any] = {"checkpoint": str(cfg.ckpt_path), "step": checkpoint["global_step"], **metrics}
+    if cfg.prompt and hasattr(model, "complete"):
+        torch.manual_seed(cfg.seed)
+        result["sample"] = model.complete(
+            datamodule.tokenizer, cfg.prompt, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k
+        )
+    if datamodule.manifest.version != checkpoint["lineage"]["data_version"]:
+        result["note"] = "evaluated on a different data version than the checkpoint was trained on"
+    out = Path(HydraConfig.get().runtime.output_dir) / "metrics.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    for key, value in result.items():
+        print(f"{key}: {value}" if key != "sample" else f"sample:\n{'-' * 60}\n{value}\n{'-' * 60}")
+    return result
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="eval")
+def main(cfg: DictConfig) -> None:
+    evaluate(cfg)
+
+
+if __name__ == "__main__":
+    main()

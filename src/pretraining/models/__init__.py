@@ -1,0 +1,5 @@
+"""Backbones in plain PyTorch (no Lightning inside)."""
+
+from pretraining.models.transformer import Transformer
+
+__all__ = ["Transformer"]

@@ -1,0 +1,118 @@
+"""A pre-norm transformer backbone in plain PyTorch, readable in one sitting.
+
+The same module serves every objective: `causal=True` for next-token
+prediction, `causal=False` for masked-LM and contrastive encoders. It returns
+hidden states; `logits()` applies the language-model head, whose weight is
+tied to the token embedding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, causal: bool) -> None:
+        super().__init__()
+        if d_model % n_head:
+            raise ValueError(f"model.backbone.d_model={d_model} must be divisible by n_head={n_head}")
+        self.n_head, self.dropout, self.causal = n_head, dropout, causal
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
+        self.proj = nn.Linear(d_model, d_model, bias=bias)
+        self.proj.is_residual_projection = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.causal
+        )
+        return self.proj(y.transpose(1, 2).reshape(batch, length, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, dropout: float, bias: bool) -> None:
+        super().__init__()
+        self.up = nn.Linear(d_model, 4 * d_model, bias=bias)
+        self.down = nn.Linear(4 * d_model, d_model, bias=bias)
+        self.down.is_residual_projection = True
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.down(F.gelu(self.up(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, causal: bool) -> None:
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(d_model, bias=bias)
+        self.attention = SelfAttention(d_model, n_head, dropout, bias, causal)
+        self.mlp_norm = nn.LayerNorm(d_model, bias=bias)
+        self.mlp = MLP(d_model, dropout, bias)
+        self.residual_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.residual_dropout(self.attention(self.attention_norm(x)))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token + learned position embeddings, `n_layer` pre-norm blocks, a final norm.
+
+    The embedding table is padded to a multiple of 64 rows for faster matmuls;
+    the padded ids never occur in data, and `logits()` can drop them.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        max_seq_len: int = 256,
+        d_model: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        dropout: float = 0.0,
+        bias: bool = False,
+        causal: bool = True,
+    ) -> None:
+        super().__init__()
+        for key, value in [("vocab_size", vocab_size), ("max_seq_len", max_seq_len), ("n_layer", n_layer)]:
+            if value < 1:
+                raise ValueError(f"model.backbone.{key}={value} must be positive")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"model.backbone.dropout={dropout} must be in [0, 1)")
+        self.vocab_size, self.max_seq_len, self.n_layer, self.causal = vocab_size, max_seq_len, n_layer, causal
+        padded_vocab = math.ceil(vocab_size / 64) * 64
+        self.token_embedding = nn.Embedding(padded_vocab, d_model)
+        self.position_embedding = nn.Embedding(max_seq_len, d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout, bias, causal) for _ in range(n_layer))
+        self.final_norm = nn.LayerNorm(d_model, bias=bias)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            std = 0.02
+            if getattr(module, "is_residual_projection", False):
+                std /= math.sqrt(2 * self.n_layer)  # GPT-2: keep the residual stream's variance flat in depth
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Hidden states (batch, length, d_model) for token ids (batch, length)."""
+        length = tokens.shape[1]
+        if length > self.max_seq_len:
+            raise ValueError(f"sequence of {length} tokens exceeds model.backbone.max_seq_len={self.max_seq_len}")
+        positions = torch.arange(length, device=tokens.device)
+        x = self.dropout(self.token_embedding(tokens) + self.position_embedding(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.final_norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tied language-model head over the padded vocabulary."""
+        return F.linear(hidden, self.token_embedding.weight)

@@ -1,0 +1,82 @@
+"""Next-token prediction over packed blocks."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.optim import Optimizer
+
+from pretraining.data.tokenizer import EOS_ID, Tokenizer
+from pretraining.models.transformer import Transformer
+from pretraining.objectives.base import PretrainingObjective
+
+
+class CausalLM(PretrainingObjective):
+    """GPT-style language model: predict token t+1 from tokens up to t.
+
+    Validation reports the token-mean loss, perplexity and bits per byte, all
+    from summed negative log-likelihood, token and byte counts.
+    """
+
+    def __init__(
+        self,
+        backbone: Transformer,
+        optimizer: Callable[..., Optimizer],
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        if not backbone.causal:
+            raise ValueError("CausalLM needs a causal backbone: set model.backbone.causal=true")
+        super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, ("nll", "tokens", "bytes"))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.backbone.logits(self.backbone(tokens))
+
+    def token_nll(self, tokens: torch.Tensor, reduction: str) -> torch.Tensor:
+        logits = self(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction=reduction)
+
+    def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.token_nll(batch["tokens"], "mean")
+
+    def validation_sums(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        tokens = batch["tokens"]
+        return {
+            "nll": self.token_nll(tokens, "sum"),
+            "tokens": torch.tensor(tokens[:, 1:].numel(), dtype=torch.float64),
+            "bytes": batch["target_bytes"].sum(),
+        }
+
+    def validation_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        loss = totals["nll"] / totals["tokens"]
+        return {"loss": loss, "ppl": loss.exp(), "bpb": totals["nll"] / (math.log(2) * totals["bytes"])}
+
+    @torch.no_grad()
+    def generate(
+        self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+    ) -> torch.Tensor:
+        """Sample continuations of `prompt` (batch, length); stops early when every row ends in EOS."""
+        tokens = prompt
+        for _ in range(max_new_tokens):
+            window = tokens[:, -self.backbone.max_seq_len :]
+            logits = self(window)[:, -1, : self.backbone.vocab_size].float() / max(temperature, 1e-5)
+            if top_k is not None:
+                threshold = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < threshold, float("-inf"))
+            following = torch.multinomial(logits.softmax(-1), 1)
+            tokens = torch.cat([tokens, following], dim=1)
+            if (following == EOS_ID).all():
+                break
+        return tokens
+
+    def complete(self, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 200, **sampling) -> str:
+        """Text continuation of `prompt`, sampled in eval mode."""
+        was_training = self.training
+        self.eval()
+        ids = torch.tensor([tokenizer.encode(prompt)], device=self.device)
+        text = tokenizer.decode(self.generate(ids, max_new_tokens, **sampling)[0].tolist())
+        self.train(was_training)
+        return text

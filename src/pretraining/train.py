@@ -1,0 +1,77 @@
+"""Hydra entry point for training: compose, instantiate, fit, report.
+
+pretrain experiment=clm_tiny trainer.max_steps=50
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import hydra
+from hydra.utils import instantiate
+from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import DictConfig, OmegaConf
+
+from pretraining.callbacks.lineage import Lineage, code_revision
+from pretraining.config import CONFIG_DIR, PROJECT_ROOT, check_config
+from pretraining.loggers import wandb_sync_hint
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Train as `cfg` says; return the final metrics."""
+    check_config(cfg)
+    seed_everything(cfg.seed, workers=True)
+    tokenizer = instantiate(cfg.tokenizer)
+    datamodule = instantiate(cfg.data, tokenizer=tokenizer)
+    model = instantiate(cfg.model, backbone={"vocab_size": tokenizer.vocab_size})
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    lineage = Lineage(config, datamodule.manifest.version, tokenizer.fingerprint, code_revision(PROJECT_ROOT))
+    callbacks = [instantiate(callback) for callback in cfg.callbacks.values()] + [lineage]
+    loggers: list[Logger] = [instantiate(logger) for logger in cfg.logger.values()]
+    trainer: Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    for logger in loggers:
+        logger.log_hyperparams({**config, "lineage": {k: v for k, v in lineage.record.items() if k != "config"}})
+
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+    finally:
+        finish_wandb()
+    metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+    report(trainer, metrics, loggers)
+    return metrics
+
+
+def finish_wandb() -> None:
+    """Close the W&B run so that the next job of a multirun starts its own."""
+    import wandb
+
+    if wandb.run is not None:
+        wandb.finish()
+
+
+def report(trainer: Trainer, metrics: dict[str, float], loggers: list[Logger]) -> None:
+    output_dir = Path(trainer.default_root_dir)
+    lines = [f"run directory: {output_dir}"]
+    checkpoint = trainer.checkpoint_callback
+    if checkpoint is not None and checkpoint.last_model_path:
+        lines.append(f"last checkpoint: {checkpoint.last_model_path}")
+        lines.append(f"evaluate it: make eval CKPT={checkpoint.last_model_path}")
+    lines += [f"{name} = {value:.4f}" for name, value in sorted(metrics.items())]
+    hint = wandb_sync_hint(loggers)
+    if hint:
+        lines.append(f"W&B logged offline (no credentials); upload with: {hint}")
+    rank_zero_info("\n".join(lines))
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    metrics = train(cfg)
+    # A sweeper optimises the value returned here.
+    return metrics.get(cfg.get("optimized_metric") or "", None)
+
+
+if __name__ == "__main__":
+    main()
