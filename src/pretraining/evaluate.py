@@ -14,7 +14,6 @@ from typing import Any
 
 import hydra
 import torch
-from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch import LightningModule, Trainer
 from omegaconf import DictConfig, OmegaConf
@@ -66,7 +65,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         )
     if datamodule.manifest.version != checkpoint["lineage"]["data_version"]:
         result["note"] = "evaluated on a different data version than the checkpoint was trained on"
-    out = Path(HydraConfig.get().runtime.output_dir) / "metrics.json"
+    out = Path(cfg.paths.output_dir) / "metrics.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     for key, value in result.items():
         print(f"{key}: {value}" if key != "sample" else f"sample:\n{'-' * 60}\n{value}\n{'-' * 60}")

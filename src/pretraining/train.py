@@ -55,10 +55,9 @@ def finish_wandb() -> None:
 def report(trainer: Trainer, metrics: dict[str, float], loggers: list[Logger]) -> None:
     output_dir = Path(trainer.default_root_dir)
     lines = [f"run directory: {output_dir}"]
-    checkpoint = trainer.checkpoint_callback
-    if checkpoint is not None and checkpoint.last_model_path:
-        lines.append(f"last checkpoint: {checkpoint.last_model_path}")
-        lines.append(f"evaluate it: make eval CKPT={checkpoint.last_model_path}")
+    last = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+    if last and Path(last).is_file():
+        lines += [f"last checkpoint: {last}", f"evaluate it: make eval CKPT={last}"]
     lines += [f"{name} = {value:.4f}" for name, value in sorted(metrics.items())]
     hint = wandb_sync_hint(loggers)
     if hint:

@@ -131,7 +131,7 @@ class _ShardWriter:
     def _start_shard(self) -> None:
         self._name = f"{self.split}-{len(self.shards):06d}.tar"
         self._file = (self.directory / (self._name + ".tmp")).open("wb")
-        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)
+        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)  # noqa: SIM115 (open across writes)
         self._samples = self._text_bytes = 0
 
     def _finish_shard(self) -> None:

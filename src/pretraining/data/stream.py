@@ -94,7 +94,7 @@ def read_shard(url: str) -> Iterator[dict[str, Any]]:
 
 def encode_sample(tokenizer: Tokenizer, sample: dict[str, Any]) -> list[int]:
     """A document's tokens followed by the EOS separator."""
-    return tokenizer.encode(sample["txt"].decode("utf-8")) + [EOS_ID]
+    return [*tokenizer.encode(sample["txt"].decode("utf-8")), EOS_ID]
 
 
 def pack_blocks(documents: Iterable[tuple[Cursor, list[int]]], block_size: int) -> Iterator[Block]:

@@ -64,7 +64,8 @@ class BPETokenizer:
         for expected_id, token in enumerate(SPECIAL_TOKENS):
             if self._tokenizer.token_to_id(token) != expected_id:
                 raise ValueError(
-                    f"{path}: special token {token} must have id {expected_id}; retrain it with `pretrain-data tokenizer`"
+                    f"{path}: special token {token} must have id {expected_id}; "
+                    "retrain it with `pretrain-data tokenizer`"
                 )
         self.vocab_size = self._tokenizer.get_vocab_size()
         self.token_bytes = _byte_level_lengths(self._tokenizer.get_vocab(), self.vocab_size)

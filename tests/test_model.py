@@ -1,0 +1,107 @@
+"""The backbone and the next-token objective."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+
+from pretraining.models import Transformer
+from pretraining.objectives import CausalLM
+from pretraining.objectives.base import warmup_cosine
+
+
+def tiny_lm(**backbone: object) -> CausalLM:
+    settings = {"vocab_size": 50, "max_seq_len": 32, "d_model": 32, "n_layer": 2, "n_head": 2, **backbone}
+    return CausalLM(Transformer(**settings), optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1))
+
+
+def test_overfits_a_fixed_batch() -> None:
+    torch.manual_seed(0)
+    model = tiny_lm()
+    batch = {"tokens": torch.randint(4, 50, (4, 33))}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(200):
+        optimizer.zero_grad()
+        loss = model.training_loss(batch)
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.05, loss.item()
+
+
+def test_causal_attention_ignores_the_future() -> None:
+    torch.manual_seed(0)
+    model = tiny_lm().eval()
+    tokens = torch.randint(4, 50, (1, 16))
+    changed = tokens.clone()
+    changed[0, 10:] = 4
+    assert torch.equal(model(tokens)[0, :10], model(changed)[0, :10])
+    assert not torch.allclose(model(tokens)[0, 10:], model(changed)[0, 10:])
+
+
+def test_bidirectional_backbone_sees_the_future() -> None:
+    backbone = Transformer(vocab_size=50, max_seq_len=16, d_model=32, n_layer=1, n_head=2, causal=False).eval()
+    tokens = torch.randint(4, 50, (1, 16))
+    changed = tokens.clone()
+    changed[0, -1] = 4
+    assert not torch.allclose(backbone(tokens)[0, 0], backbone(changed)[0, 0])
+
+
+def test_tied_head_padded_vocab_and_scaled_residual_init() -> None:
+    torch.manual_seed(0)
+    backbone = Transformer(vocab_size=100, max_seq_len=16, d_model=64, n_layer=8, n_head=4)
+    assert backbone.token_embedding.weight.shape[0] == 128
+    logits = backbone.logits(backbone(torch.zeros(1, 4, dtype=torch.long)))
+    assert logits.shape == (1, 4, 128)
+    logits.sum().backward()
+    assert backbone.token_embedding.weight.grad is not None  # the head is the embedding
+    assert not any(name.startswith("lm_head") for name, _ in backbone.named_parameters())
+    projection_std = backbone.blocks[0].mlp.down.weight.std().item()
+    assert projection_std == pytest.approx(0.02 / math.sqrt(16), rel=0.1)
+    assert backbone.blocks[0].mlp.up.weight.std().item() == pytest.approx(0.02, rel=0.1)
+
+
+def test_causal_lm_refuses_bidirectional_backbone() -> None:
+    with pytest.raises(ValueError, match="causal=true"):
+        tiny_lm(causal=False)
+
+
+def test_weight_decay_only_on_matrices_and_schedule() -> None:
+    model = tiny_lm()
+    model.trainer = Trainer(max_steps=100, logger=False, enable_checkpointing=False)
+    model.warmup_steps = 10
+    config = model.configure_optimizers()
+    decayed, plain = config["optimizer"].param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() >= 2 for p in decayed["params"]) and all(p.dim() < 2 for p in plain["params"])
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+    assert config["lr_scheduler"]["interval"] == "step"
+
+
+def test_warmup_cosine() -> None:
+    schedule = partial(warmup_cosine, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    assert schedule(0) == pytest.approx(0.1)
+    assert schedule(9) == pytest.approx(1.0)
+    assert schedule(60) == pytest.approx(0.55)
+    assert schedule(110) == pytest.approx(0.1)
+    assert schedule(500) == pytest.approx(0.1)
+
+
+def test_validation_metrics_come_from_sums() -> None:
+    model = tiny_lm()
+    totals = {"nll": torch.tensor(60.0), "tokens": torch.tensor(30.0), "bytes": torch.tensor(40.0)}
+    metrics = model.validation_metrics(totals)
+    assert metrics["loss"].item() == pytest.approx(2.0)
+    assert metrics["ppl"].item() == pytest.approx(math.exp(2.0))
+    assert metrics["bpb"].item() == pytest.approx(60.0 / (math.log(2) * 40.0))
+
+
+def test_generate_respects_context_and_vocab() -> None:
+    torch.manual_seed(0)
+    model = tiny_lm().eval()
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=40, top_k=5)
+    assert out.shape[1] <= 43 and torch.equal(out[0, :3], torch.tensor([5, 6, 7]))
+    assert int(out.max()) < 50  # never a padded id

@@ -1,0 +1,118 @@
+"""End to end: train.py writes checkpoints and metrics that evaluate.py reproduces;
+bad input stops before training with a message that names the fix."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import TINY_RUN
+from hydra import compose, initialize_config_dir
+
+from pretraining.config import CONFIG_DIR, ConfigError
+from pretraining.data.shards import ShardError
+from pretraining.evaluate import evaluate, load_checkpoint
+from pretraining.train import train
+
+
+def metric_rows(run_dir: Path) -> list[dict[str, str]]:
+    with (run_dir / "csv" / "metrics.csv").open() as file:
+        return list(csv.DictReader(file))
+
+
+def test_train_then_evaluate_reproduces_validation_loss(compose_train, tmp_path: Path, shard_dir: Path) -> None:
+    metrics = train(compose_train())
+    checkpoints = tmp_path / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step=000006.ckpt", "step=000012.ckpt"]
+
+    logged = metrics_rows_with(tmp_path, "val/loss")
+    assert [int(row["step"]) for row in logged] == [5, 11]  # validation after steps 6 and 12 (0-based rows)
+    assert float(logged[-1]["val/loss"]) == pytest.approx(metrics["val/loss"], abs=1e-6)
+
+    lineage = load_checkpoint(checkpoints / "last.ckpt")["lineage"]
+    assert lineage["data_version"] == json.loads((shard_dir / "manifest.json").read_text())["version"]
+    assert lineage["config"]["model"]["backbone"]["d_model"] == 32
+    assert {"commit", "dirty"} <= set(lineage["code"])
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        eval_cfg = compose(
+            "eval",
+            overrides=[f"ckpt_path={checkpoints / 'last.ckpt'}", f"paths.output_dir={tmp_path}", "max_new_tokens=8"],
+        )
+    result = evaluate(eval_cfg)
+    assert result["step"] == 12
+    assert result["val/loss"] == pytest.approx(metrics["val/loss"], abs=1e-5)
+    assert result["val/bpb"] == pytest.approx(metrics["val/bpb"], abs=1e-5)
+    assert result["sample"].startswith("def ")
+    assert (tmp_path / "metrics.json").is_file()
+
+
+def metrics_rows_with(run_dir: Path, key: str) -> list[dict[str, str]]:
+    return [row for row in metric_rows(run_dir) if row.get(key)]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [["debug=fdr"], ["debug=limit"], ["debug=profiler"], ["debug=overfit", "trainer.max_steps=8"]],
+    ids=lambda o: o[0],
+)
+def test_debug_presets_train(compose_train, overrides: list[str]) -> None:
+    metrics = train(compose_train(*overrides))
+    assert "train/loss" in metrics
+
+
+def test_cli_run_directory_checkpoint_csv_and_offline_wandb(tmp_path: Path, shard_dir: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")} | {"WANDB_SILENT": "true"}
+    overrides = [*TINY_RUN, "logger=default", f"data.dir={shard_dir}", f"paths.log_dir={tmp_path}", "run_name=cli"]
+    result = subprocess.run(
+        [shutil.which("pretrain") or "pretrain", *overrides], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "train" / "runs" / "cli"
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+    assert metrics_rows_with(run_dir, "train/loss")
+    offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1
+    assert f"wandb sync {offline_runs[0]}" in result.stdout + result.stderr
+
+
+def test_missing_manifest_stops_before_training(compose_train, tmp_path: Path) -> None:
+    empty = tmp_path / "no-shards"
+    empty.mkdir()
+    with pytest.raises(ShardError, match="pretrain-data build"):
+        train(compose_train(f"data.dir={empty}"))
+
+
+def test_altered_shard_stops_before_training(compose_train, tmp_path: Path, shard_dir: Path) -> None:
+    copy = tmp_path / "shards"
+    shutil.copytree(shard_dir, copy)
+    shard = next(copy.glob("train-*.tar"))
+    data = bytearray(shard.read_bytes())
+    data[700] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match=f"{shard.name}.*rebuild"):
+        train(compose_train(f"data.dir={copy}"))
+
+
+def test_block_size_above_max_positions_stops(compose_train) -> None:
+    with pytest.raises(ConfigError, match=r"data.block_size=128 exceeds model.backbone.max_seq_len=64"):
+        train(compose_train("data.block_size=128"))
+
+
+def test_warmup_longer_than_run_stops(compose_train, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="model.warmup_steps=50 is not below trainer.max_steps=12"):
+        train(compose_train("model.warmup_steps=50"))
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_evaluate_missing_checkpoint(tmp_path: Path) -> None:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("eval", overrides=[f"ckpt_path={tmp_path}/nope.ckpt", f"paths.output_dir={tmp_path}"])
+    with pytest.raises(FileNotFoundError, match="nope.ckpt not found"):
+        evaluate(cfg)
