@@ -229,7 +229,7 @@ def test_build_is_byte_reproducible(corpus, dataset, tmp_path):
     assert again["splits"] == manifest["splits"]
     assert shard_files(tmp_path / "again") == shard_files(out)
     # The version names the data: other shard contents, other version.
-    other = build(corpus, tmp_path / "other", BuildSettings(VALIDATION_FRACTION, 1, 4096))
+    other = build(corpus, tmp_path / "other", BuildSettings(0.5, 4, 4096))
     assert other["version"] != manifest["version"]
 
 
