@@ -3,12 +3,14 @@
 1. The clm_tiny CausalLM trains N identical, pre-fetched batches (a) through a Lightning `Trainer` configured like
    configs/trainer/default.yaml and (b) through a plain loop doing what Lightning does per step: zero_grad, loss,
    backward, clip_grad_norm_(1.0) over the optimizer's params, optimizer.step, scheduler.step. Runs are interleaved
-   and repeated; a step time is the median over repeats of the mean wall time of steps `--warmup`..N-1 (timestamps at
-   the start of every step, so it includes all of Lightning's per-step work). Read `template / plain`: goal <= 1.03.
+   and repeated. Steps are timed start to start, so a step includes all of Lightning's per-step work (hooks, logging,
+   the LR scheduler, fetching the next batch); the first `--warmup` steps are left out, and the step time of a loop is
+   the median over all its timed steps of all repeats (robust to other work on a shared machine; the per-run medians
+   show the spread). Read `template / plain`: goal <= 1.03.
 2. Both runs start from the same weights; after N steps every parameter must be bitwise equal (`torch.equal`).
 3. The training DataLoader (default num_workers) must deliver tokens at >= 10x the rate the model consumes them.
 
-    python scripts/bench_overhead.py --data data/stdlib [--steps 50 --repeats 3 --threads 1]
+    python scripts/bench_overhead.py --data data/stdlib [--steps 50 --repeats 3 --threads 2]
 """
 
 from __future__ import annotations
@@ -45,12 +47,12 @@ class StepClock(Callback):
         self.stamps.append(time.perf_counter())
 
 
-def step_time(stamps: list[float], warmup: int) -> float:
-    """Mean seconds per step from step `warmup` to the last stamped one."""
-    return (stamps[-1] - stamps[warmup]) / (len(stamps) - 1 - warmup)
+def step_times(stamps: list[float], warmup: int) -> list[float]:
+    """Seconds of every step after the first `warmup`, start to start (the last step has no end stamp)."""
+    return [end - start for start, end in zip(stamps[warmup:-1], stamps[warmup + 1 :], strict=True)]
 
 
-def train_lightning(model: PretrainingObjective, loader: DataLoader, steps: int, warmup: int) -> float:
+def train_lightning(model: PretrainingObjective, loader: DataLoader, steps: int, warmup: int) -> list[float]:
     clock = StepClock()
     trainer = Trainer(
         accelerator="cpu",
@@ -69,10 +71,10 @@ def train_lightning(model: PretrainingObjective, loader: DataLoader, steps: int,
         use_distributed_sampler=False,
     )
     trainer.fit(model, train_dataloaders=loader)
-    return step_time(clock.stamps, warmup)
+    return step_times(clock.stamps, warmup)
 
 
-def train_plain(model: PretrainingObjective, loader: DataLoader, steps: int, warmup: int) -> float:
+def train_plain(model: PretrainingObjective, loader: DataLoader, steps: int, warmup: int) -> list[float]:
     model.trainer = SimpleNamespace(max_steps=steps)  # configure_optimizers reads only trainer.max_steps
     config = model.configure_optimizers()
     model.trainer = None
@@ -88,7 +90,7 @@ def train_plain(model: PretrainingObjective, loader: DataLoader, steps: int, war
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         scheduler.step()
-    return step_time(stamps, warmup)
+    return step_times(stamps, warmup)
 
 
 def loader_tokens_per_s(loader: DataLoader, batches: int, warmup: int = 20) -> float:
@@ -102,9 +104,11 @@ def loader_tokens_per_s(loader: DataLoader, batches: int, warmup: int = 20) -> f
 
 
 def weights_equal(a: torch.nn.Module, b: torch.nn.Module) -> tuple[bool, float]:
-    pairs = list(zip(a.state_dict().values(), b.state_dict().values(), strict=True))
-    equal = all(torch.equal(x, y) for x, y in pairs)
-    return equal, max((x - y).abs().max().item() for x, y in pairs if x.is_floating_point())
+    """Whether every parameter is bitwise equal, and the largest absolute difference."""
+    pairs = [(x, y) for (m, x), (n, y) in zip(a.named_parameters(), b.named_parameters(), strict=True) if m == n]
+    if len(pairs) != len(list(a.parameters())):
+        return False, float("nan")
+    return all(torch.equal(x, y) for x, y in pairs), max((x - y).abs().max().item() for x, y in pairs)
 
 
 def main() -> None:
@@ -112,14 +116,14 @@ def main() -> None:
     parser.add_argument("--data", default="data/stdlib", help="shard directory with a manifest.json")
     parser.add_argument("--steps", type=int, default=50, help="training steps per run")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each loop (median taken)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (fixed, for both loops)")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each loop (order alternates)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, for both loops")
     parser.add_argument("--loader-batches", type=int, default=200, help="batches timed from the DataLoader")
     args = parser.parse_args()
     if not 0 <= args.warmup < args.steps - 1:
         parser.error("--warmup must be below --steps - 1")
 
-    warnings.filterwarnings("ignore", ".*(does not have many workers|no `val_dataloader`|val_dataloader).*")
+    warnings.filterwarnings("ignore", ".*(does not have many workers|val_dataloader|treespec).*")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
@@ -133,11 +137,11 @@ def main() -> None:
     batches = list(itertools.islice(fixed, args.steps))
     tokens_per_step = batches[0]["tokens"][:, :-1].numel()
 
-    runs: dict[str, Callable[[PretrainingObjective, DataLoader, int, int], float]] = {
+    runs: dict[str, Callable[[PretrainingObjective, DataLoader, int, int], list[float]]] = {
         "lightning": train_lightning,
         "plain": train_plain,
     }
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    times: dict[str, list[list[float]]] = {name: [] for name in runs}
     all_equal, max_diff = True, 0.0
     for repeat in range(args.repeats):
         trained = {}
@@ -151,20 +155,18 @@ def main() -> None:
     loader = instantiate(cfg.data, dir=args.data, tokenizer=tokenizer, verify_checksums=False).train_dataloader()
     delivered = loader_tokens_per_s(loader, args.loader_batches)
 
-    lightning, plain = (statistics.median(times[name]) for name in runs)
-    consumed = tokens_per_step / lightning
-    print(f"threads={args.threads} steps={args.steps} (timed {args.warmup}..{args.steps - 1}) repeats={args.repeats}")
-    print(f"{'loop':<12}{'ms/step (median)':>18}{'runs (ms/step)':>30}{'tokens/s':>12}")
+    median = {name: statistics.median(t for run in times[name] for t in run) for name in runs}
+    print(f"threads={args.threads}, {args.steps} steps per run, steps {args.warmup}..{args.steps - 2} timed, ", end="")
+    print(f"{args.repeats} interleaved runs per loop, {tokens_per_step} tokens per step")
+    print(f"{'loop':<10}{'ms/step':>9}{'tokens/s':>10}   per-run median ms/step")
     for name in runs:
-        runs_ms = " ".join(f"{t * 1e3:.1f}" for t in times[name])
-        median = statistics.median(times[name])
-        print(f"{name:<12}{median * 1e3:>18.1f}{runs_ms:>30}{tokens_per_step / median:>12,.0f}")
-    ratio = lightning / plain
+        per_run = " ".join(f"{statistics.median(run) * 1e3:.1f}" for run in times[name])
+        print(f"{name:<10}{median[name] * 1e3:>9.1f}{tokens_per_step / median[name]:>10,.0f}   {per_run}")
+    ratio = median["lightning"] / median["plain"]
     print(f"template / plain step time: {ratio:.3f} (goal <= 1.03: {'met' if ratio <= 1.03 else 'NOT met'})")
-    print(
-        f"weights bitwise equal after {args.steps} steps: {all_equal}"
-        + ("" if all_equal else f" (max abs diff {max_diff:.3g})")
-    )
+    suffix = "" if all_equal else f" (max abs diff {max_diff:.3g})"
+    print(f"weights bitwise equal after {args.steps} steps: {all_equal}{suffix}")
+    consumed = tokens_per_step / median["lightning"]
     print(
         f"loader delivers {delivered:,.0f} tokens/s (num_workers={loader.num_workers}), model consumes {consumed:,.0f}"
     )

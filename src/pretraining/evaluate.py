@@ -19,6 +19,7 @@ from lightning.pytorch import LightningModule, Trainer
 from omegaconf import DictConfig, OmegaConf
 
 from pretraining.config import CONFIG_DIR, ConfigError
+from pretraining.objectives import CausalLM
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -58,7 +59,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     trainer = Trainer(accelerator=cfg.accelerator, devices=1, logger=False, enable_checkpointing=False)
     (metrics,) = trainer.validate(model, datamodule=datamodule, verbose=False)
     result: dict[str, Any] = {"checkpoint": str(cfg.ckpt_path), "step": checkpoint["global_step"], **metrics}
-    if cfg.prompt and hasattr(model, "complete"):
+    if cfg.prompt and isinstance(model, CausalLM):
         torch.manual_seed(cfg.seed)
         result["sample"] = model.complete(
             datamodule.tokenizer, cfg.prompt, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k

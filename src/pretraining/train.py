@@ -6,10 +6,12 @@ pretrain experiment=clm_tiny trainer.max_steps=50
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import hydra
 from hydra.utils import instantiate
 from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
@@ -27,7 +29,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule = instantiate(cfg.data, tokenizer=tokenizer)
     model = instantiate(cfg.model, backbone={"vocab_size": tokenizer.vocab_size})
 
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     lineage = Lineage(config, datamodule.manifest.version, tokenizer.fingerprint, code_revision(PROJECT_ROOT))
     callbacks = [instantiate(callback) for callback in cfg.callbacks.values()] + [lineage]
     loggers: list[Logger] = [instantiate(logger) for logger in cfg.logger.values()]
@@ -55,7 +57,8 @@ def finish_wandb() -> None:
 def report(trainer: Trainer, metrics: dict[str, float], loggers: list[Logger]) -> None:
     output_dir = Path(trainer.default_root_dir)
     lines = [f"run directory: {output_dir}"]
-    last = trainer.checkpoint_callback.last_model_path if trainer.checkpoint_callback else ""
+    checkpoint = trainer.checkpoint_callback
+    last = checkpoint.last_model_path if isinstance(checkpoint, ModelCheckpoint) else ""
     if last and Path(last).is_file():
         lines += [f"last checkpoint: {last}", f"evaluate it: make eval CKPT={last}"]
     lines += [f"{name} = {value:.4f}" for name, value in sorted(metrics.items())]

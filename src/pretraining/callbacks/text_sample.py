@@ -6,6 +6,8 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from pretraining.objectives.causal_lm import CausalLM
+
 
 class TextSample(Callback):
     """At the end of training, sample a continuation of `prompt` on rank zero."""
@@ -17,12 +19,12 @@ class TextSample(Callback):
         self.temperature, self.top_k, self.seed = temperature, top_k, seed
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not trainer.is_global_zero or not hasattr(pl_module, "complete"):
+        if not trainer.is_global_zero or not isinstance(pl_module, CausalLM):
             return
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             text = pl_module.complete(
-                trainer.datamodule.tokenizer,
+                trainer.datamodule.tokenizer,  # type: ignore[attr-defined]
                 self.prompt,
                 self.max_new_tokens,
                 temperature=self.temperature,

@@ -23,7 +23,6 @@ class SelfAttention(nn.Module):
         self.n_head, self.dropout, self.causal = n_head, dropout, causal
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
-        self.proj.is_residual_projection = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
@@ -39,7 +38,6 @@ class MLP(nn.Module):
         super().__init__()
         self.up = nn.Linear(d_model, 4 * d_model, bias=bias)
         self.down = nn.Linear(4 * d_model, d_model, bias=bias)
-        self.down.is_residual_projection = True
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,16 +89,16 @@ class Transformer(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_head, dropout, bias, causal) for _ in range(n_layer))
         self.final_norm = nn.LayerNorm(d_model, bias=bias)
-        self.apply(self._init_weights)
+        self._init_weights()
 
-    def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear | nn.Embedding):
-            std = 0.02
-            if getattr(module, "is_residual_projection", False):
-                std /= math.sqrt(2 * self.n_layer)  # GPT-2: keep the residual stream's variance flat in depth
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+    def _init_weights(self) -> None:
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                # GPT-2: projections into the residual stream are scaled down so its variance stays flat in depth.
+                residual = name.endswith(("attention.proj", "mlp.down"))
+                nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.n_layer) if residual else 0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """Hidden states (batch, length, d_model) for token ids (batch, length)."""

@@ -12,9 +12,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
+from typing import cast
 
 import torch
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
@@ -68,16 +70,17 @@ class PretrainingObjective(LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         for name, value in self.validation_sums(batch).items():
-            self.sums[name].update(value)
+            cast(SumMetric, self.sums[name]).update(value)
 
     def on_validation_epoch_end(self) -> None:
-        totals = {name: metric.compute() for name, metric in self.sums.items()}  # summed over ranks
-        for metric in self.sums.values():
+        sums = {name: cast(SumMetric, metric) for name, metric in self.sums.items()}
+        totals = {name: metric.compute() for name, metric in sums.items()}  # summed over ranks
+        for metric in sums.values():
             metric.reset()
         metrics = {f"val/{name}": value.float() for name, value in self.validation_metrics(totals).items()}
         self.log_dict(metrics, prog_bar=True)
 
-    def configure_optimizers(self) -> dict:
+    def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         total_steps = self.trainer.max_steps
         if total_steps <= 0:
             raise ValueError("trainer.max_steps must be set (> 0): the LR schedule and the infinite stream need it")
