@@ -3,14 +3,14 @@
 1. The clm_tiny CausalLM trains N identical, pre-fetched batches (a) through a Lightning `Trainer` configured like
    configs/trainer/default.yaml and (b) through a plain loop doing what Lightning does per step: zero_grad, loss,
    backward, clip_grad_norm_(1.0) over the optimizer's params, optimizer.step, scheduler.step. Runs are interleaved
-   and repeated. Steps are timed start to start, so a step includes all of Lightning's per-step work (hooks, logging,
-   the LR scheduler, fetching the next batch); the first `--warmup` steps are left out, and the step time of a loop is
-   the median over all its timed steps of all repeats (robust to other work on a shared machine; the per-run medians
-   show the spread). Read `template / plain`: goal <= 1.03.
+   (L P, P L, ...). Steps are timed start to start, so a step includes all of Lightning's per-step work (hooks,
+   logging, the LR scheduler, fetching the next batch); the first `--warmup` steps are left out, and the step time of
+   a loop is the median over all its timed steps of all runs (robust to other work on a shared machine; the per-run
+   medians show the spread). Read `template / plain`: goal <= 1.03.
 2. Both runs start from the same weights; after N steps every parameter must be bitwise equal (`torch.equal`).
 3. The training DataLoader (default num_workers) must deliver tokens at >= 10x the rate the model consumes them.
 
-    python scripts/bench_overhead.py --data data/stdlib [--steps 50 --repeats 3 --threads 2]
+    python scripts/bench_overhead.py --data data/stdlib [--steps 50 --repeats 2 --threads 1]
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def train_lightning(model: PretrainingObjective, loader: DataLoader, steps: int,
         use_distributed_sampler=False,
     )
     trainer.fit(model, train_dataloaders=loader)
+    assert trainer.global_step == steps, f"Lightning ran {trainer.global_step} optimizer steps, not {steps}"
     return step_times(clock.stamps, warmup)
 
 
@@ -116,8 +117,8 @@ def main() -> None:
     parser.add_argument("--data", default="data/stdlib", help="shard directory with a manifest.json")
     parser.add_argument("--steps", type=int, default=50, help="training steps per run")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the timing")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved runs of each loop (order alternates)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads, for both loops")
+    parser.add_argument("--repeats", type=int, default=2, help="interleaved runs of each loop (order alternates)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads for both loops (1: robust to other work)")
     parser.add_argument("--loader-batches", type=int, default=200, help="batches timed from the DataLoader")
     args = parser.parse_args()
     if not 0 <= args.warmup < args.steps - 1:
@@ -130,6 +131,10 @@ def main() -> None:
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(config_name="train", overrides=["experiment=clm_tiny"])
+    if args.steps <= cfg.model.warmup_steps:
+        parser.error(
+            f"--steps must exceed model.warmup_steps={cfg.model.warmup_steps} (configure_optimizers checks it)"
+        )
     seed_everything(cfg.seed, verbose=False)
     tokenizer = instantiate(cfg.tokenizer)
     initial = instantiate(cfg.model, backbone={"vocab_size": tokenizer.vocab_size})
@@ -151,6 +156,7 @@ def main() -> None:
             trained[name] = model
         equal, diff = weights_equal(trained["lightning"], trained["plain"])
         all_equal, max_diff = all_equal and equal, max(max_diff, diff)
+        assert not weights_equal(initial, trained["plain"])[0], "training left the weights unchanged"
 
     loader = instantiate(cfg.data, dir=args.data, tokenizer=tokenizer, verify_checksums=False).train_dataloader()
     delivered = loader_tokens_per_s(loader, args.loader_batches)

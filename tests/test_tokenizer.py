@@ -131,6 +131,9 @@ def test_bpe_fingerprint(trained, tmp_path):
     assert reloaded.fingerprint == bpe.fingerprint
     assert reloaded.encode("def value") == bpe.encode("def value")
     assert np.array_equal(reloaded.token_bytes, bpe.token_bytes)
+    moved = tmp_path / "moved.json"
+    moved.write_bytes(path.read_bytes())
+    assert BPETokenizer(moved).fingerprint == bpe.fingerprint  # names the content, not the path
     other = train_bpe(training_texts(), 300, tmp_path / "other.json")
     assert other.fingerprint != bpe.fingerprint
     assert bpe.fingerprint != ByteTokenizer().fingerprint
@@ -180,9 +183,10 @@ def test_cli_tokenizer_writes_into_shard_dir(shard_dir, capsys):
     # Trained on the training shards only: the same as training on their texts directly.
     texts = [s["txt"].decode() for url in Manifest.load(shard_dir).urls("train") for s in read_shard(url)]
     direct = train_bpe(texts, 300, shard_dir.parent / "direct.json")
-    assert json.loads(path.read_text())["model"]["vocab"] == json.loads(
-        (shard_dir.parent / "direct.json").read_text()
-    )["model"]["vocab"]
+    assert (
+        json.loads(path.read_text())["model"]["vocab"]
+        == json.loads((shard_dir.parent / "direct.json").read_text())["model"]["vocab"]
+    )
     assert direct.vocab_size == tokenizer.vocab_size
     Manifest.load(shard_dir)  # the extra file does not disturb the dataset
 

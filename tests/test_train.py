@@ -11,9 +11,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import TINY_RUN
 from hydra import compose, initialize_config_dir
 
+from conftest import TINY_RUN
 from pretraining.config import CONFIG_DIR, ConfigError
 from pretraining.data.shards import ShardError
 from pretraining.evaluate import evaluate, load_checkpoint
@@ -106,7 +106,7 @@ def test_block_size_above_max_positions_stops(compose_train) -> None:
 
 
 def test_warmup_longer_than_run_stops(compose_train, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="model.warmup_steps=50 is not below trainer.max_steps=12"):
+    with pytest.raises(ValueError, match=r"model.warmup_steps=50 is not below trainer.max_steps=12"):
         train(compose_train("model.warmup_steps=50"))
     assert not (tmp_path / "checkpoints").exists()
 
@@ -114,5 +114,5 @@ def test_warmup_longer_than_run_stops(compose_train, tmp_path: Path) -> None:
 def test_evaluate_missing_checkpoint(tmp_path: Path) -> None:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("eval", overrides=[f"ckpt_path={tmp_path}/nope.ckpt", f"paths.output_dir={tmp_path}"])
-    with pytest.raises(FileNotFoundError, match="nope.ckpt not found"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.ckpt not found"):
         evaluate(cfg)

@@ -68,14 +68,16 @@ def read_jsonl(path: Path, text_field: str = "text", id_field: str | None = None
                     continue
                 try:
                     record = json.loads(line)
-                    text = record[text_field]
-                except (json.JSONDecodeError, KeyError, TypeError) as error:
+                except json.JSONDecodeError:
+                    record = None
+                text = record.get(text_field) if isinstance(record, dict) else None
+                if not isinstance(text, str):
                     raise CorpusError(
-                        f"{file}:{number} is not a JSON object with a {text_field!r} field ({error}); "
+                        f"{file}:{number} is not a JSON object with a string {text_field!r} field; "
                         f"fix the line or pass --text-field with the right field name"
-                    ) from error
+                    )
                 source_id = str(record[id_field]) if id_field else f"{file.name}:{number}"
-                yield Document(source_id, str(text))
+                yield Document(source_id, text)
 
 
 def read_source(source: str, text_field: str = "text") -> Iterator[Document]:

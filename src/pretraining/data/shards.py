@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rich.progress import Progress
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from pretraining.data.corpus import Document, normalize
 
@@ -97,6 +97,16 @@ def write_atomically(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _member_bytes(size: int) -> int:
+    """A tar member's header plus its data padded to whole blocks."""
+    return tarfile.BLOCKSIZE + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
+
+
+def _tar_bytes(members_end: int) -> int:
+    """The size of a closed tar whose members end at `members_end`: two end blocks, padded to a record."""
+    return -(-(members_end + 2 * tarfile.BLOCKSIZE) // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
+
+
 class _ShardWriter:
     """Writes one split's samples into size-bounded, byte-reproducible tar shards."""
 
@@ -107,7 +117,7 @@ class _ShardWriter:
 
     def write(self, key: str, text: str, meta: dict) -> None:
         members = {"txt": text.encode(), "json": json.dumps(meta, sort_keys=True).encode()}
-        size = sum(len(data) for data in members.values())
+        size = sum(_member_bytes(len(data)) for data in members.values())
         if self._tar is None or self._full(size):
             self._finish_shard()
             self._start_shard()
@@ -124,8 +134,8 @@ class _ShardWriter:
         return self.shards
 
     def _full(self, next_size: int) -> bool:
-        assert self._tar is not None and self._tar.fileobj is not None
-        over_bytes = self._tar.fileobj.tell() + next_size > self.settings.max_shard_bytes
+        assert self._tar is not None
+        over_bytes = _tar_bytes(self._tar.offset + next_size) > self.settings.max_shard_bytes
         return self._samples > 0 and (over_bytes or self._samples >= self.settings.max_shard_samples)
 
     def _start_shard(self) -> None:
@@ -182,10 +192,24 @@ def build_shards(
     staging = out_dir.with_name(f".{out_dir.name}.building")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    try:
+        manifest = _write_dataset(documents, staging, sources, settings, show_progress)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # out_dir keeps the previous good dataset
+        raise
+    _swap_in(staging, out_dir)
+    return manifest
+
+
+def _write_dataset(
+    documents: Iterable[Document], staging: Path, sources: list[str], settings: BuildSettings, show_progress: bool
+) -> dict:
+    """Write shards and manifest into `staging`; return the manifest."""
     writers = {split: _ShardWriter(staging, split, settings) for split in SPLITS}
     counts = BuildCounts()
-    with Progress(disable=not show_progress, transient=True) as progress:
-        task = progress.add_task(f"building shards in {out_dir}", total=None)
+    columns = (SpinnerColumn(), TextColumn("building shards: {task.completed} documents kept"), TimeElapsedColumn())
+    with Progress(*columns, disable=not show_progress, transient=True) as progress:
+        task = progress.add_task("build", total=None)
         for document, digest in deduplicated(documents, counts):
             split = split_of(document.source_id, settings.validation_fraction)
             key = f"{split}-{counts.kept[split]:09d}"
@@ -194,14 +218,12 @@ def build_shards(
             progress.advance(task)
     shards = {split: writer.close() for split, writer in writers.items()}
     if counts.kept["train"] == 0:
-        shutil.rmtree(staging)
         raise ShardError(
             f"no training documents in {sources} ({counts.read} read, {counts.empty} empty, "
             f"{counts.undecodable} not UTF-8, {counts.exact_duplicates} duplicates); point at a non-empty corpus"
         )
     manifest = _manifest(sources, settings, counts, shards)
     write_atomically(staging / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
-    _swap_in(staging, out_dir)
     return manifest
 
 

@@ -61,6 +61,8 @@ class BPETokenizer:
                 f"`pretrain-data tokenizer --data <shard dir> --out {path}`, or use tokenizer=bytes"
             )
         self._tokenizer = HFTokenizer.from_file(str(path))
+        # A literal "<eos>" in a document is text, not a separator.
+        self._tokenizer.encode_special_tokens = True
         for expected_id, token in enumerate(SPECIAL_TOKENS):
             if self._tokenizer.token_to_id(token) != expected_id:
                 raise ValueError(
