@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,7 +71,11 @@ def test_cli_run_directory_checkpoint_csv_and_offline_wandb(tmp_path: Path, shar
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")} | {"WANDB_SILENT": "true"}
     overrides = [*TINY_RUN, "logger=default", f"data.dir={shard_dir}", f"paths.log_dir={tmp_path}", "run_name=cli"]
     result = subprocess.run(
-        [shutil.which("pretrain") or "pretrain", *overrides], env=env, capture_output=True, text=True, timeout=300
+        [str(Path(sys.executable).parent / "pretrain"), *overrides],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     run_dir = tmp_path / "train" / "runs" / "cli"

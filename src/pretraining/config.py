@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import secrets
 from pathlib import Path
+from typing import Any
 
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -32,3 +35,16 @@ def check_config(cfg: DictConfig) -> None:
             f"data.block_size={block_size} exceeds model.backbone.max_seq_len={max_seq_len}: "
             f"lower data.block_size or raise model.backbone.max_seq_len"
         )
+
+
+def build(node: DictConfig, **kwargs: Any) -> Any:
+    """`hydra.utils.instantiate`, letting our own errors (which name the key and the fix) through unwrapped."""
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as error:
+        cause = error.__cause__
+        while isinstance(cause, InstantiationException):
+            cause = cause.__cause__
+        if isinstance(cause, ValueError | FileNotFoundError):
+            raise cause from None
+        raise

@@ -14,11 +14,10 @@ from typing import Any
 
 import hydra
 import torch
-from hydra.utils import instantiate
 from lightning.pytorch import LightningModule, Trainer
 from omegaconf import DictConfig, OmegaConf
 
-from pretraining.config import CONFIG_DIR, ConfigError
+from pretraining.config import CONFIG_DIR, ConfigError, build
 from pretraining.objectives import CausalLM
 
 
@@ -37,14 +36,14 @@ def build_from_checkpoint(checkpoint: dict[str, Any], data_overrides: dict[str, 
     """The objective (with the checkpoint's weights) and the DataModule the checkpoint was trained with."""
     lineage = checkpoint["lineage"]
     run = OmegaConf.create(lineage["config"])
-    tokenizer = instantiate(run.tokenizer)
+    tokenizer = build(run.tokenizer)
     if tokenizer.fingerprint != lineage["tokenizer_fingerprint"]:
         raise ConfigError(
             f"the tokenizer at {run.tokenizer} (fingerprint {tokenizer.fingerprint}) is not the one this "
             f"checkpoint was trained with ({lineage['tokenizer_fingerprint']}); restore that tokenizer file"
         )
-    datamodule = instantiate(run.data, tokenizer=tokenizer, **data_overrides)
-    model = instantiate(run.model, backbone={"vocab_size": tokenizer.vocab_size})
+    datamodule = build(run.data, tokenizer=tokenizer, **data_overrides)
+    model = build(run.model, backbone={"vocab_size": tokenizer.vocab_size})
     model.load_state_dict(checkpoint["state_dict"])
     return model, datamodule
 

@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import hydra
-from hydra.utils import instantiate
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
@@ -17,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 from pretraining.callbacks.lineage import Lineage, code_revision
-from pretraining.config import CONFIG_DIR, PROJECT_ROOT, check_config
+from pretraining.config import CONFIG_DIR, PROJECT_ROOT, build, check_config
 from pretraining.loggers import wandb_sync_hint
 
 
@@ -25,15 +24,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """Train as `cfg` says; return the final metrics."""
     check_config(cfg)
     seed_everything(cfg.seed, workers=True)
-    tokenizer = instantiate(cfg.tokenizer)
-    datamodule = instantiate(cfg.data, tokenizer=tokenizer)
-    model = instantiate(cfg.model, backbone={"vocab_size": tokenizer.vocab_size})
+    tokenizer = build(cfg.tokenizer)
+    datamodule = build(cfg.data, tokenizer=tokenizer)
+    model = build(cfg.model, backbone={"vocab_size": tokenizer.vocab_size})
 
     config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     lineage = Lineage(config, datamodule.manifest.version, tokenizer.fingerprint, code_revision(PROJECT_ROOT))
-    callbacks = [instantiate(callback) for callback in cfg.callbacks.values()] + [lineage]
-    loggers: list[Logger] = [instantiate(logger) for logger in cfg.logger.values()]
-    trainer: Trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
+    callbacks = [build(callback) for callback in cfg.callbacks.values()] + [lineage]
+    loggers: list[Logger] = [build(logger) for logger in cfg.logger.values()]
+    trainer: Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers)
     for logger in loggers:
         logger.log_hyperparams({**config, "lineage": {k: v for k, v in lineage.record.items() if k != "config"}})
 
