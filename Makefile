@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 
 data: install $(DATA_DIR)/manifest.json ## Build the default shards (Python standard library source)
 
-$(DATA_DIR)/manifest.json:
+$(DATA_DIR)/manifest.json: | $(VENV)/.installed
 	$(BIN)/pretrain-data build --source stdlib --out $(DATA_DIR)
 
 tokenizer: data ## Train a BPE tokenizer on the default shards (then use tokenizer=bpe)

@@ -32,7 +32,8 @@ def test_train_then_evaluate_reproduces_validation_loss(compose_train, tmp_path:
     assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step=000006.ckpt", "step=000012.ckpt"]
 
     logged = metrics_rows_with(tmp_path, "val/loss")
-    assert [int(row["step"]) for row in logged] == [5, 11]  # validation after steps 6 and 12 (0-based rows)
+    assert [int(row["step"]) for row in logged] == [0, 5, 11]  # before training, after steps 6 and 12
+    assert float(logged[-1]["val/bpb"]) < float(logged[0]["val/bpb"])
     assert float(logged[-1]["val/loss"]) == pytest.approx(metrics["val/loss"], abs=1e-6)
 
     lineage = load_checkpoint(checkpoints / "last.ckpt")["lineage"]

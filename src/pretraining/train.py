@@ -37,6 +37,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         logger.log_hyperparams({**config, "lineage": {k: v for k, v in lineage.record.items() if k != "config"}})
 
     try:
+        if cfg.validate_before_training and cfg.ckpt_path is None:
+            trainer.validate(model, datamodule=datamodule)  # the starting point of the learning curve
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
     finally:
         finish_wandb()

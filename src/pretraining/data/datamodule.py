@@ -28,7 +28,7 @@ class ShardDataModule(LightningDataModule):
         batch_size: int,
         seed: int = 0,
         num_workers: int = 1,
-        shuffle_buffer: int = 1000,
+        shuffle_buffer: int = 4096,
         val_blocks: int = 64,
         val_batch_size: int | None = None,
         verify_checksums: bool = True,

@@ -1,18 +1,22 @@
-"""The shard stream: shards -> shuffled documents -> tokens -> packed blocks.
+"""The shard stream: shards -> tokens -> packed blocks -> shuffled blocks.
 
 Every global worker (rank x DataLoader worker) reads an infinite, fixed
 sequence of shards: the per-epoch shard permutations (seeded by `seed` and the
 epoch, the same on every rank) are concatenated and dealt round-robin to the
 global workers. No worker ever runs dry, the epoch is only a counter, and the
 k-th shard of a worker is a pure function of (seed, k, worker, world size,
-workers). Samples are shuffled with a buffer seeded per (seed, epoch, shard)
-that starts afresh at every shard, so the order inside a shard is a pure
-function of the shard too.
+workers).
+
+Inside a shard, documents are tokenised and packed into blocks, and the blocks
+go through a shuffle buffer seeded by (seed, epoch, shard) that starts afresh
+at every shard (the partial block left at the end of a shard is dropped). So
+the blocks of a shard, and their order, are a pure function of the shard, and
+a batch mixes many documents instead of holding consecutive pieces of one.
 
 Each block carries the `Cursor` where its worker's stream continues. A
 consumer that records the cursor of every block it trains on can restart the
-stream exactly there: whole shards are skipped by arithmetic, only the
-current shard is read again, and no sample is tokenised before its place.
+stream exactly there: whole shards are skipped by arithmetic and only the
+current shard is read again.
 """
 
 from __future__ import annotations
@@ -20,9 +24,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
-from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -37,22 +40,20 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class Cursor:
-    """Where a worker's stream continues: its `shard`-th shard, that shard's
-    `sample`-th sample (in shuffled order), after `token` tokens of it."""
+    """Where a worker's stream continues: after `block` blocks of its `shard`-th shard."""
 
     shard: int = 0
-    sample: int = 0
-    token: int = 0
+    block: int = 0
 
 
 @dataclass(frozen=True)
 class Block:
     """`block_size + 1` tokens (one extra so next-token targets stay inside the
-    block; consecutive blocks share that token, so no transition is lost)."""
+    block; consecutive blocks of a document stream share that token, so no
+    transition is lost) and the index of each token's document within the block."""
 
     tokens: list[int]
     doc_ids: list[int]
-    next: Cursor
 
 
 def seeded_rng(*parts: object) -> random.Random:
@@ -97,42 +98,32 @@ def encode_sample(tokenizer: Tokenizer, sample: dict[str, Any]) -> list[int]:
     return [*tokenizer.encode(sample["txt"].decode("utf-8")), EOS_ID]
 
 
-def pack_blocks(documents: Iterable[tuple[Cursor, list[int]]], block_size: int) -> Iterator[Block]:
-    """Concatenate documents (each already ending in EOS) into overlapping blocks.
-
-    `documents` yields each document's tokens with the cursor of its first token.
-    A block's `doc_ids` number its documents from 0, so attention masks and
-    per-document positions can be derived from them.
-    """
+def pack_blocks(documents: Iterable[list[int]], block_size: int) -> Iterator[Block]:
+    """Concatenate documents (each already ending in EOS) into overlapping blocks;
+    the tokens left over at the end, too few for a block, are dropped."""
     tokens: list[int] = []
     doc_ids: list[int] = []
-    starts: deque[tuple[int, Cursor]] = deque()  # (offset in `tokens`, cursor of that token)
-    for number, (cursor, document) in enumerate(documents):
-        starts.append((len(tokens), cursor))
+    for number, document in enumerate(documents):
         tokens.extend(document)
         doc_ids.extend([number] * len(document))
         while len(tokens) > block_size:
-            while len(starts) > 1 and starts[1][0] <= block_size:
-                starts.popleft()
-            offset, first = starts[0]
-            following = replace(first, token=first.token + block_size - offset)
             first_doc = doc_ids[0]
-            yield Block(tokens[: block_size + 1], [d - first_doc for d in doc_ids[: block_size + 1]], following)
+            yield Block(tokens[: block_size + 1], [d - first_doc for d in doc_ids[: block_size + 1]])
             del tokens[:block_size], doc_ids[:block_size]
-            starts = deque((o - block_size, c) for o, c in starts)
 
 
-def block_sample(block: Block, token_bytes: np.ndarray, worker: int = 0) -> dict[str, torch.Tensor]:
+def block_sample(
+    block: Block, token_bytes: np.ndarray, cursor: Cursor = Cursor(), worker: int = 0
+) -> dict[str, torch.Tensor]:
     """The tensors of one block, as the objectives receive them (after batching)."""
     tokens = np.asarray(block.tokens, dtype=np.int64)
-    cursor = block.next
     return {
         "tokens": torch.from_numpy(tokens),
         "doc_ids": torch.tensor(block.doc_ids, dtype=torch.int64),
         # UTF-8 bytes behind the next-token targets: the denominator of bits per byte.
         "target_bytes": torch.tensor(int(token_bytes[tokens[1:]].sum())),
         "worker": torch.tensor(worker),
-        "cursor": torch.tensor([cursor.shard, cursor.sample, cursor.token]),
+        "cursor": torch.tensor([cursor.shard, cursor.block]),
     }
 
 
@@ -147,7 +138,7 @@ class ShardStream(IterableDataset):
         seed: int,
         rank: int = 0,
         world_size: int = 1,
-        shuffle_buffer: int = 1000,
+        shuffle_buffer: int = 4096,
         cursors: Sequence[Cursor] | None = None,
     ) -> None:
         self.urls, self.tokenizer, self.block_size = list(urls), tokenizer, block_size
@@ -161,29 +152,28 @@ class ShardStream(IterableDataset):
             raise ValueError(f"{len(self.cursors)} stream cursors for {workers} DataLoader workers")
         cursor = self.cursors[worker] if self.cursors is not None else Cursor()
         global_worker, global_workers = self.rank * workers + worker, self.world_size * workers
-        documents = self.documents(global_worker, global_workers, cursor)
-        for block in pack_blocks(documents, self.block_size):
-            yield block_sample(block, self.tokenizer.token_bytes, worker)
+        for following, block in self.blocks(global_worker, global_workers, cursor):
+            yield block_sample(block, self.tokenizer.token_bytes, following, worker)
 
-    def documents(self, global_worker: int, global_workers: int, start: Cursor) -> Iterator[tuple[Cursor, list[int]]]:
-        """This worker's documents from `start` on, each with the cursor of its first token."""
+    def blocks(self, global_worker: int, global_workers: int, start: Cursor) -> Iterator[tuple[Cursor, Block]]:
+        """This worker's blocks from `start` on, each with the cursor that follows it."""
+        empty_shards = 0
         for ordinal in itertools.count(start.shard):
+            if empty_shards == len(self.urls):
+                raise ValueError(f"no shard holds a whole block of {self.block_size + 1} tokens; lower data.block_size")
             epoch, shard = worker_shard(ordinal, global_worker, global_workers, len(self.urls), self.seed)
-            samples = buffer_shuffled(
-                read_shard(self.urls[shard]), self.shuffle_buffer, seeded_rng(self.seed, epoch, shard)
-            )
-            first = start.sample if ordinal == start.shard else 0
-            for index, sample in enumerate(itertools.islice(samples, first, None), start=first):
-                skip = start.token if (ordinal, index) == (start.shard, start.sample) else 0
-                yield Cursor(ordinal, index, skip), encode_sample(self.tokenizer, sample)[skip:]
+            documents = (encode_sample(self.tokenizer, sample) for sample in read_shard(self.urls[shard]))
+            rng = seeded_rng(self.seed, epoch, shard)
+            blocks = buffer_shuffled(pack_blocks(documents, self.block_size), self.shuffle_buffer, rng)
+            first = start.block if ordinal == start.shard else 0
+            empty_shards += 1
+            for index, block in enumerate(itertools.islice(blocks, first, None), start=first + 1):
+                empty_shards = 0
+                yield Cursor(ordinal, index), block
 
 
 def validation_blocks(urls: Sequence[str], tokenizer: Tokenizer, block_size: int, max_blocks: int) -> list[dict]:
     """The first `max_blocks` blocks of the validation shards, read in manifest order."""
-    documents = (
-        (Cursor(ordinal, index), encode_sample(tokenizer, sample))
-        for ordinal, url in enumerate(urls)
-        for index, sample in enumerate(read_shard(url))
-    )
+    documents = (encode_sample(tokenizer, sample) for url in urls for sample in read_shard(url))
     blocks = itertools.islice(pack_blocks(documents, block_size), max_blocks)
     return [block_sample(block, tokenizer.token_bytes) for block in blocks]
