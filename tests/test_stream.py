@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import random
-from dataclasses import replace
+from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,10 +14,12 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from pretraining.data import stream as stream_module
 from pretraining.data.corpus import read_source
 from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.shards import BuildSettings, Manifest, build_shards
 from pretraining.data.stream import (
+    Block,
     Cursor,
     ShardStream,
     block_sample,
@@ -34,6 +37,7 @@ from pretraining.data.tokenizer import EOS_ID, ByteTokenizer
 BLOCK = 32
 SEED = 7
 BUFFER = 4
+WINDOW = 40  # blocks compared after a resume: more than any shard holds, so the next shard is read too
 WORDS = ["def", "return", "self", "import", "value", "café", "日本語", "🙂", "x", "(", ")", ":"]
 
 
@@ -66,15 +70,31 @@ def shard_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def train_urls(shard_dir) -> list[str]:
     urls = Manifest.load(shard_dir).urls("train")
-    assert len(urls) >= 4
+    assert len(urls) >= 6
     return urls
 
 
-@pytest.fixture(scope="module")
-def train_documents(train_urls) -> list[tuple[int, ...]]:
-    """Every training document's tokens (with EOS), read straight from the shards."""
+@functools.cache
+def shard_documents(url: str) -> tuple[tuple[int, ...], ...]:
+    """A shard's documents (tokens with EOS) in shard order, read straight from the tar."""
     tokenizer = ByteTokenizer()
-    return [tuple(encode_sample(tokenizer, sample)) for url in train_urls for sample in read_shard(url)]
+    return tuple(tuple(encode_sample(tokenizer, sample)) for sample in read_shard(url))
+
+
+def shard_size(url: str) -> int:
+    return sum(map(len, shard_documents(url)))
+
+
+def packed(url: str, block_size: int = BLOCK) -> list[Block]:
+    """A shard's blocks, packed in shard order and not shuffled."""
+    return list(pack_blocks((list(document) for document in shard_documents(url)), block_size))
+
+
+def shuffled(urls, shard: int, epoch: int, seed: int = SEED, buffer: int = BUFFER, block_size: int = BLOCK):
+    """A shard's blocks in the order the stream must give them in `epoch`, built by hand."""
+    documents = (list(document) for document in shard_documents(urls[shard]))
+    rng = seeded_rng(seed, epoch, shard)
+    return list(buffer_shuffled(pack_blocks(documents, block_size), buffer, rng))
 
 
 def take(dataset, count: int) -> list[dict[str, torch.Tensor]]:
@@ -89,6 +109,10 @@ def plain(sample: dict[str, torch.Tensor]) -> tuple:
         int(sample["target_bytes"]),
         sample["worker"].tolist(),
     )
+
+
+def pair(block: Block) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return tuple(block.tokens), tuple(block.doc_ids)
 
 
 def cursor_of(sample: dict[str, torch.Tensor]) -> Cursor:
@@ -107,44 +131,33 @@ def unpack(token_lists: list[list[int]]) -> list[int]:
 # --- pack_blocks on hand-made documents ----------------------------------------------------------------
 
 
-def handmade_documents(seed: int = 0) -> list[tuple[Cursor, list[int]]]:
+def handmade_documents(seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     lengths = [3, 1, 17, 8, 60, 2, 9, 31, 32, 33, 5, 1, 1, 70, 4, 12, 16, 0, 7, 24]
-    documents = []
-    for number, length in enumerate(lengths):
-        tokens = [rng.randrange(4, 260) for _ in range(length)] + [EOS_ID]
-        documents.append((Cursor(number // 3, number % 3, 0), tokens))
-    return documents
-
-
-def resumed(documents: list[tuple[Cursor, list[int]]], start: Cursor):
-    """What `ShardStream.documents` yields from `start`: earlier documents skipped, the first one sliced."""
-    for cursor, tokens in documents:
-        if (cursor.shard, cursor.sample) < (start.shard, start.sample):
-            continue
-        skip = start.token if (cursor.shard, cursor.sample) == (start.shard, start.sample) else 0
-        yield replace(cursor, token=skip), tokens[skip:]
+    return [[rng.randrange(4, 260) for _ in range(length)] + [EOS_ID] for length in lengths]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 7, 16, 32])
 def test_pack_blocks_loses_and_duplicates_nothing(block_size):
     documents = handmade_documents()
-    stream = [token for _, tokens in documents for token in tokens]
+    stream = [token for tokens in documents for token in tokens]
     blocks = list(pack_blocks(iter(documents), block_size))
+    # Only the tail, too short for another block, is dropped.
     assert len(blocks) == (len(stream) - 1) // block_size
     for block in blocks:
         assert len(block.tokens) == len(block.doc_ids) == block_size + 1
     for before, after in itertools.pairwise(blocks):
-        assert before.tokens[-1] == after.tokens[0]
+        assert before.tokens[-1] == after.tokens[0]  # the overlap of one token
     assert unpack([b.tokens for b in blocks]) == stream[: 1 + len(blocks) * block_size]
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 7, 16, 32])
 def test_pack_blocks_doc_ids(block_size):
     documents = handmade_documents()
-    document_of_token = [number for number, (_, tokens) in enumerate(documents) for _ in tokens]
+    document_of_token = [number for number, tokens in enumerate(documents) for _ in tokens]
     for index, block in enumerate(pack_blocks(iter(documents), block_size)):
         assert block.doc_ids[0] == 0
+        # A new document starts exactly after each EOS.
         for j in range(1, len(block.tokens)):
             assert block.doc_ids[j] == block.doc_ids[j - 1] + (block.tokens[j - 1] == EOS_ID)
         first = document_of_token[index * block_size]
@@ -152,32 +165,32 @@ def test_pack_blocks_doc_ids(block_size):
         assert block.doc_ids == [d - first for d in absolute]
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 7, 16, 32])
-def test_pack_blocks_cursor_restarts_exactly(block_size):
-    documents = handmade_documents()
-    blocks = list(pack_blocks(iter(documents), block_size))
-    lengths = {(c.shard, c.sample): len(tokens) for c, tokens in documents}
-    for k, block in enumerate(blocks):
-        start = block.next
-        assert 0 <= start.token < lengths[(start.shard, start.sample)]
-        again = list(pack_blocks(resumed(documents, start), block_size))
-        assert again == blocks[k + 1 :], k
+def test_pack_blocks_separates_documents_with_eos():
+    documents = [[10, 11], [12], [13, 14, 15]]
+    (block,) = pack_blocks(iter([[*d, EOS_ID] for d in documents]), 8)
+    assert block.tokens == [10, 11, EOS_ID, 12, EOS_ID, 13, 14, 15, EOS_ID]
+    assert block.doc_ids == [0, 0, 0, 1, 1, 2, 2, 2, 2]
 
 
-def test_pack_blocks_cursor_points_at_next_block_start():
-    documents = handmade_documents()
-    by_position = {(c.shard, c.sample): tokens for c, tokens in documents}
-    blocks = list(pack_blocks(iter(documents), 16))
-    for block, following in itertools.pairwise(blocks):
-        cursor = block.next
-        assert by_position[(cursor.shard, cursor.sample)][cursor.token] == following.tokens[0]
+def test_pack_blocks_short_input_and_tail():
+    assert list(pack_blocks(iter([[5, 6, EOS_ID]]), 3)) == []
+    (block,) = pack_blocks(iter([[5, 6, EOS_ID], [EOS_ID]]), 3)
+    assert block == Block([5, 6, EOS_ID, EOS_ID], [0, 0, 0, 1])
+    # The 3 tokens left after that block ([EOS, 7, EOS]) are one short of another block: dropped.
+    assert list(pack_blocks(iter([[5, 6, EOS_ID], [EOS_ID], [7, EOS_ID]]), 3)) == [block]
+    assert len(list(pack_blocks(iter([[5, 6, EOS_ID], [EOS_ID], [7, 8, EOS_ID]]), 3))) == 2
 
 
-def test_pack_blocks_short_input_gives_no_block():
-    assert list(pack_blocks(iter([(Cursor(), [5, 6, EOS_ID])]), 3)) == []
-    (block,) = pack_blocks(iter([(Cursor(), [5, 6, EOS_ID]), (Cursor(0, 1), [EOS_ID])]), 3)
-    assert block.tokens == [5, 6, EOS_ID, EOS_ID]
-    assert block.doc_ids == [0, 0, 0, 1]
+def test_pack_blocks_is_lazy():
+    pulled = []
+
+    def documents():
+        for number in itertools.count():
+            pulled.append(number)
+            yield [4 + number % 200] * 9 + [EOS_ID]
+
+    blocks = list(itertools.islice(pack_blocks(documents(), 16), 3))
+    assert len(blocks) == 3 and len(pulled) <= 5  # 49 tokens needed, 10 per document
 
 
 def test_encode_sample_appends_eos():
@@ -185,16 +198,19 @@ def test_encode_sample_appends_eos():
     assert encode_sample(tokenizer, {"txt": "é!".encode()}) == [*tokenizer.encode("é!"), EOS_ID]
 
 
-def test_block_sample_counts_target_bytes():
+def test_block_sample():
     tokenizer = ByteTokenizer()
-    (block,) = pack_blocks(iter([(Cursor(), [*tokenizer.encode("abc"), EOS_ID, *tokenizer.encode("d")])]), 4)
-    sample = block_sample(block, tokenizer.token_bytes, worker=3)
+    (block,) = pack_blocks(iter([[*tokenizer.encode("abc"), EOS_ID], tokenizer.encode("d")]), 4)
+    sample = block_sample(block, tokenizer.token_bytes, Cursor(5, 17), worker=3)
     assert sample["tokens"].dtype == torch.int64 and sample["tokens"].tolist() == block.tokens
+    assert sample["doc_ids"].dtype == torch.int64 and sample["doc_ids"].tolist() == [0, 0, 0, 0, 1]
     assert int(sample["target_bytes"]) == 3  # b, c, d: the first token is no target and EOS has no bytes
     weights = np.arange(300, dtype=np.int64)
     assert int(block_sample(block, weights)["target_bytes"]) == sum(block.tokens[1:])
     assert int(sample["worker"]) == 3
-    assert sample["cursor"].tolist() == [block.next.shard, block.next.sample, block.next.token]
+    assert sample["cursor"].tolist() == [5, 17]
+    default = block_sample(block, tokenizer.token_bytes)
+    assert default["cursor"].tolist() == [0, 0] and int(default["worker"]) == 0
 
 
 # --- shuffling helpers -----------------------------------------------------------------------------------
@@ -238,8 +254,26 @@ def test_worker_shard_deals_epoch_permutations_round_robin():
 # --- ShardStream ---------------------------------------------------------------------------------------
 
 
-def stream(urls, seed=SEED, **kwargs) -> ShardStream:
-    return ShardStream(urls, ByteTokenizer(), BLOCK, seed, shuffle_buffer=BUFFER, **kwargs)
+def stream(urls, seed=SEED, block_size=BLOCK, **kwargs) -> ShardStream:
+    kwargs.setdefault("shuffle_buffer", BUFFER)
+    return ShardStream(urls, ByteTokenizer(), block_size, seed, **kwargs)
+
+
+def epoch_of(cursor: Cursor, urls, worker: int = 0, workers: int = 1) -> int:
+    return worker_shard(cursor.shard, worker, workers, len(urls), SEED)[0]
+
+
+def worker_blocks(
+    dataset: ShardStream, worker: int, workers: int, epochs: int
+) -> dict[tuple[int, int], list[tuple[Cursor, Block]]]:
+    """(epoch, shard) -> the (cursor, block)s a global worker reads from it, for its first `epochs` epochs."""
+    seen: dict[tuple[int, int], list[tuple[Cursor, Block]]] = defaultdict(list)
+    for cursor, block in dataset.blocks(worker, workers, Cursor()):
+        epoch, shard = worker_shard(cursor.shard, worker, workers, len(dataset.urls), dataset.seed)
+        if epoch >= epochs:
+            return dict(seen)
+        seen[(epoch, shard)].append((cursor, block))
+    raise AssertionError("unreachable")
 
 
 @pytest.fixture(scope="module")
@@ -247,29 +281,101 @@ def reference(train_urls) -> list[dict[str, torch.Tensor]]:
     return take(stream(train_urls), 420)
 
 
-def epoch_of(cursor: Cursor, urls, worker: int = 0, workers: int = 1) -> int:
-    return worker_shard(cursor.shard, worker, workers, len(urls), SEED)[0]
+def test_default_shuffle_buffer():
+    assert ShardStream(["unused"], ByteTokenizer(), BLOCK, SEED).shuffle_buffer == 4096
 
 
-def test_stream_blocks_are_well_formed(reference, train_urls, train_documents):
+def test_stream_blocks_are_well_formed(reference, train_urls):
     tokenizer = ByteTokenizer()
     for sample in reference:
-        assert sample["tokens"].shape == (BLOCK + 1,) and sample["tokens"].dtype == torch.int64
+        assert sample["tokens"].shape == sample["doc_ids"].shape == (BLOCK + 1,)
+        assert sample["tokens"].dtype == sample["doc_ids"].dtype == torch.int64
+        assert sample["cursor"].shape == (2,)
+        assert int(sample["doc_ids"][0]) == 0
         assert int(sample["target_bytes"]) == int(tokenizer.token_bytes[sample["tokens"][1:].numpy()].sum())
         assert int(sample["worker"]) == 0
-    # The blocks are the worker's documents (each ending in one EOS) laid end to end.
-    documents = stream(train_urls).documents(0, 1, Cursor())
-    flat = [t for _, tokens in itertools.islice(documents, 200) for t in tokens]
-    unpacked = unpack([s["tokens"].tolist() for s in reference])
-    assert unpacked == flat[: len(unpacked)]
-    for document in train_documents:
-        assert document[-1] == EOS_ID and EOS_ID not in document[:-1]
+    # The samples are `blocks` of global worker 0 of 1, each with the cursor that follows it.
+    blocks = itertools.islice(stream(train_urls).blocks(0, 1, Cursor()), len(reference))
+    assert [(s["tokens"].tolist(), s["doc_ids"].tolist(), cursor_of(s)) for s in reference] == [
+        (b.tokens, b.doc_ids, c) for c, b in blocks
+    ]
+    for url in train_urls:
+        for document in shard_documents(url):
+            assert document[-1] == EOS_ID and EOS_ID not in document[:-1]
+
+
+def test_stream_cursors_count_the_blocks_of_each_shard(reference, train_urls):
+    cursors = [cursor_of(s) for s in reference]
+    assert cursors[0] == Cursor(0, 1)
+    for before, after in itertools.pairwise(cursors):
+        if after.shard == before.shard:
+            assert after.block == before.block + 1
+        else:
+            # Every shard here holds blocks, so none is skipped; the last block of a shard says so.
+            assert after == Cursor(before.shard + 1, 1)
+            shard = worker_shard(before.shard, 0, 1, len(train_urls), SEED)[1]
+            assert before.block == len(packed(train_urls[shard]))
+
+
+@pytest.mark.parametrize("buffer", [1, BUFFER, 4096])
+def test_each_shard_gives_its_shuffled_packing(train_urls, buffer):
+    """Each (epoch, shard) gives its documents packed, then shuffled with the rng of (seed, epoch, shard)."""
+    seen = worker_blocks(stream(train_urls, shuffle_buffer=buffer), 0, 1, epochs=2)
+    assert set(seen) == {(epoch, shard) for epoch in (0, 1) for shard in range(len(train_urls))}
+    for (epoch, shard), items in seen.items():
+        expected = shuffled(train_urls, shard, epoch, buffer=buffer)
+        assert [pair(block) for _, block in items] == [pair(block) for block in expected], (epoch, shard)
+        ordinal = items[0][0].shard
+        assert [cursor for cursor, _ in items] == [Cursor(ordinal, k) for k in range(1, len(expected) + 1)]
+
+
+def test_each_shard_is_packed_afresh_and_its_tail_dropped(train_urls):
+    """Without the shuffle, the blocks of a shard are its documents laid end to end, from its first token."""
+    in_order = worker_blocks(stream(train_urls, shuffle_buffer=1), 0, 1, epochs=2)
+    buffered = worker_blocks(stream(train_urls), 0, 1, epochs=2)
+    assert set(in_order) == set(buffered)
+    reordered = 0
+    for key, items in in_order.items():
+        flat = [token for document in shard_documents(train_urls[key[1]]) for token in document]
+        tokens = [block.tokens for _, block in items]
+        assert len(tokens) == (len(flat) - 1) // BLOCK
+        assert unpack(tokens) == flat[: 1 + len(tokens) * BLOCK]
+        # The shuffle buffer reorders the same blocks.
+        mine = [pair(block) for _, block in items]
+        theirs = [pair(block) for _, block in buffered[key]]
+        assert sorted(mine) == sorted(theirs)
+        reordered += mine != theirs
+    assert reordered == len(in_order)
+
+
+@pytest.mark.parametrize("buffer", [BUFFER, 4096])
+def test_block_order_in_a_shard_depends_on_seed_and_epoch(train_urls, buffer):
+    seen = worker_blocks(stream(train_urls, shuffle_buffer=buffer), 0, 1, epochs=2)
+    other = worker_blocks(stream(train_urls, seed=SEED + 1, shuffle_buffer=buffer), 0, 1, epochs=1)
+
+    def order(items: list[tuple[Cursor, Block]]) -> list[tuple[int, ...]]:
+        return [tuple(block.tokens) for _, block in items]
+
+    shards = range(len(train_urls))
+    for shard in shards:
+        assert sorted(order(seen[(0, shard)])) == sorted(order(seen[(1, shard)])) == sorted(order(other[(0, shard)]))
+    # A small buffer only moves blocks locally; a full one reorders every shard (each holds > 10 blocks).
+    check = all if buffer > 100 else any
+    assert check(order(seen[(0, shard)]) != order(seen[(1, shard)]) for shard in shards)
+    assert check(order(seen[(0, shard)]) != order(other[(0, shard)]) for shard in shards)
+    assert worker_blocks(stream(train_urls, shuffle_buffer=buffer), 0, 1, epochs=2) == seen
 
 
 def test_stream_wraps_epochs(reference, train_urls):
-    epochs = [epoch_of(cursor_of(s), train_urls) for s in reference]
+    cursors = [cursor_of(s) for s in reference]
+    epochs = [epoch_of(c, train_urls) for c in cursors]
     assert epochs == sorted(epochs)
-    assert epochs[-1] >= 2
+    assert epochs[-1] >= 4
+    # Every complete epoch holds every block of every shard exactly once.
+    everything = sorted(tuple(block.tokens) for url in train_urls for block in packed(url))
+    for epoch in range(epochs[-1]):
+        mine = sorted(tuple(s["tokens"].tolist()) for s, e in zip(reference, epochs, strict=True) if e == epoch)
+        assert mine == everything, epoch
 
 
 def test_stream_is_deterministic_and_seeded(reference, train_urls):
@@ -278,40 +384,34 @@ def test_stream_is_deterministic_and_seeded(reference, train_urls):
     assert [plain(s)[0] for s in other] != [plain(s)[0] for s in reference[:60]]
 
 
-def shard_orders(urls, seed: int, epochs: int) -> dict[tuple[int, int], list[tuple[int, ...]]]:
-    """(epoch, shard) -> that shard's documents in the order the single worker reads them."""
-    orders: dict[tuple[int, int], list[tuple[int, ...]]] = {}
-    for cursor, tokens in stream(urls, seed=seed).documents(0, 1, Cursor()):
-        epoch, shard = worker_shard(cursor.shard, 0, 1, len(urls), seed)
-        if epoch >= epochs:
-            return orders
-        orders.setdefault((epoch, shard), []).append(tuple(tokens))
-    raise AssertionError("unreachable")
-
-
-def test_order_inside_a_shard_depends_on_seed_and_epoch(train_urls):
-    orders = shard_orders(train_urls, SEED, 2)
-    others = shard_orders(train_urls, SEED + 1, 2)
-    shards = range(len(train_urls))
-    for shard in shards:
-        assert sorted(orders[(0, shard)]) == sorted(orders[(1, shard)]) == sorted(others[(0, shard)])
-    assert any(orders[(0, shard)] != orders[(1, shard)] for shard in shards)
-    assert any(orders[(0, shard)] != others[(0, shard)] for shard in shards)
-    assert shard_orders(train_urls, SEED, 2) == orders
-
-
 def test_stream_resumes_exactly_from_any_cursor(reference, train_urls):
     cursors = [cursor_of(s) for s in reference]
     epochs = [epoch_of(c, train_urls) for c in cursors]
-    shard_changes = [k for k in range(1, len(cursors)) if cursors[k].shard != cursors[k - 1].shard]
-    epoch_changes = [k for k in range(1, len(cursors)) if epochs[k] != epochs[k - 1]]
-    assert len(shard_changes) >= 4 and len(epoch_changes) >= 2
-    ks = {0, 1, 2, len(reference) // 2, len(reference) - 2}
-    for k in shard_changes[:3] + epoch_changes[:2]:
-        ks |= {k - 1, k, k + 1}
+    # The last block of each shard: its cursor is the shard's end (block == the shard's number of blocks).
+    ends = [k for k in range(len(cursors) - 1) if cursors[k + 1].shard != cursors[k].shard]
+    epoch_ends = [k for k in ends if epochs[k + 1] != epochs[k]]
+    assert len(ends) >= 15 and len(epoch_ends) >= 3
+    ks = {0, 1, 2, len(reference) // 2, len(reference) - 2, *ends}
+    for k in ends[:3] + epoch_ends:
+        ks |= {k - 1, k + 1, k + 2}
     for k in sorted(ks):
-        again = take(stream(train_urls, cursors=[cursors[k]]), len(reference) - k - 1)
-        assert [plain(s) for s in again] == [plain(s) for s in reference[k + 1 :]], k
+        expected = [plain(s) for s in reference[k + 1 : k + 1 + WINDOW]]
+        again = take(stream(train_urls, cursors=[cursors[k]]), len(expected))
+        assert [plain(s) for s in again] == expected, (k, cursors[k])
+    # The end of a shard and the start of the next are the same place.
+    for k in ends[:3] + epoch_ends:
+        expected = [plain(s) for s in reference[k + 1 : k + 1 + WINDOW]]
+        again = take(stream(train_urls, cursors=[Cursor(cursors[k].shard + 1, 0)]), len(expected))
+        assert [plain(s) for s in again] == expected, k
+
+
+def test_stream_resumes_at_the_end_of_its_only_shard(train_urls):
+    urls = train_urls[:1]
+    count = len(packed(urls[0]))
+    reference = take(stream(urls), 3 * count)
+    assert cursor_of(reference[count - 1]) == Cursor(0, count)
+    again = take(stream(urls, cursors=[Cursor(0, count)]), 2 * count)
+    assert [plain(s) for s in again] == [plain(s) for s in reference[count:]]
 
 
 def test_stream_rejects_cursor_count_mismatch(train_urls):
@@ -319,36 +419,47 @@ def test_stream_rejects_cursor_count_mismatch(train_urls):
         take(stream(train_urls, cursors=[Cursor(), Cursor()]), 1)
 
 
-def epoch_documents(dataset: ShardStream, worker: int, workers: int, epoch: int) -> list[tuple[int, ...]]:
-    documents = dataset.documents(worker, workers, Cursor())
-    out = []
-    for cursor, tokens in documents:
-        seen = epoch_of(cursor, dataset.urls, worker, workers)
-        if seen > epoch:
-            break
-        if seen == epoch:
-            out.append(tuple(tokens))
-    return out
-
-
-@pytest.mark.parametrize("num_shards", [3, 4])
-def test_ranks_split_each_epoch(train_urls, num_shards):
+@pytest.mark.parametrize(("num_shards", "workers"), [(4, 1), (3, 2), (4, 2), (5, 3), (6, 4), (2, 3)])
+def test_workers_read_disjoint_shards_covering_each_epoch(train_urls, num_shards, workers):
     urls = train_urls[:num_shards]
-    tokenizer = ByteTokenizer()
-    everything = sorted(tuple(encode_sample(tokenizer, s)) for url in urls for s in read_shard(url))
+    dataset = stream(urls)
+    seen = [worker_blocks(dataset, worker, workers, epochs=2) for worker in range(workers)]
     for epoch in (0, 1):
-        per_rank = [epoch_documents(stream(urls, rank=r, world_size=2), r, 2, epoch) for r in (0, 1)]
-        assert set(per_rank[0]).isdisjoint(per_rank[1])
-        assert sorted(per_rank[0] + per_rank[1]) == everything
-        dealt = [[worker_shard(k, r, 2, num_shards, SEED) for k in range(3 * num_shards)] for r in (0, 1)]
-        shards = [[shard for seen, shard in rank if seen == epoch] for rank in dealt]
-        assert sorted(shards[0] + shards[1]) == list(range(num_shards))
+        shards = [shard for mine in seen for (e, shard) in mine if e == epoch]
+        assert sorted(shards) == list(range(num_shards))  # disjoint, and together all of them
+    for mine in seen:
+        for (epoch, shard), items in mine.items():
+            assert [pair(block) for _, block in items] == [pair(block) for block in shuffled(urls, shard, epoch)]
 
 
-def test_ranks_stream_different_blocks(train_urls):
-    rank0 = take(stream(train_urls, rank=0, world_size=2), 20)
-    rank1 = take(stream(train_urls, rank=1, world_size=2), 20)
-    assert {tuple(s["tokens"].tolist()) for s in rank0}.isdisjoint(tuple(s["tokens"].tolist()) for s in rank1)
+def test_workers_resume_exactly(train_urls):
+    dataset = stream(train_urls[:5])
+    for worker in range(3):
+        reference = list(itertools.islice(dataset.blocks(worker, 3, Cursor()), 60))
+        ends = [k for k in range(len(reference) - 1) if reference[k + 1][0].shard != reference[k][0].shard]
+        for k in [0, 7, *ends]:
+            again = itertools.islice(dataset.blocks(worker, 3, reference[k][0]), len(reference) - k - 1)
+            assert list(again) == reference[k + 1 :], (worker, k)
+
+
+def test_ranks_stream_their_global_workers(train_urls, monkeypatch):
+    dataset = stream(train_urls)
+    rows = []
+    for rank in (0, 1):
+        mine = take(stream(train_urls, rank=rank, world_size=2), 30)
+        expected = itertools.islice(dataset.blocks(rank, 2, Cursor()), 30)
+        assert [(s["tokens"].tolist(), cursor_of(s)) for s in mine] == [(b.tokens, c) for c, b in expected]
+        rows.append({tuple(s["tokens"].tolist()) for s in mine})
+    assert rows[0].isdisjoint(rows[1])
+    # Inside DataLoader worker 1 of 2, rank 1 of 3 is global worker 3 of 6 and resumes from its own cursor.
+    monkeypatch.setattr(stream_module, "get_worker_info", lambda: SimpleNamespace(id=1, num_workers=2))
+    expected = list(itertools.islice(dataset.blocks(3, 6, Cursor()), 30))
+    mine = take(stream(train_urls, rank=1, world_size=3), 30)
+    assert [(s["tokens"].tolist(), cursor_of(s), int(s["worker"])) for s in mine] == [
+        (b.tokens, c, 1) for c, b in expected
+    ]
+    resumed = take(stream(train_urls, rank=1, world_size=3, cursors=[Cursor(), expected[9][0]]), 20)
+    assert [cursor_of(s) for s in resumed] == [c for c, _ in expected[10:]]
 
 
 def loader(urls, cursors=None) -> DataLoader:
@@ -359,6 +470,7 @@ def test_dataloader_workers_alternate_and_resume(train_urls):
     batches = take(loader(train_urls), 12)
     for index, batch in enumerate(batches):
         assert batch["tokens"].shape == (4, BLOCK + 1)
+        assert batch["cursor"].shape == (4, 2)
         assert batch["worker"].tolist() == [index % 2] * 4
     # Each worker is the global worker `id` of 2: the same blocks a rank of a 2-rank world would read alone.
     for worker in (0, 1):
@@ -382,6 +494,49 @@ def test_dataloader_workers_alternate_and_resume(train_urls):
         assert [b["tokens"].tolist() for b in again if int(b["worker"][0]) == worker] == expected
 
 
+# --- shards too small for a block ----------------------------------------------------------------------
+
+
+def test_no_whole_block_raises(train_urls, shard_dir):
+    biggest = max(map(shard_size, train_urls))
+    dataset = stream(train_urls, block_size=biggest)  # a block needs biggest + 1 tokens
+    with pytest.raises(ValueError, match=r"data\.block_size"):
+        next(iter(dataset))
+    with pytest.raises(ValueError, match=r"data\.block_size"):
+        next(dataset.blocks(2, 3, Cursor(7, 0)))
+    dm = ShardDataModule(str(shard_dir), ByteTokenizer(), block_size=biggest, batch_size=2, num_workers=0)
+    with pytest.raises(ValueError, match=r"data\.block_size"):
+        next(iter(dm.train_dataloader()))
+    # One token fewer, and the biggest shard holds exactly one block: all of it.
+    (first,) = take(stream(train_urls, block_size=biggest - 1), 1)
+    (url,) = [url for url in train_urls if shard_size(url) == biggest]
+    assert first["tokens"].tolist() == [token for document in shard_documents(url) for token in document]
+
+
+def test_shards_without_a_whole_block_are_skipped(train_urls):
+    sizes = sorted(map(shard_size, train_urls))
+    block_size = sizes[2] - 1  # the two smallest shards hold no block, the third exactly one
+    dataset = stream(train_urls, block_size=block_size)
+    seen = worker_blocks(dataset, 0, 1, epochs=4)
+    full = {shard for shard, url in enumerate(train_urls) if shard_size(url) > block_size}
+    assert len(full) == len(train_urls) - 2
+    assert set(seen) == {(epoch, shard) for epoch in range(4) for shard in full}
+    for (epoch, shard), items in seen.items():
+        expected = shuffled(train_urls, shard, epoch, block_size=block_size)
+        assert [pair(block) for _, block in items] == [pair(block) for block in expected]
+    for cursor, _ in itertools.islice(dataset.blocks(0, 1, Cursor()), 30):
+        assert worker_shard(cursor.shard, 0, 1, len(train_urls), SEED)[1] in full
+
+
+def test_one_empty_shard_of_two_does_not_stop_the_stream(train_urls):
+    small, big = sorted(train_urls, key=shard_size)[:: len(train_urls) - 1]
+    urls = [small, big]
+    block_size = shard_size(small)  # `small` holds no block, `big` does
+    for worker, workers in [(0, 1), (0, 2), (1, 2)]:
+        blocks = list(itertools.islice(stream(urls, block_size=block_size).blocks(worker, workers, Cursor()), 20))
+        assert all(worker_shard(c.shard, worker, workers, 2, SEED)[1] == 1 for c, _ in blocks)
+
+
 # --- validation blocks ---------------------------------------------------------------------------------
 
 
@@ -389,13 +544,24 @@ def test_validation_blocks(shard_dir):
     urls = Manifest.load(shard_dir).urls("validation")
     tokenizer = ByteTokenizer()
     everything = validation_blocks(urls, tokenizer, 16, max_blocks=10_000)
-    flat = [t for url in urls for s in read_shard(url) for t in encode_sample(tokenizer, s)]
+    flat = [t for url in urls for document in shard_documents(url) for t in document]
     assert len(everything) == (len(flat) - 1) // 16 > 6
     assert unpack([b["tokens"].tolist() for b in everything]) == flat[: 1 + 16 * len(everything)]
+    for block in everything:
+        assert block["cursor"].tolist() == [0, 0] and int(block["worker"]) == 0
     first = validation_blocks(urls, tokenizer, 16, max_blocks=5)
     assert len(first) == 5
     assert [plain(b) for b in first] == [plain(b) for b in everything[:5]]
     assert [plain(b) for b in validation_blocks(urls, tokenizer, 16, max_blocks=5)] == [plain(b) for b in first]
+
+
+def test_validation_blocks_pack_across_shards_in_manifest_order(train_urls):
+    urls = train_urls[:3]
+    blocks = validation_blocks(urls, ByteTokenizer(), 16, max_blocks=10_000)
+    flat = [t for url in urls for document in shard_documents(url) for t in document]
+    assert len(blocks) == (len(flat) - 1) // 16
+    assert len(blocks) > sum(len(packed(url, 16)) for url in urls)  # one packer: no tail dropped per shard
+    assert unpack([b["tokens"].tolist() for b in blocks]) == flat[: 1 + 16 * len(blocks)]
 
 
 # --- ShardDataModule -----------------------------------------------------------------------------------
@@ -403,11 +569,14 @@ def test_validation_blocks(shard_dir):
 
 def test_datamodule_train_batches(shard_dir):
     dm = ShardDataModule(dir=str(shard_dir), tokenizer=ByteTokenizer(), block_size=32, batch_size=4, num_workers=0)
-    batch = next(iter(dm.train_dataloader()))
+    loader = dm.train_dataloader()
+    assert loader.dataset.shuffle_buffer == 4096
+    batch = next(iter(loader))
     assert batch["tokens"].shape == (4, 33) and batch["tokens"].dtype == torch.int64
     assert batch["doc_ids"].shape == (4, 33) and batch["doc_ids"].dtype == torch.int64
     assert batch["target_bytes"].shape == (4,) and (batch["target_bytes"] > 0).all()
-    assert batch["cursor"].shape == (4, 3)
+    assert batch["cursor"].shape == (4, 2)
+    assert batch["cursor"].tolist() == [[0, 1], [0, 2], [0, 3], [0, 4]]
     assert batch["worker"].tolist() == [0, 0, 0, 0]
 
 

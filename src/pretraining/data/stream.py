@@ -157,19 +157,21 @@ class ShardStream(IterableDataset):
 
     def blocks(self, global_worker: int, global_workers: int, start: Cursor) -> Iterator[tuple[Cursor, Block]]:
         """This worker's blocks from `start` on, each with the cursor that follows it."""
-        empty_shards = 0
+        empty: set[int] = set()  # shards without a whole block (the same in every epoch)
         for ordinal in itertools.count(start.shard):
-            if empty_shards == len(self.urls):
+            if len(empty) == len(self.urls):
                 raise ValueError(f"no shard holds a whole block of {self.block_size + 1} tokens; lower data.block_size")
             epoch, shard = worker_shard(ordinal, global_worker, global_workers, len(self.urls), self.seed)
             documents = (encode_sample(self.tokenizer, sample) for sample in read_shard(self.urls[shard]))
             rng = seeded_rng(self.seed, epoch, shard)
             blocks = buffer_shuffled(pack_blocks(documents, self.block_size), self.shuffle_buffer, rng)
             first = start.block if ordinal == start.shard else 0
-            empty_shards += 1
+            had_block = first > 0
             for index, block in enumerate(itertools.islice(blocks, first, None), start=first + 1):
-                empty_shards = 0
+                had_block = True
                 yield Cursor(ordinal, index), block
+            if not had_block:
+                empty.add(shard)
 
 
 def validation_blocks(urls: Sequence[str], tokenizer: Tokenizer, block_size: int, max_blocks: int) -> list[dict]:
