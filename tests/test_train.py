@@ -88,6 +88,13 @@ def test_cli_run_directory_checkpoint_csv_and_offline_wandb(tmp_path: Path, shar
     assert f"wandb sync {offline_runs[0]}" in result.stdout + result.stderr
 
 
+def test_final_step_is_validated_when_off_the_interval(compose_train, tmp_path: Path) -> None:
+    metrics = train(compose_train("trainer.max_steps=8"))
+    steps = [int(row["step"]) for row in metrics_rows_with(tmp_path, "val/loss")]
+    assert steps == [0, 5, 8]  # before training, after step 6, and the final weights after step 8
+    assert "val/bpb" in metrics
+
+
 def test_missing_manifest_stops_before_training(compose_train, tmp_path: Path) -> None:
     empty = tmp_path / "no-shards"
     empty.mkdir()

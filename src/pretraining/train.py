@@ -40,9 +40,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
         if cfg.validate_before_training and cfg.ckpt_path is None:
             trainer.validate(model, datamodule=datamodule)  # the starting point of the learning curve
         trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+        if model.last_validated_step != trainer.global_step:  # the final weights are always validated
+            metrics |= trainer.validate(model, datamodule=datamodule)[0]
     finally:
         finish_wandb()
-    metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     report(trainer, metrics, loggers)
     return metrics
 

@@ -53,6 +53,7 @@ class PretrainingObjective(LightningModule):
         self.optimizer_factory = optimizer
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self.sums = nn.ModuleDict({name: SumMetric().set_dtype(torch.float64) for name in validation_sums})
+        self.last_validated_step = -1
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
@@ -79,6 +80,7 @@ class PretrainingObjective(LightningModule):
             metric.reset()
         metrics = {f"val/{name}": value.float() for name, value in self.validation_metrics(totals).items()}
         self.log_dict(metrics, prog_bar=True)
+        self.last_validated_step = self.global_step
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         total_steps = self.trainer.max_steps
