@@ -15,6 +15,8 @@ from typing import Protocol
 
 import numpy as np
 
+from pretraining.data.shards import write_atomically
+
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<mask>", "<cls>")
 PAD_ID, EOS_ID, MASK_ID, CLS_ID = range(len(SPECIAL_TOKENS))
 
@@ -108,7 +110,5 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: Path) -> BPEToken
     )
     tokenizer.train_from_iterator(texts, trainer)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(out_path.name + ".tmp")
-    tokenizer.save(str(tmp))
-    tmp.replace(out_path)
+    write_atomically(out_path, tokenizer.to_str().encode())
     return BPETokenizer(out_path)
