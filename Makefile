@@ -3,6 +3,7 @@ SHELL := /bin/bash
 VENV ?= .venv
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?=
 BIN := $(VENV)/bin
 DATA_DIR ?= data/stdlib
 EXPERIMENT ?= clm_tiny
@@ -20,7 +21,7 @@ install: $(VENV)/.installed ## Create .venv: torch pinned first, then the packag
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 

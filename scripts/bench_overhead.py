@@ -142,7 +142,7 @@ def main() -> None:
         cfg = compose(config_name="train", overrides=["experiment=clm_tiny"])
     if args.steps <= cfg.model.warmup_steps:
         parser.error(
-            f"--steps must exceed model.warmup_steps={cfg.model.warmup_steps} (configure_optimizers checks it)"
+            f"--steps must exceed model.warmup_steps={cfg.model.warmup_steps} (the warmup must end within the run)"
         )
     seed_everything(cfg.seed, verbose=False)
     trainer_config = cfg.trainer.copy()

@@ -439,3 +439,22 @@ def test_cli_build_missing_source(tmp_path):
     assert str(missing) in str(exit_info.value.code)
     assert "pretrain-data build" in str(exit_info.value.code)
     assert not (tmp_path / "out").exists()
+
+
+def test_build_refuses_a_non_shard_directory_and_keeps_a_trained_tokenizer(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for number in range(8):
+        (corpus / f"doc{number}.txt").write_text(f"document number {number}\n" * 20)
+    unrelated = tmp_path / "mixed"
+    unrelated.mkdir()
+    (unrelated / "notes.txt").write_text("keep me")
+    with pytest.raises(ShardError, match=r"not empty and holds no manifest\.json"):
+        build_shards(read_source(str(corpus)), unrelated, [str(corpus)], show_progress=False)
+    assert (unrelated / "notes.txt").read_text() == "keep me"
+
+    out = tmp_path / "shards"
+    build_shards(read_source(str(corpus)), out, [str(corpus)], show_progress=False)
+    (out / "tokenizer.json").write_text("{}")
+    build_shards(read_source(str(corpus)), out, [str(corpus)], show_progress=False)
+    assert (out / "tokenizer.json").read_text() == "{}"

@@ -29,6 +29,15 @@ class ConfigError(ValueError):
 
 def check_config(cfg: DictConfig) -> None:
     """Stop before any work if values from different groups contradict each other."""
+    max_steps, warmup_steps = cfg.trainer.max_steps, cfg.model.warmup_steps
+    if max_steps <= 0:
+        raise ConfigError(
+            f"trainer.max_steps={max_steps}: set it > 0 (the LR schedule and the infinite stream need it)"
+        )
+    if warmup_steps >= max_steps:
+        raise ConfigError(
+            f"model.warmup_steps={warmup_steps} is not below trainer.max_steps={max_steps}: lower the warmup"
+        )
     block_size, max_seq_len = cfg.data.block_size, cfg.model.backbone.max_seq_len
     if block_size > max_seq_len:
         raise ConfigError(

@@ -33,7 +33,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = [build(callback) for callback in cfg.callbacks.values()] + [lineage]
     loggers: list[Logger] = [build(logger) for logger in cfg.logger.values()]
     trainer: Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers)
-    for logger in loggers:
+    for logger in trainer.loggers:  # not `loggers`: fast_dev_run swaps in a dummy
         logger.log_hyperparams({**config, "lineage": {k: v for k, v in lineage.record.items() if k != "config"}})
 
     try:
@@ -45,7 +45,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             metrics |= trainer.validate(model, datamodule=datamodule)[0]
     finally:
         finish_wandb()
-    report(trainer, metrics, loggers)
+    report(trainer, metrics, trainer.loggers)
     return metrics
 
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from pretraining.data.corpus import CorpusError, read_source
-from pretraining.data.shards import BuildSettings, Manifest, ShardError, build_shards
+from pretraining.data.shards import TOKENIZER, BuildSettings, Manifest, ShardError, build_shards
 from pretraining.data.stream import read_shard
 from pretraining.data.tokenizer import train_bpe
 
@@ -19,6 +19,8 @@ def build(args: argparse.Namespace) -> None:
     documents = itertools.chain.from_iterable(read_source(s, args.text_field) for s in args.source)
     manifest = build_shards(documents, Path(args.out), args.source, settings, show_progress=not args.quiet)
     dedup, splits = manifest["dedup"], manifest["splits"]
+    if splits["validation"]["documents"] == 0:
+        print("warning: no validation documents; training needs some: raise --validation-fraction")
     print(
         f"wrote {args.out}: version {manifest['version']}, "
         + ", ".join(f"{name} {s['documents']} docs in {len(s['shards'])} shards" for name, s in splits.items())
@@ -34,7 +36,7 @@ def train_texts(shard_dir: Path) -> Iterator[str]:
 
 
 def tokenizer(args: argparse.Namespace) -> None:
-    out = Path(args.out) if args.out else Path(args.data) / "tokenizer.json"
+    out = Path(args.out) if args.out else Path(args.data) / TOKENIZER
     trained = train_bpe(train_texts(Path(args.data)), args.vocab_size, out)
     print(f"wrote {out}: vocabulary {trained.vocab_size}, fingerprint {trained.fingerprint}")
 

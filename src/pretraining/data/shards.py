@@ -27,6 +27,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from pretraining.data.corpus import Document, normalize
 
 MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"  # where `pretrain-data tokenizer` puts a BPE by default
 FORMAT = "pretraining-shards/1"
 SPLITS = ("train", "validation")
 SPLIT_RULE = "validation iff int(sha256(source_id)[:16], 16) / 2**64 < validation_fraction"
@@ -189,6 +190,8 @@ def build_shards(
     """Build train/validation shards and the manifest in `out_dir`; return the manifest."""
     settings = settings or BuildSettings()
     out_dir = out_dir.resolve()
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
+        raise ShardError(f"{out_dir} is not empty and holds no {MANIFEST}; choose a new or empty --out directory")
     staging = out_dir.with_name(f".{out_dir.name}.building")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
@@ -257,7 +260,9 @@ def _manifest(sources: list[str], settings: BuildSettings, counts: BuildCounts, 
 
 
 def _swap_in(staging: Path, out_dir: Path) -> None:
-    """Replace `out_dir` by the finished `staging` directory."""
+    """Replace `out_dir` by the finished `staging` directory, keeping a tokenizer trained there."""
+    if (out_dir / TOKENIZER).is_file():
+        shutil.copy2(out_dir / TOKENIZER, staging / TOKENIZER)
     old = out_dir.with_name(f".{out_dir.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if out_dir.exists():
@@ -311,5 +316,8 @@ class Manifest:
     def shards(self, split: str) -> list[ShardInfo]:
         shards = self.splits.get(split, [])
         if not shards:
-            raise ShardError(f"{self.directory / MANIFEST} lists no {split!r} shards; rebuild with more data")
+            raise ShardError(
+                f"{self.directory / MANIFEST} lists no {split!r} shards; rebuild with more data "
+                f"(or a larger --validation-fraction)"
+            )
         return shards

@@ -79,17 +79,11 @@ class PretrainingObjective(LightningModule):
         for metric in sums.values():
             metric.reset()
         metrics = {f"val/{name}": value.float() for name, value in self.validation_metrics(totals).items()}
-        self.log_dict(metrics, prog_bar=True)
+        self.log_dict(metrics, prog_bar=True)  # already global: no sync_dist needed
         self.last_validated_step = self.global_step
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        total_steps = self.trainer.max_steps
-        if total_steps <= 0:
-            raise ValueError("trainer.max_steps must be set (> 0): the LR schedule and the infinite stream need it")
-        if self.warmup_steps >= total_steps:
-            raise ValueError(
-                f"model.warmup_steps={self.warmup_steps} is not below trainer.max_steps={total_steps}; lower it"
-            )
+        total_steps = self.trainer.max_steps  # checked against warmup_steps by config.check_config
         parameters = [p for p in self.parameters() if p.requires_grad]
         # Weight decay on matrices only: not on biases, norms or scalars.
         groups = [
