@@ -458,3 +458,10 @@ def test_build_refuses_a_non_shard_directory_and_keeps_a_trained_tokenizer(tmp_p
     (out / "tokenizer.json").write_text("{}")
     build_shards(read_source(str(corpus)), out, [str(corpus)], show_progress=False)
     assert (out / "tokenizer.json").read_text() == "{}"
+
+
+def test_jsonl_that_is_not_utf8_names_file_and_line(tmp_path):
+    corpus = tmp_path / "bad.jsonl"
+    corpus.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(CorpusError, match=r"bad\.jsonl:2 "):
+        list(read_source(str(corpus)))

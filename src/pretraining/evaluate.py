@@ -32,11 +32,13 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return checkpoint
 
 
-def build_from_checkpoint(checkpoint: dict[str, Any], data_overrides: dict[str, Any]) -> tuple[LightningModule, Any]:
+def build_from_checkpoint(
+    checkpoint: dict[str, Any], data_overrides: dict[str, Any], tokenizer_path: str | None = None
+) -> tuple[LightningModule, Any]:
     """The objective (with the checkpoint's weights) and the DataModule the checkpoint was trained with."""
     lineage = checkpoint["lineage"]
     run = OmegaConf.create(lineage["config"])
-    tokenizer = build(run.tokenizer)
+    tokenizer = build(run.tokenizer, **({"path": tokenizer_path} if tokenizer_path else {}))
     if tokenizer.fingerprint != lineage["tokenizer_fingerprint"]:
         raise ConfigError(
             f"the tokenizer at {run.tokenizer} (fingerprint {tokenizer.fingerprint}) is not the one this "
@@ -54,7 +56,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     overrides = {
         key: value for key, value in (("dir", cfg.data_dir), ("val_blocks", cfg.val_blocks)) if value is not None
     }
-    model, datamodule = build_from_checkpoint(checkpoint, overrides)
+    model, datamodule = build_from_checkpoint(checkpoint, overrides, cfg.tokenizer_path)
     trainer = Trainer(accelerator=cfg.accelerator, devices=1, logger=False, enable_checkpointing=False)
     (metrics,) = trainer.validate(model, datamodule=datamodule, verbose=False)
     result: dict[str, Any] = {"checkpoint": str(cfg.ckpt_path), "step": checkpoint["global_step"], **metrics}

@@ -62,13 +62,13 @@ def read_jsonl(path: Path, text_field: str = "text", id_field: str | None = None
     """One document per line of a `.jsonl` file (or of each such file in a directory)."""
     files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
     for file in files:
-        with file.open(encoding="utf-8") as lines:
+        with file.open("rb") as lines:
             for number, line in enumerate(lines, start=1):
                 if not line.strip():
                     continue
                 try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
+                    record = json.loads(line)  # bytes: UTF-8 (or -16/-32) is detected, anything else fails
+                except (json.JSONDecodeError, UnicodeDecodeError):
                     record = None
                 text = record.get(text_field) if isinstance(record, dict) else None
                 if not isinstance(text, str):
