@@ -45,7 +45,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
             metrics |= trainer.validate(model, datamodule=datamodule)[0]
     finally:
         finish_wandb()
-    report(trainer, metrics, trainer.loggers)
+    report(trainer, metrics)
     return metrics
 
 
@@ -57,7 +57,7 @@ def finish_wandb() -> None:
         wandb.finish()
 
 
-def report(trainer: Trainer, metrics: dict[str, float], loggers: list[Logger]) -> None:
+def report(trainer: Trainer, metrics: dict[str, float]) -> None:
     output_dir = Path(trainer.default_root_dir)
     lines = [f"run directory: {output_dir}"]
     checkpoint = trainer.checkpoint_callback
@@ -65,7 +65,7 @@ def report(trainer: Trainer, metrics: dict[str, float], loggers: list[Logger]) -
     if last and Path(last).is_file():
         lines += [f"last checkpoint: {last}", f"evaluate it: make eval CKPT={last}"]
     lines += [f"{name} = {value:.4f}" for name, value in sorted(metrics.items())]
-    hint = wandb_sync_hint(loggers)
+    hint = wandb_sync_hint(trainer.loggers)
     if hint:
         lines.append(f"W&B logged offline (no credentials); upload with: {hint}")
     rank_zero_info("\n".join(lines))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from functools import cached_property
 
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
@@ -70,9 +71,14 @@ class ShardDataModule(LightningDataModule):
         )
         return self._loader(stream, self.batch_size, self.num_workers)
 
+    @cached_property
+    def validation_set(self) -> list[dict]:
+        """All ranks' validation blocks, read once however often validation runs."""
+        return validation_blocks(self.manifest.urls("validation"), self.tokenizer, self.block_size, self.val_blocks)
+
     def val_dataloader(self) -> DataLoader:
         rank, world_size = self.rank_and_world
-        blocks = validation_blocks(self.manifest.urls("validation"), self.tokenizer, self.block_size, self.val_blocks)
+        blocks = self.validation_set
         per_rank = len(blocks) // world_size
         if per_rank == 0:
             raise ValueError(
