@@ -6,6 +6,7 @@ TORCH_VERSION ?= 2.13.0
 TORCH_INDEX ?=
 BIN := $(VENV)/bin
 DATA_DIR ?= data/stdlib
+PAIRS_DIR ?= data/stdlib_pairs
 EXPERIMENT ?= clm_tiny
 ARGS ?=
 CKPT ?=
@@ -25,15 +26,19 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
-data: install $(DATA_DIR)/manifest.json ## Build the default shards (Python standard library source)
+data: install $(DATA_DIR)/manifest.json $(PAIRS_DIR)/manifest.json ## Build the default shards: stdlib source text, and its (docstring, code) pairs
 
 $(DATA_DIR)/manifest.json: | $(VENV)/.installed
 	$(BIN)/pretrain-data build --source stdlib --out $(DATA_DIR)
 
+# More validation pairs than the text default: retrieval is scored against pools of 1000.
+$(PAIRS_DIR)/manifest.json: | $(VENV)/.installed
+	$(BIN)/pretrain-data build --pairs --source stdlib --validation-fraction 0.15 --out $(PAIRS_DIR)
+
 tokenizer: data ## Train a BPE tokenizer on the default shards (then use tokenizer=bpe)
 	$(BIN)/pretrain-data tokenizer --data $(DATA_DIR) $(ARGS)
 
-train: install data ## Train (EXPERIMENT=clm_tiny; extra Hydra overrides in ARGS="...")
+train: install data ## Train (EXPERIMENT=clm_tiny, mlm_tiny or contrastive_tiny; Hydra overrides in ARGS="...")
 	$(BIN)/pretrain experiment=$(EXPERIMENT) $(ARGS)
 
 eval: install ## Evaluate a checkpoint: make eval CKPT=path/to/last.ckpt [ARGS="..."]

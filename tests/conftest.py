@@ -14,16 +14,15 @@ from omegaconf import DictConfig
 
 from pretraining.config import CONFIG_DIR
 from pretraining.data.cli import train_texts
-from pretraining.data.corpus import read_text_files, stdlib_root
+from pretraining.data.corpus import PAIR_FIELDS, docstring_pairs, read_text_files, stdlib_root
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.tokenizer import train_bpe
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
-# A model and run small enough for a few seconds of CPU.
-TINY_RUN = [
-    "experiment=clm_tiny",
+# A model and run small enough for a few seconds of CPU, for any objective.
+TINY = [
     "logger=csv",
     "model.backbone.d_model=32",
     "model.backbone.n_layer=1",
@@ -32,12 +31,21 @@ TINY_RUN = [
     "model.warmup_steps=2",
     "data.batch_size=4",
     "data.num_workers=0",
-    "data.val_blocks=8",
+    "data.val_size=8",
     "trainer.max_steps=12",
     "trainer.val_check_interval=6",
     "callbacks.model_checkpoint.every_n_train_steps=6",
     "callbacks.text_sample.max_new_tokens=16",
 ]
+TINY_PAIRS = ["data.query_len=24", "data.passage_len=64", "data.val_batch_size=4"]
+
+
+def tiny_run(experiment: str = "clm_tiny") -> list[str]:
+    """Overrides for a tiny run of an experiment preset (its data, tokenizer and objective)."""
+    return [f"experiment={experiment}", *TINY, *(TINY_PAIRS if experiment == "contrastive_tiny" else [])]
+
+
+TINY_RUN = tiny_run()
 
 
 @pytest.fixture(scope="session")
@@ -60,13 +68,30 @@ def bpe_path(shard_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 ComposeTrain = Callable[..., DictConfig]
 
 
-@pytest.fixture
-def compose_train(tmp_path: Path, shard_dir: Path) -> ComposeTrain:
-    """Compose configs/train.yaml for a tiny run writing into tmp_path."""
+@pytest.fixture(scope="session")
+def pair_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """(docstring, code) pair shards of a few standard-library packages."""
+    out = tmp_path_factory.mktemp("data") / "pairs"
+    packages = ("json", "email", "logging", "concurrent")
+    files = itertools.chain.from_iterable(read_text_files(stdlib_root() / name) for name in packages)
+    settings = BuildSettings(validation_fraction=0.25, max_shard_samples=100)
+    sources = [f"stdlib:{name}" for name in packages]
+    build_shards(docstring_pairs(files), out, sources, settings, show_progress=False, fields=PAIR_FIELDS)
+    return out
 
-    def compose_(*overrides: str, tiny: bool = True) -> DictConfig:
-        base = [f"data.dir={shard_dir}", f"paths.output_dir={tmp_path}", f"paths.log_dir={tmp_path}/logs"]
+
+@pytest.fixture
+def compose_train(tmp_path: Path, shard_dir: Path, request: pytest.FixtureRequest) -> ComposeTrain:
+    """Compose configs/train.yaml for a tiny run of `experiment` writing into tmp_path, on the
+    test shards (text or pairs, whichever the data config reads)."""
+
+    def compose_(*overrides: str, tiny: bool = True, experiment: str = "clm_tiny") -> DictConfig:
+        base = [f"paths.output_dir={tmp_path}", f"paths.log_dir={tmp_path}/logs"]
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            return compose("train", overrides=[*base, *(TINY_RUN if tiny else []), *overrides])
+            cfg = compose("train", overrides=[*base, *(tiny_run(experiment) if tiny else []), *overrides])
+        if not any(override.startswith("data.dir=") for override in overrides):
+            pairs = cfg.data._target_.endswith("PairDataModule")
+            cfg.data.dir = str(request.getfixturevalue("pair_dir") if pairs else shard_dir)
+        return cfg
 
     return compose_

@@ -111,7 +111,7 @@ def test_round_trip_with_tarfile(corpus, dataset):
         for shard in manifest["splits"][split]["shards"]:
             for _, text, meta in tar_samples(out / shard["name"]):
                 assert expected[meta["source_id"]] == text
-                assert meta["sha256"] == hashlib.sha256(text.encode()).hexdigest()
+                assert meta["sha256"] == {"txt": hashlib.sha256(text.encode()).hexdigest()}
                 seen[meta["source_id"]] += 1
     assert seen == Counter(expected.keys())
     assert expected["texts:sub/nested.txt"] == "nested caf\u00e9 file"
@@ -149,7 +149,8 @@ def test_duplicates_empty_and_undecodable_are_dropped_and_counted(corpus, datase
 
 def test_manifest_matches_files_on_disk(dataset):
     out, manifest = dataset
-    assert manifest["format"] == "pretraining-shards/1"
+    assert manifest["format"] == "pretraining-shards/2"
+    assert manifest["fields"] == ["txt"]
     assert manifest["settings"] == {"validation_fraction": 0.3, "max_shard_samples": 4, "max_shard_bytes": 4096}
     assert len(manifest["version"]) == 16 and int(manifest["version"], 16) >= 0
     assert json.loads((out / MANIFEST).read_text()) == manifest
@@ -345,8 +346,8 @@ def test_read_text_files_source_ids_and_undecodable(corpus):
     documents = list(read_source(str(corpus)))
     by_id = {d.source_id: d for d in documents}
     assert len(documents) == len(by_id) == len([p for p in corpus.rglob("*") if p.is_file()])
-    assert by_id["texts:latin1.txt"].text is None
-    assert by_id["texts:sub/nested.txt"].text == "\n\nnested cafe\u0301 file  \n\n"
+    assert by_id["texts:latin1.txt"].texts is None
+    assert by_id["texts:sub/nested.txt"].texts == {"txt": "\n\nnested cafe\u0301 file  \n\n"}
     assert [d.source_id for d in documents] == sorted(d.source_id for d in documents)
 
 
@@ -382,22 +383,22 @@ def test_jsonl_reader(tmp_path):
     lines.append(json.dumps({"text": "thïrd 🙂"}))
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     assert list(read_source(str(path))) == [
-        Document("corpus.jsonl:1", "first"),
-        Document("corpus.jsonl:3", "ignored"),
-        Document("corpus.jsonl:5", "thïrd 🙂"),
+        Document("corpus.jsonl:1", {"txt": "first"}),
+        Document("corpus.jsonl:3", {"txt": "ignored"}),
+        Document("corpus.jsonl:5", {"txt": "thïrd 🙂"}),
     ]
     with pytest.raises(CorpusError, match=r"corpus\.jsonl:1\b"):
-        list(read_source(str(path), text_field="body"))
+        list(read_source(str(path), {"txt": "body"}))
     # A directory holding .jsonl files is read as jsonl.
-    assert [d.text for d in read_source(str(tmp_path))] == ["first", "ignored", "thïrd 🙂"]
+    assert [d.texts for d in read_source(str(tmp_path))] == [{"txt": t} for t in ("first", "ignored", "thïrd 🙂")]
 
 
 def test_jsonl_bad_line_names_file_and_line(tmp_path):
     path = tmp_path / "broken.jsonl"
     path.write_text('{"text": "ok"}\n{"text": "ok too"}\n{"text": unquoted}\n', encoding="utf-8")
     documents = read_jsonl(path)
-    assert next(documents).text == "ok"
-    assert next(documents).text == "ok too"
+    assert next(documents).texts == {"txt": "ok"}
+    assert next(documents).texts == {"txt": "ok too"}
     with pytest.raises(CorpusError, match=r"broken\.jsonl:3\b"):
         next(documents)
     path.write_text('{"text": "ok"}\n["a list"]\n', encoding="utf-8")

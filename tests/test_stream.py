@@ -6,6 +6,7 @@ import functools
 import itertools
 import random
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,20 +17,21 @@ from torch.utils.data import DataLoader
 
 from pretraining.data import stream as stream_module
 from pretraining.data.corpus import read_source
-from pretraining.data.datamodule import ShardDataModule
+from pretraining.data.datamodule import BlockDataModule
 from pretraining.data.shards import BuildSettings, Manifest, build_shards
 from pretraining.data.stream import (
     Block,
     Cursor,
+    PackedBlocks,
     ShardStream,
-    block_sample,
+    block_tensors,
     buffer_shuffled,
-    encode_sample,
+    encode_document,
     pack_blocks,
     read_shard,
     seeded_rng,
     shard_order,
-    validation_blocks,
+    validation_examples,
     worker_shard,
 )
 from pretraining.data.tokenizer import EOS_ID, ByteTokenizer
@@ -78,7 +80,7 @@ def train_urls(shard_dir) -> list[str]:
 def shard_documents(url: str) -> tuple[tuple[int, ...], ...]:
     """A shard's documents (tokens with EOS) in shard order, read straight from the tar."""
     tokenizer = ByteTokenizer()
-    return tuple(tuple(encode_sample(tokenizer, sample)) for sample in read_shard(url))
+    return tuple(tuple(encode_document(tokenizer, sample["txt"].decode())) for sample in read_shard(url))
 
 
 def shard_size(url: str) -> int:
@@ -95,6 +97,15 @@ def shuffled(urls, shard: int, epoch: int, seed: int = SEED, buffer: int = BUFFE
     documents = (list(document) for document in shard_documents(urls[shard]))
     rng = seeded_rng(seed, epoch, shard)
     return list(buffer_shuffled(pack_blocks(documents, block_size), buffer, rng))
+
+
+def blocks(dataset: ShardStream, worker: int, workers: int, start: Cursor) -> Iterator[tuple[Cursor, Block]]:
+    """The stream's (cursor, block)s for a global worker, without the sample ids."""
+    return ((cursor, block) for cursor, _, block in dataset.examples(worker, workers, start))
+
+
+def validation_blocks(urls, tokenizer, block_size: int, max_blocks: int) -> list[dict[str, torch.Tensor]]:
+    return validation_examples(urls, PackedBlocks(tokenizer, block_size), max_blocks)
 
 
 def take(dataset, count: int) -> list[dict[str, torch.Tensor]]:
@@ -193,24 +204,20 @@ def test_pack_blocks_is_lazy():
     assert len(blocks) == 3 and len(pulled) <= 5  # 49 tokens needed, 10 per document
 
 
-def test_encode_sample_appends_eos():
+def test_encode_document_appends_eos():
     tokenizer = ByteTokenizer()
-    assert encode_sample(tokenizer, {"txt": "é!".encode()}) == [*tokenizer.encode("é!"), EOS_ID]
+    assert encode_document(tokenizer, "é!") == [*tokenizer.encode("é!"), EOS_ID]
 
 
-def test_block_sample():
+def test_block_tensors():
     tokenizer = ByteTokenizer()
     (block,) = pack_blocks(iter([[*tokenizer.encode("abc"), EOS_ID], tokenizer.encode("d")]), 4)
-    sample = block_sample(block, tokenizer.token_bytes, Cursor(5, 17), worker=3)
+    sample = block_tensors(block, tokenizer.token_bytes)
     assert sample["tokens"].dtype == torch.int64 and sample["tokens"].tolist() == block.tokens
     assert sample["doc_ids"].dtype == torch.int64 and sample["doc_ids"].tolist() == [0, 0, 0, 0, 1]
     assert int(sample["target_bytes"]) == 3  # b, c, d: the first token is no target and EOS has no bytes
     weights = np.arange(300, dtype=np.int64)
-    assert int(block_sample(block, weights)["target_bytes"]) == sum(block.tokens[1:])
-    assert int(sample["worker"]) == 3
-    assert sample["cursor"].tolist() == [5, 17]
-    default = block_sample(block, tokenizer.token_bytes)
-    assert default["cursor"].tolist() == [0, 0] and int(default["worker"]) == 0
+    assert int(block_tensors(block, weights)["target_bytes"]) == sum(block.tokens[1:])
 
 
 # --- shuffling helpers -----------------------------------------------------------------------------------
@@ -256,7 +263,7 @@ def test_worker_shard_deals_epoch_permutations_round_robin():
 
 def stream(urls, seed=SEED, block_size=BLOCK, **kwargs) -> ShardStream:
     kwargs.setdefault("shuffle_buffer", BUFFER)
-    return ShardStream(urls, ByteTokenizer(), block_size, seed, **kwargs)
+    return ShardStream(urls, PackedBlocks(ByteTokenizer(), block_size), seed, **kwargs)
 
 
 def epoch_of(cursor: Cursor, urls, worker: int = 0, workers: int = 1) -> int:
@@ -268,7 +275,7 @@ def worker_blocks(
 ) -> dict[tuple[int, int], list[tuple[Cursor, Block]]]:
     """(epoch, shard) -> the (cursor, block)s a global worker reads from it, for its first `epochs` epochs."""
     seen: dict[tuple[int, int], list[tuple[Cursor, Block]]] = defaultdict(list)
-    for cursor, block in dataset.blocks(worker, workers, Cursor()):
+    for cursor, block in blocks(dataset, worker, workers, Cursor()):
         epoch, shard = worker_shard(cursor.shard, worker, workers, len(dataset.urls), dataset.seed)
         if epoch >= epochs:
             return dict(seen)
@@ -282,7 +289,7 @@ def reference(train_urls) -> list[dict[str, torch.Tensor]]:
 
 
 def test_default_shuffle_buffer():
-    assert ShardStream(["unused"], ByteTokenizer(), BLOCK, SEED).shuffle_buffer == 4096
+    assert ShardStream(["unused"], PackedBlocks(ByteTokenizer(), BLOCK), SEED).shuffle_buffer == 4096
 
 
 def test_stream_blocks_are_well_formed(reference, train_urls):
@@ -295,9 +302,9 @@ def test_stream_blocks_are_well_formed(reference, train_urls):
         assert int(sample["target_bytes"]) == int(tokenizer.token_bytes[sample["tokens"][1:].numpy()].sum())
         assert int(sample["worker"]) == 0
     # The samples are `blocks` of global worker 0 of 1, each with the cursor that follows it.
-    blocks = itertools.islice(stream(train_urls).blocks(0, 1, Cursor()), len(reference))
-    assert [(s["tokens"].tolist(), s["doc_ids"].tolist(), cursor_of(s)) for s in reference] == [
-        (b.tokens, b.doc_ids, c) for c, b in blocks
+    expected = itertools.islice(stream(train_urls).examples(0, 1, Cursor()), len(reference))
+    assert [(s["tokens"].tolist(), s["doc_ids"].tolist(), cursor_of(s), int(s["sample_id"])) for s in reference] == [
+        (b.tokens, b.doc_ids, c, sample_id) for c, sample_id, b in expected
     ]
     for url in train_urls:
         for document in shard_documents(url):
@@ -435,10 +442,10 @@ def test_workers_read_disjoint_shards_covering_each_epoch(train_urls, num_shards
 def test_workers_resume_exactly(train_urls):
     dataset = stream(train_urls[:5])
     for worker in range(3):
-        reference = list(itertools.islice(dataset.blocks(worker, 3, Cursor()), 60))
+        reference = list(itertools.islice(blocks(dataset, worker, 3, Cursor()), 60))
         ends = [k for k in range(len(reference) - 1) if reference[k + 1][0].shard != reference[k][0].shard]
         for k in [0, 7, *ends]:
-            again = itertools.islice(dataset.blocks(worker, 3, reference[k][0]), len(reference) - k - 1)
+            again = itertools.islice(blocks(dataset, worker, 3, reference[k][0]), len(reference) - k - 1)
             assert list(again) == reference[k + 1 :], (worker, k)
 
 
@@ -447,13 +454,13 @@ def test_ranks_stream_their_global_workers(train_urls, monkeypatch):
     rows = []
     for rank in (0, 1):
         mine = take(stream(train_urls, rank=rank, world_size=2), 30)
-        expected = itertools.islice(dataset.blocks(rank, 2, Cursor()), 30)
+        expected = itertools.islice(blocks(dataset, rank, 2, Cursor()), 30)
         assert [(s["tokens"].tolist(), cursor_of(s)) for s in mine] == [(b.tokens, c) for c, b in expected]
         rows.append({tuple(s["tokens"].tolist()) for s in mine})
     assert rows[0].isdisjoint(rows[1])
     # Inside DataLoader worker 1 of 2, rank 1 of 3 is global worker 3 of 6 and resumes from its own cursor.
     monkeypatch.setattr(stream_module, "get_worker_info", lambda: SimpleNamespace(id=1, num_workers=2))
-    expected = list(itertools.islice(dataset.blocks(3, 6, Cursor()), 30))
+    expected = list(itertools.islice(blocks(dataset, 3, 6, Cursor()), 30))
     mine = take(stream(train_urls, rank=1, world_size=3), 30)
     assert [(s["tokens"].tolist(), cursor_of(s), int(s["worker"])) for s in mine] == [
         (b.tokens, c, 1) for c, b in expected
@@ -503,8 +510,8 @@ def test_no_whole_block_raises(train_urls, shard_dir):
     with pytest.raises(ValueError, match=r"data\.block_size"):
         next(iter(dataset))
     with pytest.raises(ValueError, match=r"data\.block_size"):
-        next(dataset.blocks(2, 3, Cursor(7, 0)))
-    dm = ShardDataModule(str(shard_dir), ByteTokenizer(), block_size=biggest, batch_size=2, num_workers=0)
+        next(blocks(dataset, 2, 3, Cursor(7, 0)))
+    dm = BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=biggest, batch_size=2, num_workers=0)
     with pytest.raises(ValueError, match=r"data\.block_size"):
         next(iter(dm.train_dataloader()))
     # One token fewer, and the biggest shard holds exactly one block: all of it.
@@ -524,7 +531,7 @@ def test_shards_without_a_whole_block_are_skipped(train_urls):
     for (epoch, shard), items in seen.items():
         expected = shuffled(train_urls, shard, epoch, block_size=block_size)
         assert [pair(block) for _, block in items] == [pair(block) for block in expected]
-    for cursor, _ in itertools.islice(dataset.blocks(0, 1, Cursor()), 30):
+    for cursor, _ in itertools.islice(blocks(dataset, 0, 1, Cursor()), 30):
         assert worker_shard(cursor.shard, 0, 1, len(train_urls), SEED)[1] in full
 
 
@@ -533,8 +540,8 @@ def test_one_empty_shard_of_two_does_not_stop_the_stream(train_urls):
     urls = [small, big]
     block_size = shard_size(small)  # `small` holds no block, `big` does
     for worker, workers in [(0, 1), (0, 2), (1, 2)]:
-        blocks = list(itertools.islice(stream(urls, block_size=block_size).blocks(worker, workers, Cursor()), 20))
-        assert all(worker_shard(c.shard, worker, workers, 2, SEED)[1] == 1 for c, _ in blocks)
+        read = list(itertools.islice(blocks(stream(urls, block_size=block_size), worker, workers, Cursor()), 20))
+        assert all(worker_shard(c.shard, worker, workers, 2, SEED)[1] == 1 for c, _ in read)
 
 
 # --- validation blocks ---------------------------------------------------------------------------------
@@ -547,12 +554,15 @@ def test_validation_blocks(shard_dir):
     flat = [t for url in urls for document in shard_documents(url) for t in document]
     assert len(everything) == (len(flat) - 1) // 16 > 6
     assert unpack([b["tokens"].tolist() for b in everything]) == flat[: 1 + 16 * len(everything)]
-    for block in everything:
-        assert block["cursor"].tolist() == [0, 0] and int(block["worker"]) == 0
+    assert [int(block["sample_id"]) for block in everything] == list(range(len(everything)))
     first = validation_blocks(urls, tokenizer, 16, max_blocks=5)
     assert len(first) == 5
-    assert [plain(b) for b in first] == [plain(b) for b in everything[:5]]
-    assert [plain(b) for b in validation_blocks(urls, tokenizer, 16, max_blocks=5)] == [plain(b) for b in first]
+
+    def fields(block: dict[str, torch.Tensor]) -> tuple:
+        return block["tokens"].tolist(), block["doc_ids"].tolist(), int(block["target_bytes"])
+
+    assert [fields(b) for b in first] == [fields(b) for b in everything[:5]]
+    assert [fields(b) for b in validation_blocks(urls, tokenizer, 16, max_blocks=5)] == [fields(b) for b in first]
 
 
 def test_validation_blocks_pack_across_shards_in_manifest_order(train_urls):
@@ -564,11 +574,11 @@ def test_validation_blocks_pack_across_shards_in_manifest_order(train_urls):
     assert unpack([b["tokens"].tolist() for b in blocks]) == flat[: 1 + 16 * len(blocks)]
 
 
-# --- ShardDataModule -----------------------------------------------------------------------------------
+# --- BlockDataModule -----------------------------------------------------------------------------------
 
 
 def test_datamodule_train_batches(shard_dir):
-    dm = ShardDataModule(dir=str(shard_dir), tokenizer=ByteTokenizer(), block_size=32, batch_size=4, num_workers=0)
+    dm = BlockDataModule(dir=str(shard_dir), tokenizer=ByteTokenizer(), block_size=32, batch_size=4, num_workers=0)
     loader = dm.train_dataloader()
     assert loader.dataset.shuffle_buffer == 4096
     batch = next(iter(loader))
@@ -584,7 +594,7 @@ def test_datamodule_validation_is_split_across_ranks(shard_dir):
     blocks = validation_blocks(Manifest.load(shard_dir).urls("validation"), ByteTokenizer(), 32, 7)
     rows = []
     for rank in (0, 1):
-        dm = ShardDataModule(str(shard_dir), ByteTokenizer(), block_size=32, batch_size=2, num_workers=0, val_blocks=7)
+        dm = BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=32, batch_size=2, num_workers=0, val_size=7)
         dm.trainer = SimpleNamespace(global_rank=rank, world_size=2)
         mine = [tuple(row) for batch in dm.val_dataloader() for row in batch["tokens"].tolist()]
         assert mine == [tuple(b["tokens"].tolist()) for b in blocks[rank::2][:3]]
@@ -594,7 +604,7 @@ def test_datamodule_validation_is_split_across_ranks(shard_dir):
 
 
 def test_datamodule_validation_needs_a_block_per_rank(shard_dir):
-    dm = ShardDataModule(str(shard_dir), ByteTokenizer(), block_size=32, batch_size=2, num_workers=0, val_blocks=1)
+    dm = BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=32, batch_size=2, num_workers=0, val_size=1)
     dm.trainer = SimpleNamespace(global_rank=0, world_size=2)
     with pytest.raises(ValueError, match="fewer than 2 ranks"):
         dm.val_dataloader()
@@ -602,14 +612,14 @@ def test_datamodule_validation_needs_a_block_per_rank(shard_dir):
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("block_size", 0), ("batch_size", 0), ("num_workers", -1), ("shuffle_buffer", 0), ("val_blocks", 0)],
+    [("block_size", 0), ("batch_size", 0), ("num_workers", -1), ("shuffle_buffer", 0), ("val_size", 0)],
 )
 def test_datamodule_rejects_invalid_values(shard_dir, key, value):
     kwargs = {"block_size": 32, "batch_size": 4, "num_workers": 0, key: value}
     with pytest.raises(ValueError, match=rf"data\.{key}={value}"):
-        ShardDataModule(str(shard_dir), ByteTokenizer(), **kwargs)
+        BlockDataModule(str(shard_dir), ByteTokenizer(), **kwargs)
 
 
 def test_datamodule_missing_dir(tmp_path):
     with pytest.raises(ValueError, match="pretrain-data build"):
-        ShardDataModule(str(tmp_path), ByteTokenizer(), block_size=32, batch_size=4)
+        BlockDataModule(str(tmp_path), ByteTokenizer(), block_size=32, batch_size=4)

@@ -38,12 +38,14 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(
             f"model.warmup_steps={warmup_steps} is not below trainer.max_steps={max_steps}: lower the warmup"
         )
-    block_size, max_seq_len = cfg.data.block_size, cfg.model.backbone.max_seq_len
-    if block_size > max_seq_len:
-        raise ConfigError(
-            f"data.block_size={block_size} exceeds model.backbone.max_seq_len={max_seq_len}: "
-            f"lower data.block_size or raise model.backbone.max_seq_len"
-        )
+    max_seq_len = cfg.model.backbone.max_seq_len
+    for key in ("block_size", "query_len", "passage_len"):  # the sequence lengths a data config can set
+        length = cfg.data.get(key)
+        if length is not None and length > max_seq_len:
+            raise ConfigError(
+                f"data.{key}={length} exceeds model.backbone.max_seq_len={max_seq_len}: "
+                f"lower data.{key} or raise model.backbone.max_seq_len"
+            )
 
 
 def build(node: DictConfig, **kwargs: Any) -> Any:

@@ -18,7 +18,7 @@ from lightning.pytorch import LightningModule, Trainer
 from omegaconf import DictConfig, OmegaConf
 
 from pretraining.config import CONFIG_DIR, ConfigError, build
-from pretraining.objectives import CausalLM
+from pretraining.objectives import CausalLM, build_objective
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -45,7 +45,7 @@ def build_from_checkpoint(
             f"checkpoint was trained with ({lineage['tokenizer_fingerprint']}); restore that tokenizer file"
         )
     datamodule = build(run.data, tokenizer=tokenizer, **data_overrides)
-    model = build(run.model, backbone={"vocab_size": tokenizer.vocab_size})
+    model = build_objective(run.model, tokenizer, datamodule.kind)
     model.load_state_dict(checkpoint["state_dict"])
     return model, datamodule
 
@@ -53,9 +53,7 @@ def build_from_checkpoint(
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Validation metrics of `cfg.ckpt_path` and a sample, also written to metrics.json."""
     checkpoint = load_checkpoint(cfg.ckpt_path)
-    overrides = {
-        key: value for key, value in (("dir", cfg.data_dir), ("val_blocks", cfg.val_blocks)) if value is not None
-    }
+    overrides = {key: value for key, value in (("dir", cfg.data_dir), ("val_size", cfg.val_size)) if value is not None}
     model, datamodule = build_from_checkpoint(checkpoint, overrides, cfg.tokenizer_path)
     trainer = Trainer(accelerator=cfg.accelerator, devices=1, logger=False, enable_checkpointing=False)
     (metrics,) = trainer.validate(model, datamodule=datamodule, verbose=False)

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from pretraining.callbacks.lineage import Lineage, code_revision
 from pretraining.config import CONFIG_DIR, PROJECT_ROOT, build, check_config
 from pretraining.loggers import wandb_sync_hint
+from pretraining.objectives import build_objective
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -26,7 +27,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     seed_everything(cfg.seed, workers=True)
     tokenizer = build(cfg.tokenizer)
     datamodule = build(cfg.data, tokenizer=tokenizer)
-    model = build(cfg.model, backbone={"vocab_size": tokenizer.vocab_size})
+    model = build_objective(cfg.model, tokenizer, datamodule.kind)
 
     config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
     lineage = Lineage(config, datamodule.manifest.version, tokenizer.fingerprint, code_revision(PROJECT_ROOT))

@@ -6,18 +6,45 @@ import argparse
 import itertools
 import sys
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
-from pretraining.data.corpus import CorpusError, read_source
+from pretraining.data.corpus import (
+    PAIR_FIELDS,
+    TEXT_FIELDS,
+    CorpusError,
+    Document,
+    PairCounts,
+    docstring_pairs,
+    is_jsonl_source,
+    read_source,
+)
 from pretraining.data.shards import TOKENIZER, BuildSettings, Manifest, ShardError, build_shards
-from pretraining.data.stream import read_shard
+from pretraining.data.stream import SkipCounter
 from pretraining.data.tokenizer import train_bpe
+
+
+def read_documents(source: str, args: argparse.Namespace, counts: PairCounts) -> Iterator[Document]:
+    """Text documents, or with --pairs: pairs from jsonl fields, or docstring pairs from Python source."""
+    if not args.pairs:
+        return read_source(source, {"txt": args.text_field})
+    documents = read_source(source, {"query.txt": args.query_field, "passage.txt": args.passage_field})
+    return documents if is_jsonl_source(source) else docstring_pairs(documents, counts)
 
 
 def build(args: argparse.Namespace) -> None:
     settings = BuildSettings(args.validation_fraction, args.shard_samples, args.shard_bytes)
-    documents = itertools.chain.from_iterable(read_source(s, args.text_field) for s in args.source)
-    manifest = build_shards(documents, Path(args.out), args.source, settings, show_progress=not args.quiet)
+    counts = PairCounts()
+    documents = itertools.chain.from_iterable(read_documents(s, args, counts) for s in args.source)
+    manifest = build_shards(
+        documents,
+        Path(args.out),
+        args.source,
+        settings,
+        show_progress=not args.quiet,
+        fields=PAIR_FIELDS if args.pairs else TEXT_FIELDS,
+        provenance=(lambda: {"docstring_pairs": asdict(counts)}) if args.pairs else None,
+    )
     dedup, splits = manifest["dedup"], manifest["splits"]
     if splits["validation"]["documents"] == 0:
         print("warning: no validation documents; training needs some: raise --validation-fraction")
@@ -27,12 +54,15 @@ def build(args: argparse.Namespace) -> None:
         + f"; dropped {dedup['exact_duplicates_dropped']} duplicates, {dedup['empty_dropped']} empty, "
         f"{dedup['undecodable_dropped']} not UTF-8"
     )
+    if counts.files:
+        print(f"docstring pairs: {asdict(counts)}")
 
 
 def train_texts(shard_dir: Path) -> Iterator[str]:
-    for url in Manifest.load(shard_dir).urls("train"):
-        for sample in read_shard(url):
-            yield sample["txt"].decode("utf-8")
+    """Every text of every training sample (both sides of pairs)."""
+    manifest = Manifest.load(shard_dir)
+    for texts in SkipCounter().decoded(manifest.urls("train"), manifest.fields):
+        yield from texts
 
 
 def tokenizer(args: argparse.Namespace) -> None:
@@ -48,6 +78,14 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--source", action="append", default=None, help="'stdlib', a text directory or a .jsonl file")
     b.add_argument("--out", required=True, help="shard directory (replaced only when the build completes)")
     b.add_argument("--text-field", default="text", help="jsonl field holding the text")
+    b.add_argument(
+        "--pairs",
+        action="store_true",
+        help="build (query, passage) pairs for contrastive training: (docstring, code) from Python "
+        "sources, or two jsonl fields",
+    )
+    b.add_argument("--query-field", default="query", help="jsonl field holding the query (with --pairs)")
+    b.add_argument("--passage-field", default="passage", help="jsonl field holding the passage (with --pairs)")
     b.add_argument("--validation-fraction", type=float, default=BuildSettings.validation_fraction)
     b.add_argument("--shard-samples", type=int, default=BuildSettings.max_shard_samples)
     b.add_argument("--shard-bytes", type=int, default=BuildSettings.max_shard_bytes)

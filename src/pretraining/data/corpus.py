@@ -4,27 +4,46 @@ A source is named by a string: `stdlib` (the Python standard library's own
 source, present wherever Python is), a directory of text files, or a `.jsonl`
 file (or a directory of them) with a text field. Adding a corpus means adding
 one reader here and registering it in `read_source`.
+
+A document is one or more named texts. Plain text has one field, `txt`; a pair
+for contrastive training has two, `query.txt` and `passage.txt`. Pairs come
+from jsonl (two fields) or from Python source, where `docstring_pairs` turns
+each documented function or class into (first docstring paragraph, code
+without its docstring).
 """
 
 from __future__ import annotations
 
+import ast
+import inspect
 import json
 import sysconfig
+import textwrap
 import unicodedata
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
+
+TEXT_FIELDS: tuple[str, ...] = ("txt",)
+# WebDataset splits a member name at its first dot: key "train-000000001", field "query.txt".
+PAIR_FIELDS: tuple[str, ...] = ("query.txt", "passage.txt")
 
 
 @dataclass(frozen=True)
 class Document:
-    """One document. `source_id` is stable across builds and decides the split.
+    """One sample. `source_id` is stable across builds and decides the split;
+    every pair taken from one file shares the file's id, so a file never spans
+    two splits.
 
-    `text` is None for a file that is not valid UTF-8: the builder counts and drops it.
+    `texts` maps field names to texts; it is None for a file that is not valid
+    UTF-8 (the builder counts and drops it). `meta` is extra provenance stored
+    with the sample.
     """
 
     source_id: str
-    text: str | None
+    texts: dict[str, str] | None
+    meta: dict[str, str] = field(default_factory=dict)
 
 
 class CorpusError(ValueError):
@@ -49,17 +68,23 @@ def read_stdlib() -> Iterator[Document]:
         relative = path.relative_to(root)
         if "site-packages" in relative.parts:
             continue
-        yield from _read_text_file(path, f"stdlib:{relative.as_posix()}")
+        yield _read_text_file(path, f"stdlib:{relative.as_posix()}")
 
 
 def read_text_files(root: Path, pattern: str = "**/*") -> Iterator[Document]:
     """Every file under `root` matching `pattern`, one document per file."""
     for path in sorted(p for p in root.glob(pattern) if p.is_file()):
-        yield from _read_text_file(path, f"{root.name}:{path.relative_to(root).as_posix()}")
+        yield _read_text_file(path, f"{root.name}:{path.relative_to(root).as_posix()}")
 
 
-def read_jsonl(path: Path, text_field: str = "text", id_field: str | None = None) -> Iterator[Document]:
-    """One document per line of a `.jsonl` file (or of each such file in a directory)."""
+def read_jsonl(
+    path: Path, text_fields: dict[str, str] | None = None, id_field: str | None = None
+) -> Iterator[Document]:
+    """One document per line of a `.jsonl` file (or of each such file in a directory).
+
+    `text_fields` maps each document field to the JSON key holding it (default: `txt` <- `text`).
+    """
+    text_fields = text_fields or {"txt": "text"}
     files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
     for file in files:
         with file.open("rb") as lines:
@@ -70,18 +95,19 @@ def read_jsonl(path: Path, text_field: str = "text", id_field: str | None = None
                     record = json.loads(line)  # bytes: UTF-8 (or -16/-32) is detected, anything else fails
                 except (json.JSONDecodeError, UnicodeDecodeError):
                     record = None
-                text = record.get(text_field) if isinstance(record, dict) else None
-                if not isinstance(text, str):
+                texts = {name: record.get(key) for name, key in text_fields.items()} if isinstance(record, dict) else {}
+                if not texts or not all(isinstance(text, str) for text in texts.values()):
+                    keys = " and ".join(repr(key) for key in text_fields.values())
                     raise CorpusError(
-                        f"{file}:{number} is not a JSON object with a string {text_field!r} field; "
-                        f"fix the line or pass --text-field with the right field name"
+                        f"{file}:{number} is not a JSON object with string {keys} fields; fix the line "
+                        f"or name the right fields (--text-field, or --query-field/--passage-field with --pairs)"
                     )
                 source_id = str(record[id_field]) if id_field else f"{file.name}:{number}"
-                yield Document(source_id, text)
+                yield Document(source_id, cast(dict[str, str], texts))
 
 
-def read_source(source: str, text_field: str = "text") -> Iterator[Document]:
-    """Dispatch a source string to its reader."""
+def read_source(source: str, text_fields: dict[str, str] | None = None) -> Iterator[Document]:
+    """Dispatch a source string to its reader (`text_fields` is for jsonl)."""
     if source == "stdlib":
         return read_stdlib()
     path = Path(source)
@@ -90,16 +116,106 @@ def read_source(source: str, text_field: str = "text") -> Iterator[Document]:
             f"corpus source {source!r} does not exist; pass an existing directory, a .jsonl file, "
             f"or 'stdlib' for the built-in Python standard library corpus"
         )
-    if path.suffix == ".jsonl" or (path.is_dir() and any(path.rglob("*.jsonl"))):
-        return read_jsonl(path, text_field)
+    if is_jsonl_source(source):
+        return read_jsonl(path, text_fields)
     if path.is_dir():
         return read_text_files(path)
     raise CorpusError(f"corpus source {source!r} is a file but not .jsonl; pass its directory instead")
 
 
-def _read_text_file(path: Path, source_id: str) -> Iterator[Document]:
+def is_jsonl_source(source: str) -> bool:
+    """A `.jsonl` file, or a directory holding some: read as jsonl records, not as text files."""
+    path = Path(source)
+    return path.suffix == ".jsonl" or (path.is_dir() and any(path.rglob("*.jsonl")))
+
+
+def _read_text_file(path: Path, source_id: str) -> Document:
     try:
-        text: str | None = path.read_text(encoding="utf-8")
+        return Document(source_id, {"txt": path.read_text(encoding="utf-8")})
     except UnicodeDecodeError:
-        text = None
-    yield Document(source_id, text)
+        return Document(source_id, None)
+
+
+# --- (docstring, code) pairs from Python source ------------------------------------------------------
+
+MIN_DOCSTRING_WORDS = 3
+
+
+@dataclass
+class PairCounts:
+    """What `docstring_pairs` found, for the manifest's provenance."""
+
+    files: int = 0
+    unparsable_files: int = 0
+    documented: int = 0
+    trivial_docstrings: int = 0
+    excluded_names: int = 0
+    pairs: int = 0
+
+
+def docstring_pairs(documents: Iterable[Document], counts: PairCounts | None = None) -> Iterator[Document]:
+    """(docstring, code) pairs of the documented functions, methods and classes of Python files.
+
+    The query is the docstring's first paragraph (at least MIN_DOCSTRING_WORDS words); the
+    passage is the definition's source with that docstring removed, or the task would be
+    string matching. Dunder methods and tests are left out, as in CodeSearchNet. Files that
+    are not Python (or not UTF-8) yield nothing.
+    """
+    counts = counts if counts is not None else PairCounts()
+    for document in documents:
+        if document.texts is None or not document.source_id.endswith(".py"):
+            continue
+        counts.files += 1
+        source = document.texts["txt"]
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            counts.unparsable_files += 1
+            continue
+        lines = source.splitlines(keepends=True)
+        for qualname, kind, node in _definitions(tree):
+            docstring = ast.get_docstring(node)
+            if not docstring:
+                continue
+            counts.documented += 1
+            name = qualname.rsplit(".", 1)[-1]
+            if (name.startswith("__") and name.endswith("__")) or name.startswith("test"):
+                counts.excluded_names += 1
+                continue
+            query = inspect.cleandoc(docstring).split("\n\n", 1)[0].strip()
+            if len(query.split()) < MIN_DOCSTRING_WORDS:
+                counts.trivial_docstrings += 1
+                continue
+            counts.pairs += 1
+            texts = {"query.txt": query, "passage.txt": _code_without_docstring(lines, node)}
+            yield Document(document.source_id, texts, {"name": qualname, "kind": kind})
+
+
+Definition = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+
+
+def _definitions(tree: ast.AST, prefix: str = "", in_class: bool = False) -> Iterator[tuple[str, str, Definition]]:
+    """(qualified name, kind, node) of every function, method and class, nested ones included."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, Definition):
+            qualname = f"{prefix}{node.name}"
+            kind = "class" if isinstance(node, ast.ClassDef) else "method" if in_class else "function"
+            yield qualname, kind, node
+            yield from _definitions(node, f"{qualname}.", isinstance(node, ast.ClassDef))
+        else:
+            yield from _definitions(node, prefix, in_class)
+
+
+def _code_without_docstring(lines: list[str], node: Definition) -> str:
+    """The definition's source (decorators included), dedented, with its docstring cut out."""
+    docstring = node.body[0]
+    assert docstring.end_lineno is not None and docstring.end_col_offset is not None and node.end_lineno is not None
+    start = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
+    # Columns are UTF-8 byte offsets; cut the docstring out of its own lines by bytes.
+    first, last = docstring.lineno - 1, docstring.end_lineno - 1
+    before = lines[first].encode()[: docstring.col_offset].decode()
+    after = lines[last].encode()[docstring.end_col_offset :].decode()
+    joined = before + after
+    middle = [] if not joined.strip() else [joined if joined.endswith("\n") else joined + "\n"]
+    code = "".join(lines[start:first] + middle + lines[last + 1 : node.end_lineno])
+    return textwrap.dedent(code).rstrip()

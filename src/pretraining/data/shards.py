@@ -2,7 +2,9 @@
 
 `build_shards` turns documents into `train-NNNNNN.tar` / `validation-NNNNNN.tar`
 shards plus a `manifest.json` (per-shard samples, bytes, sha256; dataset
-sources, settings, dedup counts, split rule and a version hash). The whole
+fields, sources, settings, dedup counts, split rule, provenance and a version
+hash). A sample holds one tar member per text field (`<key>.txt`, or
+`<key>.query.txt` and `<key>.passage.txt` for pairs) and `<key>.json` metadata. The whole
 dataset is built in a staging directory and swapped in only when complete, so
 a crash never leaves a half-written shard or manifest where a good one was.
 
@@ -18,17 +20,17 @@ import os
 import platform
 import shutil
 import tarfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from pretraining.data.corpus import Document, normalize
+from pretraining.data.corpus import TEXT_FIELDS, Document, normalize
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"  # where `pretrain-data tokenizer` puts a BPE by default
-FORMAT = "pretraining-shards/1"
+FORMAT = "pretraining-shards/2"
 SPLITS = ("train", "validation")
 SPLIT_RULE = "validation iff int(sha256(source_id)[:16], 16) / 2**64 < validation_fraction"
 
@@ -116,8 +118,9 @@ class _ShardWriter:
         self.shards: list[ShardInfo] = []
         self._tar: tarfile.TarFile | None = None
 
-    def write(self, key: str, text: str, meta: dict) -> None:
-        members = {"txt": text.encode(), "json": json.dumps(meta, sort_keys=True).encode()}
+    def write(self, key: str, texts: dict[str, str], meta: dict) -> None:
+        members = {name: text.encode() for name, text in texts.items()}
+        members["json"] = json.dumps(meta, sort_keys=True).encode()
         size = sum(_member_bytes(len(data)) for data in members.values())
         if self._tar is None or self._full(size):
             self._finish_shard()
@@ -128,7 +131,7 @@ class _ShardWriter:
             info.size, info.mtime, info.mode = len(data), 0, 0o444
             self._tar.addfile(info, io.BytesIO(data))
         self._samples += 1
-        self._text_bytes += len(members["txt"])
+        self._text_bytes += sum(len(members[name]) for name in texts)
 
     def close(self) -> list[ShardInfo]:
         self._finish_shard()
@@ -160,24 +163,28 @@ class _ShardWriter:
         self._tar = None
 
 
-def deduplicated(documents: Iterable[Document], counts: BuildCounts) -> Iterator[tuple[Document, str]]:
-    """Normalise, drop undecodable, empty and exactly repeated documents; yield (doc, text sha256)."""
+def deduplicated(documents: Iterable[Document], counts: BuildCounts) -> Iterator[tuple[Document, dict[str, str]]]:
+    """Normalise; drop undecodable documents, those with an empty text, and those with any text
+    seen before; yield (document, sha256 of each text).
+
+    For pairs a repeated query or passage is dropped too: two pairs sharing a text would be
+    each other's false negatives in a contrastive batch."""
     seen: set[str] = set()
     for document in documents:
         counts.read += 1
-        if document.text is None:
+        if document.texts is None:
             counts.undecodable += 1
             continue
-        text = normalize(document.text)
-        if not text:
+        texts = {name: normalize(text) for name, text in document.texts.items()}
+        if not all(texts.values()):
             counts.empty += 1
             continue
-        digest = hashlib.sha256(text.encode()).hexdigest()
-        if digest in seen:
+        digests = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in texts.items()}
+        if not seen.isdisjoint(digests.values()):
             counts.exact_duplicates += 1
             continue
-        seen.add(digest)
-        yield Document(document.source_id, text), digest
+        seen.update(digests.values())
+        yield Document(document.source_id, texts, document.meta), digests
 
 
 def build_shards(
@@ -186,8 +193,13 @@ def build_shards(
     sources: list[str],
     settings: BuildSettings | None = None,
     show_progress: bool = True,
+    fields: tuple[str, ...] = TEXT_FIELDS,
+    provenance: Callable[[], dict] | None = None,
 ) -> dict:
-    """Build train/validation shards and the manifest in `out_dir`; return the manifest."""
+    """Build train/validation shards and the manifest in `out_dir`; return the manifest.
+
+    Every document must have exactly `fields`. `provenance`, called once the documents are
+    consumed, adds what the readers counted (e.g. pair extraction) to the manifest."""
     settings = settings or BuildSettings()
     out_dir = out_dir.resolve()
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
@@ -196,7 +208,7 @@ def build_shards(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        manifest = _write_dataset(documents, staging, sources, settings, show_progress)
+        manifest = _write_dataset(documents, staging, sources, settings, show_progress, fields, provenance)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # out_dir keeps the previous good dataset
         raise
@@ -205,7 +217,13 @@ def build_shards(
 
 
 def _write_dataset(
-    documents: Iterable[Document], staging: Path, sources: list[str], settings: BuildSettings, show_progress: bool
+    documents: Iterable[Document],
+    staging: Path,
+    sources: list[str],
+    settings: BuildSettings,
+    show_progress: bool,
+    fields: tuple[str, ...],
+    provenance: Callable[[], dict] | None,
 ) -> dict:
     """Write shards and manifest into `staging`; return the manifest."""
     writers = {split: _ShardWriter(staging, split, settings) for split in SPLITS}
@@ -213,10 +231,14 @@ def _write_dataset(
     columns = (SpinnerColumn(), TextColumn("building shards: {task.completed} documents kept"), TimeElapsedColumn())
     with Progress(*columns, disable=not show_progress, transient=True) as progress:
         task = progress.add_task("build", total=None)
-        for document, digest in deduplicated(documents, counts):
+        for document, digests in deduplicated(documents, counts):
+            assert document.texts is not None
+            if tuple(document.texts) != fields:
+                raise ShardError(f"{document.source_id} has fields {tuple(document.texts)}, expected {fields}")
             split = split_of(document.source_id, settings.validation_fraction)
             key = f"{split}-{counts.kept[split]:09d}"
-            writers[split].write(key, document.text or "", {"source_id": document.source_id, "sha256": digest})
+            meta = {"source_id": document.source_id, "sha256": digests, **document.meta}
+            writers[split].write(key, document.texts, meta)
             counts.kept[split] += 1
             progress.advance(task)
     shards = {split: writer.close() for split, writer in writers.items()}
@@ -225,21 +247,26 @@ def _write_dataset(
             f"no training documents in {sources} ({counts.read} read, {counts.empty} empty, "
             f"{counts.undecodable} not UTF-8, {counts.exact_duplicates} duplicates); point at a non-empty corpus"
         )
-    manifest = _manifest(sources, settings, counts, shards)
+    extra = {"provenance": provenance()} if provenance else {}
+    manifest = _manifest(sources, settings, counts, shards, fields) | extra
     write_atomically(staging / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     return manifest
 
 
-def _manifest(sources: list[str], settings: BuildSettings, counts: BuildCounts, shards: dict) -> dict:
+def _manifest(
+    sources: list[str], settings: BuildSettings, counts: BuildCounts, shards: dict, fields: tuple[str, ...]
+) -> dict:
     body = {
         "format": FORMAT,
+        "fields": list(fields),
         "sources": sources,
         "python": platform.python_version(),
         "settings": asdict(settings),
         "split_rule": SPLIT_RULE,
         "normalization": "NFC, \\n newlines, trailing whitespace and leading blank lines stripped",
         "dedup": {
-            "method": "exact sha256 of normalised text, first occurrence in source order kept",
+            "method": "exact sha256 of each normalised text field; a document repeating any text seen "
+            "before in source order is dropped",
             "documents_read": counts.read,
             "undecodable_dropped": counts.undecodable,
             "empty_dropped": counts.empty,
@@ -255,7 +282,8 @@ def _manifest(sources: list[str], settings: BuildSettings, counts: BuildCounts, 
         },
     }
     # The version names the data, not the build: same shards and settings, same version.
-    version = hashlib.sha256(json.dumps(body["splits"], sort_keys=True).encode()).hexdigest()[:16]
+    named = {"fields": body["fields"], "splits": body["splits"]}
+    version = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
     return {"version": version, **body}
 
 
@@ -278,6 +306,7 @@ class Manifest:
     directory: Path
     version: str
     splits: dict[str, list[ShardInfo]]
+    fields: tuple[str, ...] = TEXT_FIELDS
 
     @classmethod
     def load(cls, directory: str | Path, verify_checksums: bool = True) -> Manifest:
@@ -291,7 +320,7 @@ class Manifest:
         try:
             raw = json.loads(path.read_text())
             splits = {name: [ShardInfo(**s) for s in split["shards"]] for name, split in raw["splits"].items()}
-            manifest = cls(directory, raw["version"], splits)
+            manifest = cls(directory, raw["version"], splits, tuple(raw.get("fields", TEXT_FIELDS)))
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ShardError(f"{path} is not a valid manifest ({error}); rebuild with `pretrain-data build`") from error
         manifest.check(verify_checksums)

@@ -27,6 +27,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     token_bytes: np.ndarray
     fingerprint: str
+    mask_id: int | None  # MASK_ID, or None for a tokenizer without a mask token (no masked-LM)
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -40,6 +41,7 @@ class ByteTokenizer:
         offset = len(SPECIAL_TOKENS)
         self._offset = offset
         self.vocab_size = 256 + offset
+        self.mask_id: int | None = MASK_ID
         self.token_bytes = np.array([0] * offset + [1] * 256, dtype=np.int64)
         self.fingerprint = hashlib.sha256(f"bytes/v1:{','.join(SPECIAL_TOKENS)}".encode()).hexdigest()[:16]
 
@@ -72,6 +74,7 @@ class BPETokenizer:
                     "retrain it with `pretrain-data tokenizer`"
                 )
         self.vocab_size = self._tokenizer.get_vocab_size()
+        self.mask_id: int | None = MASK_ID
         self.token_bytes = _byte_level_lengths(self._tokenizer.get_vocab(), self.vocab_size)
         self.fingerprint = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
 

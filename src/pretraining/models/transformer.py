@@ -24,11 +24,18 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`mask` (batch, 1, length, length) or broadcastable, True where attention is allowed; None for
+        no padding, which keeps the fused causal kernels."""
         batch, length, width = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=self.causal
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=self.causal and mask is None,
         )
         return self.proj(y.transpose(1, 2).reshape(batch, length, width))
 
@@ -53,8 +60,8 @@ class Block(nn.Module):
         self.mlp = MLP(d_model, dropout, bias)
         self.residual_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.residual_dropout(self.attention(self.attention_norm(x)))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.residual_dropout(self.attention(self.attention_norm(x), mask))
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -83,15 +90,17 @@ class Transformer(nn.Module):
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"model.backbone.dropout={dropout} must be in [0, 1)")
         self.vocab_size, self.max_seq_len, self.n_layer, self.causal = vocab_size, max_seq_len, n_layer, causal
+        self.d_model = d_model
         padded_vocab = math.ceil(vocab_size / 64) * 64
         self.token_embedding = nn.Embedding(padded_vocab, d_model)
         self.position_embedding = nn.Embedding(max_seq_len, d_model)
         self.dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_head, dropout, bias, causal) for _ in range(n_layer))
         self.final_norm = nn.LayerNorm(d_model, bias=bias)
-        self._init_weights()
+        self.init_weights()
 
-    def _init_weights(self) -> None:
+    def init_weights(self) -> None:
+        """Draw fresh weights: N(0, 0.02), residual projections scaled down, zero biases."""
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear | nn.Embedding):
                 # GPT-2: projections into the residual stream are scaled down so its variance stays flat in depth.
@@ -100,16 +109,28 @@ class Transformer(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Hidden states (batch, length, d_model) for token ids (batch, length)."""
+    def forward(self, tokens: torch.Tensor, attend: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states (batch, length, d_model) for token ids (batch, length).
+
+        `attend` (batch, length) is False at padding: no position attends to it. Packed blocks
+        have no padding and pass None.
+        """
         length = tokens.shape[1]
         if length > self.max_seq_len:
             raise ValueError(f"sequence of {length} tokens exceeds model.backbone.max_seq_len={self.max_seq_len}")
         positions = torch.arange(length, device=tokens.device)
         x = self.dropout(self.token_embedding(tokens) + self.position_embedding(positions))
+        mask = None if attend is None else self._attention_mask(attend)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, mask)
         return self.final_norm(x)
+
+    def _attention_mask(self, attend: torch.Tensor) -> torch.Tensor:
+        mask = attend[:, None, None, :]  # (batch, head, query, key)
+        if self.causal:
+            length = attend.shape[1]
+            mask = mask & torch.ones(length, length, dtype=torch.bool, device=attend.device).tril()
+        return mask
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied language-model head over the padded vocabulary."""

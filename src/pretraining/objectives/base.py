@@ -1,18 +1,21 @@
 """What every pretraining objective shares: the backbone, AdamW with decay on
 matrices only, warmup + cosine schedule, train-loss logging, and validation
-metrics computed from sums reduced over all ranks (never averages of averages).
+metrics computed from states reduced over all ranks (sums, never averages of
+averages; or concatenations, for metrics over the whole validation set).
 
-A new objective subclasses `PretrainingObjective` and supplies three things:
-`training_loss`, `validation_sums` (what to add up per validation batch) and
-`validation_metrics` (what to report from the totals).
+A new objective subclasses `PretrainingObjective` and supplies:
+`input_kind` (the examples it trains on: "blocks" or "pairs"), the validation
+states it keeps (passed to `__init__`), `training_loss`, `validation_update`
+(what to add to those states per validation batch) and `validation_metrics`
+(what to report from the reduced states).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
-from typing import cast
+from typing import Any, ClassVar, cast
 
 import torch
 from lightning.pytorch import LightningModule
@@ -20,8 +23,10 @@ from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
-from torchmetrics import SumMetric
+from torchmetrics import Metric, SumMetric
 
+from pretraining.config import ConfigError, build
+from pretraining.data.tokenizer import Tokenizer
 from pretraining.models.transformer import Transformer
 
 
@@ -33,8 +38,15 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def sums(*names: str) -> dict[str, Metric]:
+    """Float64 running sums, reduced over ranks by addition."""
+    return {name: SumMetric().set_dtype(torch.float64) for name in names}
+
+
 class PretrainingObjective(LightningModule):
     """Base LightningModule: subclasses add only their loss and their metrics."""
+
+    input_kind: ClassVar[str] = "blocks"
 
     def __init__(
         self,
@@ -42,7 +54,7 @@ class PretrainingObjective(LightningModule):
         optimizer: Callable[..., Optimizer],
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
-        validation_sums: tuple[str, ...] = (),
+        validation_state: Mapping[str, Metric] | None = None,
     ) -> None:
         super().__init__()
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
@@ -52,13 +64,16 @@ class PretrainingObjective(LightningModule):
         self.backbone = backbone
         self.optimizer_factory = optimizer
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
-        self.sums = nn.ModuleDict({name: SumMetric().set_dtype(torch.float64) for name in validation_sums})
+        self.validation_state = nn.ModuleDict(validation_state or {})
         self.last_validated_step = -1
+
+    def check_tokenizer(self, tokenizer: Tokenizer) -> None:
+        """Refuse a tokenizer this objective cannot work with (the default accepts any)."""
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         raise NotImplementedError
 
-    def validation_sums(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def validation_update(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def validation_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -70,13 +85,13 @@ class PretrainingObjective(LightningModule):
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        for name, value in self.validation_sums(batch).items():
-            cast(SumMetric, self.sums[name]).update(value)
+        for name, value in self.validation_update(batch).items():
+            cast(Metric, self.validation_state[name]).update(value)
 
     def on_validation_epoch_end(self) -> None:
-        sums = {name: cast(SumMetric, metric) for name, metric in self.sums.items()}
-        totals = {name: metric.compute() for name, metric in sums.items()}  # summed over ranks
-        for metric in sums.values():
+        states = {name: cast(Metric, metric) for name, metric in self.validation_state.items()}
+        totals = {name: metric.compute() for name, metric in states.items()}  # reduced over ranks
+        for metric in states.values():
             metric.reset()
         metrics = {f"val/{name}": value.float() for name, value in self.validation_metrics(totals).items()}
         self.log_dict(metrics, prog_bar=True)  # already global: no sync_dist needed
@@ -85,7 +100,7 @@ class PretrainingObjective(LightningModule):
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         total_steps = self.trainer.max_steps  # checked against warmup_steps by config.check_config
         parameters = [p for p in self.parameters() if p.requires_grad]
-        # Weight decay on matrices only: not on biases, norms or scalars.
+        # Weight decay on matrices only: not on biases, norms or scalars (such as a temperature).
         groups = [
             {"params": [p for p in parameters if p.dim() >= 2]},
             {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
@@ -98,3 +113,16 @@ class PretrainingObjective(LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": LambdaLR(optimizer, schedule), "interval": "step"},
         }
+
+
+def build_objective(node: Any, tokenizer: Tokenizer, data_kind: str) -> PretrainingObjective:
+    """Instantiate the `model` config for this tokenizer and data, refusing mismatches before any work."""
+    objective = build(node, backbone={"vocab_size": tokenizer.vocab_size})
+    if objective.input_kind != data_kind:
+        raise ConfigError(
+            f"{type(objective).__name__} trains on {objective.input_kind} but the data config gives {data_kind}: "
+            f"pick a matching data config (data=stdlib for blocks, data=stdlib_pairs for pairs) or an experiment "
+            f"preset (experiment=clm_tiny, mlm_tiny or contrastive_tiny)"
+        )
+    objective.check_tokenizer(tokenizer)
+    return objective

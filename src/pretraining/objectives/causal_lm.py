@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 
 from pretraining.data.tokenizer import EOS_ID, Tokenizer
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import PretrainingObjective
+from pretraining.objectives.base import PretrainingObjective, sums
 
 
 class CausalLM(PretrainingObjective):
@@ -30,7 +30,7 @@ class CausalLM(PretrainingObjective):
     ) -> None:
         if not backbone.causal:
             raise ValueError("CausalLM needs a causal backbone: set model.backbone.causal=true")
-        super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, ("nll", "tokens", "bytes"))
+        super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, sums("nll", "tokens", "bytes"))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.backbone.logits(self.backbone(tokens))
@@ -42,7 +42,7 @@ class CausalLM(PretrainingObjective):
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.token_nll(batch["tokens"], "mean")
 
-    def validation_sums(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    def validation_update(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         tokens = batch["tokens"]
         return {
             "nll": self.token_nll(tokens, "sum"),

@@ -1,0 +1,198 @@
+"""Two-tower contrastive learning over (query, passage) pairs, with CLIP or SigLIP loss.
+
+Under data parallelism the negatives come from every rank: each rank gathers
+the embeddings of all ranks *with* gradient and scores its own rows against
+all columns (open_clip's `local_loss` + `gather_with_grad`), so the gradient
+equals that of one process on the concatenated batch.
+
+Validation embeds every validation pair and ranks all candidates for every
+query, in both directions: Recall@k and MRR over the whole set (ties count
+against the model), and CodeSearchNet's MRR over pools of 1000.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_autograd
+import torch.nn.functional as F
+from torch import nn
+from torch.optim import Optimizer
+from torchmetrics import CatMetric
+
+from pretraining.data.tokenizer import PAD_ID
+from pretraining.models.transformer import Transformer
+from pretraining.objectives.base import PretrainingObjective
+
+MAX_LOGIT_SCALE = math.log(100)
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of the default process group, (0, 1) without one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
+    """All ranks' `x` concatenated in rank order; gradients flow back to the rank that owns each row."""
+    if world()[1] == 1:
+        return x
+    return torch.cat(dist_autograd.all_gather(x))
+
+
+def clip_loss(
+    queries: torch.Tensor,
+    passages: torch.Tensor,
+    all_queries: torch.Tensor,
+    all_passages: torch.Tensor,
+    scale: torch.Tensor,
+    offset: int = 0,
+) -> torch.Tensor:
+    """Symmetric InfoNCE of the local rows against all columns; local pair i is global pair offset + i."""
+    labels = torch.arange(len(queries), device=queries.device) + offset
+    query_to_passage = F.cross_entropy(scale * queries @ all_passages.T, labels)
+    passage_to_query = F.cross_entropy(scale * passages @ all_queries.T, labels)
+    return (query_to_passage + passage_to_query) / 2
+
+
+def sigmoid_loss(
+    queries: torch.Tensor, all_passages: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, offset: int = 0
+) -> torch.Tensor:
+    """SigLIP: every (query, passage) cell is a binary match/no-match decision; summed, per local query."""
+    logits = scale * queries @ all_passages.T + bias
+    signs = -torch.ones_like(logits)
+    rows = torch.arange(len(queries), device=queries.device)
+    signs[rows, rows + offset] = 1.0
+    return -F.logsigmoid(signs * logits).sum() / len(queries)
+
+
+def retrieval_ranks(queries: torch.Tensor, candidates: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """1-based rank of candidate i for query i among all candidates; a tie counts against the model."""
+    ranks = []
+    for start in range(0, len(queries), chunk):
+        scores = queries[start : start + chunk] @ candidates.T
+        rows = torch.arange(len(scores), device=scores.device)
+        correct = scores[rows, rows + start]  # from the same matmul as the rest: no rounding mismatch
+        ranks.append((scores >= correct[:, None]).sum(1))
+    return torch.cat(ranks)
+
+
+def retrieval_metrics(
+    queries: torch.Tensor, candidates: torch.Tensor, recall_at: Sequence[int] = (1, 5, 10), pool_size: int = 1000
+) -> dict[str, torch.Tensor]:
+    """MRR and Recall@k over all candidates, and MRR over consecutive pools of `pool_size`
+    (CodeSearchNet's measure) when there are that many."""
+    ranks = retrieval_ranks(queries, candidates).double()
+    metrics = {"mrr": (1 / ranks).mean(), **{f"recall@{k}": (ranks <= k).double().mean() for k in recall_at}}
+    pools = range(0, len(queries) - pool_size + 1, pool_size)
+    if pools:
+        pooled = [retrieval_ranks(queries[i : i + pool_size], candidates[i : i + pool_size]) for i in pools]
+        metrics[f"mrr@{pool_size}"] = (1 / torch.cat(pooled).double()).mean()
+    return metrics
+
+
+class Contrastive(PretrainingObjective):
+    """Query and passage towers (one shared backbone, or two), pooled, projected and
+    L2-normalised; a learnable log-temperature, clamped to [0, log 100] after every
+    optimizer step (and, being a scalar, never weight-decayed)."""
+
+    input_kind = "pairs"
+
+    def __init__(
+        self,
+        backbone: Transformer,
+        optimizer: Callable[..., Optimizer],
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+        embed_dim: int = 128,
+        pooling: str = "mean",
+        shared_towers: bool = True,
+        loss: str = "clip",
+        init_logit_scale: float | None = None,
+        init_logit_bias: float = -10.0,
+        recall_at: Sequence[int] = (1, 5, 10),
+        pool_size: int = 1000,
+    ) -> None:
+        if backbone.causal:
+            raise ValueError("Contrastive needs a bidirectional backbone: set model.backbone.causal=false")
+        if pooling not in ("mean", "first"):
+            raise ValueError(f"model.pooling={pooling!r} must be 'mean' or 'first' (the CLS token)")
+        if loss not in ("clip", "sigmoid"):
+            raise ValueError(f"model.loss={loss!r} must be 'clip' (InfoNCE) or 'sigmoid' (SigLIP)")
+        state = {"query": CatMetric(), "passage": CatMetric(), "sample_id": CatMetric()}
+        super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, state)
+        self.pooling, self.loss, self.recall_at, self.pool_size = pooling, loss, tuple(recall_at), pool_size
+        self.query_head = nn.Linear(backbone.d_model, embed_dim, bias=False)
+        self.passage_backbone: Transformer | None = None
+        self.passage_head: nn.Linear | None = None
+        if not shared_towers:
+            self.passage_backbone = copy.deepcopy(backbone)
+            self.passage_backbone.init_weights()
+            self.passage_head = nn.Linear(backbone.d_model, embed_dim, bias=False)
+        # CLIP starts at temperature 0.07; SigLIP at scale 10 with bias -10 (its paper's values).
+        default_scale = math.log(1 / 0.07) if loss == "clip" else math.log(10)
+        self.logit_scale = nn.Parameter(torch.tensor(default_scale if init_logit_scale is None else init_logit_scale))
+        self.logit_bias = nn.Parameter(torch.tensor(init_logit_bias)) if loss == "sigmoid" else None
+
+    def encode(self, tokens: torch.Tensor, side: str) -> torch.Tensor:
+        """L2-normalised embeddings (batch, embed_dim) of CLS-prefixed, PAD-padded token ids."""
+        backbone, head = self.backbone, self.query_head
+        if side == "passage" and self.passage_backbone is not None and self.passage_head is not None:
+            backbone, head = self.passage_backbone, self.passage_head
+        attend = tokens != PAD_ID
+        hidden = backbone(tokens, attend)
+        if self.pooling == "first":
+            pooled = hidden[:, 0]
+        else:
+            weights = attend[..., None].to(hidden.dtype)
+            pooled = (hidden * weights).sum(1) / weights.sum(1)
+        return F.normalize(head(pooled).float(), dim=-1)
+
+    def pair_loss(self, queries: torch.Tensor, passages: torch.Tensor, distributed: bool) -> torch.Tensor:
+        """The loss of local embeddings against all ranks' (or, not `distributed`, against each other)."""
+        rank = world()[0] if distributed else 0
+        all_queries = gather_with_grad(queries) if distributed else queries
+        all_passages = gather_with_grad(passages) if distributed else passages
+        if len(all_passages) < 2:
+            raise ValueError(
+                "a contrastive step needs at least 2 pairs (the other pairs are the negatives): raise data.batch_size"
+            )
+        offset, scale = rank * len(queries), self.logit_scale.exp()
+        if self.logit_bias is not None:
+            return sigmoid_loss(queries, all_passages, scale, self.logit_bias, offset)
+        return clip_loss(queries, passages, all_queries, all_passages, scale, offset)
+
+    def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        queries, passages = self.encode(batch["query"], "query"), self.encode(batch["passage"], "passage")
+        return self.pair_loss(queries, passages, distributed=True)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train/logit_scale", self.logit_scale.detach().exp())
+        return loss
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        with torch.no_grad():
+            self.logit_scale.clamp_(0.0, MAX_LOGIT_SCALE)
+
+    def validation_update(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {
+            "query": self.encode(batch["query"], "query"),
+            "passage": self.encode(batch["passage"], "passage"),
+            "sample_id": batch["sample_id"],
+        }
+
+    def validation_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        order = totals["sample_id"].argsort()  # the manifest order, whatever the number of ranks
+        queries, passages = totals["query"][order], totals["passage"][order]
+        metrics = {"loss": self.pair_loss(queries, passages, distributed=False)}
+        for direction, (asked, answers) in {"q2p": (queries, passages), "p2q": (passages, queries)}.items():
+            for name, value in retrieval_metrics(asked, answers, self.recall_at, self.pool_size).items():
+                metrics[f"{direction}_{name}"] = value
+        return metrics

@@ -1,0 +1,155 @@
+"""Masked-language modelling over packed blocks, with reproducible fixed-count masking.
+
+Masks are drawn from a counter-based hash of (seed, sample id, position), not
+from a stateful generator: the same block always gets the same mask for the
+same seed, whatever the rank, worker count, step or restart, and different
+blocks (including the same text in another epoch, which has another sample
+id) get different masks. So a resumed run masks exactly as an uninterrupted
+one, ranks never mask alike, and the validation masks are fixed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.optim import Optimizer
+
+from pretraining.config import ConfigError
+from pretraining.data.tokenizer import MASK_ID, SPECIAL_TOKENS, Tokenizer
+from pretraining.models.transformer import Transformer
+from pretraining.objectives.base import PretrainingObjective, sums
+
+IGNORE = -100
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with full avalanche, on int64 tensors holding values below 2**32
+    (the multiplier is small enough that no product overflows int64)."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
+def hashed_uniform(seed: int, stream: int, sample_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Uniform floats in [0, 1), a pure function of (seed, stream, sample id, position).
+
+    `sample_ids` (batch,) are non-negative int64; `positions` (batch, n) index within each sample.
+    """
+    key = int(_mix32(torch.tensor(((seed & _M32) * 31 + stream) & _M32)))
+    row = _mix32(_mix32(key ^ (sample_ids & _M32)) ^ ((sample_ids >> 32) & _M32))
+    bits = _mix32(row[:, None] ^ positions)
+    return (bits >> 8).to(torch.float32) * 2.0**-24  # 24 bits: exact in float32, never 1.0
+
+
+def mask_tokens(
+    tokens: torch.Tensor,
+    sample_ids: torch.Tensor,
+    rate: float,
+    seed: int,
+    vocab_size: int,
+    mask_prob: float = 0.8,
+    random_prob: float = 0.1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BERT masking with a fixed number of positions per block.
+
+    Selects `round(rate * length)` positions per row among the non-special tokens (never
+    EOS separators or other special ids); of those, `mask_prob` become MASK, `random_prob`
+    a random non-special id and the rest stay unchanged. Returns (inputs, positions (batch, k),
+    labels (batch, k)); a row with fewer selectable tokens than k labels the extra positions
+    IGNORE, so shapes stay static.
+    """
+    batch, length = tokens.shape
+    count = max(1, round(rate * length))
+    special = tokens < len(SPECIAL_TOKENS)
+    every_position = torch.arange(length, device=tokens.device).expand(batch, length)
+    scores = hashed_uniform(seed, 0, sample_ids, every_position).masked_fill(special, -1.0)
+    positions = scores.topk(count, dim=1).indices
+    original = tokens.gather(1, positions)
+    selectable = ~special.gather(1, positions)
+    action = hashed_uniform(seed, 1, sample_ids, positions)
+    random_ids = (
+        len(SPECIAL_TOKENS)
+        + (hashed_uniform(seed, 2, sample_ids, positions) * (vocab_size - len(SPECIAL_TOKENS))).long()
+    )
+    kept_or_random = torch.where(action < mask_prob + random_prob, random_ids, original)
+    replaced = torch.where(action < mask_prob, MASK_ID, kept_or_random)
+    inputs = tokens.scatter(1, positions, torch.where(selectable, replaced, original))
+    return inputs, positions, original.masked_fill(~selectable, IGNORE)
+
+
+class MaskedLM(PretrainingObjective):
+    """BERT-style masked-language model over packed blocks with a bidirectional backbone.
+
+    Trains at `mask_rate` (0.3, as MosaicBERT found best) and validates at the standard
+    `eval_mask_rate` (0.15) with masks fixed by `eval_seed`, so validation numbers compare
+    across runs. The head and the loss see only the selected positions.
+    """
+
+    def __init__(
+        self,
+        backbone: Transformer,
+        optimizer: Callable[..., Optimizer],
+        warmup_steps: int = 100,
+        min_lr_ratio: float = 0.1,
+        mask_rate: float = 0.3,
+        eval_mask_rate: float = 0.15,
+        mask_prob: float = 0.8,
+        random_prob: float = 0.1,
+        seed: int = 0,
+        eval_seed: int = 0,
+    ) -> None:
+        if backbone.causal:
+            raise ValueError("MaskedLM needs a bidirectional backbone: set model.backbone.causal=false")
+        for key, rate in [("mask_rate", mask_rate), ("eval_mask_rate", eval_mask_rate)]:
+            if not 0.0 < rate < 1.0:
+                raise ValueError(f"model.{key}={rate} must be in (0, 1)")
+        if mask_prob < 0 or random_prob < 0 or mask_prob + random_prob > 1:
+            raise ValueError(
+                f"model.mask_prob={mask_prob} and model.random_prob={random_prob} must be >= 0 "
+                f"with a sum of at most 1 (the rest of the selected tokens stay unchanged)"
+            )
+        super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, sums("nll", "masked", "correct"))
+        self.mask_rate, self.eval_mask_rate = mask_rate, eval_mask_rate
+        self.mask_prob, self.random_prob = mask_prob, random_prob
+        self.seed, self.eval_seed = seed, eval_seed
+
+    def check_tokenizer(self, tokenizer: Tokenizer) -> None:
+        if getattr(tokenizer, "mask_id", None) != MASK_ID:
+            raise ConfigError(
+                f"MaskedLM needs a tokenizer with the mask token at id {MASK_ID}, and {type(tokenizer).__name__} "
+                f"has none: use tokenizer=bytes or a BPE trained by `pretrain-data tokenizer` (both reserve <mask>)"
+            )
+
+    def masked_logits(self, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, k, vocabulary) at `positions` only: the head never sees the other rows."""
+        hidden = self.backbone(inputs)
+        selected = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
+        return self.backbone.logits(selected)
+
+    def masked_batch(self, batch: dict[str, torch.Tensor], rate: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits, labels) of the masked positions; the block's last token is the next block's first."""
+        tokens = batch["tokens"][:, :-1]
+        inputs, positions, labels = mask_tokens(
+            tokens, batch["sample_id"], rate, seed, self.backbone.vocab_size, self.mask_prob, self.random_prob
+        )
+        return self.masked_logits(inputs, positions), labels
+
+    def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits, labels = self.masked_batch(batch, self.mask_rate, self.seed)
+        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE)
+
+    def validation_update(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        logits, labels = self.masked_batch(batch, self.eval_mask_rate, self.eval_seed)
+        counted = labels != IGNORE
+        nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        return {
+            "nll": nll,
+            "masked": counted.sum(),
+            "correct": ((logits.argmax(-1) == labels) & counted).sum(),
+        }
+
+    def validation_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"loss": totals["nll"] / totals["masked"], "accuracy": totals["correct"] / totals["masked"]}
