@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install --quiet -e ".[dev]"
 	touch $@
 
-data: install $(DATA_DIR)/manifest.json $(PAIRS_DIR)/manifest.json ## Build the default shards: stdlib source text, and its (docstring, code) pairs
+data: install $(DATA_DIR)/manifest.json $(PAIRS_DIR)/tokenizer.json ## Build the default shards: stdlib source text, and its (docstring, code) pairs
 
 $(DATA_DIR)/manifest.json: | $(VENV)/.installed
 	$(BIN)/pretrain-data build --source stdlib --out $(DATA_DIR)
@@ -34,6 +34,10 @@ $(DATA_DIR)/manifest.json: | $(VENV)/.installed
 # More validation pairs than the text default: retrieval is scored against pools of 1000.
 $(PAIRS_DIR)/manifest.json: | $(VENV)/.installed
 	$(BIN)/pretrain-data build --pairs --source stdlib --validation-fraction 0.15 --out $(PAIRS_DIR)
+
+# The BPE that experiment=contrastive_tiny reads (tokenizer=bpe).
+$(PAIRS_DIR)/tokenizer.json: $(PAIRS_DIR)/manifest.json
+	$(BIN)/pretrain-data tokenizer --data $(PAIRS_DIR) --vocab-size 1024
 
 tokenizer: data ## Train a BPE tokenizer on the default shards (then use tokenizer=bpe)
 	$(BIN)/pretrain-data tokenizer --data $(DATA_DIR) $(ARGS)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -17,6 +18,7 @@ from pretraining.data.cli import train_texts
 from pretraining.data.corpus import PAIR_FIELDS, docstring_pairs, read_text_files, stdlib_root
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.tokenizer import train_bpe
+from pretraining.objectives import PretrainingObjective
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -65,6 +67,17 @@ def bpe_path(shard_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
+def fit_batch(model: PretrainingObjective, batch: dict[str, torch.Tensor], steps: int, lr: float) -> float:
+    """Train `model` on one fixed batch with AdamW; the last training loss."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = model.training_loss(batch)
+        loss.backward()
+        optimizer.step()
+    return loss.item()
+
+
 ComposeTrain = Callable[..., DictConfig]
 
 
@@ -77,6 +90,7 @@ def pair_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     settings = BuildSettings(validation_fraction=0.25, max_shard_samples=100)
     sources = [f"stdlib:{name}" for name in packages]
     build_shards(docstring_pairs(files), out, sources, settings, show_progress=False, fields=PAIR_FIELDS)
+    train_bpe(train_texts(out), vocab_size=320, out_path=out / "tokenizer.json")  # contrastive_tiny's tokenizer=bpe
     return out
 
 

@@ -37,7 +37,9 @@ def test_option_composes_and_instantiates(group: str, option: str, compose_train
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
     assert isinstance(model, PretrainingObjective)
     assert isinstance(trainer, Trainer)
-    lengths = [getattr(datamodule, key) for key in ("block_size", "query_len", "passage_len") if hasattr(datamodule, key)]
+    lengths = [
+        getattr(datamodule, key) for key in ("block_size", "query_len", "passage_len") if hasattr(datamodule, key)
+    ]
     assert lengths and max(lengths) <= model.backbone.max_seq_len
     assert model.backbone.vocab_size == tokenizer.vocab_size
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
+from conftest import fit_batch
 from pretraining.models import Transformer
 from pretraining.objectives import CausalLM
 from pretraining.objectives.base import warmup_cosine
@@ -22,14 +23,8 @@ def tiny_lm(**backbone: object) -> CausalLM:
 def test_overfits_a_fixed_batch() -> None:
     torch.manual_seed(0)
     model = tiny_lm()
-    batch = {"tokens": torch.randint(4, 50, (4, 33))}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(200):
-        optimizer.zero_grad()
-        loss = model.training_loss(batch)
-        loss.backward()
-        optimizer.step()
-    assert loss.item() < 0.05, loss.item()
+    loss = fit_batch(model, {"tokens": torch.randint(4, 50, (4, 33))}, steps=200, lr=1e-2)
+    assert loss < 0.05, loss
 
 
 def test_causal_attention_ignores_the_future() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -12,12 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 from conftest import TINY_RUN
 from pretraining.config import CONFIG_DIR, ConfigError
 from pretraining.data.shards import ShardError
 from pretraining.evaluate import evaluate, load_checkpoint
+from pretraining.objectives import CausalLM
 from pretraining.train import train
 
 
@@ -52,6 +56,30 @@ def test_train_then_evaluate_reproduces_validation_loss(compose_train, tmp_path:
     assert result["val/bpb"] == pytest.approx(metrics["val/bpb"], abs=1e-5)
     assert result["sample"].startswith("def ")
     assert (tmp_path / "metrics.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("experiment", "keys"),
+    [
+        ("mlm_tiny", ["val/loss", "val/accuracy"]),
+        ("contrastive_tiny", ["val/loss", "val/q2p_mrr", "val/p2q_mrr", "val/q2p_recall@1", "val/p2q_recall@10"]),
+    ],
+)
+def test_each_objective_trains_and_evaluate_reproduces_it(
+    compose_train, tmp_path: Path, experiment: str, keys: list[str]
+) -> None:
+    metrics = train(compose_train(experiment=experiment))
+    assert math.isfinite(metrics["train/loss"])
+    logged = metrics_rows_with(tmp_path, "val/loss")
+    assert [int(row["step"]) for row in logged] == [0, 5, 11]
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        eval_cfg = compose("eval", overrides=[f"ckpt_path={last}", f"paths.output_dir={tmp_path}"])
+    result = evaluate(eval_cfg)
+    assert result["step"] == 12 and "sample" not in result
+    for key in keys:
+        assert result[key] == pytest.approx(metrics[key], abs=1e-5), key
+        assert float(logged[-1][key]) == pytest.approx(metrics[key], abs=1e-6), key
 
 
 def metrics_rows_with(run_dir: Path, key: str) -> list[dict[str, str]]:
@@ -129,3 +157,24 @@ def test_evaluate_missing_checkpoint(tmp_path: Path) -> None:
         cfg = compose("eval", overrides=[f"ckpt_path={tmp_path}/nope.ckpt", f"paths.output_dir={tmp_path}"])
     with pytest.raises(FileNotFoundError, match=r"nope\.ckpt not found"):
         evaluate(cfg)
+
+
+class CausalLMWithZLoss(CausalLM):
+    """An objective from outside the package: next-token loss plus PaLM's z-loss on the log-normaliser."""
+
+    def __init__(self, *args, z_loss: float = 1e-4, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.z_loss = z_loss
+
+    def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self(batch["tokens"][:, :-1]).float()
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["tokens"][:, 1:].flatten())
+        return loss + self.z_loss * logits.logsumexp(-1).pow(2).mean()
+
+
+def test_an_objective_from_outside_the_package_needs_only_its_target(compose_train, tmp_path: Path) -> None:
+    cfg = compose_train("model._target_=test_train.CausalLMWithZLoss", "+model.z_loss=0.01")
+    metrics = train(cfg)
+    assert "val/bpb" in metrics
+    lineage = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["lineage"]
+    assert lineage["config"]["model"]["_target_"] == "test_train.CausalLMWithZLoss"

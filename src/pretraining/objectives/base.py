@@ -66,6 +66,8 @@ class PretrainingObjective(LightningModule):
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self.validation_state = nn.ModuleDict(validation_state or {})
         self.last_validated_step = -1
+        # Unusable samples the stream skipped on this rank, counted on the device (no host sync per step).
+        self.register_buffer("skipped_samples", torch.zeros((), dtype=torch.long), persistent=False)
 
     def check_tokenizer(self, tokenizer: Tokenizer) -> None:
         """Refuse a tokenizer this objective cannot work with (the default accepts any)."""
@@ -82,6 +84,9 @@ class PretrainingObjective(LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.training_loss(batch)
         self.log("train/loss", loss, prog_bar=True)
+        if "skipped" in batch:
+            self.skipped_samples += batch["skipped"].sum()
+            self.log("data/skipped_samples", self.skipped_samples.float(), reduce_fx="sum", sync_dist=True)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

@@ -1,0 +1,298 @@
+"""Contrastive: the losses against their formulas, retrieval metrics against brute force,
+the towers, the temperature, learning, and gradients under 2-process data parallelism."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from conftest import fit_batch
+from pretraining.config import ConfigError
+from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
+from pretraining.models import Transformer
+from pretraining.objectives import Contrastive, build_objective
+from pretraining.objectives.contrastive import (
+    MAX_LOGIT_SCALE,
+    clip_loss,
+    gather_with_grad,
+    retrieval_metrics,
+    retrieval_ranks,
+    sigmoid_loss,
+)
+
+VOCAB = 260
+
+
+def tiny_contrastive(**options: object) -> Contrastive:
+    backbone = Transformer(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layer=1, n_head=2, causal=False)
+    return Contrastive(backbone, partial(torch.optim.AdamW, lr=3e-3), embed_dim=16, **options)
+
+
+def unit(rows: int, dim: int = 8, seed: int = 0) -> torch.Tensor:
+    return F.normalize(torch.randn(rows, dim, generator=torch.Generator().manual_seed(seed)), dim=-1)
+
+
+def pair_batch(rows: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+
+    def side(length: int) -> torch.Tensor:
+        tokens = torch.randint(4, VOCAB, (rows, length), generator=generator)
+        tokens[:, 0] = CLS_ID
+        lengths = torch.randint(3, length + 1, (rows,), generator=generator)
+        return tokens.masked_fill(torch.arange(length) >= lengths[:, None], PAD_ID)
+
+    return {"query": side(12), "passage": side(20), "sample_id": torch.arange(rows)}
+
+
+# --- losses against the formulas ------------------------------------------------------------------
+
+
+def test_clip_loss_equals_the_formula() -> None:
+    q, p, scale = unit(6, seed=1), unit(6, seed=2), torch.tensor(7.5)
+    expected = 0.0
+    for i in range(6):
+        rows = [math.exp(scale * float(q[i] @ p[j])) for j in range(6)]
+        cols = [math.exp(scale * float(p[i] @ q[j])) for j in range(6)]
+        expected += -math.log(rows[i] / sum(rows)) - math.log(cols[i] / sum(cols))
+    expected /= 2 * 6
+    assert float(clip_loss(q, p, q, p, scale)) == pytest.approx(expected, rel=1e-5)
+    # Local rows 2..3 against all columns are the middle rows of the full loss.
+    local = clip_loss(q[2:4], p[2:4], q, p, scale, offset=2)
+    expected_local = 0.0
+    for i in (2, 3):
+        rows = [math.exp(scale * float(q[i] @ p[j])) for j in range(6)]
+        cols = [math.exp(scale * float(p[i] @ q[j])) for j in range(6)]
+        expected_local += -math.log(rows[i] / sum(rows)) - math.log(cols[i] / sum(cols))
+    assert float(local) == pytest.approx(expected_local / 4, rel=1e-5)
+
+
+def test_sigmoid_loss_equals_the_formula() -> None:
+    q, p, scale, bias = unit(5, seed=3), unit(5, seed=4), torch.tensor(10.0), torch.tensor(-10.0)
+    expected = 0.0
+    for i in range(5):
+        for j in range(5):
+            sign = 1.0 if i == j else -1.0
+            expected += -math.log(1 / (1 + math.exp(-sign * (scale * float(q[i] @ p[j]) + bias))))
+    assert float(sigmoid_loss(q, p, scale, bias)) == pytest.approx(expected / 5, rel=1e-5)
+    local = sigmoid_loss(q[3:], p, scale, bias, offset=3)
+    expected_local = sum(
+        -math.log(1 / (1 + math.exp(-(1.0 if i == j else -1.0) * (scale * float(q[i] @ p[j]) + bias))))
+        for i in (3, 4)
+        for j in range(5)
+    )
+    assert float(local) == pytest.approx(expected_local / 2, rel=1e-5)
+
+
+# --- retrieval metrics against brute force ---------------------------------------------------------
+
+
+def brute_force_ranks(queries: torch.Tensor, candidates: torch.Tensor) -> list[int]:
+    ranks = []
+    for i in range(len(queries)):
+        scores = [float(queries[i] @ candidates[j]) for j in range(len(candidates))]
+        ranks.append(sum(score >= scores[i] for score in scores))
+    return ranks
+
+
+def test_retrieval_ranks_and_metrics_equal_brute_force() -> None:
+    queries, candidates = unit(230, 4, seed=5), unit(230, 4, seed=6)
+    candidates[10] = candidates[11]  # a tie: query 10 and 11 both rank behind their twin
+    queries[20] = candidates[20]
+    ranks = brute_force_ranks(queries, candidates)
+    assert retrieval_ranks(queries, candidates, chunk=64).tolist() == ranks
+    assert ranks[10] >= 2 and ranks[11] >= 2
+    metrics = retrieval_metrics(queries, candidates, recall_at=(1, 5, 10), pool_size=100)
+    assert float(metrics["mrr"]) == pytest.approx(sum(1 / r for r in ranks) / 230)
+    for k in (1, 5, 10):
+        assert float(metrics[f"recall@{k}"]) == pytest.approx(sum(r <= k for r in ranks) / 230)
+    # Pools of 100: two whole pools (the last 30 candidates are left out), each ranked on its own.
+    pooled = brute_force_ranks(queries[:100], candidates[:100]) + brute_force_ranks(
+        queries[100:200], candidates[100:200]
+    )
+    assert float(metrics["mrr@100"]) == pytest.approx(sum(1 / r for r in pooled) / 200)
+    assert "mrr@1000" not in retrieval_metrics(queries, candidates)
+
+
+def test_perfect_and_constant_embeddings() -> None:
+    embeddings = unit(50, 64, seed=7)
+    assert float(retrieval_metrics(embeddings, embeddings)["mrr"]) == 1.0
+    constant = torch.ones(50, 4) / 2
+    metrics = retrieval_metrics(constant, constant)  # every score ties: each query ranks last
+    assert float(metrics["recall@10"]) == 0.0
+    assert float(metrics["mrr"]) == pytest.approx(1 / 50)
+
+
+# --- the module -------------------------------------------------------------------------------------
+
+
+def test_padding_does_not_change_the_embedding() -> None:
+    torch.manual_seed(0)
+    for pooling in ("mean", "first"):
+        model = tiny_contrastive(pooling=pooling).eval()
+        short = torch.tensor([[CLS_ID, 50, 60, 70]])
+        longer = torch.cat([short, torch.full((1, 6), PAD_ID)], dim=1)
+        assert torch.allclose(model.encode(short, "query"), model.encode(longer, "query"), atol=1e-6)
+        assert torch.allclose(model.encode(short, "query").norm(dim=-1), torch.ones(1))
+
+
+def test_shared_and_separate_towers() -> None:
+    torch.manual_seed(0)
+    shared = tiny_contrastive()
+    tokens = pair_batch(3)["query"]
+    assert torch.equal(shared.encode(tokens, "query"), shared.encode(tokens, "passage"))
+    separate = tiny_contrastive(shared_towers=False)
+    assert separate.passage_backbone is not None
+    assert not torch.equal(separate.encode(tokens, "query"), separate.encode(tokens, "passage"))
+    owned = {id(p) for p in separate.parameters()}
+    shared_count = sum(p.numel() for p in shared.parameters())
+    assert sum(p.numel() for p in separate.parameters()) > 1.9 * shared_count and len(owned) > 0
+
+
+def test_logit_scale_init_clamp_and_no_weight_decay() -> None:
+    clip, siglip = tiny_contrastive(), tiny_contrastive(loss="sigmoid")
+    assert float(clip.logit_scale) == pytest.approx(math.log(1 / 0.07))
+    assert float(siglip.logit_scale) == pytest.approx(math.log(10)) and float(siglip.logit_bias) == -10.0
+    assert clip.logit_bias is None
+    clip.trainer = SimpleNamespace(max_steps=10)  # configure_optimizers reads the run length
+    optimizer = clip.configure_optimizers()["optimizer"]
+    (no_decay,) = [g for g in optimizer.param_groups if any(p is clip.logit_scale for p in g["params"])]
+    assert no_decay["weight_decay"] == 0.0
+    with torch.no_grad():
+        clip.logit_scale.fill_(9.0)
+    clip.training_loss(pair_batch(4)).backward()
+    clip.optimizer_step(0, 0, optimizer)
+    assert float(clip.logit_scale) == pytest.approx(MAX_LOGIT_SCALE)
+    with torch.no_grad():
+        clip.logit_scale.fill_(-1.0)
+    clip.optimizer_step(0, 0, optimizer)
+    assert float(clip.logit_scale) == 0.0
+
+
+@pytest.mark.parametrize("loss", ["clip", "sigmoid"])
+def test_overfits_a_fixed_batch(loss: str) -> None:
+    torch.manual_seed(0)
+    model = tiny_contrastive(loss=loss)
+    batch = pair_batch(8)
+    first = float(model.training_loss(batch))
+    last = fit_batch(model, batch, steps=150, lr=3e-3)
+    assert last < 0.05 * first, (first, last)
+    model.eval()
+    with torch.no_grad():
+        queries, passages = model.encode(batch["query"], "query"), model.encode(batch["passage"], "passage")
+    assert float(retrieval_metrics(queries, passages)["recall@1"]) == 1.0
+
+
+def test_validation_metrics_are_independent_of_the_order_of_ranks() -> None:
+    torch.manual_seed(0)
+    model = tiny_contrastive(pool_size=6).eval()
+    batch = pair_batch(12)
+    with torch.no_grad():
+        totals = {key: value for key, value in model.validation_update(batch).items()}
+    metrics = model.validation_metrics(totals)
+    order = torch.cat([torch.arange(0, 12, 2), torch.arange(1, 12, 2)])  # how two ranks' parts concatenate
+    shuffled = model.validation_metrics({key: value[order] for key, value in totals.items()})
+    assert set(metrics) >= {"loss", "q2p_mrr", "p2q_mrr", "q2p_recall@1", "q2p_recall@10", "q2p_mrr@6"}
+    for key, value in metrics.items():
+        assert float(shuffled[key]) == pytest.approx(float(value)), key
+
+
+def test_refuses_bad_settings_and_a_single_pair() -> None:
+    causal = Transformer(vocab_size=VOCAB, max_seq_len=16, d_model=16, n_layer=1, n_head=2, causal=True)
+    with pytest.raises(ValueError, match=r"model\.backbone\.causal=false"):
+        Contrastive(causal, partial(torch.optim.AdamW))
+    with pytest.raises(ValueError, match=r"model\.pooling='max'"):
+        tiny_contrastive(pooling="max")
+    with pytest.raises(ValueError, match=r"model\.loss='triplet'"):
+        tiny_contrastive(loss="triplet")
+    with pytest.raises(ValueError, match=r"at least 2 pairs.*data\.batch_size"):
+        tiny_contrastive().training_loss(pair_batch(1))
+
+
+def test_objective_and_data_must_match(compose_train) -> None:
+    contrastive = compose_train(experiment="contrastive_tiny")
+    with pytest.raises(ConfigError, match="Contrastive trains on pairs but the data config gives blocks"):
+        build_objective(contrastive.model, ByteTokenizer(), "blocks")
+    mlm = compose_train(experiment="mlm_tiny")
+    with pytest.raises(ConfigError, match="MaskedLM trains on blocks but the data config gives pairs"):
+        build_objective(mlm.model, ByteTokenizer(), "pairs")
+
+
+# --- two processes: gradients equal those of one process on the whole batch -----------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gather_without_grad(x: torch.Tensor) -> torch.Tensor:
+    """The wrong way, as a negative control: other ranks' rows are constants, only the local one has gradient."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.detach())
+    parts[dist.get_rank()] = x
+    return torch.cat(parts)
+
+
+def encoder_gradients(
+    loss_name: str, queries: torch.Tensor, passages: torch.Tensor, distributed: bool, gather=gather_with_grad
+) -> torch.Tensor:
+    """Gradients of a linear encoder's weight through the loss (DDP-averaged when distributed)."""
+    torch.manual_seed(0)
+    encoder = torch.nn.Linear(queries.shape[1], 6, bias=False)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    q, p = F.normalize(encoder(queries), dim=-1), F.normalize(encoder(passages), dim=-1)
+    all_q, all_p = (gather(q), gather(p)) if distributed else (q, p)
+    scale, bias = torch.tensor(5.0), torch.tensor(-2.0)
+    offset = rank * len(q)
+    if loss_name == "clip":
+        loss = clip_loss(q, p, all_q, all_p, scale, offset)
+    else:
+        loss = sigmoid_loss(q, all_p, scale, bias, offset)
+    loss.backward()
+    grad = encoder.weight.grad
+    assert grad is not None
+    if distributed:  # what DDP does: average the gradients of the ranks
+        dist.all_reduce(grad)
+        grad /= world
+    return grad
+
+
+def _rank_main(rank: int, world: int, port: int, queries, passages, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        per_rank = len(queries) // world
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        for loss_name in ("clip", "sigmoid"):
+            results[(rank, loss_name)] = encoder_gradients(loss_name, queries[mine], passages[mine], True)
+            results[(rank, loss_name, "no grad")] = encoder_gradients(
+                loss_name, queries[mine], passages[mine], True, gather_without_grad
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_two_process_gradients_equal_one_process_on_the_concatenated_batch() -> None:
+    generator = torch.Generator().manual_seed(1)
+    queries, passages = torch.randn(8, 10, generator=generator), torch.randn(8, 10, generator=generator)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_main, args=(2, free_port(), queries, passages, results), nprocs=2, join=True)
+        results = dict(results)
+    for loss_name in ("clip", "sigmoid"):
+        single = encoder_gradients(loss_name, queries, passages, distributed=False)
+        for rank in (0, 1):
+            assert torch.allclose(results[(rank, loss_name)], single, atol=1e-6, rtol=1e-5), loss_name
+            # Without the gradient through the gather the gradients are partial: the comparison can fail.
+            assert not torch.allclose(results[(rank, loss_name, "no grad")], single, atol=1e-4), loss_name

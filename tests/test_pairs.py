@@ -1,0 +1,296 @@
+"""Pairs: docstring/code extraction, pair shards, the pair stream and DataModule, and bad pair input."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import tarfile
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretraining.data.cli import main as data_cli
+from pretraining.data.corpus import PAIR_FIELDS, CorpusError, Document, PairCounts, docstring_pairs, read_source
+from pretraining.data.datamodule import BlockDataModule, PairDataModule
+from pretraining.data.shards import BuildSettings, Manifest, ShardError, build_shards
+from pretraining.data.stream import Cursor, ShardStream, TokenizedPairs, read_shard
+from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
+from pretraining.objectives.base import PretrainingObjective
+
+SOURCE = textwrap.dedent(
+    '''\
+    """Module docstring: not a pair."""
+    import functools
+
+
+    def plain(a, b):
+        """Add two numbers together.
+
+        More detail that is not part of the query.
+        """
+        return a + b
+
+
+    @functools.cache
+    def decorated(x):  # a comment
+        """Return the square of x, cached."""
+        return x * x
+
+
+    def one_liner(): "Say hello to the world."
+
+
+    async def fetch(url):
+        """Fetch the page at url."""
+        return url
+
+
+    def short():
+        """Too short."""
+
+
+    def test_something():
+        """A test function is left out."""
+
+
+    class Widget:
+        """A small widget that café users like."""
+
+        size = 3
+
+        def __repr__(self):
+            """Dunder methods are left out."""
+            return "Widget"
+
+        def grow(self, by):
+            """Grow the widget by some amount."""
+
+            def helper():
+                """Nested helpers are pairs too."""
+                return by
+
+            return helper()
+    '''
+)
+
+
+def pairs_of(source: str, counts: PairCounts | None = None) -> dict[str, Document]:
+    documents = docstring_pairs([Document("code:mod.py", {"txt": source})], counts)
+    return {document.meta["name"]: document for document in documents}
+
+
+def test_docstring_pairs_from_python_source() -> None:
+    counts = PairCounts()
+    pairs = pairs_of(SOURCE, counts)
+    assert list(pairs) == ["plain", "decorated", "one_liner", "fetch", "Widget", "Widget.grow", "Widget.grow.helper"]
+    assert {name: d.meta["kind"] for name, d in pairs.items()} == {
+        "plain": "function",
+        "decorated": "function",
+        "one_liner": "function",
+        "fetch": "function",
+        "Widget": "class",
+        "Widget.grow": "method",
+        "Widget.grow.helper": "function",
+    }
+    assert all(d.source_id == "code:mod.py" for d in pairs.values())
+    assert pairs["plain"].texts == {
+        "query.txt": "Add two numbers together.",
+        "passage.txt": "def plain(a, b):\n    return a + b",
+    }
+    assert pairs["decorated"].texts["passage.txt"] == (
+        "@functools.cache\ndef decorated(x):  # a comment\n    return x * x"
+    )
+    assert pairs["one_liner"].texts["passage.txt"] == "def one_liner():"
+    assert pairs["fetch"].texts["passage.txt"].startswith("async def fetch(url):\n    return url")
+    widget = pairs["Widget"].texts["passage.txt"]
+    assert widget.startswith("class Widget:\n\n    size = 3") and "café" not in widget
+    grow = pairs["Widget.grow"].texts["passage.txt"]
+    assert grow.startswith("def grow(self, by):\n") and "Grow the widget" not in grow
+    assert '"""Nested helpers are pairs too."""' in grow  # only the definition's own docstring is cut
+    for document in pairs.values():
+        assert document.texts is not None
+        assert document.texts["query.txt"] not in document.texts["passage.txt"]
+    assert counts == PairCounts(files=1, documented=10, trivial_docstrings=1, excluded_names=2, pairs=7)
+
+
+def test_docstring_pairs_skip_what_is_not_python() -> None:
+    counts = PairCounts()
+    documents = [
+        Document("code:broken.py", {"txt": "def f(:\n    '''Does this and that.'''"}),
+        Document("code:notes.txt", {"txt": SOURCE}),
+        Document("code:latin1.py", None),
+        Document("code:mod.py", {"txt": SOURCE}),
+    ]
+    assert len(list(docstring_pairs(documents, counts))) == 7
+    assert (counts.files, counts.unparsable_files) == (2, 1)
+
+
+def write_package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    return root
+
+
+def module_source(number: int) -> str:
+    functions = [
+        f'def function_{number}_{k}(value):\n    """Compute result {k} of module {number} from the value."""\n'
+        f"    return value * {k} + {number}\n"
+        for k in range(6)
+    ]
+    return "\n\n".join(functions)
+
+
+def test_build_pair_shards_split_by_file_and_dedup(tmp_path: Path) -> None:
+    files = {f"pkg/mod_{n}.py": module_source(n) for n in range(12)}
+    # Same docstring as mod_0's first function, other code: a false negative in waiting, dropped.
+    files["pkg/zz_copy.py"] = 'def other(v):\n    """Compute result 0 of module 0 from the value."""\n    return -v\n'
+    corpus = write_package(tmp_path / "corpus", files)
+    counts = PairCounts()
+    settings = BuildSettings(validation_fraction=0.3, max_shard_samples=10)
+    documents = docstring_pairs(read_source(str(corpus)), counts)
+    provenance = lambda: {"docstring_pairs": vars(counts)}  # noqa: E731
+    manifest = build_shards(documents, tmp_path / "pairs", [str(corpus)], settings, False, PAIR_FIELDS, provenance)
+    assert manifest["fields"] == ["query.txt", "passage.txt"]
+    assert manifest["provenance"]["docstring_pairs"]["pairs"] == 73
+    assert manifest["dedup"]["exact_duplicates_dropped"] == 1
+    loaded = Manifest.load(tmp_path / "pairs")
+    assert loaded.fields == PAIR_FIELDS
+    split_of_file: dict[str, set[str]] = {}
+    for split in ("train", "validation"):
+        for url in loaded.urls(split):
+            for sample in read_shard(url):
+                assert set(sample) >= {"query.txt", "passage.txt", "json"}
+                meta = json.loads(sample["json"])
+                split_of_file.setdefault(meta["source_id"], set()).add(split)
+                assert meta["kind"] == "function" and meta["name"].startswith("function_")
+    assert len(split_of_file) == 12 and all(len(splits) == 1 for splits in split_of_file.values())
+    assert {next(iter(s)) for s in split_of_file.values()} == {"train", "validation"}
+
+
+def test_pair_datamodule_batches(pair_dir: Path) -> None:
+    dm = PairDataModule(str(pair_dir), ByteTokenizer(), query_len=16, passage_len=48, batch_size=5, num_workers=0)
+    assert dm.kind == "pairs"
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["query"].shape == (5, 16) and batch["passage"].shape == (5, 48)
+    assert (batch["query"][:, 0] == CLS_ID).all() and (batch["passage"][:, 0] == CLS_ID).all()
+    assert batch["sample_id"].shape == (5,) and len(set(batch["sample_id"].tolist())) == 5
+    assert batch["skipped"].tolist() == [0] * 5
+    # Real texts fill the short query side; a short text is padded with PAD after its tokens.
+    assert (batch["query"] != PAD_ID).sum(1).max() == 16
+    validation = dm.validation_set
+    assert [int(e["sample_id"]) for e in validation[:5]] == list(range(5))
+    texts = [s["query.txt"].decode() for s in read_shard(Manifest.load(pair_dir).urls("validation")[0])]
+    tokens = ByteTokenizer().encode(texts[0])[:15]
+    assert validation[0]["query"].tolist() == [CLS_ID, *tokens] + [PAD_ID] * (15 - len(tokens))
+
+
+def test_data_and_shards_must_match(pair_dir: Path, shard_dir: Path) -> None:
+    with pytest.raises(ShardError, match=r"fields \['query.txt', 'passage.txt'\].*BlockDataModule.*--pairs"):
+        BlockDataModule(str(pair_dir), ByteTokenizer(), block_size=32, batch_size=2)
+    with pytest.raises(ShardError, match=r"fields \['txt'\].*PairDataModule"):
+        PairDataModule(str(shard_dir), ByteTokenizer(), query_len=8, passage_len=8, batch_size=2)
+    with pytest.raises(ValueError, match=r"data\.query_len=1 must be at least 2"):
+        PairDataModule(str(pair_dir), ByteTokenizer(), query_len=1, passage_len=8, batch_size=2)
+
+
+def write_tar(path: Path, samples: list[dict[str, bytes]]) -> str:
+    with tarfile.open(path, "w") as tar:
+        for number, sample in enumerate(samples):
+            for field, data in sample.items():
+                info = tarfile.TarInfo(f"s{number:03d}.{field}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return str(path)
+
+
+def test_unusable_pairs_are_skipped_counted_and_named(tmp_path: Path) -> None:
+    good = {"query.txt": b"add two numbers", "passage.txt": b"def add(a, b): return a + b"}
+    samples = [
+        good,
+        {"query.txt": b"only a query"},  # missing its passage
+        {"query.txt": b"   ", "passage.txt": b"x = 1"},  # empty query
+        {"query.txt": b"bad bytes", "passage.txt": b"caf\xe9"},  # not UTF-8
+        {"query.txt": b"sub two numbers", "passage.txt": b"def sub(a, b): return a - b"},
+        {"passage.txt": b"def lonely(): pass"},  # missing its query
+    ]
+    url = write_tar(tmp_path / "bad.tar", samples)
+    stream = ShardStream([url], TokenizedPairs(ByteTokenizer(), 8, 16), seed=0, shuffle_buffer=1)
+    with pytest.warns(UserWarning) as caught:
+        examples = list(itertools.islice(stream, 6))  # three epochs of the one shard
+    # Each example carries the skips read before it was handed out: 4 per pass over the shard.
+    assert [int(e["skipped"]) for e in examples] == [3, 1] * 3
+    assert [e["query"][1:4].tolist() for e in examples[:2]] == [[b + 4 for b in b"add"], [b + 4 for b in b"sub"]]
+    messages = [str(w.message) for w in caught]
+    assert any("'s001'" in m and "bad.tar" in m and "no 'passage.txt' field" in m for m in messages)
+    assert any("'s002'" in m and "'query.txt' is empty" in m for m in messages)
+    assert any("'s003'" in m and "'passage.txt' is not UTF-8" in m for m in messages)
+    # A restart from the cursor after the first example does not count its skips twice.
+    resumed = ShardStream(
+        [url], TokenizedPairs(ByteTokenizer(), 8, 16), seed=0, shuffle_buffer=1, cursors=[Cursor(0, 1)]
+    )
+    with pytest.warns(UserWarning):
+        again = list(itertools.islice(resumed, 5))
+    assert [int(e["skipped"]) for e in again] == [int(e["skipped"]) for e in examples[1:]]
+
+
+def test_a_shard_with_no_usable_pair_is_an_error(tmp_path: Path) -> None:
+    url = write_tar(tmp_path / "empty.tar", [{"query.txt": b"q"}, {"passage.txt": b"p"}])
+    stream = ShardStream([url], TokenizedPairs(ByteTokenizer(), 8, 16), seed=0)
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="no shard yields a whole example"):
+        next(iter(stream))
+
+
+def test_objective_counts_skipped_samples() -> None:
+    from functools import partial
+
+    from pretraining.models import Transformer
+    from pretraining.objectives import CausalLM
+
+    model: PretrainingObjective = CausalLM(
+        Transformer(vocab_size=260, max_seq_len=8, d_model=16, n_layer=1, n_head=2), partial(torch.optim.AdamW)
+    )
+    tokens = torch.randint(4, 260, (2, 9))
+    for skipped in ([0, 2], [1, 0]):
+        with pytest.warns(UserWarning, match="self.log"):  # no trainer here: logging is skipped
+            model.training_step({"tokens": tokens, "skipped": torch.tensor(skipped)}, 0)
+    assert int(model.skipped_samples) == 3
+
+
+def test_cli_builds_pairs_from_python_and_jsonl(tmp_path: Path, capsys) -> None:
+    corpus = write_package(tmp_path / "code", {f"mod_{n}.py": module_source(n) for n in range(4)})
+    data_cli(["build", "--pairs", "--source", str(corpus), "--out", str(tmp_path / "code_pairs"), "--quiet"])
+    output = capsys.readouterr().out
+    assert "docstring pairs:" in output and "'pairs': 24" in output
+    assert Manifest.load(tmp_path / "code_pairs").fields == PAIR_FIELDS
+
+    records = [{"doc": f"question number {n}", "code": f"answer = {n}"} for n in range(30)]
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    out = tmp_path / "jsonl_pairs"
+    fields = ["--query-field", "doc", "--passage-field", "code"]
+    data_cli(["build", "--pairs", "--source", str(jsonl), *fields, "--out", str(out), "--quiet"])
+    stored = [
+        (s["query.txt"].decode(), s["passage.txt"].decode())
+        for split in ("train", "validation")
+        for url in Manifest.load(out).urls(split)
+        for s in read_shard(url)
+    ]
+    assert sorted(stored) == sorted((r["doc"], r["code"]) for r in records)
+
+    with pytest.raises(SystemExit, match=r"pairs\.jsonl:1 is not a JSON object with string 'query' and 'passage'"):
+        data_cli(["build", "--pairs", "--source", str(jsonl), "--out", str(tmp_path / "x"), "--quiet"])
+    assert not (tmp_path / "x").exists()
+
+
+def test_jsonl_pair_missing_a_side_names_the_line(tmp_path: Path) -> None:
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text('{"query": "a", "passage": "b"}\n{"query": "only one side"}\n')
+    documents = read_source(str(jsonl), {"query.txt": "query", "passage.txt": "passage"})
+    assert next(documents).texts == {"query.txt": "a", "passage.txt": "b"}
+    with pytest.raises(CorpusError, match=r"pairs\.jsonl:2\b"):
+        next(documents)
