@@ -33,7 +33,7 @@ $(DATA_DIR)/manifest.json: | $(VENV)/.installed
 
 # More validation pairs than the text default: retrieval is scored against pools of 1000.
 $(PAIRS_DIR)/manifest.json: | $(VENV)/.installed
-	$(BIN)/pretrain-data build --pairs --source stdlib --validation-fraction 0.15 --out $(PAIRS_DIR)
+	$(BIN)/pretrain-data build --pairs --source stdlib --validation-fraction 0.2 --out $(PAIRS_DIR)
 
 # The BPE that experiment=contrastive_tiny reads (tokenizer=bpe).
 $(PAIRS_DIR)/tokenizer.json: $(PAIRS_DIR)/manifest.json

@@ -49,17 +49,17 @@ def clm(args: argparse.Namespace) -> None:
 
 def mlm(args: argparse.Namespace) -> None:
     tokenizer, manifest = ByteTokenizer(), Manifest.load(args.data)
-    counts = train_token_counts(manifest, tokenizer)
-    counts[: len(SPECIAL_TOKENS)] = 0  # never a masked label
+    counts = train_token_counts(manifest, tokenizer)[len(SPECIAL_TOKENS) :]  # specials are never masked
     log_probs = np.log(counts / counts.sum())
     blocks = validation_tokens(manifest, tokenizer, args.block_size, args.val_size)
     tokens = torch.stack([block["tokens"][:-1] for block in blocks])
     ids = torch.stack([block["sample_id"] for block in blocks])
     _, _, labels = mask_tokens(tokens, ids, args.rate, args.seed, tokenizer.vocab_size)
-    labels = labels[labels != IGNORE].numpy()
+    labels = labels[labels != IGNORE].numpy() - len(SPECIAL_TOKENS)
     top = int(counts.argmax())
     accuracy = np.mean(labels == top)
-    print(f"most frequent training token {tokenizer.decode([top])!r}: accuracy {accuracy:.4f} (val/accuracy)")
+    token = tokenizer.decode([top + len(SPECIAL_TOKENS)])
+    print(f"most frequent training token {token!r}: accuracy {accuracy:.4f} (val/accuracy)")
     print(f"unigram model: loss {-log_probs[labels].mean():.4f} nats per masked token (val/loss)")
 
 
@@ -88,7 +88,6 @@ def main() -> None:
         commands[name].add_argument("--block-size", type=int, default=256, help="data.block_size of the run")
     commands["mlm"].add_argument("--rate", type=float, default=0.15, help="model.eval_mask_rate of the run")
     commands["mlm"].add_argument("--seed", type=int, default=0, help="model.eval_seed of the run")
-    commands["contrastive"].add_argument("--pool-size", type=int, default=1000, help="model.pool_size of the run")
     args = parser.parse_args()
     args.run(args)
 

@@ -20,6 +20,7 @@ from pretraining.config import ConfigError
 from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
 from pretraining.models import Transformer
 from pretraining.objectives import Contrastive, build_objective
+from pretraining.objectives import contrastive as contrastive_module
 from pretraining.objectives.contrastive import (
     MAX_LOGIT_SCALE,
     clip_loss,
@@ -34,7 +35,7 @@ VOCAB = 260
 
 def tiny_contrastive(**options: object) -> Contrastive:
     backbone = Transformer(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layer=1, n_head=2, causal=False)
-    return Contrastive(backbone, partial(torch.optim.AdamW, lr=3e-3), embed_dim=16, **options)
+    return Contrastive(backbone, partial(torch.optim.AdamW, lr=3e-3), **{"embed_dim": 16, **options})
 
 
 def unit(rows: int, dim: int = 8, seed: int = 0) -> torch.Tensor:
@@ -152,9 +153,13 @@ def test_shared_and_separate_towers() -> None:
     separate = tiny_contrastive(shared_towers=False)
     assert separate.passage_backbone is not None
     assert not torch.equal(separate.encode(tokens, "query"), separate.encode(tokens, "passage"))
-    owned = {id(p) for p in separate.parameters()}
-    shared_count = sum(p.numel() for p in shared.parameters())
-    assert sum(p.numel() for p in separate.parameters()) > 1.9 * shared_count and len(owned) > 0
+    assert separate.passage_head is not None
+    query_tower = {id(p) for module in (separate.backbone, separate.query_head) for p in module.parameters()}
+    passage_tower = {
+        id(p) for module in (separate.passage_backbone, separate.passage_head) for p in module.parameters()
+    }
+    assert query_tower.isdisjoint(passage_tower)
+    assert shared.passage_backbone is None and shared.passage_head is None
 
 
 def test_logit_scale_init_clamp_and_no_weight_decay() -> None:
@@ -195,8 +200,11 @@ def test_validation_metrics_are_independent_of_the_order_of_ranks() -> None:
     torch.manual_seed(0)
     model = tiny_contrastive(pool_size=6).eval()
     batch = pair_batch(12)
-    with torch.no_grad():
-        totals = {key: value for key, value in model.validation_update(batch).items()}
+    with torch.no_grad():  # through the module's own states, two validation batches
+        for half in (slice(0, 6), slice(6, 12)):
+            model.validation_step({key: value[half] for key, value in batch.items()}, 0)
+    totals = {name: metric.compute() for name, metric in model.validation_state.items()}
+    assert totals["query"].shape == (12, 16) and totals["sample_id"].tolist() == list(range(12))
     metrics = model.validation_metrics(totals)
     order = torch.cat([torch.arange(0, 12, 2), torch.arange(1, 12, 2)])  # how two ranks' parts concatenate
     shuffled = model.validation_metrics({key: value[order] for key, value in totals.items()})
@@ -213,8 +221,16 @@ def test_refuses_bad_settings_and_a_single_pair() -> None:
         tiny_contrastive(pooling="max")
     with pytest.raises(ValueError, match=r"model\.loss='triplet'"):
         tiny_contrastive(loss="triplet")
+    for key, value in [("pool_size", 0), ("embed_dim", 0)]:
+        with pytest.raises(ValueError, match=rf"model\.{key}=0 must be at least 1"):
+            tiny_contrastive(**{key: value})
+    with pytest.raises(ValueError, match=r"model\.recall_at=0 must be at least 1"):
+        tiny_contrastive(recall_at=(1, 0))
     with pytest.raises(ValueError, match=r"at least 2 pairs.*data\.batch_size"):
         tiny_contrastive().training_loss(pair_batch(1))
+    single = tiny_contrastive().validation_update(pair_batch(1))
+    with pytest.raises(ValueError, match=r"at least 2 pairs.*data\.val_size"):
+        tiny_contrastive().validation_metrics(single)
 
 
 def test_objective_and_data_must_match(compose_train) -> None:
@@ -243,56 +259,49 @@ def gather_without_grad(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def encoder_gradients(
-    loss_name: str, queries: torch.Tensor, passages: torch.Tensor, distributed: bool, gather=gather_with_grad
-) -> torch.Tensor:
-    """Gradients of a linear encoder's weight through the loss (DDP-averaged when distributed)."""
+def model_gradients(loss_name: str, batch: dict[str, torch.Tensor], distributed: bool) -> dict[str, torch.Tensor]:
+    """Every parameter's gradient of the module's training loss (averaged over ranks, as DDP does)."""
     torch.manual_seed(0)
-    encoder = torch.nn.Linear(queries.shape[1], 6, bias=False)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    q, p = F.normalize(encoder(queries), dim=-1), F.normalize(encoder(passages), dim=-1)
-    all_q, all_p = (gather(q), gather(p)) if distributed else (q, p)
-    scale, bias = torch.tensor(5.0), torch.tensor(-2.0)
-    offset = rank * len(q)
-    if loss_name == "clip":
-        loss = clip_loss(q, p, all_q, all_p, scale, offset)
-    else:
-        loss = sigmoid_loss(q, all_p, scale, bias, offset)
-    loss.backward()
-    grad = encoder.weight.grad
-    assert grad is not None
-    if distributed:  # what DDP does: average the gradients of the ranks
-        dist.all_reduce(grad)
-        grad /= world
-    return grad
+    model = tiny_contrastive(loss=loss_name)
+    model.training_loss(batch).backward()
+    gradients = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
+    if distributed:
+        for gradient in gradients.values():
+            dist.all_reduce(gradient)
+            gradient /= dist.get_world_size()
+    return gradients
 
 
-def _rank_main(rank: int, world: int, port: int, queries, passages, results) -> None:
+def _rank_main(rank: int, world: int, port: int, batch: dict[str, torch.Tensor], results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        per_rank = len(queries) // world
-        mine = slice(rank * per_rank, (rank + 1) * per_rank)
+        rows = len(batch["query"]) // world
+        mine = {key: value[rank * rows : (rank + 1) * rows] for key, value in batch.items()}
         for loss_name in ("clip", "sigmoid"):
-            results[(rank, loss_name)] = encoder_gradients(loss_name, queries[mine], passages[mine], True)
-            results[(rank, loss_name, "no grad")] = encoder_gradients(
-                loss_name, queries[mine], passages[mine], True, gather_without_grad
-            )
+            results[(rank, loss_name)] = model_gradients(loss_name, mine, True)
+            contrastive_module.gather_with_grad = gather_without_grad
+            results[(rank, loss_name, "no grad")] = model_gradients(loss_name, mine, True)
+            contrastive_module.gather_with_grad = gather_with_grad
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)
 def test_two_process_gradients_equal_one_process_on_the_concatenated_batch() -> None:
-    generator = torch.Generator().manual_seed(1)
-    queries, passages = torch.randn(8, 10, generator=generator), torch.randn(8, 10, generator=generator)
+    batch = pair_batch(8, seed=3)
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank_main, args=(2, free_port(), queries, passages, results), nprocs=2, join=True)
+        mp.spawn(_rank_main, args=(2, free_port(), batch, results), nprocs=2, join=True)
         results = dict(results)
     for loss_name in ("clip", "sigmoid"):
-        single = encoder_gradients(loss_name, queries, passages, distributed=False)
+        single = model_gradients(loss_name, batch, distributed=False)
+        assert "logit_scale" in single and single["backbone.token_embedding.weight"].abs().max() > 0
         for rank in (0, 1):
-            assert torch.allclose(results[(rank, loss_name)], single, atol=1e-6, rtol=1e-5), loss_name
+            ranked = results[(rank, loss_name)]
+            assert ranked.keys() == single.keys()
+            for name, gradient in single.items():
+                assert torch.allclose(ranked[name], gradient, atol=1e-6, rtol=1e-4), (loss_name, name)
             # Without the gradient through the gather the gradients are partial: the comparison can fail.
-            assert not torch.allclose(results[(rank, loss_name, "no grad")], single, atol=1e-4), loss_name
+            partial_gradients = results[(rank, loss_name, "no grad")]
+            assert not all(torch.allclose(partial_gradients[n], g, atol=1e-5) for n, g in single.items()), loss_name

@@ -162,6 +162,15 @@ def test_validation_sums_use_the_eval_rate_and_seed() -> None:
     assert int(sums["masked"]) == 3 * round(0.15 * 64)
     logits, labels = model.masked_batch(batch, 0.15, 9)
     assert int(sums["correct"]) == int((logits.argmax(-1) == labels).sum())
+    assert float(sums["nll"]) == pytest.approx(
+        float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
+    )
+    # Another seed masks other positions, so the summed loss differs.
+    other_logits, other_labels = model.masked_batch(batch, 0.15, 0)
+    assert not torch.equal(other_labels, labels)
+    assert float(sums["nll"]) != pytest.approx(
+        float(F.cross_entropy(other_logits.flatten(0, 1), other_labels.flatten(), reduction="sum"))
+    )
     metrics = model.validation_metrics({k: v.double() for k, v in sums.items()})
     assert float(metrics["accuracy"]) == pytest.approx(int(sums["correct"]) / int(sums["masked"]))
 

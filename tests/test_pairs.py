@@ -56,6 +56,17 @@ SOURCE = textwrap.dedent(
         """A test function is left out."""
 
 
+    class TestWidget:
+        """A test class is left out too."""
+
+
+    def execvpe(file, args, env):
+        """execvpe(file, args, env)
+
+        A signature is no description.
+        """
+
+
     class Widget:
         """A small widget that café users like."""
 
@@ -109,11 +120,23 @@ def test_docstring_pairs_from_python_source() -> None:
     assert widget.startswith("class Widget:\n\n    size = 3") and "café" not in widget
     grow = pairs["Widget.grow"].texts["passage.txt"]
     assert grow.startswith("def grow(self, by):\n") and "Grow the widget" not in grow
-    assert '"""Nested helpers are pairs too."""' in grow  # only the definition's own docstring is cut
-    for document in pairs.values():
-        assert document.texts is not None
-        assert document.texts["query.txt"] not in document.texts["passage.txt"]
-    assert counts == PairCounts(files=1, documented=10, trivial_docstrings=1, excluded_names=2, pairs=7)
+    # Nested definitions' docstrings are other pairs' queries: cut from the passage too.
+    assert grow == "def grow(self, by):\n\n    def helper():\n        return by\n\n    return helper()"
+    queries = [d.texts["query.txt"] for d in pairs.values() if d.texts]
+    passages = [d.texts["passage.txt"] for d in pairs.values() if d.texts]
+    assert not any(query in passage for query in queries for passage in passages)
+    assert "Dunder methods" not in widget and "Grow the widget" not in widget
+    assert counts == PairCounts(files=1, documented=12, trivial_docstrings=2, excluded_names=3, pairs=7)
+
+
+def test_docstring_pairs_line_ends_and_form_feeds() -> None:
+    """ast counts \\r and \\r\\n as line ends but not a form feed; the cut must agree with it."""
+    source = 'import os\r\n\x0c\r\ndef plus_one(x):\r    """Return the value of x plus one."""\r\n    return x + 1\r\n'
+    (pair,) = pairs_of(source).values()
+    assert pair.texts == {
+        "query.txt": "Return the value of x plus one.",
+        "passage.txt": "def plus_one(x):\n    return x + 1",
+    }
 
 
 def test_docstring_pairs_skip_what_is_not_python() -> None:
@@ -123,9 +146,11 @@ def test_docstring_pairs_skip_what_is_not_python() -> None:
         Document("code:notes.txt", {"txt": SOURCE}),
         Document("code:latin1.py", None),
         Document("code:mod.py", {"txt": SOURCE}),
+        Document("code:pkg/tests/helpers.py", {"txt": SOURCE}),
+        Document("stdlib:idlelib/idle_test/mock.py", {"txt": SOURCE}),
     ]
     assert len(list(docstring_pairs(documents, counts))) == 7
-    assert (counts.files, counts.unparsable_files) == (2, 1)
+    assert (counts.files, counts.test_files, counts.unparsable_files) == (4, 2, 1)
 
 
 def write_package(root: Path, files: dict[str, str]) -> Path:
@@ -229,13 +254,20 @@ def test_unusable_pairs_are_skipped_counted_and_named(tmp_path: Path) -> None:
     assert any("'s001'" in m and "bad.tar" in m and "no 'passage.txt' field" in m for m in messages)
     assert any("'s002'" in m and "'query.txt' is empty" in m for m in messages)
     assert any("'s003'" in m and "'passage.txt' is not UTF-8" in m for m in messages)
-    # A restart from the cursor after the first example does not count its skips twice.
-    resumed = ShardStream(
-        [url], TokenizedPairs(ByteTokenizer(), 8, 16), seed=0, shuffle_buffer=1, cursors=[Cursor(0, 1)]
-    )
-    with pytest.warns(UserWarning):
-        again = list(itertools.islice(resumed, 5))
-    assert [int(e["skipped"]) for e in again] == [int(e["skipped"]) for e in examples[1:]]
+    # A restart from any cursor neither loses nor counts twice a skip, also when the shuffle buffer reads ahead.
+    for buffer in (1, 3):
+        stream = ShardStream([url], TokenizedPairs(ByteTokenizer(), 8, 16), seed=0, shuffle_buffer=buffer)
+        with pytest.warns(UserWarning):
+            reference = list(itertools.islice(stream, 6))
+        assert sum(int(e["skipped"]) for e in reference) == 4 * 3
+        for k, example in enumerate(reference[:-1]):
+            cursor = Cursor(*example["cursor"].tolist())
+            resumed = ShardStream(
+                [url], TokenizedPairs(ByteTokenizer(), 8, 16), seed=0, shuffle_buffer=buffer, cursors=[cursor]
+            )
+            with pytest.warns(UserWarning):
+                again = list(itertools.islice(resumed, 5 - k))
+            assert [int(e["skipped"]) for e in again] == [int(e["skipped"]) for e in reference[k + 1 :]], (buffer, k)
 
 
 def test_a_shard_with_no_usable_pair_is_an_error(tmp_path: Path) -> None:

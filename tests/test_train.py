@@ -152,6 +152,16 @@ def test_warmup_longer_than_run_stops(compose_train, tmp_path: Path) -> None:
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_evaluate_refuses_a_checkpoint_of_another_lineage_format(compose_train, tmp_path: Path) -> None:
+    train(compose_train("trainer.max_steps=6"))
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["lineage"]["format"] = 1
+    torch.save(checkpoint, path)
+    with pytest.raises(ConfigError, match=r"lineage format 1, this code reads format 2: evaluate it with the code"):
+        load_checkpoint(path)
+
+
 def test_evaluate_missing_checkpoint(tmp_path: Path) -> None:
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("eval", overrides=[f"ckpt_path={tmp_path}/nope.ckpt", f"paths.output_dir={tmp_path}"])

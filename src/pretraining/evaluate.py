@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from omegaconf import DictConfig, OmegaConf
 
+from pretraining.callbacks.lineage import LINEAGE_FORMAT
 from pretraining.config import CONFIG_DIR, ConfigError, build
 from pretraining.objectives import CausalLM, build_objective
 
@@ -29,6 +30,12 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     if "lineage" not in checkpoint:
         raise ConfigError(f"{path} has no lineage record: it was not written by `pretrain`, so its config is unknown")
+    written = checkpoint["lineage"].get("format")
+    if written != LINEAGE_FORMAT:
+        raise ConfigError(
+            f"{path} has lineage format {written}, this code reads format {LINEAGE_FORMAT}: evaluate it with "
+            f"the code revision that wrote it ({checkpoint['lineage'].get('code', {}).get('commit')})"
+        )
     return checkpoint
 
 

@@ -8,7 +8,8 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-LINEAGE_FORMAT = 1
+# 2: data configs name BlockDataModule/PairDataModule and `val_size` (was ShardDataModule and `val_blocks`).
+LINEAGE_FORMAT = 2
 
 
 def code_revision(directory: Path) -> dict[str, Any]:

@@ -97,9 +97,10 @@ class ShardDataModule(LightningDataModule):
         examples = self.validation_set
         per_rank = len(examples) // world_size
         if per_rank == 0:
+            fix = "lower data.block_size or " if self.kind == "blocks" else ""
             raise ValueError(
                 f"the validation shards give {len(examples)} {self.kind}, fewer than {world_size} ranks; "
-                f"lower data.block_size or build with a larger validation fraction"
+                f"{fix}build the shards with a larger --validation-fraction"
             )
         # Equal counts on every rank: unequal ones deadlock the metric reduction.
         return self._loader(examples[rank::world_size][:per_rank], self.val_batch_size, 0)

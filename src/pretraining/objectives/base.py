@@ -67,6 +67,7 @@ class PretrainingObjective(LightningModule):
         self.validation_state = nn.ModuleDict(validation_state or {})
         self.last_validated_step = -1
         # Unusable samples the stream skipped on this rank, counted on the device (no host sync per step).
+        self.skipped_samples: torch.Tensor
         self.register_buffer("skipped_samples", torch.zeros((), dtype=torch.long), persistent=False)
 
     def check_tokenizer(self, tokenizer: Tokenizer) -> None:

@@ -124,7 +124,16 @@ class Contrastive(PretrainingObjective):
             raise ValueError(f"model.pooling={pooling!r} must be 'mean' or 'first' (the CLS token)")
         if loss not in ("clip", "sigmoid"):
             raise ValueError(f"model.loss={loss!r} must be 'clip' (InfoNCE) or 'sigmoid' (SigLIP)")
-        state = {"query": CatMetric(), "passage": CatMetric(), "sample_id": CatMetric()}
+        for key, value in [("embed_dim", embed_dim), ("pool_size", pool_size), *(("recall_at", k) for k in recall_at)]:
+            if value < 1:
+                raise ValueError(f"model.{key}={value} must be at least 1")
+        # NaN embeddings must reach the metrics (not be dropped, which breaks the rows' alignment),
+        # and sample ids stay exact in float64.
+        state = {
+            "query": CatMetric(nan_strategy="disable"),
+            "passage": CatMetric(nan_strategy="disable"),
+            "sample_id": CatMetric(nan_strategy="disable").set_dtype(torch.float64),
+        }
         super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, state)
         self.pooling, self.loss, self.recall_at, self.pool_size = pooling, loss, tuple(recall_at), pool_size
         self.query_head = nn.Linear(backbone.d_model, embed_dim, bias=False)
@@ -153,23 +162,27 @@ class Contrastive(PretrainingObjective):
             pooled = (hidden * weights).sum(1) / weights.sum(1)
         return F.normalize(head(pooled).float(), dim=-1)
 
-    def pair_loss(self, queries: torch.Tensor, passages: torch.Tensor, distributed: bool) -> torch.Tensor:
-        """The loss of local embeddings against all ranks' (or, not `distributed`, against each other)."""
+    def pair_loss(
+        self, queries: torch.Tensor, passages: torch.Tensor, distributed: bool, size_key: str
+    ) -> torch.Tensor:
+        """The loss of local embeddings against all ranks' (or, not `distributed`, against each other).
+
+        `size_key` is the config key that sets how many pairs there are, for the error when too few."""
         rank = world()[0] if distributed else 0
-        all_queries = gather_with_grad(queries) if distributed else queries
-        all_passages = gather_with_grad(passages) if distributed else passages
+        gather = gather_with_grad if distributed else (lambda x: x)
+        all_passages = gather(passages)
         if len(all_passages) < 2:
             raise ValueError(
-                "a contrastive step needs at least 2 pairs (the other pairs are the negatives): raise data.batch_size"
+                f"contrastive learning needs at least 2 pairs (each is the others' negative): raise {size_key}"
             )
         offset, scale = rank * len(queries), self.logit_scale.exp()
         if self.logit_bias is not None:
             return sigmoid_loss(queries, all_passages, scale, self.logit_bias, offset)
-        return clip_loss(queries, passages, all_queries, all_passages, scale, offset)
+        return clip_loss(queries, passages, gather(queries), all_passages, scale, offset)
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         queries, passages = self.encode(batch["query"], "query"), self.encode(batch["passage"], "passage")
-        return self.pair_loss(queries, passages, distributed=True)
+        return self.pair_loss(queries, passages, distributed=True, size_key="data.batch_size")
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
@@ -191,7 +204,8 @@ class Contrastive(PretrainingObjective):
     def validation_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         order = totals["sample_id"].argsort()  # the manifest order, whatever the number of ranks
         queries, passages = totals["query"][order], totals["passage"][order]
-        metrics = {"loss": self.pair_loss(queries, passages, distributed=False)}
+        # The loss over the whole validation set: it grows with data.val_size, unlike train/loss.
+        metrics = {"loss": self.pair_loss(queries, passages, distributed=False, size_key="data.val_size")}
         for direction, (asked, answers) in {"q2p": (queries, passages), "p2q": (passages, queries)}.items():
             for name, value in retrieval_metrics(asked, answers, self.recall_at, self.pool_size).items():
                 metrics[f"{direction}_{name}"] = value
