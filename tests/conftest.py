@@ -36,7 +36,7 @@ TINY = [
     "data.val_size=8",
     "trainer.max_steps=12",
     "trainer.val_check_interval=6",
-    "callbacks.model_checkpoint.every_n_train_steps=6",
+    "callbacks.checkpoint.every_n_steps=6",
     "callbacks.text_sample.max_new_tokens=16",
 ]
 TINY_PAIRS = ["data.query_len=24", "data.passage_len=64", "data.val_batch_size=4"]

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 from conftest import TINY_RUN
+from pretraining.checkpoint import CheckpointError
 from pretraining.config import CONFIG_DIR, ConfigError
 from pretraining.data.shards import ShardError
 from pretraining.evaluate import evaluate, load_checkpoint
@@ -33,7 +34,14 @@ def metric_rows(run_dir: Path) -> list[dict[str, str]]:
 def test_train_then_evaluate_reproduces_validation_loss(compose_train, tmp_path: Path, shard_dir: Path) -> None:
     metrics = train(compose_train())
     checkpoints = tmp_path / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["last.ckpt", "step=000006.ckpt", "step=000012.ckpt"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "last.ckpt",
+        "step=000006.ckpt",
+        "step=000006.ckpt.json",
+        "step=000012.ckpt",
+        "step=000012.ckpt.json",
+    ]
+    assert (checkpoints / "last.ckpt").resolve() == checkpoints / "step=000012.ckpt"
 
     logged = metrics_rows_with(tmp_path, "val/loss")
     assert [int(row["step"]) for row in logged] == [0, 5, 11]  # before training, after steps 6 and 12
@@ -157,8 +165,11 @@ def test_evaluate_refuses_a_checkpoint_of_another_lineage_format(compose_train, 
     path = tmp_path / "checkpoints" / "last.ckpt"
     checkpoint = torch.load(path, weights_only=True)
     checkpoint["lineage"]["format"] = 1
-    torch.save(checkpoint, path)
-    with pytest.raises(ConfigError, match=r"lineage format 1, this code reads format 2: evaluate it with the code"):
+    torch.save(checkpoint, tmp_path / "old.ckpt")  # a checkpoint copied without its sidecar still loads
+    with pytest.raises(ConfigError, match=r"lineage format 1, this code reads \(2, 3\): evaluate it with the code"):
+        load_checkpoint(tmp_path / "old.ckpt")
+    torch.save(checkpoint, path)  # one that no longer matches its sidecar does not
+    with pytest.raises(CheckpointError, match=r"its sidecar says \d+: it is truncated or altered"):
         load_checkpoint(path)
 
 

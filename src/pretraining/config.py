@@ -6,10 +6,12 @@ takes it); the ones here relate values from different groups.
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from pathlib import Path
 from typing import Any
 
+from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -17,10 +19,29 @@ from omegaconf import DictConfig, OmegaConf
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PROJECT_ROOT / "configs"
 
-# One suffix per process: two runs started in the same second still get different directories.
+# Overrides that say how to run, not what: they do not change the run's name.
+RUN_CONTROL_KEYS = {"experiment", "run_name", "resume", "ckpt_path", "resume_allow"}
+
+
+def default_run_name() -> str:
+    """The experiment's name, plus a short hash of the other command-line overrides: the same
+    command names the same run (so running it again resumes it), a different command another."""
+    try:
+        hydra = HydraConfig.get()
+    except ValueError:  # composed outside a Hydra application (tests, notebooks)
+        return "default"
+    experiment = hydra.runtime.choices.get("experiment") or "default"
+    overrides = sorted(o for o in hydra.overrides.task if o.split("=")[0].lstrip("+~") not in RUN_CONTROL_KEYS)
+    if not overrides:
+        return experiment
+    return f"{experiment}-{hashlib.sha256(' '.join(overrides).encode()).hexdigest()[:8]}"
+
+
+# One suffix per process: two evaluations started in the same second still get different directories.
 _RUN_SUFFIX = secrets.token_hex(3)
 OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
 OmegaConf.register_new_resolver("run_suffix", lambda: _RUN_SUFFIX, replace=True)
+OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=True)
 
 
 class ConfigError(ValueError):

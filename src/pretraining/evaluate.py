@@ -17,23 +17,27 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from omegaconf import DictConfig, OmegaConf
 
-from pretraining.callbacks.lineage import LINEAGE_FORMAT
+from pretraining.callbacks.lineage import READABLE_LINEAGE_FORMATS
+from pretraining.checkpoint import sidecar_path, verify
 from pretraining.config import CONFIG_DIR, ConfigError, build
 from pretraining.objectives import CausalLM, build_objective
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint without executing code from it (tensors and plain data only)."""
+    """Load a checkpoint without executing code from it (tensors and plain data only), after
+    checking it against its sidecar when it has one (checkpoints copied without it still load)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint {path} not found; runs keep them in logs/train/runs/<run>/checkpoints/")
+    if sidecar_path(path.resolve()).is_file():
+        verify(path)
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     if "lineage" not in checkpoint:
         raise ConfigError(f"{path} has no lineage record: it was not written by `pretrain`, so its config is unknown")
     written = checkpoint["lineage"].get("format")
-    if written != LINEAGE_FORMAT:
+    if written not in READABLE_LINEAGE_FORMATS:
         raise ConfigError(
-            f"{path} has lineage format {written}, this code reads format {LINEAGE_FORMAT}: evaluate it with "
+            f"{path} has lineage format {written}, this code reads {READABLE_LINEAGE_FORMATS}: evaluate it with "
             f"the code revision that wrote it ({checkpoint['lineage'].get('code', {}).get('commit')})"
         )
     return checkpoint

@@ -1,6 +1,9 @@
-"""Hydra entry point for training: compose, instantiate, fit, report.
+"""Hydra entry point for training: compose, instantiate, fit (or continue), report.
 
 pretrain experiment=clm_tiny trainer.max_steps=50
+
+Running the same command again continues the run from its newest verified
+checkpoint (see `pretraining.resume`).
 """
 
 from __future__ import annotations
@@ -10,43 +13,61 @@ from typing import Any, cast
 
 import hydra
 from lightning.pytorch import Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
-from pretraining.callbacks.lineage import Lineage, code_revision
+from pretraining.callbacks import Lineage, Preemption
+from pretraining.callbacks.lineage import code_revision
 from pretraining.config import CONFIG_DIR, PROJECT_ROOT, build, check_config
 from pretraining.loggers import wandb_sync_hint
 from pretraining.objectives import build_objective
+from pretraining.resume import check_fits, checkpoint_to_resume
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Train as `cfg` says; return the final metrics."""
+    """Train as `cfg` says (continuing the run if it has a checkpoint); return the final metrics.
+
+    Exits with 128 + the signal number if a signal stopped training (after saving).
+    """
     check_config(cfg)
     seed_everything(cfg.seed, workers=True)
+    resume = checkpoint_to_resume(cfg.resume, cfg.ckpt_path, Path(cfg.paths.output_dir), Path(cfg.paths.checkpoint_dir))
     tokenizer = build(cfg.tokenizer)
     datamodule = build(cfg.data, tokenizer=tokenizer)
     model = build_objective(cfg.model, tokenizer, datamodule.kind)
 
     config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
-    lineage = Lineage(config, datamodule.manifest.version, tokenizer.fingerprint, code_revision(PROJECT_ROOT))
+    parent = str(resume[0]) if resume else None
+    lineage = Lineage(config, datamodule.manifest.version, tokenizer.fingerprint, code_revision(PROJECT_ROOT), parent)
     callbacks = [build(callback) for callback in cfg.callbacks.values()] + [lineage]
     loggers: list[Logger] = [build(logger) for logger in cfg.logger.values()]
     trainer: Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers)
+    if resume:
+        expected = {
+            "data_version": datamodule.manifest.version,
+            "tokenizer_fingerprint": tokenizer.fingerprint,
+            "topology": datamodule.topology_for(trainer.world_size),
+        }
+        shapes = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
+        check_fits(resume[0], resume[1], expected, shapes, list(cfg.resume_allow))
     for logger in trainer.loggers:  # not `loggers`: fast_dev_run swaps in a dummy
         logger.log_hyperparams({**config, "lineage": {k: v for k, v in lineage.record.items() if k != "config"}})
 
     try:
-        if cfg.validate_before_training and cfg.ckpt_path is None:
+        if cfg.validate_before_training and not resume:
             trainer.validate(model, datamodule=datamodule)  # the starting point of the learning curve
-        trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.ckpt_path)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=parent)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
-        if model.last_validated_step != trainer.global_step:  # the final weights are always validated
+        stopped_by = next((c.exit_code for c in trainer.callbacks if isinstance(c, Preemption) and c.exit_code), 0)
+        if not stopped_by and model.last_validated_step != trainer.global_step:  # final weights are validated
             metrics |= trainer.validate(model, datamodule=datamodule)[0]
     finally:
         finish_wandb()
     report(trainer, metrics)
+    if stopped_by:
+        rank_zero_info(f"stopped by a signal at step {trainer.global_step}; run the same command to continue")
+        raise SystemExit(stopped_by)
     return metrics
 
 
@@ -61,8 +82,7 @@ def finish_wandb() -> None:
 def report(trainer: Trainer, metrics: dict[str, float]) -> None:
     output_dir = Path(trainer.default_root_dir)
     lines = [f"run directory: {output_dir}"]
-    checkpoint = trainer.checkpoint_callback
-    last = checkpoint.last_model_path if isinstance(checkpoint, ModelCheckpoint) else ""
+    last = getattr(trainer.checkpoint_callback, "last_model_path", "")
     if last and Path(last).is_file():
         lines += [f"last checkpoint: {last}", f"evaluate it: make eval CKPT={last}"]
     lines += [f"{name} = {value:.4f}" for name, value in sorted(metrics.items())]

@@ -1,6 +1,9 @@
-"""Callbacks: checkpoint lineage and text samples."""
+"""Callbacks: lineage, per-batch seeding, preemption, an audit log of batches, text samples."""
 
+from pretraining.callbacks.batch_log import BatchLog
 from pretraining.callbacks.lineage import Lineage
+from pretraining.callbacks.preemption import Preemption
+from pretraining.callbacks.step_seed import StepSeed
 from pretraining.callbacks.text_sample import TextSample
 
-__all__ = ["Lineage", "TextSample"]
+__all__ = ["BatchLog", "Lineage", "Preemption", "StepSeed", "TextSample"]

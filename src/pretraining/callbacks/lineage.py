@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger
 
-# 2: data configs name BlockDataModule/PairDataModule and `val_size` (was ShardDataModule and `val_blocks`).
-LINEAGE_FORMAT = 2
+# 3: adds step, topology, parent and wandb_run_id (2 is still read: it differs only by lacking them).
+LINEAGE_FORMAT = 3
+READABLE_LINEAGE_FORMATS = (2, 3)
 
 
 def code_revision(directory: Path) -> dict[str, Any]:
@@ -26,18 +28,28 @@ def code_revision(directory: Path) -> dict[str, Any]:
 
 class Lineage(Callback):
     """Adds `checkpoint["lineage"]`: the resolved config, code revision, data
-    version, tokenizer fingerprint and the checkpoint the run resumed from, so
-    every checkpoint can be traced back and rebuilt by `evaluate.py`."""
+    version, tokenizer fingerprint, the checkpoint this run continued from
+    (`parent`), the W&B run id, the step and the data topology, so every
+    checkpoint can be traced back, rebuilt by `evaluate.py`, and checked
+    against a run that would resume it."""
 
-    def __init__(self, config: dict, data_version: str, tokenizer_fingerprint: str, code: dict[str, Any]) -> None:
+    def __init__(
+        self, config: dict, data_version: str, tokenizer_fingerprint: str, code: dict[str, Any], parent: str | None
+    ) -> None:
         self.record = {
             "format": LINEAGE_FORMAT,
             "config": config,
             "code": code,
             "data_version": data_version,
             "tokenizer_fingerprint": tokenizer_fingerprint,
-            "resumed_from": config.get("ckpt_path"),
+            "parent": parent,
         }
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        checkpoint["lineage"] = self.record
+        wandb_ids = [logger.version for logger in trainer.loggers if isinstance(logger, WandbLogger)]
+        checkpoint["lineage"] = {
+            **self.record,
+            "step": trainer.global_step,
+            "topology": trainer.datamodule.topology,  # type: ignore[attr-defined]
+            "wandb_run_id": wandb_ids[0] if wandb_ids else None,
+        }

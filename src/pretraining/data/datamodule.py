@@ -1,16 +1,29 @@
-"""LightningDataModules over a shard directory with a manifest: packed text blocks or text pairs."""
+"""LightningDataModules over a shard directory with a manifest: packed text blocks or text pairs.
+
+The DataModule also owns the training data position. It sees every batch the
+training loop consumes (`on_before_batch_transfer`, which runs on consumed
+batches, not on the ones the loop prefetches) and keeps, per DataLoader
+worker, the cursor where that worker's stream continues, plus the number of
+batches consumed. `state_dict()` gathers this from every rank, so rank zero's
+checkpoint holds all of them, and `train_dataloader()` always starts from it:
+after a restore, each worker skips its finished shards by arithmetic and
+re-reads only its current shard.
+"""
 
 from __future__ import annotations
 
 import os
+import warnings
 from functools import cached_property
 from typing import Any
 
+import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
 from pretraining.data.shards import Manifest, ShardError
 from pretraining.data.stream import (
+    Cursor,
     ExampleFormat,
     PackedBlocks,
     ShardStream,
@@ -19,6 +32,15 @@ from pretraining.data.stream import (
     validation_examples,
 )
 from pretraining.data.tokenizer import Tokenizer
+
+
+def gather(value: Any) -> list[Any]:
+    """`value` from every rank, in rank order (just `[value]` outside a process group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
 
 
 def check_minimums(**values: tuple[int, int]) -> None:
@@ -35,6 +57,8 @@ class ShardDataModule(LightningDataModule):
     Validation is the first `val_size` examples of the validation shards, dealt
     to ranks in equal numbers, the same every time.
     """
+
+    STATE_FORMAT = 1
 
     def __init__(
         self,
@@ -70,6 +94,21 @@ class ShardDataModule(LightningDataModule):
         self.val_size, self.val_batch_size = val_size, val_batch_size or batch_size
         # Workers already tokenize in parallel; Rust threads in forked workers can hang.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        self.batches_consumed = 0  # training batches this rank has consumed
+        self.cursors = [Cursor()] * self.workers  # where each worker's stream continues
+
+    @property
+    def workers(self) -> int:
+        """Streams per rank: one per DataLoader worker (`num_workers=0` reads one in the main process)."""
+        return max(1, self.num_workers)
+
+    def topology_for(self, world_size: int) -> dict[str, int]:
+        """What the data position depends on besides the cursors: the same values give the same batches."""
+        return {"world_size": world_size, "workers": self.workers, "batch_size": self.batch_size, "seed": self.seed}
+
+    @property
+    def topology(self) -> dict[str, int]:
+        return self.topology_for(self.rank_and_world[1])
 
     @property
     def kind(self) -> str:
@@ -82,10 +121,56 @@ class ShardDataModule(LightningDataModule):
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
     def train_dataloader(self) -> DataLoader:
+        """The training stream of this rank, continuing from the data position."""
         rank, world_size = self.rank_and_world
         urls = self.manifest.urls("train")
-        stream = ShardStream(urls, self.format, self.seed, rank, world_size, self.shuffle_buffer)
+        first_worker = self.batches_consumed % self.workers  # the worker whose batch comes next
+        stream = ShardStream(
+            urls, self.format, self.seed, rank, world_size, self.shuffle_buffer, self.cursors, first_worker
+        )
         return self._loader(stream, self.batch_size, self.num_workers)
+
+    def on_before_batch_transfer(self, batch: Tensors, dataloader_idx: int) -> Tensors:
+        if "cursor" in batch:  # a training batch (validation has none): it advances the position
+            worker = int(batch.pop("worker")[0])  # a batch comes whole from one worker
+            self.cursors[worker] = Cursor(*batch.pop("cursor")[-1].tolist())
+            self.batches_consumed += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The data position of every rank (a collective under DDP/FSDP: every rank calls it on save)."""
+        position = {"batches_consumed": self.batches_consumed, "cursors": [[c.shard, c.block] for c in self.cursors]}
+        return {
+            "format": self.STATE_FORMAT,
+            "data_version": self.manifest.version,
+            "topology": self.topology,
+            "ranks": gather(position),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a saved position: exactly if the topology is unchanged, else approximately
+        (the caller decides whether a change is allowed: see `pretraining.resume`)."""
+        rank, world_size = self.rank_and_world
+        if state["data_version"] != self.manifest.version:
+            warnings.warn("the data changed since the checkpoint: the new data is read from its start", stacklevel=1)
+            self.batches_consumed = state["ranks"][0]["batches_consumed"]
+            return
+        if state["topology"] == self.topology:
+            position = state["ranks"][rank]
+            self.batches_consumed = position["batches_consumed"]
+            self.cursors = [Cursor(*cursor) for cursor in position["cursors"]]
+            return
+        # Every worker starts at the next shard after the old run's shards done so far, counted over all
+        # its workers: the shards in progress are neither finished nor repeated.
+        done = sum(cursor[0] for position in state["ranks"] for cursor in position["cursors"])
+        start = Cursor(-(-done // (world_size * self.workers)))
+        warnings.warn(
+            f"data topology changed from {state['topology']} to {self.topology}: the stream resumes approximately, "
+            f"at shard {start.shard} of every worker, after about {done} shards",
+            stacklevel=1,
+        )
+        self.batches_consumed = state["ranks"][0]["batches_consumed"]
+        self.cursors = [start] * self.workers
 
     @cached_property
     def validation_set(self) -> list[Tensors]:

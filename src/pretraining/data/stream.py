@@ -14,7 +14,8 @@ shuffle buffer seeded by (seed, epoch, shard) that starts afresh at every
 shard. So the examples of a shard, and their order, are a pure function of the
 shard, and a batch mixes many documents instead of consecutive pieces of one.
 
-Each example carries the `Cursor` where its worker's stream continues, and a
+Each example carries its worker and the `Cursor` where that worker's stream
+continues, and a
 `sample_id` naming it by (epoch, shard, position): the same whatever the world
 size or worker count, so randomness keyed on it (MLM masks) is too. A consumer
 that records the cursor of every example it trains on can restart the stream
@@ -259,15 +260,19 @@ class ShardStream(IterableDataset):
         world_size: int = 1,
         shuffle_buffer: int = 4096,
         cursors: Sequence[Cursor] | None = None,
+        first_worker: int = 0,
     ) -> None:
         self.urls, self.format = list(urls), format
         self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.shuffle_buffer, self.cursors = shuffle_buffer, cursors
+        self.shuffle_buffer, self.cursors, self.first_worker = shuffle_buffer, cursors, first_worker
         self.skips = SkipCounter()
 
     def __iter__(self) -> Iterator[Tensors]:
         info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        loader_worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        # A DataLoader takes batches from its workers in turn, starting with its worker 0. A restarted
+        # loader must start with the worker whose turn was next, so its workers play rotated roles.
+        worker = (loader_worker + self.first_worker) % workers
         if self.cursors is not None and len(self.cursors) != workers:
             raise ValueError(f"{len(self.cursors)} stream cursors for {workers} DataLoader workers")
         cursor = self.cursors[worker] if self.cursors is not None else Cursor()

@@ -1,0 +1,55 @@
+"""Randomness as a function of (seed, batch, rank), so a resumed run draws what the original drew."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from pretraining.data.datamodule import gather
+from pretraining.data.stream import stable_hash
+
+
+def seed_all(seed: int) -> None:
+    """Seed Python's `random`, NumPy and torch (CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_states() -> dict[str, Any]:
+    """This process's generator states, as plain data and tensors (loadable with `weights_only=True`)."""
+    version, state, gauss = random.getstate()
+    name, keys, position, has_gauss, cached_gauss = np.random.get_state()
+    return {
+        "python": [version, list(state), gauss],
+        "numpy": [name, keys.tolist(), int(position), int(has_gauss), float(cached_gauss)],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+class StepSeed(Callback):
+    """Reseed every generator before each training batch from (seed, batches consumed, rank).
+
+    Dropout and any other draw of a step then depend only on where the run is,
+    not on its history, so a run resumed from a checkpoint draws exactly what
+    the uninterrupted run drew, whatever happened in between (validation,
+    sample generation, a restart). Per-sample randomness in the data (masks)
+    is keyed on sample ids instead. The generators' states at save time are
+    written to the checkpoint for inspection; they are not restored, since the
+    next batch reseeds anyway. Needs the DataModule's `batches_consumed`.
+    """
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        consumed = trainer.datamodule.batches_consumed  # type: ignore[attr-defined]
+        seed_all(stable_hash("batch", self.seed, consumed, trainer.global_rank))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seed": self.seed, "rng_states_by_rank": gather(rng_states())}

@@ -1,0 +1,101 @@
+"""Where a run continues from, and whether a checkpoint fits the run that would continue it.
+
+A run lives in one directory named by the run, not by the time it started
+(`logs/<task>/runs/<run_name>/`). Running the same command again finds the
+newest checkpoint there that verifies and continues from it (`resume=auto`);
+`resume=never` moves the old run's outputs aside and starts over;
+`ckpt_path=...` continues from that file. Before any work, the checkpoint's
+sidecar is compared with this run: data version, tokenizer, data topology and
+parameter shapes must match, unless `resume_allow` names the deliberate change.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
+
+from pretraining.checkpoint import CheckpointError, newest_verified, verify
+from pretraining.config import ConfigError
+
+RESUME_MODES = ("auto", "never")
+# Differences a resume accepts when named in `resume_allow`; parameter shapes never differ.
+ALLOWABLE_CHANGES = ("data", "tokenizer", "topology")
+
+
+def checkpoint_to_resume(
+    resume: str, ckpt_path: str | None, run_dir: Path, checkpoints: Path
+) -> tuple[Path, dict[str, Any]] | None:
+    """The checkpoint to continue from and its verified sidecar, or None to start fresh."""
+    if resume not in RESUME_MODES:
+        raise ConfigError(f"resume={resume!r}: use one of {', '.join(RESUME_MODES)} (or set ckpt_path=<file>)")
+    if ckpt_path:
+        path = Path(ckpt_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"ckpt_path={ckpt_path} not found; runs keep checkpoints in <run dir>/checkpoints/")
+        return path, verify(path)
+    if resume == "never":
+        start_over(run_dir)
+        return None
+    found = newest_verified(checkpoints)
+    if found:
+        rank_zero_info(f"resuming from {found[0]} (step {found[1]['step']}); pass resume=never to start over")
+    return found
+
+
+@rank_zero_only
+def start_over(run_dir: Path) -> None:
+    """Move an earlier run's outputs in `run_dir` aside (nothing is deleted), keeping this start's config and log."""
+    earlier = [p for p in run_dir.iterdir() if p.name != ".hydra" and p.suffix != ".log"] if run_dir.is_dir() else []
+    earlier = [p for p in earlier if not p.name.startswith("replaced-")]
+    if not earlier:
+        return
+    aside = run_dir / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir()
+    for path in earlier:
+        shutil.move(str(path), aside / path.name)
+    rank_zero_info(f"resume=never: moved the earlier run's outputs to {aside}")
+
+
+def check_fits(
+    checkpoint: Path,
+    sidecar: dict[str, Any],
+    expected: dict[str, Any],
+    parameters: dict[str, list[int]],
+    allow: list[str],
+) -> None:
+    """Refuse, before any work, a checkpoint trained on other data, tokenizer, topology or model shape."""
+    unknown = sorted(set(allow) - set(ALLOWABLE_CHANGES))
+    if unknown:
+        raise ConfigError(
+            f"resume_allow={allow}: {unknown} unknown; the allowable changes are {list(ALLOWABLE_CHANGES)}"
+        )
+    lineage = sidecar["lineage"]
+    problems = [
+        f"{what}: the checkpoint has {lineage.get(key)}, this run has {expected[key]} ({fix})"
+        for what, key, fix in (
+            ("data", "data_version", "point data.dir at the shards it was trained on"),
+            ("tokenizer", "tokenizer_fingerprint", "use the tokenizer it was trained with"),
+            ("topology", "topology", "use the same devices, data.num_workers, data.batch_size and seed"),
+        )
+        if what not in allow and lineage.get(key) != expected[key]
+    ]
+    if problems:
+        names = [problem.split(":")[0] for problem in problems]
+        raise CheckpointError(
+            f"{checkpoint} does not fit this run:\n  " + "\n  ".join(problems) + f"\nTo change this deliberately, pass "
+            f"resume_allow=[{','.join(names)}] (topology: the data position resumes approximately; data: the new data "
+            f"starts from its beginning); to start a separate run, pass run_name=<new name> or resume=never"
+        )
+    saved = sidecar["parameters"]
+    if saved != parameters:
+        differing = sorted(name for name in saved.keys() | parameters.keys() if saved.get(name) != parameters.get(name))
+        name = differing[0]
+        raise CheckpointError(
+            f"{checkpoint} holds another model: parameter {name} has shape {saved.get(name)} there and "
+            f"{parameters.get(name)} here ({len(differing)} parameters differ); resume with the model config it was "
+            f"trained with, or start a separate run (run_name=<new name> or resume=never)"
+        )
