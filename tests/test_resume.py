@@ -1,0 +1,160 @@
+"""Exact resume: a run killed with SIGKILL and restarted (the same command, twice) trains on the
+same batches with bitwise the same losses and ends with bitwise the same weights as a run that was
+never interrupted. Each run is a real `pretrain` process; `kill.KillAt` kills its process group."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_run
+from pretraining.callbacks.batch_log import read_batch_log
+from pretraining.checkpoint import saved_checkpoints
+from pretraining.data.corpus import Document
+from pretraining.data.shards import BuildSettings, Manifest, build_shards
+from pretraining.data.stream import worker_shard
+
+TESTS = Path(__file__).parent
+# Dropout on, so that the per-batch reseeding matters; checkpoints every 4 steps.
+RESUMABLE = ["model.backbone.dropout=0.1", "callbacks=[default,batch_log]", "callbacks.checkpoint.every_n_steps=4"]
+DDP = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp"]
+
+
+@pytest.fixture(scope="module")
+def small_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Shards of a few blocks each, so that a 24-step run crosses shards and epochs."""
+    source = (Path(os.__file__).parent / "json" / "decoder.py").read_text()
+    documents = [Document(f"doc{i}", {"txt": source[i * 300 : (i + 1) * 300]}) for i in range(24)]
+    out = tmp_path_factory.mktemp("data") / "small"
+    build_shards(documents, out, ["json/decoder.py"], BuildSettings(0.25, max_shard_bytes=800), show_progress=False)
+    return out
+
+
+def pretrain(log_dir: Path, run: str, overrides: list[str], kill_after: int | None = None) -> int:
+    """Run `pretrain` in its own process group; its exit status (-9 if `kill_after` killed it)."""
+    command = [sys.executable, "-m", "pretraining.train", *overrides, f"paths.log_dir={log_dir}", f"run_name={run}"]
+    if kill_after is not None:
+        command += ["+callbacks.kill._target_=kill.KillAt", f"+callbacks.kill.batch={kill_after}"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    try:
+        _, stderr = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise
+    if process.returncode not in (0, -signal.SIGKILL):
+        raise AssertionError(f"pretrain exited with {process.returncode}:\n{stderr[-3000:]}")
+    return process.returncode
+
+
+def run_dir(log_dir: Path, run: str) -> Path:
+    return log_dir / "train" / "runs" / run
+
+
+def final_weights(log_dir: Path, run: str) -> dict[str, torch.Tensor]:
+    (_, newest), *_ = saved_checkpoints(run_dir(log_dir, run) / "checkpoints")
+    return torch.load(newest, weights_only=True)["state_dict"]
+
+
+def batch_logs(log_dir: Path, run: str) -> dict[str, dict]:
+    return {path.name: read_batch_log(path) for path in sorted((run_dir(log_dir, run) / "batches").glob("*.jsonl"))}
+
+
+def kill_twice_and_compare(
+    log_dir: Path, overrides: list[str], kills: tuple[int, int], max_steps: int, accumulate: int = 1
+) -> None:
+    """An uninterrupted run against one killed after batches `kills` and restarted after each."""
+    overrides = [*overrides, f"trainer.max_steps={max_steps}", f"trainer.accumulate_grad_batches={accumulate}"]
+    assert pretrain(log_dir, "reference", overrides) == 0
+    for batch in kills:
+        assert pretrain(log_dir, "killed", overrides, kill_after=batch) == -signal.SIGKILL
+    assert pretrain(log_dir, "killed", overrides) == 0
+
+    reference, resumed = batch_logs(log_dir, "reference"), batch_logs(log_dir, "killed")
+    assert reference.keys() == resumed.keys() and reference
+    for rank, log in reference.items():
+        assert len(log) == max_steps * accumulate
+        assert resumed[rank] == log, f"{rank}: batches or losses differ after a resume"
+    lines = (run_dir(log_dir, "killed") / "batches" / "rank0.jsonl").read_text().splitlines()
+    assert len(lines) > len(reference["rank0.jsonl"]), "the kills came after the last checkpoint: nothing replayed"
+    expected, actual = final_weights(log_dir, "reference"), final_weights(log_dir, "killed")
+    assert expected.keys() == actual.keys()
+    assert all(torch.equal(expected[name], actual[name]) for name in expected), "final weights differ"
+
+
+def test_next_token_with_two_workers_across_shards_and_epochs(tmp_path: Path, small_shards: Path) -> None:
+    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, f"data.dir={small_shards}", "data.num_workers=2"]
+    kill_twice_and_compare(tmp_path, [*overrides, "callbacks.checkpoint.keep_every=8"], kills=(10, 19), max_steps=24)
+    checkpoints = saved_checkpoints(run_dir(tmp_path, "killed") / "checkpoints")
+    assert [step for step, _ in checkpoints] == [24, 20, 16, 8]  # the newest two, and every 8th for good
+    # The resumes (from steps 8 and 16) started inside a shard, and the run went on into the next epoch.
+    num_shards = len(Manifest.load(small_shards).urls("train"))
+    epochs = []
+    for _, path in reversed(checkpoints):
+        cursors = torch.load(path, weights_only=True)["BlockDataModule"]["ranks"][0]["cursors"]
+        assert any(block > 0 for _, block in cursors)
+        epochs.append(
+            max(worker_shard(shard, worker, 2, num_shards, 1234)[0] for worker, (shard, _) in enumerate(cursors))
+        )
+    assert epochs[0] == 0 and epochs[-1] >= 1
+
+
+def test_masked_lm(tmp_path: Path, shard_dir: Path) -> None:
+    overrides = [*tiny_run("mlm_tiny"), *RESUMABLE, f"data.dir={shard_dir}"]
+    kill_twice_and_compare(tmp_path, overrides, kills=(5, 10), max_steps=12)
+
+
+def test_contrastive(tmp_path: Path, pair_dir: Path) -> None:
+    overrides = [*tiny_run("contrastive_tiny"), *RESUMABLE, f"data.dir={pair_dir}", "data.num_workers=2"]
+    kill_twice_and_compare(tmp_path, overrides, kills=(5, 10), max_steps=12)
+
+
+def test_gradient_accumulation(tmp_path: Path, small_shards: Path) -> None:
+    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, f"data.dir={small_shards}"]
+    kill_twice_and_compare(tmp_path, overrides, kills=(7, 13), max_steps=8, accumulate=2)
+
+
+def test_ddp_on_two_processes_with_two_workers(tmp_path: Path, small_shards: Path) -> None:
+    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *DDP, f"data.dir={small_shards}", "data.num_workers=2"]
+    kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
+
+
+def test_without_reseeding_the_losses_differ(tmp_path: Path, small_shards: Path) -> None:
+    """The negative control: the same kills without `StepSeed` give the same batches, other losses."""
+    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, f"data.dir={small_shards}", "~callbacks.step_seed"]
+    with pytest.raises(AssertionError, match="batches or losses differ"):
+        kill_twice_and_compare(tmp_path, overrides, kills=(6, 10), max_steps=12)
+    reference, resumed = batch_logs(tmp_path, "reference"), batch_logs(tmp_path, "killed")
+    samples = [
+        {batch: record["samples"] for batch, record in log["rank0.jsonl"].items()} for log in (reference, resumed)
+    ]
+    assert samples[0] == samples[1]
+
+
+def test_sigterm_to_one_rank_saves_at_the_step_boundary_and_all_ranks_exit(tmp_path: Path, small_shards: Path) -> None:
+    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *DDP, f"data.dir={small_shards}", "trainer.max_steps=400"]
+    overrides += ["callbacks.checkpoint.every_n_steps=1000"]
+    command = [sys.executable, "-m", "pretraining.train", *overrides, f"paths.log_dir={tmp_path}", "run_name=term"]
+    process = subprocess.Popen(command, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    log = run_dir(tmp_path, "term") / "batches" / "rank1.jsonl"
+    deadline = time.monotonic() + 120
+    while not (log.is_file() and len(log.read_text().splitlines()) >= 5):
+        assert process.poll() is None and time.monotonic() < deadline, "training did not start"
+        time.sleep(0.05)
+    group = subprocess.run(["pgrep", "-g", str(process.pid)], capture_output=True, text=True).stdout.split()
+    (rank1,) = {int(pid) for pid in group} - {process.pid}  # no DataLoader workers: num_workers=0
+    os.kill(rank1, signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert subprocess.run(["pgrep", "-g", str(process.pid)], capture_output=True).returncode == 1  # all exited
+    (step, _), *_ = saved_checkpoints(run_dir(tmp_path, "term") / "checkpoints")
+    assert 5 <= step < 400
+    trained = read_batch_log(log)
+    assert max(record["step"] for record in trained.values()) == step  # saved at the boundary it stopped on
