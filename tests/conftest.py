@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from pretraining.config import CONFIG_DIR
 from pretraining.data.cli import train_texts
-from pretraining.data.corpus import PAIR_FIELDS, docstring_pairs, read_text_files, stdlib_root
+from pretraining.data.corpus import PAIR_FIELDS, Document, docstring_pairs, read_text_files, stdlib_root
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.tokenizer import train_bpe
 from pretraining.objectives import PretrainingObjective
@@ -65,6 +65,16 @@ def bpe_path(shard_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     train_bpe(train_texts(shard_dir), vocab_size=320, out_path=path)
     return path
+
+
+@pytest.fixture(scope="session")
+def small_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Shards of a few blocks each, so that a 24-step run crosses shards and epochs."""
+    source = (stdlib_root() / "json" / "decoder.py").read_text()
+    documents = [Document(f"doc{i}", {"txt": source[i * 300 : (i + 1) * 300]}) for i in range(24)]
+    out = tmp_path_factory.mktemp("data") / "small"
+    build_shards(documents, out, ["json/decoder.py"], BuildSettings(0.25, max_shard_bytes=800), show_progress=False)
+    return out
 
 
 def fit_batch(model: PretrainingObjective, batch: dict[str, torch.Tensor], steps: int, lr: float) -> float:

@@ -4,6 +4,7 @@ never interrupted. Each run is a real `pretrain` process; `kill.KillAt` kills it
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,28 +14,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.hydra_config import HydraConfig
 
 from conftest import tiny_run
 from pretraining.callbacks.batch_log import read_batch_log
-from pretraining.checkpoint import saved_checkpoints
-from pretraining.data.corpus import Document
-from pretraining.data.shards import BuildSettings, Manifest, build_shards
+from pretraining.checkpoint import CheckpointError, saved_checkpoints
+from pretraining.config import CONFIG_DIR, ConfigError, default_run_name
+from pretraining.data.shards import Manifest
 from pretraining.data.stream import worker_shard
+from pretraining.train import train
 
 TESTS = Path(__file__).parent
 # Dropout on, so that the per-batch reseeding matters; checkpoints every 4 steps.
 RESUMABLE = ["model.backbone.dropout=0.1", "callbacks=[default,batch_log]", "callbacks.checkpoint.every_n_steps=4"]
 DDP = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp"]
-
-
-@pytest.fixture(scope="module")
-def small_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Shards of a few blocks each, so that a 24-step run crosses shards and epochs."""
-    source = (Path(os.__file__).parent / "json" / "decoder.py").read_text()
-    documents = [Document(f"doc{i}", {"txt": source[i * 300 : (i + 1) * 300]}) for i in range(24)]
-    out = tmp_path_factory.mktemp("data") / "small"
-    build_shards(documents, out, ["json/decoder.py"], BuildSettings(0.25, max_shard_bytes=800), show_progress=False)
-    return out
 
 
 def pretrain(log_dir: Path, run: str, overrides: list[str], kill_after: int | None = None) -> int:
@@ -168,3 +162,81 @@ def test_sigterm_to_one_rank_saves_at_the_step_boundary_and_all_ranks_exit(tmp_p
     assert pretrain(tmp_path, "term", overrides) == 0  # the same command continues
     assert pretrain(tmp_path, "reference", overrides) == 0
     assert_same_training(tmp_path, "reference", "term", 150)
+
+
+# --- in one process: auto-resume, starting over, and the checks before a resume -------------------------
+
+
+def test_running_again_continues_from_the_newest_checkpoint(compose_train, tmp_path: Path) -> None:
+    train(compose_train("trainer.max_steps=6"))
+    metrics = train(compose_train("trainer.max_steps=12"))
+    assert "val/loss" in metrics
+    newest = tmp_path / "checkpoints" / "step-000012.ckpt"
+    lineage = torch.load(newest, weights_only=True)["lineage"]
+    assert lineage["parent"] == str(tmp_path / "checkpoints" / "step-000006.ckpt") and lineage["step"] == 12
+    assert lineage["topology"] == {"world_size": 1, "workers": 1, "batch_size": 4, "seed": 1234}
+
+
+def test_resume_never_moves_the_earlier_run_aside(compose_train, tmp_path: Path) -> None:
+    train(compose_train("trainer.max_steps=6"))
+    train(compose_train("trainer.max_steps=6", "resume=never"))
+    (aside,) = tmp_path.glob("replaced-*")
+    assert (aside / "checkpoints" / "step-000006.ckpt").is_file()
+    lineage = torch.load(tmp_path / "checkpoints" / "step-000006.ckpt", weights_only=True)["lineage"]
+    assert lineage["parent"] is None
+
+
+def test_an_explicit_checkpoint_is_resumed(compose_train, tmp_path: Path) -> None:
+    train(compose_train("trainer.max_steps=6"))
+    source = tmp_path / "checkpoints" / "step-000006.ckpt"
+    other = tmp_path / "other"
+    train(compose_train("trainer.max_steps=12", f"ckpt_path={source}", f"paths.output_dir={other}"))
+    assert torch.load(other / "checkpoints" / "step-000012.ckpt", weights_only=True)["lineage"]["parent"] == str(source)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (["data.batch_size=8"], r"topology: the checkpoint has .*'batch_size': 4.*this run has .*'batch_size': 8"),
+        (["model.backbone.d_model=64"], r"holds another model: parameter backbone\..* has shape \[.*32.*\] there"),
+        (["resume=sometimes"], r"resume='sometimes': use one of auto, never"),
+        (["resume_allow=[everything]"], r"resume_allow=\['everything'\]: \['everything'\] unknown"),
+    ],
+    ids=["batch_size", "model", "resume_mode", "allow"],
+)
+def test_a_resume_that_does_not_fit_is_refused_before_any_work(compose_train, tmp_path: Path, change, message) -> None:
+    train(compose_train("trainer.max_steps=6"))
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    with pytest.raises((CheckpointError, ConfigError), match=message):
+        train(compose_train("trainer.max_steps=12", *change))
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+def test_other_data_or_world_size_is_refused_unless_allowed(compose_train, tmp_path: Path, small_shards: Path) -> None:
+    train(compose_train("trainer.max_steps=6"))
+    with pytest.raises(CheckpointError, match=r"data: the checkpoint has \w+, this run has \w+ \(point data.dir at"):
+        train(compose_train("trainer.max_steps=12", f"data.dir={small_shards}"))
+    sidecar = tmp_path / "checkpoints" / "step-000006.ckpt.json"
+    record = json.loads(sidecar.read_text())
+    record["lineage"]["topology"]["world_size"] = 2  # as if written by a 2-process run
+    sidecar.write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match=r"(?s)'world_size': 2.*'world_size': 1.*resume_allow=\[topology\]"):
+        train(compose_train("trainer.max_steps=12"))
+    with pytest.warns(UserWarning, match="the data changed since the checkpoint"):
+        train(compose_train("trainer.max_steps=12", f"data.dir={small_shards}", "resume_allow=[data,topology]"))
+    assert (tmp_path / "checkpoints" / "step-000012.ckpt").is_file()
+
+
+def test_run_names_are_stable_for_a_command_and_ignore_how_it_resumes() -> None:
+    def name(*overrides: str) -> str:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("train", overrides=list(overrides), return_hydra_config=True)
+        HydraConfig.instance().set_config(cfg)
+        return default_run_name()
+
+    assert name("experiment=mlm_tiny") == "mlm_tiny"
+    assert name() == "default"
+    longer = name("experiment=clm_tiny", "trainer.max_steps=50")
+    assert longer.startswith("clm_tiny-") and longer == name("trainer.max_steps=50", "experiment=clm_tiny")
+    assert name("experiment=clm_tiny", "trainer.max_steps=50", "resume=never", "ckpt_path=x") == longer
+    assert name("experiment=clm_tiny", "trainer.max_steps=60") != longer

@@ -36,12 +36,12 @@ def test_train_then_evaluate_reproduces_validation_loss(compose_train, tmp_path:
     checkpoints = tmp_path / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == [
         "last.ckpt",
-        "step=000006.ckpt",
-        "step=000006.ckpt.json",
-        "step=000012.ckpt",
-        "step=000012.ckpt.json",
+        "step-000006.ckpt",
+        "step-000006.ckpt.json",
+        "step-000012.ckpt",
+        "step-000012.ckpt.json",
     ]
-    assert (checkpoints / "last.ckpt").resolve() == checkpoints / "step=000012.ckpt"
+    assert (checkpoints / "last.ckpt").resolve() == checkpoints / "step-000012.ckpt"
 
     logged = metrics_rows_with(tmp_path, "val/loss")
     assert [int(row["step"]) for row in logged] == [0, 5, 11]  # before training, after steps 6 and 12

@@ -1,8 +1,8 @@
 """Checkpoints that are never half-written, and the search for the newest good one.
 
-A checkpoint `step=000200.ckpt` is written to a temporary file in the same
+A checkpoint `step-000200.ckpt` is written to a temporary file in the same
 directory, fsynced, read back for its SHA-256, renamed into place, and the
-directory fsynced; then its sidecar `step=000200.ckpt.json` (checksum, size,
+directory fsynced; then its sidecar `step-000200.ckpt.json` (checksum, size,
 step, lineage, parameter shapes) is written the same way, last. A checkpoint
 counts only once its sidecar exists and its bytes match it, so a crash at any
 moment leaves either the previous good checkpoint or the new good one, never a
@@ -199,7 +199,7 @@ class StepCheckpoint(Checkpoint):
         step = trainer.global_step
         if step == self.saved_step:
             return
-        path = self.dirpath / f"step={step:06d}.ckpt"
+        path = self.dirpath / f"step-{step:06d}.ckpt"
         trainer.save_checkpoint(path)  # every rank takes part; rank zero writes
         self.saved_step, self.last_model_path = step, str(path)
         if trainer.is_global_zero:
