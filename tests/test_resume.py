@@ -28,7 +28,8 @@ from pretraining.train import train
 TESTS = Path(__file__).parent
 # Dropout on, so that the per-batch reseeding matters; checkpoints every 4 steps.
 RESUMABLE = ["model.backbone.dropout=0.1", "callbacks=[default,batch_log]", "callbacks.checkpoint.every_n_steps=4"]
-DDP = ["trainer.accelerator=cpu", "trainer.devices=2", "trainer.strategy=ddp"]
+DDP = ["trainer=ddp_cpu"]
+FSDP = ["trainer=fsdp_cpu"]
 
 
 def pretrain(log_dir: Path, run: str, overrides: list[str], kill_after: int | None = None) -> int:
@@ -39,7 +40,7 @@ def pretrain(log_dir: Path, run: str, overrides: list[str], kill_after: int | No
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
     try:
-        _, stderr = process.communicate(timeout=240)
+        _, stderr = process.communicate(timeout=180)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         raise
@@ -121,6 +122,11 @@ def test_gradient_accumulation(tmp_path: Path, small_shards: Path) -> None:
 
 def test_ddp_on_two_processes_with_two_workers(tmp_path: Path, small_shards: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *DDP, f"data.dir={small_shards}", "data.num_workers=2"]
+    kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
+
+
+def test_fsdp2_on_two_processes(tmp_path: Path, small_shards: Path) -> None:
+    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *FSDP, f"data.dir={small_shards}"]
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
 
 

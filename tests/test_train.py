@@ -104,24 +104,33 @@ def test_debug_presets_train(compose_train, overrides: list[str]) -> None:
     assert "train/loss" in metrics
 
 
-def test_cli_run_directory_checkpoint_csv_and_offline_wandb(tmp_path: Path, shard_dir: Path) -> None:
+def test_cli_run_directory_checkpoint_csv_and_offline_wandb_continued_on_resume(
+    tmp_path: Path, shard_dir: Path
+) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB")} | {"WANDB_SILENT": "true"}
     overrides = [*TINY_RUN, "logger=default", f"data.dir={shard_dir}", f"paths.log_dir={tmp_path}", "run_name=cli"]
-    result = subprocess.run(
-        [str(Path(sys.executable).parent / "pretrain"), *overrides],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+
+    def pretrain(*more: str) -> str:
+        command = [str(Path(sys.executable).parent / "pretrain"), *overrides, *more]
+        result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout + result.stderr
+
+    output = pretrain("trainer.max_steps=6", "trainer.log_every_n_steps=2")
     run_dir = tmp_path / "train" / "runs" / "cli"
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     assert metrics_rows_with(run_dir, "train/loss")
-    offline_runs = list((run_dir / "wandb").glob("offline-run-*"))
-    assert len(offline_runs) == 1
-    assert f"wandb sync {offline_runs[0]}" in result.stdout + result.stderr
+    (offline_run,) = (run_dir / "wandb").glob("offline-run-*")
+    assert f"wandb sync {offline_run}" in output
+
+    pretrain("trainer.max_steps=12", "trainer.log_every_n_steps=2")  # the same run, continued: the same W&B run id
+    run_id = (run_dir / "wandb_run_id").read_text()
+    offline_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 2 and all(run.name.endswith(f"-{run_id}") for run in offline_runs)
+    lineage = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["lineage"]
+    assert lineage["wandb_run_id"] == run_id and lineage["step"] == 12
+    assert lineage["parent"] == str(run_dir / "checkpoints" / "step-000006.ckpt")
 
 
 def test_final_step_is_validated_when_off_the_interval(compose_train, tmp_path: Path) -> None:

@@ -10,7 +10,8 @@ from pretraining.objectives.causal_lm import CausalLM
 
 
 class TextSample(Callback):
-    """At the end of training, sample a continuation of `prompt` on rank zero."""
+    """At the end of training, sample a continuation of `prompt` and print it from rank zero.
+    Every rank samples (the same text): under FSDP the forward pass needs all of them."""
 
     def __init__(
         self, prompt: str = "def ", max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 50, seed: int = 0
@@ -19,7 +20,7 @@ class TextSample(Callback):
         self.temperature, self.top_k, self.seed = temperature, top_k, seed
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not trainer.is_global_zero or not isinstance(pl_module, CausalLM):
+        if not isinstance(pl_module, CausalLM):
             return
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)

@@ -27,7 +27,7 @@ from torchmetrics import Metric, SumMetric
 
 from pretraining.config import ConfigError, build
 from pretraining.data.tokenizer import Tokenizer
-from pretraining.models.transformer import Transformer
+from pretraining.models.transformer import Block, Transformer
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -69,6 +69,21 @@ class PretrainingObjective(LightningModule):
         # Unusable samples the stream skipped on this rank, counted on the device (no host sync per step).
         self.skipped_samples: torch.Tensor
         self.register_buffer("skipped_samples", torch.zeros((), dtype=torch.long), persistent=False)
+
+    def configure_model(self) -> None:
+        """Under FSDP2 (Lightning's `ModelParallelStrategy`), shard each transformer block, then the
+        rest of the objective as one unit. Elsewhere there is nothing to do. Lightning calls this
+        for every `validate` and `fit`, so it shards only once."""
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        if self.device_mesh is None or isinstance(self, FSDPModule):
+            return
+
+        mesh = self.device_mesh["data_parallel"]
+        for module in self.modules():
+            if isinstance(module, Block):
+                fully_shard(module, mesh=mesh)
+        fully_shard(self, mesh=mesh)
 
     def check_tokenizer(self, tokenizer: Tokenizer) -> None:
         """Refuse a tokenizer this objective cannot work with (the default accepts any)."""
