@@ -12,7 +12,7 @@ ARGS ?=
 CKPT ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install data tokenizer train eval test test-full lint format bench clean clean-logs
+.PHONY: help install data tokenizer train eval test test-full lint format bench chaos clean clean-logs
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -64,8 +64,12 @@ format: install ## Fix style and formatting
 	$(BIN)/ruff check --fix src tests scripts
 	$(BIN)/ruff format src tests scripts
 
-bench: install data ## Template overhead vs a plain PyTorch loop, and loader vs model throughput
+bench: install data ## Template overhead vs plain PyTorch, loader throughput, resume start-up and checkpoint save times
 	$(BIN)/python scripts/bench_overhead.py --data $(DATA_DIR) $(ARGS)
+	$(BIN)/python scripts/bench_resume.py --data $(DATA_DIR)
+
+chaos: install data ## Kill a run with SIGKILL at random moments, restart it, compare with an uninterrupted run
+	$(BIN)/python scripts/chaos.py --data $(DATA_DIR) $(ARGS)
 
 clean-logs: ## Delete run outputs under logs/
 	find logs -mindepth 1 ! -name .gitkeep -exec rm -rf {} +

@@ -40,3 +40,23 @@ def read_batch_log(path: Path) -> dict[int, dict[str, Any]]:
     """A rank's log by batch number, the last line for a batch winning (a replay after a restart)."""
     records = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
     return {record["batch"]: record for record in records}
+
+
+def batch_log_differences(reference: Path, resumed: Path) -> list[str]:
+    """Where two runs' batch logs (`<run dir>/batches/`) differ: missing ranks or batches, other
+    samples, other losses. Empty when the runs trained identically."""
+    differences = []
+    ranks = sorted({path.name for path in [*reference.glob("rank*.jsonl"), *resumed.glob("rank*.jsonl")]})
+    for rank in ranks:
+        if not (reference / rank).is_file() or not (resumed / rank).is_file():
+            differences.append(f"{rank}: in one run only")
+            continue
+        expected, actual = read_batch_log(reference / rank), read_batch_log(resumed / rank)
+        for batch in sorted(expected.keys() | actual.keys()):
+            if batch not in expected or batch not in actual:
+                differences.append(f"{rank} batch {batch}: in one run only")
+            elif expected[batch]["samples"] != actual[batch]["samples"]:
+                differences.append(f"{rank} batch {batch}: other samples")
+            elif expected[batch]["loss"] != actual[batch]["loss"]:
+                differences.append(f"{rank} batch {batch}: loss {actual[batch]['loss']} != {expected[batch]['loss']}")
+    return differences
