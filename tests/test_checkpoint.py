@@ -21,6 +21,7 @@ from pretraining.checkpoint import (
     verify,
 )
 from pretraining.data.datamodule import BlockDataModule
+from pretraining.data.stream import Cursor
 from pretraining.data.tokenizer import ByteTokenizer
 
 
@@ -154,3 +155,15 @@ def test_restoring_reads_at_most_the_current_shard_again(small_shards: Path, mon
     restored.load_state_dict(first.state_dict())
     consume(restored, 1)
     assert 1 <= len(opened) <= 2  # the shard in progress, and the next if the batch runs past its end
+
+
+def test_another_worker_count_resumes_approximately_where_allowed(small_shards: Path) -> None:
+    first = datamodule(small_shards, 2)
+    consume(first, 30)
+    state = first.state_dict()
+    done = sum(shard for shard, _ in state["ranks"][0]["cursors"])
+    restored = datamodule(small_shards, 0)  # one stream instead of two
+    with pytest.warns(UserWarning, match=r"data topology changed .* resumes approximately"):
+        restored.load_state_dict(state)
+    assert restored.cursors == [Cursor(done)] and restored.batches_consumed == 30
+    assert len(consume(restored, 3)) == 3

@@ -122,6 +122,12 @@ def test_gradient_accumulation(tmp_path: Path, small_shards: Path) -> None:
 def test_ddp_on_two_processes_with_two_workers(tmp_path: Path, small_shards: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *DDP, f"data.dir={small_shards}", "data.num_workers=2"]
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
+    # Rank zero's checkpoint holds every rank's data position and, for inspection, RNG states.
+    checkpoint = torch.load(run_dir(tmp_path, "killed") / "checkpoints" / "last.ckpt", weights_only=True)
+    positions = checkpoint["BlockDataModule"]["ranks"]
+    assert [position["batches_consumed"] for position in positions] == [14, 14]
+    rng_states = checkpoint["callbacks"]["StepSeed"]["rng_states_by_rank"]
+    assert len(rng_states) == 2 and not torch.equal(rng_states[0]["torch"], rng_states[1]["torch"])
 
 
 def test_fsdp2_on_two_processes(tmp_path: Path, small_shards: Path) -> None:
@@ -245,3 +251,26 @@ def test_run_names_are_stable_for_a_command_and_ignore_how_it_resumes() -> None:
     assert longer.startswith("clm_tiny-") and longer == name("trainer.max_steps=50", "experiment=clm_tiny")
     assert name("experiment=clm_tiny", "trainer.max_steps=50", "resume=never", "ckpt_path=x") == longer
     assert name("experiment=clm_tiny", "trainer.max_steps=60") != longer
+
+
+@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGINT], ids=["SIGUSR1", "SIGINT"])
+def test_a_signal_saves_at_the_next_step_boundary_and_requeues_under_slurm(
+    compose_train, tmp_path: Path, monkeypatch, signum: int
+) -> None:
+    scontrol = tmp_path / "bin" / "scontrol"  # stands in for SLURM's: records how it was called
+    scontrol.parent.mkdir()
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    signal_at = [
+        "+callbacks.signal._target_=kill.SignalAt",
+        "+callbacks.signal.batch=3",
+        f"+callbacks.signal.signum={signum}",
+    ]
+    with pytest.raises(SystemExit) as stopped:
+        train(compose_train(*signal_at))
+    assert stopped.value.code == 128 + signum
+    assert [step for step, _ in saved_checkpoints(tmp_path / "checkpoints")] == [4]  # the boundary after the signal
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    assert signal.getsignal(signum) is not None and "Preemption" not in repr(signal.getsignal(signum))  # restored

@@ -200,7 +200,7 @@ class StepCheckpoint(Checkpoint):
         if step == self.saved_step:
             return
         path = self.dirpath / f"step-{step:06d}.ckpt"
-        trainer.save_checkpoint(path)  # every rank takes part; rank zero writes
+        trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; rank zero writes
         self.saved_step, self.last_model_path = step, str(path)
         if trainer.is_global_zero:
             verify(path)
