@@ -189,7 +189,7 @@ class StepCheckpoint(Checkpoint):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         step = trainer.global_step
-        if trainer.fast_dev_run:  # a smoke test: nothing worth keeping
+        if trainer.fast_dev_run:  # type: ignore[attr-defined]  # a smoke test: nothing worth keeping
             return
         if step % self.every_n_steps == 0 or step >= trainer.max_steps:
             self.save(trainer)

@@ -28,7 +28,7 @@ def wandb_logger(save_dir: str, offline: bool | None = None, id: str | None = No
     continues the same W&B run, online or offline."""
     if offline is None:
         offline = os.environ.get("WANDB_MODE") == "offline" or not wandb_credentials_available()
-    if id is None and rank_zero_only.rank == 0:  # only rank zero logs to W&B
+    if id is None and getattr(rank_zero_only, "rank", 0) == 0:  # only rank zero logs to W&B
         id = run_id(Path(save_dir))
     return WandbLogger(save_dir=save_dir, offline=offline, id=id, resume="allow", **kwargs)
 

@@ -59,7 +59,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
             trainer.validate(model, datamodule=datamodule)  # the starting point of the learning curve
         trainer.fit(model, datamodule=datamodule, ckpt_path=parent)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
-        stopped_by = next((c.exit_code for c in trainer.callbacks if isinstance(c, Preemption) and c.exit_code), 0)
+        preemption = [c for c in trainer.callbacks if isinstance(c, Preemption)]  # type: ignore[attr-defined]
+        stopped_by = preemption[0].exit_code if preemption else 0
         if not stopped_by and model.last_validated_step != trainer.global_step:  # final weights are validated
             metrics |= trainer.validate(model, datamodule=datamodule)[0]
     finally:

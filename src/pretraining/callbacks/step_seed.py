@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -23,7 +23,7 @@ def seed_all(seed: int) -> None:
 def rng_states() -> dict[str, Any]:
     """This process's generator states, as plain data and tensors (loadable with `weights_only=True`)."""
     version, state, gauss = random.getstate()
-    name, keys, position, has_gauss, cached_gauss = np.random.get_state()
+    name, keys, position, has_gauss, cached_gauss = cast(tuple, np.random.get_state(legacy=True))
     return {
         "python": [version, list(state), gauss],
         "numpy": [name, keys.tolist(), int(position), int(has_gauss), float(cached_gauss)],
