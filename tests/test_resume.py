@@ -4,6 +4,7 @@ never interrupted. Each run is a real `pretrain` process; `kill.KillAt` kills it
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -186,6 +187,10 @@ def test_running_again_continues_from_the_newest_checkpoint(compose_train, tmp_p
     lineage = torch.load(newest, weights_only=True)["lineage"]
     assert lineage["parent"] == str(tmp_path / "checkpoints" / "step-000006.ckpt") and lineage["step"] == 12
     assert lineage["topology"] == {"world_size": 1, "workers": 1, "batch_size": 4, "seed": 1234}
+    # The metrics file goes on from the first run's rows (Lightning's own CSV logger would delete them).
+    with (tmp_path / "csv" / "metrics.csv").open() as file:
+        validated = [int(row["step"]) for row in csv.DictReader(file) if row["val/loss"]]
+    assert validated == [0, 5, 11]
 
 
 def test_resume_never_moves_the_earlier_run_aside(compose_train, tmp_path: Path) -> None:

@@ -1,14 +1,18 @@
-"""Loggers: W&B that goes offline by itself when there are no credentials."""
+"""Loggers: W&B that goes offline by itself when there are no credentials and keeps one run
+across restarts, and a CSV logger that continues its file when the run resumes."""
 
 from __future__ import annotations
 
+import csv
 import netrc
 import os
 import secrets
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch.loggers import Logger, WandbLogger
+from lightning.fabric.loggers.logger import rank_zero_experiment
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
 
@@ -50,3 +54,25 @@ def wandb_sync_hint(loggers: list[Logger]) -> str | None:
         if isinstance(logger, WandbLogger) and logger._offline and logger._experiment is not None:
             return f"wandb sync {Path(logger.experiment.dir).parent}"
     return None
+
+
+class ContinuedExperimentWriter(ExperimentWriter):
+    """Lightning's CSV writer, except that an existing metrics file is continued, not deleted."""
+
+    def _check_log_dir_exists(self) -> None:
+        if self._fs.isfile(self.metrics_file_path):
+            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
+                self.metrics_keys = next(csv.reader(file), [])
+
+
+class ResumableCSVLogger(CSVLogger):
+    """A `CSVLogger` whose `metrics.csv` keeps the rows of the run before a resume (Lightning's
+    deletes them). Steps replayed after a crash appear twice; the later row is the one that counts."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> ExperimentWriter:
+        if not isinstance(self._experiment, ContinuedExperimentWriter):
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = ContinuedExperimentWriter(log_dir=self.log_dir)
+        return self._experiment
