@@ -14,10 +14,11 @@ import pretraining.data.stream as stream_module
 from pretraining.checkpoint import (
     AtomicCheckpointIO,
     CheckpointError,
+    StepCheckpoint,
     newest_verified,
+    on_cpu,
     saved_checkpoints,
     sidecar_path,
-    unfinished_checkpoints,
     verify,
 )
 from pretraining.data.datamodule import BlockDataModule
@@ -60,13 +61,36 @@ def test_a_flipped_byte_fails_the_checksum(tmp_path: Path) -> None:
         AtomicCheckpointIO().load_checkpoint(path)
 
 
-def test_a_checkpoint_without_its_sidecar_is_refused(tmp_path: Path) -> None:
-    path = save(tmp_path, 1)
+def test_a_checkpoint_without_its_sidecar_is_skipped_and_never_deleted(tmp_path: Path) -> None:
+    save(tmp_path, 1)
+    path = save(tmp_path, 2)
     sidecar_path(path).unlink()
-    with pytest.raises(CheckpointError, match=r"has no sidecar step-000001\.ckpt\.json, which is written last"):
+    with pytest.raises(CheckpointError, match=r"has no sidecar step-000002\.ckpt\.json, which is written last"):
         verify(path)
     with pytest.warns(UserWarning, match="no sidecar"):
-        assert newest_verified(tmp_path) is None
+        assert newest_verified(tmp_path)[0].name == "step-000001.ckpt"
+    StepCheckpoint(str(tmp_path), keep_last=2).prune(keep=tmp_path / "step-000001.ckpt")
+    assert path.is_file()  # perhaps copied without its sidecar: not ours to delete
+
+
+def test_a_directory_where_no_checkpoint_verifies_is_refused_not_started_over(tmp_path: Path) -> None:
+    for step in (1, 2):
+        sidecar_path(save(tmp_path, step)).unlink()
+    with (
+        pytest.warns(UserWarning),
+        pytest.raises(CheckpointError, match=r"(?s)no checkpoint in .* verifies.*resume=never"),
+    ):
+        newest_verified(tmp_path)
+    assert newest_verified(tmp_path / "absent") is None
+
+
+def test_loading_maps_to_the_cpu_by_default(tmp_path: Path, monkeypatch) -> None:
+    path = save(tmp_path, 1)
+    seen = {}
+    original = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: seen.update(k) or original(*a, **k))
+    AtomicCheckpointIO().load_checkpoint(path)
+    assert seen["map_location"] is on_cpu and seen["weights_only"] is True
 
 
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_and_no_unverifiable_one(tmp_path: Path) -> None:
@@ -90,7 +114,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_and_no_unverifiable
     assert result.returncode == -9, result.stderr
     assert not (tmp_path / "step-000002.ckpt").exists()  # only a temporary, never the final name
     assert list(tmp_path.glob(".step-000002.ckpt.tmp-*"))
-    assert unfinished_checkpoints(tmp_path) == []
+    assert all(sidecar_path(path).is_file() for path in tmp_path.glob("*.ckpt"))
     path, _ = newest_verified(tmp_path)
     assert path.name == "step-000001.ckpt"
     assert [step for step, _ in saved_checkpoints(tmp_path)] == [1]

@@ -73,11 +73,15 @@ def write_durably(path: Path, write: Any) -> str:
     return digest
 
 
+def parameter_shapes(state_dict: dict[str, torch.Tensor]) -> dict[str, list[int]]:
+    return {name: list(tensor.shape) for name, tensor in state_dict.items()}
+
+
 def summary(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """What a resume checks before loading a checkpoint: its step, lineage (without the full config)
     and parameter shapes."""
     lineage = {key: value for key, value in checkpoint.get("lineage", {}).items() if key != "config"}
-    shapes = {name: list(tensor.shape) for name, tensor in checkpoint.get("state_dict", {}).items()}
+    shapes = parameter_shapes(checkpoint.get("state_dict", {}))
     return {"step": checkpoint.get("global_step"), "lineage": lineage, "parameters": shapes}
 
 
@@ -94,11 +98,17 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
         verify(Path(path))
-        # Tensors and plain data only: a checkpoint from elsewhere cannot run code.
-        return super().load_checkpoint(path, map_location=map_location, weights_only=True)
+        # Tensors and plain data only: a checkpoint from elsewhere cannot run code. Onto the CPU unless
+        # told otherwise: every rank loads the file, and a GPU's copy would land on the saver's device.
+        return super().load_checkpoint(path, map_location=map_location or on_cpu, weights_only=True)
 
     def remove_checkpoint(self, path: Any) -> None:
         remove(Path(path))
+
+
+def on_cpu(storage: Any, location: str) -> Any:
+    """A `torch.load` map_location that keeps every tensor on the CPU."""
+    return storage
 
 
 def remove(path: Path) -> None:
@@ -108,68 +118,88 @@ def remove(path: Path) -> None:
 
 
 def verify(path: Path) -> dict[str, Any]:
-    """The sidecar of a complete, intact checkpoint; raises `CheckpointError` naming what is wrong."""
+    """The sidecar of a complete, intact checkpoint; raises `CheckpointError` naming what is wrong.
+    A file already verified in this process, unchanged since, is not read again."""
     path = path.resolve()
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} not found")
+        raise CheckpointError(f"checkpoint {path} not found" + (" (it is a directory)" if path.is_dir() else ""))
     sidecar = sidecar_path(path)
     if not sidecar.is_file():
         raise CheckpointError(
-            f"{path} has no sidecar {sidecar.name}, which is written last: the save did not finish (or the sidecar "
-            f"was not copied with it); use an earlier checkpoint"
+            f"{path} has no sidecar {sidecar.name}, which is written last: its save did not finish, the sidecar was "
+            f"not copied with it, or it predates sidecars (such a checkpoint can still be evaluated, not resumed); "
+            f"use another checkpoint"
         )
     try:
         record = json.loads(sidecar.read_text())
-        expected_bytes, expected_sha = record["bytes"], record["sha256"]
+        written, expected_bytes, expected_sha = record["format"], record["bytes"], record["sha256"]
     except (ValueError, KeyError) as error:
-        raise CheckpointError(f"sidecar {sidecar} is unreadable ({error}); use an earlier checkpoint") from None
-    size = path.stat().st_size
-    if size != expected_bytes:
-        raise CheckpointError(f"{path} has {size} bytes, its sidecar says {expected_bytes}: it is truncated or altered")
-    if sha256_of(path) != expected_sha:
-        raise CheckpointError(f"{path} does not match the SHA-256 in its sidecar: it is corrupt")
+        raise CheckpointError(f"sidecar {sidecar} is unreadable ({error!r}); use another checkpoint") from None
+    if written != SIDECAR_FORMAT:
+        raise CheckpointError(f"sidecar {sidecar} has format {written}, this code reads {SIDECAR_FORMAT}")
+    stat = path.stat()
+    if stat.st_size != expected_bytes:
+        raise CheckpointError(
+            f"{path} has {stat.st_size} bytes, its sidecar says {expected_bytes}: it is truncated or altered; "
+            f"use another checkpoint in {path.parent}"
+        )
+    key = (path, stat.st_size, stat.st_mtime_ns, expected_sha)
+    if key not in _verified:
+        if sha256_of(path) != expected_sha:
+            raise CheckpointError(
+                f"{path} does not match the SHA-256 in its sidecar: it is corrupt; "
+                f"use another checkpoint in {path.parent}"
+            )
+        _verified.add(key)
     return record
 
 
+_verified: set[tuple[Path, int, int, str]] = set()
+
+
 def saved_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of the checkpoints in `directory` that have a sidecar, newest first (not yet checksummed)."""
+    """(step, path) of the checkpoints in `directory` whose sidecar exists and gives their size,
+    newest first (not yet checksummed)."""
     found = []
     for sidecar in directory.glob("*.ckpt.json"):
         path = sidecar.with_suffix("")
         try:
-            step = int(json.loads(sidecar.read_text())["step"])
+            record = json.loads(sidecar.read_text())
+            step, size = int(record["step"]), record["bytes"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        if path.is_file() and not path.is_symlink():
+        if path.is_file() and not path.is_symlink() and path.stat().st_size == size:
             found.append((step, path))
     return sorted(found, reverse=True)
 
 
-def unfinished_checkpoints(directory: Path) -> list[Path]:
-    """Checkpoint files without a sidecar: a save that did not finish."""
-    return [path for path in directory.glob("*.ckpt") if not path.is_symlink() and not sidecar_path(path).exists()]
-
-
 def newest_verified(directory: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint in `directory` that verifies, and its sidecar, warning about each one skipped."""
-    if not directory.is_dir():
-        return None
-    for path in unfinished_checkpoints(directory):
-        warnings.warn(f"ignoring {path}: it has no sidecar, so its save did not finish", stacklevel=2)
-    for _, path in saved_checkpoints(directory):
+    """The newest checkpoint in `directory` that verifies, and its sidecar, warning about each one
+    skipped; None if the directory holds no checkpoint. If it holds some but none verifies, refuse
+    (starting over would silently discard them)."""
+    checkpoints = [path for path in directory.glob("*.ckpt") if not path.is_symlink()] if directory.is_dir() else []
+    problems = []
+    for path in sorted(checkpoints, reverse=True):
         try:
             return path, verify(path)
         except CheckpointError as error:
             warnings.warn(f"ignoring a checkpoint that does not verify, trying an older one: {error}", stacklevel=2)
+            problems.append(str(error))
+    if problems:
+        raise CheckpointError(
+            f"no checkpoint in {directory} verifies:\n  " + "\n  ".join(problems) + "\npass ckpt_path=<a checkpoint "
+            "you trust>, restore the missing sidecars, or pass resume=never to move these aside and start over"
+        )
     return None
 
 
 class StepCheckpoint(Checkpoint):
     """Save every `every_n_steps` optimizer steps and at the last step, always at a step boundary
     (after the optimizer step, so gradient accumulation is respected), through the trainer's
-    checkpoint writer. Keep the newest `keep_last` (at least 2: the newest may be the one being
-    written when a crash comes) and, permanently, every step divisible by `keep_every`. Older ones are
-    pruned only after the new one has verified."""
+    checkpoint writer (`AtomicCheckpointIO`). Keep the newest `keep_last` and, permanently, every
+    step divisible by `keep_every`. Older ones are pruned only after the new one is complete. At
+    least 2 are kept, so that a newest one damaged later (a disk fault, a bad copy) still leaves a
+    fallback."""
 
     def __init__(
         self, dirpath: str, every_n_steps: int = 200, keep_last: int = 2, keep_every: int | None = None
@@ -203,7 +233,12 @@ class StepCheckpoint(Checkpoint):
         trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; rank zero writes
         self.saved_step, self.last_model_path = step, str(path)
         if trainer.is_global_zero:
-            verify(path)
+            if not sidecar_path(path).is_file():  # the writer verified the bytes it wrote before its sidecar
+                raise CheckpointError(
+                    f"{path} was saved without a sidecar: the checkpoint was not written by AtomicCheckpointIO "
+                    f"(trainer.plugins), or the strategy bypasses it (FSDP with save_distributed_checkpoint=true "
+                    f"writes sharded directories, which resume does not support yet: set it to false)"
+                )
             link_last(path)
             self.prune(keep=path)
 
@@ -214,8 +249,7 @@ class StepCheckpoint(Checkpoint):
             permanent = self.keep_every is not None and step % self.keep_every == 0
             if path not in newest and not permanent:
                 remove(path)
-        # What saves that a crash interrupted left behind.
-        for leftover in [*self.dirpath.glob(".*.tmp-*"), *unfinished_checkpoints(self.dirpath)]:
+        for leftover in self.dirpath.glob(".*.tmp-*"):  # what a save interrupted by a crash left behind
             leftover.unlink(missing_ok=True)
 
 

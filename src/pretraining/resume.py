@@ -2,11 +2,14 @@
 
 A run lives in one directory named by the run, not by the time it started
 (`logs/<task>/runs/<run_name>/`). Running the same command again finds the
-newest checkpoint there that verifies and continues from it (`resume=auto`);
-`resume=never` moves the old run's outputs aside and starts over;
-`ckpt_path=...` continues from that file. Before any work, the checkpoint's
-sidecar is compared with this run: data version, tokenizer, data topology and
-parameter shapes must match, unless `resume_allow` names the deliberate change.
+newest checkpoint there that verifies and continues from it (`resume=auto`).
+`ckpt_path=...` starts the run from that file; once the run has checkpoints of
+its own, the same command continues from those, so a requeued job does not go
+back. `resume=never` moves the run's earlier outputs aside and starts over
+(every time: keep it out of a job script that a scheduler requeues). Before
+any work, the checkpoint's sidecar is compared with this run: data version,
+tokenizer, data topology and parameter shapes must match, unless
+`resume_allow` names the deliberate change.
 """
 
 from __future__ import annotations
@@ -32,28 +35,30 @@ def checkpoint_to_resume(
     """The checkpoint to continue from and its verified sidecar, or None to start fresh."""
     if resume not in RESUME_MODES:
         raise ConfigError(f"resume={resume!r}: use one of {', '.join(RESUME_MODES)} (or set ckpt_path=<file>)")
-    if ckpt_path:
-        path = Path(ckpt_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"ckpt_path={ckpt_path} not found; runs keep checkpoints in <run dir>/checkpoints/")
-        return path, verify(path)
     if resume == "never":
         start_over(run_dir)
         return None
     found = newest_verified(checkpoints)
     if found:
         rank_zero_info(f"resuming from {found[0]} (step {found[1]['step']}); pass resume=never to start over")
-    return found
+        return found
+    if ckpt_path:
+        path = Path(ckpt_path).resolve()
+        if not path.is_file():
+            raise FileNotFoundError(f"ckpt_path={ckpt_path} is not a file; runs keep checkpoints in <run>/checkpoints/")
+        return path, verify(path)
+    return None
 
 
 @rank_zero_only
 def start_over(run_dir: Path) -> None:
-    """Move an earlier run's outputs in `run_dir` aside (nothing is deleted), keeping this start's config and log."""
+    """Move an earlier run's outputs in `run_dir` aside: checkpoints, metrics, W&B files (Hydra has
+    already written this start's `.hydra/` config over the earlier one's)."""
     earlier = [p for p in run_dir.iterdir() if p.name != ".hydra" and p.suffix != ".log"] if run_dir.is_dir() else []
     earlier = [p for p in earlier if not p.name.startswith("replaced-")]
     if not earlier:
         return
-    aside = run_dir / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside = run_dir / f"replaced-{time.strftime('%Y%m%d-%H%M%S')}-{time.time_ns() % 10**9:09d}"
     aside.mkdir()
     for path in earlier:
         shutil.move(str(path), aside / path.name)
@@ -79,7 +84,12 @@ def check_fits(
         for what, key, fix in (
             ("data", "data_version", "point data.dir at the shards it was trained on"),
             ("tokenizer", "tokenizer_fingerprint", "use the tokenizer it was trained with"),
-            ("topology", "topology", "use the same devices, data.num_workers, data.batch_size and seed"),
+            (
+                "topology",
+                "topology",
+                "use the same number of processes (devices x nodes), data.num_workers, data.batch_size, "
+                "data.shuffle_buffer, sequence lengths and seed",
+            ),
         )
         if what not in allow and lineage.get(key) != expected[key]
     ]

@@ -14,12 +14,15 @@ from typing import Any, cast
 import hydra
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
 from pretraining.callbacks import Lineage, Preemption
 from pretraining.callbacks.lineage import code_revision
-from pretraining.config import CONFIG_DIR, PROJECT_ROOT, build, check_config
+from pretraining.checkpoint import parameter_shapes
+from pretraining.config import CONFIG_DIR, PROJECT_ROOT, ConfigError, build, check_config
 from pretraining.loggers import wandb_sync_hint
 from pretraining.objectives import build_objective
 from pretraining.resume import check_fits, checkpoint_to_resume
@@ -42,15 +45,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
     lineage = Lineage(config, datamodule.manifest.version, tokenizer.fingerprint, code_revision(PROJECT_ROOT), parent)
     callbacks = [build(callback) for callback in cfg.callbacks.values()] + [lineage]
     loggers: list[Logger] = [build(logger) for logger in cfg.logger.values()]
-    trainer: Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers)
+    trainer: Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers, plugins=trainer_plugins(cfg))
+    check_checkpointable(trainer)
     if resume:
         expected = {
             "data_version": datamodule.manifest.version,
             "tokenizer_fingerprint": tokenizer.fingerprint,
             "topology": datamodule.topology_for(trainer.world_size),
         }
-        shapes = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
-        check_fits(resume[0], resume[1], expected, shapes, list(cfg.resume_allow))
+        check_fits(resume[0], resume[1], expected, parameter_shapes(model.state_dict()), list(cfg.resume_allow))
     for logger in trainer.loggers:  # not `loggers`: fast_dev_run swaps in a dummy
         logger.log_hyperparams({**config, "lineage": {k: v for k, v in lineage.record.items() if k != "config"}})
 
@@ -70,6 +73,25 @@ def train(cfg: DictConfig) -> dict[str, float]:
         rank_zero_info(f"stopped by a signal at step {trainer.global_step}; run the same command to continue")
         raise SystemExit(stopped_by)
     return metrics
+
+
+def trainer_plugins(cfg: DictConfig) -> list[Any]:
+    """The configured plugins, plus, under SLURM, its environment with Lightning's auto-requeue off:
+    that saves inside the signal handler; `Preemption` saves at the step boundary instead."""
+    plugins = [build(plugin) for plugin in cfg.trainer.get("plugins") or []]
+    if SLURMEnvironment.detect():
+        plugins.append(SLURMEnvironment(auto_requeue=False))
+    return plugins
+
+
+def check_checkpointable(trainer: Trainer) -> None:
+    """Refuse, before any work, a strategy whose checkpoints resume cannot verify."""
+    strategy = trainer.strategy
+    if isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint:
+        raise ConfigError(
+            "trainer.strategy.save_distributed_checkpoint=true writes sharded checkpoint directories, which this "
+            "template cannot verify or resume yet: set it to false (rank zero then writes one full checkpoint)"
+        )
 
 
 def finish_wandb() -> None:

@@ -22,11 +22,14 @@ class Preemption(Callback):
     """On a signal, only set a flag; at the next step boundary the ranks agree on it (all-reduce of
     the flag), save a checkpoint, stop, and `train` exits with status 128 + signal number, which a
     scheduler can requeue on. With `requeue` and under SLURM, rank zero also runs
-    `scontrol requeue` after the save. Nothing is saved inside the handler: the state is always that
-    of a completed optimizer step. A second Ctrl-C stops at once, without saving.
+    `scontrol requeue` after a SIGTERM or SIGUSR1 (not after Ctrl-C). Nothing is saved inside the
+    handler: the state is always that of a completed optimizer step. A second Ctrl-C stops at once,
+    without saving. (Lightning may still run one validation before the loop ends.)
 
-    Installed at the start of training, replacing Lightning's handlers (whose SIGTERM path runs a
-    collective inside the handler and can hang a DDP job).
+    The handlers replace Lightning's (whose SIGTERM path runs a collective inside the handler and
+    can hang a DDP job) from the start of training to its end; outside the training loop
+    (validation before and after) Lightning's apply. DataLoader workers ignore these signals
+    (`leave_stop_signals_to_the_main_process`).
     """
 
     def __init__(self, requeue: bool = True) -> None:
@@ -39,7 +42,7 @@ class Preemption(Callback):
     def handle(self, signum: int, frame: FrameType | None) -> None:
         if signum == signal.SIGINT and self.received == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: the person means now
-        self.received = signum
+        self.received = self.received or signum  # the first signal decides (a SIGTERM is not undone)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.boundary_step = trainer.global_step
@@ -53,12 +56,19 @@ class Preemption(Callback):
         if agreed is None:
             return
         self.stopped_by = agreed
-        rank_zero_info(f"{signal.Signals(agreed).name} received: saving at step {trainer.global_step} and stopping")
-        for checkpoint in trainer.checkpoint_callbacks:
-            if isinstance(checkpoint, StepCheckpoint):
-                checkpoint.save(trainer)
+        checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, StepCheckpoint)]
+        name = signal.Signals(agreed).name
+        if checkpoints:
+            rank_zero_info(f"{name} received: saving at step {trainer.global_step} and stopping")
+        else:
+            rank_zero_warn(
+                f"{name} received: stopping at step {trainer.global_step} WITHOUT saving (no StepCheckpoint)"
+            )
+        for checkpoint in checkpoints:
+            checkpoint.save(trainer)
         trainer.should_stop = True
-        if trainer.is_global_zero and self.requeue and "SLURM_JOB_ID" in os.environ:
+        requeueable = agreed != signal.SIGINT
+        if trainer.is_global_zero and self.requeue and requeueable and "SLURM_JOB_ID" in os.environ:
             requeue_slurm_job(os.environ["SLURM_JOB_ID"])
 
     def agreed_signal(self, trainer: Trainer) -> int | None:
@@ -68,7 +78,14 @@ class Preemption(Callback):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag) or None
 
-    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+    # Restored at the end of training, before Lightning's teardown puts back the handlers it found.
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.restore_handlers()
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self.restore_handlers()
+
+    def restore_handlers(self) -> None:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
         self.previous = {}
@@ -80,7 +97,11 @@ class Preemption(Callback):
 
 
 def requeue_slurm_job(job_id: str) -> None:
-    result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    try:
+        result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    except OSError as error:
+        rank_zero_warn(f"could not requeue SLURM job {job_id}: {error}")
+        return
     if result.returncode == 0:
         rank_zero_info(f"requeued SLURM job {job_id}")
     else:

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from pretraining.data.datamodule import gather
 from pretraining.data.stream import stable_hash
+from pretraining.distributed import gather
 
 
 def seed_all(seed: int) -> None:

@@ -10,8 +10,9 @@ from pretraining.objectives.causal_lm import CausalLM
 
 
 class TextSample(Callback):
-    """At the end of training, sample a continuation of `prompt` and print it from rank zero.
-    Every rank samples (the same text): under FSDP the forward pass needs all of them."""
+    """When training completes (not when a signal stops it), sample a continuation of `prompt` and
+    print it from rank zero. Every rank samples (the same text): under FSDP the forward pass needs
+    all of them."""
 
     def __init__(
         self, prompt: str = "def ", max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 50, seed: int = 0
@@ -20,7 +21,7 @@ class TextSample(Callback):
         self.temperature, self.top_k, self.seed = temperature, top_k, seed
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if not isinstance(pl_module, CausalLM):
+        if not isinstance(pl_module, CausalLM) or trainer.global_step < trainer.max_steps:
             return
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)

@@ -13,11 +13,11 @@ re-reads only its current shard.
 from __future__ import annotations
 
 import os
+import signal
 import warnings
 from functools import cached_property
 from typing import Any
 
-import torch.distributed as dist
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
@@ -32,15 +32,17 @@ from pretraining.data.stream import (
     validation_examples,
 )
 from pretraining.data.tokenizer import Tokenizer
+from pretraining.distributed import gather
 
 
-def gather(value: Any) -> list[Any]:
-    """`value` from every rank, in rank order (just `[value]` outside a process group)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return [value]
-    values: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
+def leave_stop_signals_to_the_main_process(worker_id: int) -> None:
+    """In a DataLoader worker, ignore SIGTERM, SIGUSR1 and SIGINT. A scheduler (or Ctrl-C) signals
+    every process of the job; a worker that died of it would crash the run before the main process
+    reaches the step boundary where it saves (`Preemption`). The main process shuts its workers down
+    afterwards, and a worker still exits if the main process dies."""
+    for name in ("SIGTERM", "SIGUSR1", "SIGINT"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def check_minimums(**values: tuple[int, int]) -> None:
@@ -103,8 +105,16 @@ class ShardDataModule(LightningDataModule):
         return max(1, self.num_workers)
 
     def topology_for(self, world_size: int) -> dict[str, int]:
-        """What the data position depends on besides the cursors: the same values give the same batches."""
-        return {"world_size": world_size, "workers": self.workers, "batch_size": self.batch_size, "seed": self.seed}
+        """What the data position depends on besides the cursors: the same values give the same
+        batches (the example lengths and the shuffle buffer decide what a shard's n-th example is)."""
+        return {
+            "world_size": world_size,
+            "workers": self.workers,
+            "batch_size": self.batch_size,
+            "seed": self.seed,
+            "shuffle_buffer": self.shuffle_buffer,
+            **self.format.lengths,
+        }
 
     @property
     def topology(self) -> dict[str, int]:
@@ -128,7 +138,7 @@ class ShardDataModule(LightningDataModule):
         stream = ShardStream(
             urls, self.format, self.seed, rank, world_size, self.shuffle_buffer, self.cursors, first_worker
         )
-        return self._loader(stream, self.batch_size, self.num_workers)
+        return self._loader(stream, self.batch_size, self.num_workers, leave_stop_signals_to_the_main_process)
 
     def on_before_batch_transfer(self, batch: Tensors, dataloader_idx: int) -> Tensors:
         if "cursor" in batch:  # a training batch (validation has none): it advances the position
@@ -150,6 +160,11 @@ class ShardDataModule(LightningDataModule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from a saved position: exactly if the topology is unchanged, else approximately
         (the caller decides whether a change is allowed: see `pretraining.resume`)."""
+        if state.get("format") != self.STATE_FORMAT:
+            raise ValueError(
+                f"the checkpoint's data position has format {state.get('format')}, this code reads "
+                f"{self.STATE_FORMAT}: resume it with the code revision that wrote it"
+            )
         rank, world_size = self.rank_and_world
         if state["data_version"] != self.manifest.version:
             warnings.warn("the data changed since the checkpoint: the new data is read from its start", stacklevel=1)
@@ -160,8 +175,9 @@ class ShardDataModule(LightningDataModule):
             self.batches_consumed = position["batches_consumed"]
             self.cursors = [Cursor(*cursor) for cursor in position["cursors"]]
             return
-        # Every worker starts at the next shard after the old run's shards done so far, counted over all
-        # its workers: the shards in progress are neither finished nor repeated.
+        # Every worker starts at the same ordinal: the shards the old run finished, counted over all its
+        # workers, shared out among the new ones (rounded up). Approximate: a shard in progress then
+        # may be skipped or read again from its start.
         done = sum(cursor[0] for position in state["ranks"] for cursor in position["cursors"])
         start = Cursor(-(-done // (world_size * self.workers)))
         warnings.warn(
@@ -190,13 +206,14 @@ class ShardDataModule(LightningDataModule):
         # Equal counts on every rank: unequal ones deadlock the metric reduction.
         return self._loader(examples[rank::world_size][:per_rank], self.val_batch_size, 0)
 
-    def _loader(self, dataset, batch_size: int, num_workers: int) -> DataLoader:
+    def _loader(self, dataset, batch_size: int, num_workers: int, worker_init_fn=None) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=batch_size,
             num_workers=num_workers,
             pin_memory=self.pin_memory,
             persistent_workers=num_workers > 0,
+            worker_init_fn=worker_init_fn,
         )
 
 

@@ -14,13 +14,12 @@ shuffle buffer seeded by (seed, epoch, shard) that starts afresh at every
 shard. So the examples of a shard, and their order, are a pure function of the
 shard, and a batch mixes many documents instead of consecutive pieces of one.
 
-Each example carries its worker and the `Cursor` where that worker's stream
-continues, and a
-`sample_id` naming it by (epoch, shard, position): the same whatever the world
-size or worker count, so randomness keyed on it (MLM masks) is too. A consumer
-that records the cursor of every example it trains on can restart the stream
-exactly there: whole shards are skipped by arithmetic and only the current
-shard is read again.
+Each example carries its worker, the `Cursor` where that worker's stream
+continues, and a `sample_id` naming it by (epoch, shard, position): the same
+whatever the world size or worker count, so randomness keyed on it (MLM
+masks) is too. A consumer that records the cursor of every example it trains
+on can restart the stream exactly there: whole shards are skipped by
+arithmetic and only the current shard is read again.
 
 Samples that cannot be used (a missing field, text that is not UTF-8 or is
 empty) are skipped with a warning naming the shard and the sample; every
@@ -144,6 +143,7 @@ class ExampleFormat(Protocol[Example]):
 
     fields: tuple[str, ...]  # the sample fields it reads, as the manifest records them
     kind: ClassVar[str]  # what the objectives consume: "blocks" or "pairs"
+    lengths: dict[str, int]  # the lengths (config keys) that decide how samples become examples
 
     def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Example]: ...
 
@@ -201,6 +201,7 @@ class PackedBlocks:
 
     def __init__(self, tokenizer: Tokenizer, block_size: int) -> None:
         self.tokenizer, self.block_size = tokenizer, block_size
+        self.lengths = {"block_size": block_size}
 
     def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Block]:
         return pack_blocks((encode_document(self.tokenizer, text) for (text,) in samples), self.block_size)
@@ -233,6 +234,7 @@ class TokenizedPairs:
 
     def __init__(self, tokenizer: Tokenizer, query_len: int, passage_len: int) -> None:
         self.tokenizer, self.query_len, self.passage_len = tokenizer, query_len, passage_len
+        self.lengths = {"query_len": query_len, "passage_len": passage_len}
 
     def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Pair]:
         for query, passage in samples:
