@@ -98,10 +98,11 @@ def main() -> None:
     args = parser.parse_args()
     rng = random.Random(args.seed)
     log_dir = args.out or Path(tempfile.mkdtemp(prefix="chaos-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
     overrides = [*RUN, f"data.dir={Path(args.data).resolve()}", f"trainer.max_steps={args.steps}", *args.overrides]
 
     print(f"runs in {log_dir}\nreference: {args.steps} steps, uninterrupted")
-    finish(start(log_dir, "reference", overrides))
+    finish(start(log_dir, "reference", overrides), log_dir, "reference")
     chaos = log_dir / "train" / "runs" / "chaos"
     targets = sorted(rng.sample(range(3, args.steps - 2), args.kills))
     print(f"chaos: SIGKILL after batches {targets} (plus a random delay), restarting after each")
@@ -112,7 +113,7 @@ def main() -> None:
             print(f"  the run finished before batch {target}")
             continue
         print(f"  started from step {resumes_from:3d}, killed after batch {reached}")
-    finish(start(log_dir, "chaos", overrides))
+    finish(start(log_dir, "chaos", overrides), log_dir, "chaos")
 
     differences = batch_log_differences(log_dir / "train/runs/reference/batches", chaos / "batches")
     expected, actual = final_weights(log_dir / "train/runs/reference/checkpoints"), final_weights(chaos / "checkpoints")

@@ -313,3 +313,10 @@ def test_a_signal_saves_at_the_next_step_boundary_and_requeues_under_slurm(
     requeued = (tmp_path / "scontrol.log").read_text() if (tmp_path / "scontrol.log").exists() else None
     assert requeued == ("requeue 4242\n" if signum == signal.SIGUSR1 else None)  # Ctrl-C is not requeued
     assert {s: signal.getsignal(s) for s in handlers} == handlers  # the handlers from before training are back
+
+
+def test_sharded_fsdp_checkpoints_are_refused_before_any_work(compose_train, tmp_path: Path) -> None:
+    cfg = compose_train("trainer=fsdp_cpu", "trainer.strategy.save_distributed_checkpoint=true")
+    with pytest.raises(ConfigError, match=r"save_distributed_checkpoint=true writes sharded .* set it to false"):
+        train(cfg)
+    assert not (tmp_path / "checkpoints").exists()
