@@ -177,7 +177,7 @@ def stop_with_sigterm(log_dir: Path, overrides: list[str], send: Callable[[subpr
 
 
 def test_sigterm_to_one_rank_saves_at_the_step_boundary_and_all_ranks_exit(tmp_path: Path, small_shards: Path) -> None:
-    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *DDP, f"data.dir={small_shards}", "trainer.max_steps=150"]
+    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *DDP, f"data.dir={small_shards}", "trainer.max_steps=60"]
     overrides += ["callbacks.checkpoint.every_n_steps=1000"]  # only the stop and the end save
 
     def to_rank1(process: subprocess.Popen) -> None:
@@ -185,20 +185,20 @@ def test_sigterm_to_one_rank_saves_at_the_step_boundary_and_all_ranks_exit(tmp_p
         (rank1,) = {int(pid) for pid in group} - {process.pid}  # no DataLoader workers: num_workers=0
         os.kill(rank1, signal.SIGTERM)
 
-    assert 5 <= stop_with_sigterm(tmp_path, overrides, to_rank1) < 150
+    assert 5 <= stop_with_sigterm(tmp_path, overrides, to_rank1) < 60
     assert pretrain(tmp_path, "term", overrides) == 0  # the same command continues
     assert pretrain(tmp_path, "reference", overrides) == 0
-    assert_same_training(tmp_path, "reference", "term", 150)
+    assert_same_training(tmp_path, "reference", "term", 60)
 
 
 def test_sigterm_to_every_process_with_loader_workers(tmp_path: Path, small_shards: Path) -> None:
     """A scheduler signals the whole job: the DataLoader workers must not die before the save."""
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, f"data.dir={small_shards}", "data.num_workers=2"]
-    overrides += ["trainer.max_steps=300", "callbacks.checkpoint.every_n_steps=1000"]
-    assert 5 <= stop_with_sigterm(tmp_path, overrides, lambda process: os.killpg(process.pid, signal.SIGTERM)) < 300
+    overrides += ["trainer.max_steps=80", "callbacks.checkpoint.every_n_steps=1000"]
+    assert 5 <= stop_with_sigterm(tmp_path, overrides, lambda process: os.killpg(process.pid, signal.SIGTERM)) < 80
     assert pretrain(tmp_path, "term", overrides) == 0
     assert pretrain(tmp_path, "reference", overrides) == 0
-    assert_same_training(tmp_path, "reference", "term", 300)
+    assert_same_training(tmp_path, "reference", "term", 80)
 
 
 # --- in one process: auto-resume, starting over, and the checks before a resume -------------------------
