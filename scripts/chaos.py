@@ -47,16 +47,16 @@ RUN = [
 
 
 def start(log_dir: Path, run: str, overrides: list[str]) -> subprocess.Popen:
+    """Start a run in its own process group; its output goes to <log_dir>/<run>.out (a file: a pipe
+    nobody reads while the script polls could fill up and stall the run)."""
     command = [sys.executable, "-m", "pretraining.train", *overrides, f"paths.log_dir={log_dir}", f"run_name={run}"]
-    return subprocess.Popen(
-        command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    with (log_dir / f"{run}.out").open("a") as out:
+        return subprocess.Popen(command, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
 
 
-def finish(process: subprocess.Popen) -> None:
-    _, stderr = process.communicate(timeout=600)
-    if process.returncode != 0:
-        raise SystemExit(f"training failed ({process.returncode}):\n{stderr[-3000:]}")
+def finish(process: subprocess.Popen, log_dir: Path, run: str) -> None:
+    if process.wait(timeout=600) != 0:
+        raise SystemExit(f"training failed ({process.returncode}):\n{(log_dir / f'{run}.out').read_text()[-3000:]}")
 
 
 def last_batch(log: Path) -> int:
