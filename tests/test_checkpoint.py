@@ -50,6 +50,14 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: 
     assert path.name == "step-000001.ckpt" and record["step"] == 1
 
 
+def test_newest_is_the_step_the_sidecar_records_not_the_file_name(tmp_path: Path) -> None:
+    save(tmp_path, 999_999)
+    save(tmp_path, 1_000_000)  # "step-1000000.ckpt" sorts before "step-999999.ckpt" by name
+    path, record = newest_verified(tmp_path)
+    assert record["step"] == 1_000_000 and path.name == "step-1000000.ckpt"
+    assert [step for step, _ in saved_checkpoints(tmp_path)] == [1_000_000, 999_999]
+
+
 def test_a_flipped_byte_fails_the_checksum(tmp_path: Path) -> None:
     path = save(tmp_path, 1)
     data = bytearray(path.read_bytes())

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import warnings
 from pathlib import Path
@@ -157,18 +158,28 @@ def verify(path: Path) -> dict[str, Any]:
 _verified: set[tuple[Path, int, int, str]] = set()
 
 
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The checkpoint files in `directory` (not the `last.ckpt` link)."""
+    return [path for path in directory.glob("*.ckpt") if not path.is_symlink()] if directory.is_dir() else []
+
+
+def sidecar_step(path: Path) -> tuple[int | None, Any]:
+    """The step and size a checkpoint's sidecar records (None, None without a readable sidecar)."""
+    try:
+        record = json.loads(sidecar_path(path).read_text())
+    except (OSError, ValueError):
+        return None, None
+    step = record.get("step") if isinstance(record, dict) else None
+    return (step, record.get("bytes")) if isinstance(step, int) else (None, None)
+
+
 def saved_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     """(step, path) of the checkpoints in `directory` whose sidecar exists and gives their size,
     newest first (not yet checksummed)."""
     found = []
-    for sidecar in directory.glob("*.ckpt.json"):
-        path = sidecar.with_suffix("")
-        try:
-            record = json.loads(sidecar.read_text())
-            step, size = int(record["step"]), record["bytes"]
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
-        if path.is_file() and not path.is_symlink() and path.stat().st_size == size:
+    for path in checkpoint_files(directory):
+        step, size = sidecar_step(path)
+        if step is not None and path.stat().st_size == size:
             found.append((step, path))
     return sorted(found, reverse=True)
 
@@ -176,10 +187,16 @@ def saved_checkpoints(directory: Path) -> list[tuple[int, Path]]:
 def newest_verified(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint in `directory` that verifies, and its sidecar, warning about each one
     skipped; None if the directory holds no checkpoint. If it holds some but none verifies, refuse
-    (starting over would silently discard them)."""
-    checkpoints = [path for path in directory.glob("*.ckpt") if not path.is_symlink()] if directory.is_dir() else []
+    (starting over would silently discard them). Newest means the step the sidecar records, not the
+    file name (names sort wrongly past step 999999); those without a readable sidecar are tried, and
+    reported, first."""
+
+    def newest_first(path: Path) -> tuple[float, str]:
+        step, _ = sidecar_step(path)
+        return (math.inf if step is None else step, path.name)
+
     problems = []
-    for path in sorted(checkpoints, reverse=True):
+    for path in sorted(checkpoint_files(directory), key=newest_first, reverse=True):
         try:
             return path, verify(path)
         except CheckpointError as error:
