@@ -25,8 +25,18 @@ from pretraining.checkpoint import CheckpointError, newest_verified, verify
 from pretraining.config import ConfigError
 
 RESUME_MODES = ("auto", "never")
-# Differences a resume accepts when named in `resume_allow`; parameter shapes never differ.
-ALLOWABLE_CHANGES = ("data", "tokenizer", "topology")
+# What a resume compares (the lineage key, and the fix for a difference); each may be named in
+# `resume_allow` to accept a deliberate change. Parameter shapes are compared too and never accepted.
+FIT_CHECKS = {
+    "data": ("data_version", "point data.dir at the shards it was trained on"),
+    "tokenizer": ("tokenizer_fingerprint", "use the tokenizer it was trained with"),
+    "topology": (
+        "topology",
+        "use the same number of processes (devices x nodes), data.num_workers, data.batch_size, "
+        "data.shuffle_buffer, sequence lengths and seed",
+    ),
+}
+ALLOWABLE_CHANGES = tuple(FIT_CHECKS)
 
 
 def checkpoint_to_resume(
@@ -79,26 +89,16 @@ def check_fits(
             f"resume_allow={allow}: {unknown} unknown; the allowable changes are {list(ALLOWABLE_CHANGES)}"
         )
     lineage = sidecar["lineage"]
-    problems = [
-        f"{what}: the checkpoint has {lineage.get(key)}, this run has {expected[key]} ({fix})"
-        for what, key, fix in (
-            ("data", "data_version", "point data.dir at the shards it was trained on"),
-            ("tokenizer", "tokenizer_fingerprint", "use the tokenizer it was trained with"),
-            (
-                "topology",
-                "topology",
-                "use the same number of processes (devices x nodes), data.num_workers, data.batch_size, "
-                "data.shuffle_buffer, sequence lengths and seed",
-            ),
-        )
-        if what not in allow and lineage.get(key) != expected[key]
-    ]
-    if problems:
-        names = [problem.split(":")[0] for problem in problems]
+    changed = [what for what, (key, _) in FIT_CHECKS.items() if what not in allow and lineage.get(key) != expected[key]]
+    if changed:
+        problems = []
+        for what in changed:
+            key, fix = FIT_CHECKS[what]
+            problems.append(f"{what}: the checkpoint has {lineage.get(key)}, this run has {expected[key]} ({fix})")
         raise CheckpointError(
             f"{checkpoint} does not fit this run:\n  " + "\n  ".join(problems) + f"\nTo change this deliberately, pass "
-            f"resume_allow=[{','.join(names)}] (topology: the data position resumes approximately; data: the new data "
-            f"starts from its beginning); to start a separate run, pass run_name=<new name> or resume=never"
+            f"resume_allow=[{','.join(changed)}] (topology: the data position resumes approximately; data: the new "
+            f"data starts from its beginning); to start a separate run, pass run_name=<new name> or resume=never"
         )
     saved = sidecar["parameters"]
     if saved != parameters:

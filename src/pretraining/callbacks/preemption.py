@@ -72,10 +72,12 @@ class Preemption(Callback):
             requeue_slurm_job(os.environ["SLURM_JOB_ID"])
 
     def agreed_signal(self, trainer: Trainer) -> int | None:
-        """The largest signal number any rank received (0 for none), the same on every rank."""
+        """The largest signal number any rank received (None for none), the same on every rank. One
+        process needs no collective, and so no device tensor and host sync at every step."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return self.received
         flag = torch.tensor(self.received or 0, device=trainer.strategy.root_device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag) or None
 
     # Restored at the end of training, before Lightning's teardown puts back the handlers it found.
