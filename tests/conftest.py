@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -50,13 +50,20 @@ def tiny_run(experiment: str = "clm_tiny") -> list[str]:
 TINY_RUN = tiny_run()
 
 
+# The test corpus: a few standard-library packages.
+STDLIB_SAMPLE_PACKAGES = ("json", "email", "logging", "concurrent")
+STDLIB_SAMPLE_SOURCES = [f"stdlib:{name}" for name in STDLIB_SAMPLE_PACKAGES]
+
+
+def stdlib_sample_files() -> Iterator[Document]:
+    return itertools.chain.from_iterable(read_text_files(stdlib_root() / name) for name in STDLIB_SAMPLE_PACKAGES)
+
+
 @pytest.fixture(scope="session")
 def shard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("data") / "shards"
-    packages = ("json", "email", "logging", "concurrent")
-    documents = itertools.chain.from_iterable(read_text_files(stdlib_root() / name) for name in packages)
     settings = BuildSettings(validation_fraction=0.2, max_shard_bytes=100_000)
-    build_shards(documents, out, [f"stdlib:{name}" for name in packages], settings, show_progress=False)
+    build_shards(stdlib_sample_files(), out, STDLIB_SAMPLE_SOURCES, settings, show_progress=False)
     return out
 
 
@@ -95,11 +102,9 @@ ComposeTrain = Callable[..., DictConfig]
 def pair_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """(docstring, code) pair shards of a few standard-library packages."""
     out = tmp_path_factory.mktemp("data") / "pairs"
-    packages = ("json", "email", "logging", "concurrent")
-    files = itertools.chain.from_iterable(read_text_files(stdlib_root() / name) for name in packages)
     settings = BuildSettings(validation_fraction=0.25, max_shard_samples=100)
-    sources = [f"stdlib:{name}" for name in packages]
-    build_shards(docstring_pairs(files), out, sources, settings, show_progress=False, fields=PAIR_FIELDS)
+    pairs = docstring_pairs(stdlib_sample_files())
+    build_shards(pairs, out, STDLIB_SAMPLE_SOURCES, settings, show_progress=False, fields=PAIR_FIELDS)
     train_bpe(train_texts(out), vocab_size=320, out_path=out / "tokenizer.json")  # contrastive_tiny's tokenizer=bpe
     return out
 
