@@ -133,7 +133,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_and_no_unverifiable
 
 def datamodule(directory: Path, workers: int) -> BlockDataModule:
     # 64-byte blocks: an epoch of the small shards is about 17 batches.
-    return BlockDataModule(str(directory), ByteTokenizer(), block_size=64, batch_size=4, num_workers=workers)
+    return BlockDataModule(str(directory), ByteTokenizer(), block_size=64, global_batch_size=4, num_workers=workers)
 
 
 def consume(module: BlockDataModule, batches: int) -> list[list[int]]:
@@ -161,15 +161,15 @@ def test_restoring_after_any_number_of_batches_continues_the_same_stream(small_s
 
 
 def test_an_off_by_one_position_gives_other_batches(small_shards: Path) -> None:
-    """The negative controls: cursors one block back, or the wrong worker first, change the batches."""
+    """The negative controls: cursors one block back, or a step count one off (the sub-streams' turns
+    are then swapped between the workers), change the batches."""
     reference = consume(datamodule(small_shards, 2), 12)
     first = datamodule(small_shards, 2)
     consume(first, 7)
     state = first.state_dict()
-    cursors = state["ranks"][0]["cursors"]
-    assert all(block > 0 for _, block in cursors)
-    shifted = {**state, "ranks": [{**state["ranks"][0], "cursors": [[s, b - 1] for s, b in cursors]}]}
-    rotated = {**state, "ranks": [{**state["ranks"][0], "batches_consumed": 8}]}
+    assert state["steps"] == 7 and len(state["cursors"]) == 2 and all(block > 0 for _, _, block in state["cursors"])
+    shifted = {**state, "cursors": [[sub, shard, block - 1] for sub, shard, block in state["cursors"]]}
+    rotated = {**state, "steps": 8}
     for name, wrong in (("shifted", shifted), ("rotated", rotated)):
         restored = datamodule(small_shards, 2)
         restored.load_state_dict(wrong)
@@ -193,9 +193,9 @@ def test_another_worker_count_resumes_approximately_where_allowed(small_shards: 
     first = datamodule(small_shards, 2)
     consume(first, 30)
     state = first.state_dict()
-    done = sum(shard for shard, _ in state["ranks"][0]["cursors"])
-    restored = datamodule(small_shards, 0)  # one stream instead of two
+    done = sum(shard for _, shard, _ in state["cursors"])
+    restored = datamodule(small_shards, 0)  # one sub-stream instead of two
     with pytest.warns(UserWarning, match=r"data topology changed .* resumes approximately"):
         restored.load_state_dict(state)
-    assert restored.cursors == [Cursor(done)] and restored.batches_consumed == 30
+    assert restored.cursors == {0: Cursor(done)} and restored.batches_consumed == 30
     assert len(consume(restored, 3)) == 3

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import fit_batch
 from pretraining.config import ConfigError
 from pretraining.data.shards import Manifest
-from pretraining.data.stream import PackedBlocks, ShardStream
+from pretraining.data.stream import BatchStream, PackedBlocks, ShardStream, batch_plan
 from pretraining.data.tokenizer import EOS_ID, MASK_ID, SPECIAL_TOKENS, ByteTokenizer
 from pretraining.models import Transformer
 from pretraining.objectives import MaskedLM, build_objective
@@ -126,11 +126,8 @@ def test_ranks_and_steps_never_mask_alike(shard_dir: Path) -> None:
     tokenizer = ByteTokenizer()
 
     def batches(rank: int, count: int) -> list[dict[str, torch.Tensor]]:
-        stream = ShardStream(urls, PackedBlocks(tokenizer, 63), seed=3, rank=rank, world_size=2)
-        samples = list(itertools.islice(stream, 8 * count))
-        return [
-            {k: torch.stack([s[k] for s in samples[i : i + 8]]) for k in samples[0]} for i in range(0, len(samples), 8)
-        ]
+        stream = BatchStream(ShardStream(urls, PackedBlocks(tokenizer, 63), seed=3), batch_plan(16, 8, 2, 2), rank)
+        return list(itertools.islice(stream, count))
 
     rank0, rank1 = batches(0, 6), batches(1, 6)
     ids = [int(i) for batch in rank0 + rank1 for i in batch["sample_id"]]

@@ -198,13 +198,15 @@ def test_build_pair_shards_split_by_file_and_dedup(tmp_path: Path) -> None:
 
 
 def test_pair_datamodule_batches(pair_dir: Path) -> None:
-    dm = PairDataModule(str(pair_dir), ByteTokenizer(), query_len=16, passage_len=48, batch_size=5, num_workers=0)
+    dm = PairDataModule(
+        str(pair_dir), ByteTokenizer(), query_len=16, passage_len=48, global_batch_size=5, num_workers=0
+    )
     assert dm.kind == "pairs"
     batch = next(iter(dm.train_dataloader()))
     assert batch["query"].shape == (5, 16) and batch["passage"].shape == (5, 48)
     assert (batch["query"][:, 0] == CLS_ID).all() and (batch["passage"][:, 0] == CLS_ID).all()
     assert batch["sample_id"].shape == (5,) and len(set(batch["sample_id"].tolist())) == 5
-    assert batch["skipped"].tolist() == [0] * 5
+    assert int(batch["skipped"]) == 0
     # Real texts fill the short query side; a short text is padded with PAD after its tokens.
     assert (batch["query"] != PAD_ID).sum(1).max() == 16
     validation = dm.validation_set
@@ -216,11 +218,11 @@ def test_pair_datamodule_batches(pair_dir: Path) -> None:
 
 def test_data_and_shards_must_match(pair_dir: Path, shard_dir: Path) -> None:
     with pytest.raises(ShardError, match=r"fields \['query.txt', 'passage.txt'\].*BlockDataModule.*--pairs"):
-        BlockDataModule(str(pair_dir), ByteTokenizer(), block_size=32, batch_size=2)
+        BlockDataModule(str(pair_dir), ByteTokenizer(), block_size=32, global_batch_size=2)
     with pytest.raises(ShardError, match=r"fields \['txt'\].*PairDataModule"):
-        PairDataModule(str(shard_dir), ByteTokenizer(), query_len=8, passage_len=8, batch_size=2)
+        PairDataModule(str(shard_dir), ByteTokenizer(), query_len=8, passage_len=8, global_batch_size=2)
     with pytest.raises(ValueError, match=r"data\.query_len=1 must be at least 2"):
-        PairDataModule(str(pair_dir), ByteTokenizer(), query_len=1, passage_len=8, batch_size=2)
+        PairDataModule(str(pair_dir), ByteTokenizer(), query_len=1, passage_len=8, global_batch_size=2)
 
 
 def write_tar(path: Path, samples: list[dict[str, bytes]]) -> str:
@@ -246,10 +248,10 @@ def test_unusable_pairs_are_skipped_counted_and_named(tmp_path: Path) -> None:
     url = write_tar(tmp_path / "bad.tar", samples)
     stream = ShardStream([url], TokenizedPairs(ByteTokenizer(), 8, 16), seed=0, shuffle_buffer=1)
     with pytest.warns(UserWarning) as caught:
-        examples = list(itertools.islice(stream, 6))  # three epochs of the one shard
+        examples = list(itertools.islice(stream.examples(0, 1, Cursor()), 6))  # three epochs of the one shard
     # Each example carries the skips read before it was handed out: 4 per pass over the shard.
-    assert [int(e["skipped"]) for e in examples] == [3, 1] * 3
-    assert [e["query"][1:4].tolist() for e in examples[:2]] == [[b + 4 for b in b"add"], [b + 4 for b in b"sub"]]
+    assert [e.skipped for e in examples] == [3, 1] * 3
+    assert [e.example.query[1:4] for e in examples[:2]] == [[b + 4 for b in b"add"], [b + 4 for b in b"sub"]]
     messages = [str(w.message) for w in caught]
     assert any("'s001'" in m and "bad.tar" in m and "no 'passage.txt' field" in m for m in messages)
     assert any("'s002'" in m and "'query.txt' is empty" in m for m in messages)
@@ -258,23 +260,19 @@ def test_unusable_pairs_are_skipped_counted_and_named(tmp_path: Path) -> None:
     for buffer in (1, 3):
         stream = ShardStream([url], TokenizedPairs(ByteTokenizer(), 8, 16), seed=0, shuffle_buffer=buffer)
         with pytest.warns(UserWarning):
-            reference = list(itertools.islice(stream, 6))
-        assert sum(int(e["skipped"]) for e in reference) == 4 * 3
+            reference = list(itertools.islice(stream.examples(0, 1, Cursor()), 6))
+        assert sum(e.skipped for e in reference) == 4 * 3
         for k, example in enumerate(reference[:-1]):
-            cursor = Cursor(*example["cursor"].tolist())
-            resumed = ShardStream(
-                [url], TokenizedPairs(ByteTokenizer(), 8, 16), seed=0, shuffle_buffer=buffer, cursors=[cursor]
-            )
             with pytest.warns(UserWarning):
-                again = list(itertools.islice(resumed, 5 - k))
-            assert [int(e["skipped"]) for e in again] == [int(e["skipped"]) for e in reference[k + 1 :]], (buffer, k)
+                again = list(itertools.islice(stream.examples(0, 1, example.cursor), 5 - k))
+            assert [e.skipped for e in again] == [e.skipped for e in reference[k + 1 :]], (buffer, k)
 
 
 def test_a_shard_with_no_usable_pair_is_an_error(tmp_path: Path) -> None:
     url = write_tar(tmp_path / "empty.tar", [{"query.txt": b"q"}, {"passage.txt": b"p"}])
     stream = ShardStream([url], TokenizedPairs(ByteTokenizer(), 8, 16), seed=0)
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="no shard yields a whole example"):
-        next(iter(stream))
+        next(stream.examples(0, 1, Cursor()))
 
 
 def test_objective_counts_skipped_samples() -> None:

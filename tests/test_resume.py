@@ -25,7 +25,7 @@ from pretraining.callbacks.batch_log import batch_log_differences, read_batch_lo
 from pretraining.checkpoint import CheckpointError, saved_checkpoints
 from pretraining.config import CONFIG_DIR, ConfigError, default_run_name
 from pretraining.data.shards import Manifest
-from pretraining.data.stream import worker_shard
+from pretraining.data.stream import stream_shard
 from pretraining.train import train
 
 TESTS = Path(__file__).parent
@@ -68,8 +68,9 @@ def batch_logs(log_dir: Path, run: str) -> dict[str, dict]:
 def kill_twice_and_compare(
     log_dir: Path, overrides: list[str], kills: tuple[int, int], max_steps: int, accumulate: int = 1
 ) -> None:
-    """An uninterrupted run against one killed after batches `kills` and restarted after each."""
-    overrides = [*overrides, f"trainer.max_steps={max_steps}", f"trainer.accumulate_grad_batches={accumulate}"]
+    """An uninterrupted run against one killed after batches `kills` and restarted after each
+    (`accumulate` micro-batches per step, of the global batch of 4)."""
+    overrides = [*overrides, f"trainer.max_steps={max_steps}", f"data.micro_batch_size={4 // accumulate}"]
     assert pretrain(log_dir, "reference", overrides) == 0
     for batch in kills:
         assert pretrain(log_dir, "killed", overrides, kill_after=batch) == -signal.SIGKILL
@@ -103,11 +104,9 @@ def test_next_token_with_two_workers_across_shards_and_epochs(tmp_path: Path, sm
     num_shards = len(Manifest.load(small_shards).urls("train"))
     epochs = []
     for _, path in reversed(checkpoints):
-        cursors = torch.load(path, weights_only=True)["BlockDataModule"]["ranks"][0]["cursors"]
-        assert any(block > 0 for _, block in cursors)
-        epochs.append(
-            max(worker_shard(shard, worker, 2, num_shards, 1234)[0] for worker, (shard, _) in enumerate(cursors))
-        )
+        cursors = torch.load(path, weights_only=True)["BlockDataModule"]["cursors"]
+        assert len(cursors) == 4 and any(block > 0 for _, _, block in cursors)  # 2 streams x 2 workers
+        epochs.append(max(stream_shard(shard, sub, 4, num_shards, 1234)[0] for sub, shard, _ in cursors))
     assert epochs[0] == 0 and epochs[-1] >= 1
 
 
@@ -129,10 +128,11 @@ def test_gradient_accumulation(tmp_path: Path, small_shards: Path) -> None:
 def test_ddp_on_two_processes_with_two_workers(tmp_path: Path, small_shards: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *DDP, f"data.dir={small_shards}", "data.num_workers=2"]
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
-    # Rank zero's checkpoint holds every rank's data position and, for inspection, RNG states.
+    # Rank zero's checkpoint holds every rank's data position (each rank reads one of the 2 streams,
+    # in 2 sub-streams, one per worker) and, for inspection, RNG states.
     checkpoint = torch.load(run_dir(tmp_path, "killed") / "checkpoints" / "last.ckpt", weights_only=True)
-    positions = checkpoint["BlockDataModule"]["ranks"]
-    assert [position["batches_consumed"] for position in positions] == [14, 14]
+    position = checkpoint["BlockDataModule"]
+    assert position["steps"] == 14 and [sub for sub, _, _ in position["cursors"]] == [0, 1, 2, 3]
     rng_states = checkpoint["callbacks"]["StepSeed"]["rng_states_by_rank"]
     assert len(rng_states) == 2 and not torch.equal(rng_states[0]["torch"], rng_states[1]["torch"])
 
@@ -214,9 +214,10 @@ def test_running_again_continues_from_the_newest_checkpoint(compose_train, tmp_p
     lineage = torch.load(newest, weights_only=True)["lineage"]
     assert lineage["parent"] == str(tmp_path / "checkpoints" / "step-000006.ckpt") and lineage["step"] == 12
     assert lineage["topology"] == {
-        "world_size": 1,
+        "global_batch_size": 4,
+        "streams": 2,
         "workers": 1,
-        "batch_size": 4,
+        "accumulation": 1,
         "seed": 1234,
         "shuffle_buffer": 4096,
         "block_size": 64,
@@ -247,7 +248,10 @@ def test_an_explicit_checkpoint_is_resumed(compose_train, tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (["data.batch_size=8"], r"topology: the checkpoint has .*'batch_size': 4.*this run has .*'batch_size': 8"),
+        (
+            ["data.global_batch_size=8"],
+            r"topology: the checkpoint has .*'global_batch_size': 4.*this run has .*'global_batch_size': 8",
+        ),
         (["model.backbone.d_model=64"], r"holds another model: parameter backbone\..* has shape \[.*32.*\] there"),
         (["resume=sometimes"], r"resume='sometimes': use one of auto, never"),
         (["resume_allow=[everything]"], r"resume_allow=\['everything'\]: \['everything'\] unknown"),
@@ -262,15 +266,17 @@ def test_a_resume_that_does_not_fit_is_refused_before_any_work(compose_train, tm
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
 
 
-def test_other_data_or_world_size_is_refused_unless_allowed(compose_train, tmp_path: Path, small_shards: Path) -> None:
+def test_other_data_or_accumulation_is_refused_unless_allowed(
+    compose_train, tmp_path: Path, small_shards: Path
+) -> None:
     train(compose_train("trainer.max_steps=6"))
     with pytest.raises(CheckpointError, match=r"data: the checkpoint has \w+, this run has \w+ \(point data.dir at"):
         train(compose_train("trainer.max_steps=12", f"data.dir={small_shards}"))
     sidecar = tmp_path / "checkpoints" / "step-000006.ckpt.json"
     record = json.loads(sidecar.read_text())
-    record["lineage"]["topology"]["world_size"] = 2  # as if written by a 2-process run
+    record["lineage"]["topology"]["accumulation"] = 2  # as if written with micro-batches of 2
     sidecar.write_text(json.dumps(record))
-    with pytest.raises(CheckpointError, match=r"(?s)'world_size': 2.*'world_size': 1.*resume_allow=\[topology\]"):
+    with pytest.raises(CheckpointError, match=r"(?s)'accumulation': 2.*'accumulation': 1.*resume_allow=\[topology\]"):
         train(compose_train("trainer.max_steps=12"))
     with pytest.warns(UserWarning, match="the data changed since the checkpoint"):
         train(compose_train("trainer.max_steps=12", f"data.dir={small_shards}", "resume_allow=[data,topology]"))

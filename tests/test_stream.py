@@ -15,15 +15,17 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from pretraining.data import stream as stream_module
 from pretraining.data.corpus import read_source
 from pretraining.data.datamodule import BlockDataModule
 from pretraining.data.shards import BuildSettings, Manifest, build_shards
 from pretraining.data.stream import (
+    BatchPlan,
+    BatchStream,
     Block,
     Cursor,
     PackedBlocks,
     ShardStream,
+    batch_plan,
     block_tensors,
     buffer_shuffled,
     encode_document,
@@ -31,8 +33,8 @@ from pretraining.data.stream import (
     read_shard,
     seeded_rng,
     shard_order,
+    stream_shard,
     validation_examples,
-    worker_shard,
 )
 from pretraining.data.tokenizer import EOS_ID, ByteTokenizer
 
@@ -101,7 +103,7 @@ def shuffled(urls, shard: int, epoch: int, seed: int = SEED, buffer: int = BUFFE
 
 def blocks(dataset: ShardStream, worker: int, workers: int, start: Cursor) -> Iterator[tuple[Cursor, Block]]:
     """The stream's (cursor, block)s for a global worker, without the sample ids."""
-    return ((cursor, block) for cursor, _, block in dataset.examples(worker, workers, start))
+    return ((item.cursor, item.example) for item in dataset.examples(worker, workers, start))
 
 
 def validation_blocks(urls, tokenizer, block_size: int, max_blocks: int) -> list[dict[str, torch.Tensor]]:
@@ -112,13 +114,22 @@ def take(dataset, count: int) -> list[dict[str, torch.Tensor]]:
     return list(itertools.islice(iter(dataset), count))
 
 
+def take_examples(dataset: ShardStream, count: int, start: Cursor | None = None) -> list[dict[str, torch.Tensor]]:
+    """The first `count` examples of stream 0 of 1 from `start`, as tensors with their cursor and sample id."""
+    examples = itertools.islice(dataset.examples(0, 1, start or Cursor()), count)
+    return [
+        dataset.format.tensors(item.example)
+        | {"cursor": torch.tensor([item.cursor.shard, item.cursor.block]), "sample_id": torch.tensor(item.sample_id)}
+        for item in examples
+    ]
+
+
 def plain(sample: dict[str, torch.Tensor]) -> tuple:
     return (
         sample["tokens"].tolist(),
         sample["doc_ids"].tolist(),
         sample["cursor"].tolist(),
         int(sample["target_bytes"]),
-        sample["worker"].tolist(),
     )
 
 
@@ -250,7 +261,7 @@ def test_worker_shard_deals_epoch_permutations_round_robin():
         for position in positions:
             worker, ordinal = position % workers, position // workers
             epoch = position // num_shards
-            assert worker_shard(ordinal, worker, workers, num_shards, SEED) == (
+            assert stream_shard(ordinal, worker, workers, num_shards, SEED) == (
                 epoch,
                 orders[epoch][position % num_shards],
             )
@@ -267,7 +278,7 @@ def stream(urls, seed=SEED, block_size=BLOCK, **kwargs) -> ShardStream:
 
 
 def epoch_of(cursor: Cursor, urls, worker: int = 0, workers: int = 1) -> int:
-    return worker_shard(cursor.shard, worker, workers, len(urls), SEED)[0]
+    return stream_shard(cursor.shard, worker, workers, len(urls), SEED)[0]
 
 
 def worker_blocks(
@@ -276,7 +287,7 @@ def worker_blocks(
     """(epoch, shard) -> the (cursor, block)s a global worker reads from it, for its first `epochs` epochs."""
     seen: dict[tuple[int, int], list[tuple[Cursor, Block]]] = defaultdict(list)
     for cursor, block in blocks(dataset, worker, workers, Cursor()):
-        epoch, shard = worker_shard(cursor.shard, worker, workers, len(dataset.urls), dataset.seed)
+        epoch, shard = stream_shard(cursor.shard, worker, workers, len(dataset.urls), dataset.seed)
         if epoch >= epochs:
             return dict(seen)
         seen[(epoch, shard)].append((cursor, block))
@@ -285,7 +296,7 @@ def worker_blocks(
 
 @pytest.fixture(scope="module")
 def reference(train_urls) -> list[dict[str, torch.Tensor]]:
-    return take(stream(train_urls), 420)
+    return take_examples(stream(train_urls), 420)
 
 
 def test_default_shuffle_buffer():
@@ -300,11 +311,10 @@ def test_stream_blocks_are_well_formed(reference, train_urls):
         assert sample["cursor"].shape == (2,)
         assert int(sample["doc_ids"][0]) == 0
         assert int(sample["target_bytes"]) == int(tokenizer.token_bytes[sample["tokens"][1:].numpy()].sum())
-        assert int(sample["worker"]) == 0
     # The samples are `blocks` of global worker 0 of 1, each with the cursor that follows it.
     expected = itertools.islice(stream(train_urls).examples(0, 1, Cursor()), len(reference))
     assert [(s["tokens"].tolist(), s["doc_ids"].tolist(), cursor_of(s), int(s["sample_id"])) for s in reference] == [
-        (b.tokens, b.doc_ids, c, sample_id) for c, sample_id, b in expected
+        (item.example.tokens, item.example.doc_ids, item.cursor, item.sample_id) for item in expected
     ]
     for url in train_urls:
         for document in shard_documents(url):
@@ -320,7 +330,7 @@ def test_stream_cursors_count_the_blocks_of_each_shard(reference, train_urls):
         else:
             # Every shard here holds blocks, so none is skipped; the last block of a shard says so.
             assert after == Cursor(before.shard + 1, 1)
-            shard = worker_shard(before.shard, 0, 1, len(train_urls), SEED)[1]
+            shard = stream_shard(before.shard, 0, 1, len(train_urls), SEED)[1]
             assert before.block == len(packed(train_urls[shard]))
 
 
@@ -386,8 +396,8 @@ def test_stream_wraps_epochs(reference, train_urls):
 
 
 def test_stream_is_deterministic_and_seeded(reference, train_urls):
-    assert [plain(s) for s in take(stream(train_urls), len(reference))] == [plain(s) for s in reference]
-    other = take(stream(train_urls, seed=SEED + 1), 60)
+    assert [plain(s) for s in take_examples(stream(train_urls), len(reference))] == [plain(s) for s in reference]
+    other = take_examples(stream(train_urls, seed=SEED + 1), 60)
     assert [plain(s)[0] for s in other] != [plain(s)[0] for s in reference[:60]]
 
 
@@ -403,27 +413,22 @@ def test_stream_resumes_exactly_from_any_cursor(reference, train_urls):
         ks |= {k - 1, k + 1, k + 2}
     for k in sorted(ks):
         expected = [plain(s) for s in reference[k + 1 : k + 1 + WINDOW]]
-        again = take(stream(train_urls, cursors=[cursors[k]]), len(expected))
+        again = take_examples(stream(train_urls), len(expected), cursors[k])
         assert [plain(s) for s in again] == expected, (k, cursors[k])
     # The end of a shard and the start of the next are the same place.
     for k in ends[:3] + epoch_ends:
         expected = [plain(s) for s in reference[k + 1 : k + 1 + WINDOW]]
-        again = take(stream(train_urls, cursors=[Cursor(cursors[k].shard + 1, 0)]), len(expected))
+        again = take_examples(stream(train_urls), len(expected), Cursor(cursors[k].shard + 1, 0))
         assert [plain(s) for s in again] == expected, k
 
 
 def test_stream_resumes_at_the_end_of_its_only_shard(train_urls):
     urls = train_urls[:1]
     count = len(packed(urls[0]))
-    reference = take(stream(urls), 3 * count)
+    reference = take_examples(stream(urls), 3 * count)
     assert cursor_of(reference[count - 1]) == Cursor(0, count)
-    again = take(stream(urls, cursors=[Cursor(0, count)]), 2 * count)
+    again = take_examples(stream(urls), 2 * count, Cursor(0, count))
     assert [plain(s) for s in again] == [plain(s) for s in reference[count:]]
-
-
-def test_stream_rejects_cursor_count_mismatch(train_urls):
-    with pytest.raises(ValueError, match="2 stream cursors for 1"):
-        take(stream(train_urls, cursors=[Cursor(), Cursor()]), 1)
 
 
 @pytest.mark.parametrize(("num_shards", "workers"), [(4, 1), (3, 2), (4, 2), (5, 3), (6, 4), (2, 3)])
@@ -449,56 +454,97 @@ def test_workers_resume_exactly(train_urls):
             assert list(again) == reference[k + 1 :], (worker, k)
 
 
-def test_ranks_stream_their_global_workers(train_urls, monkeypatch):
-    dataset = stream(train_urls)
-    rows = []
-    for rank in (0, 1):
-        mine = take(stream(train_urls, rank=rank, world_size=2), 30)
-        expected = itertools.islice(blocks(dataset, rank, 2, Cursor()), 30)
-        assert [(s["tokens"].tolist(), cursor_of(s)) for s in mine] == [(b.tokens, c) for c, b in expected]
-        rows.append({tuple(s["tokens"].tolist()) for s in mine})
-    assert rows[0].isdisjoint(rows[1])
-    # Inside DataLoader worker 1 of 2, rank 1 of 3 is global worker 3 of 6 and resumes from its own cursor.
-    monkeypatch.setattr(stream_module, "get_worker_info", lambda: SimpleNamespace(id=1, num_workers=2))
-    expected = list(itertools.islice(blocks(dataset, 3, 6, Cursor()), 30))
-    mine = take(stream(train_urls, rank=1, world_size=3), 30)
-    assert [(s["tokens"].tolist(), cursor_of(s), int(s["worker"])) for s in mine] == [
-        (b.tokens, c, 1) for c, b in expected
+# --- the global batch: BatchPlan and BatchStream -------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("global_batch", "micro", "streams", "devices", "message"),
+    [
+        (8, None, 4, 3, r"data\.global_batch_size=8 is not divisible by the 3 devices"),
+        (8, 3, 4, 2, r"4 per device, not a multiple of data\.micro_batch_size=3"),
+        (8, 2, 3, 1, r"data\.streams=3 must divide data\.global_batch_size=8"),
+        (8, None, 2, 4, r"data\.streams=2 must .* be a multiple of the 4 devices"),
+        (8, 1, 4, 1, r"data\.micro_batch_size=1 must be a multiple of the 2 examples each"),
+    ],
+)
+def test_batch_plan_refuses_what_devices_cannot_share(global_batch, micro, streams, devices, message):
+    with pytest.raises(ValueError, match=message):
+        batch_plan(global_batch, micro, streams, devices)
+
+
+def test_batch_plan_derives_the_accumulation():
+    assert batch_plan(16, None, 4, 2) == BatchPlan(16, 8, 4, 2)
+    assert batch_plan(16, 2, 8, 2).accumulation == 4 and batch_plan(16, 8, 4, 1).accumulation == 2
+    plan = batch_plan(16, 4, 8, 2)  # chunks of 2: each micro-batch is two streams' chunks
+    assert [plan.slot_of(1, index) for index in range(3)] == [(0, 2), (0, 3), (1, 2)]
+    assert list(plan.streams_of(3)) == [6, 7]
+
+
+def micro_batches(plan: BatchPlan, rank: int, urls, count: int, workers: int = 0, **state) -> list:
+    """The first `count` micro-batches of a rank, through a DataLoader with `workers` workers."""
+    stream = BatchStream(ShardStream(urls, PackedBlocks(ByteTokenizer(), BLOCK), SEED, BUFFER), plan, rank, **state)
+    loader = DataLoader(stream, batch_size=None, num_workers=workers)
+    return take(loader, count)
+
+
+def global_batches(plan: BatchPlan, urls, steps: int, workers: int = 0) -> list[list[int]]:
+    """Each step's sample ids over all devices, in slot order."""
+    ranks = [micro_batches(plan, rank, urls, steps * plan.accumulation, workers) for rank in range(plan.world_size)]
+    return [
+        [
+            int(i)
+            for rank in ranks
+            for batch in rank[step * plan.accumulation : (step + 1) * plan.accumulation]
+            for i in batch["sample_id"]
+        ]
+        for step in range(steps)
     ]
-    resumed = take(stream(train_urls, rank=1, world_size=3, cursors=[Cursor(), expected[9][0]]), 20)
-    assert [cursor_of(s) for s in resumed] == [c for c, _ in expected[10:]]
 
 
-def loader(urls, cursors=None) -> DataLoader:
-    return DataLoader(stream(urls, cursors=cursors), batch_size=4, num_workers=2)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_layout_of_devices_and_micro_batches_trains_on_the_same_batches(train_urls, workers):
+    """The examples of each step depend on the global batch and the streams, not on how devices share it."""
+    layouts = [(None, 1), (2, 1), (4, 1), (2, 2), (None, 2), (2, 4), (None, 4)]  # (micro-batch, devices)
+    steps = [global_batches(batch_plan(8, micro, 4, devices), train_urls, 5, workers) for micro, devices in layouts]
+    assert all(len(step) == len(set(step)) == 8 for step in steps[0])  # no example twice in a step
+    assert all(other == steps[0] for other in steps[1:])
+    # Each device reads its own examples: the ranks' samples are disjoint.
+    plan = batch_plan(8, 2, 4, 2)
+    ranks = [
+        {int(i) for b in micro_batches(plan, rank, train_urls, 10, workers) for i in b["sample_id"]} for rank in (0, 1)
+    ]
+    assert ranks[0].isdisjoint(ranks[1]) and len(ranks[0]) == len(ranks[1]) == 20
 
 
-def test_dataloader_workers_alternate_and_resume(train_urls):
-    batches = take(loader(train_urls), 12)
-    for index, batch in enumerate(batches):
-        assert batch["tokens"].shape == (4, BLOCK + 1)
-        assert batch["cursor"].shape == (4, 2)
-        assert batch["worker"].tolist() == [index % 2] * 4
-    # Each worker is the global worker `id` of 2: the same blocks a rank of a 2-rank world would read alone.
-    for worker in (0, 1):
-        alone = take(stream(train_urls, rank=worker, world_size=2), 4 * 6)
-        mine = [row for batch in batches[worker::2] for row in batch["tokens"].tolist()]
-        assert mine == [s["tokens"].tolist() for s in alone]
-    # Restart after batch 7 (worker 1's turn just ended) with each worker's last cursor.
-    consumed = 8
-    last = {int(b["worker"][-1]): Cursor(*b["cursor"][-1].tolist()) for b in batches[:consumed]}
-    again = take(loader(train_urls, cursors=[last[0], last[1]]), len(batches) - consumed)
-    for original, repeated in zip(batches[consumed:], again, strict=True):
-        for key in ("tokens", "doc_ids", "cursor", "target_bytes", "worker"):
-            assert torch.equal(original[key], repeated[key]), key
-    # After an odd count the restarted loader starts with worker 0 again, but each worker's own
-    # continuation is still exact.
-    consumed = 5
-    last = {int(b["worker"][-1]): Cursor(*b["cursor"][-1].tolist()) for b in batches[:consumed]}
-    again = take(loader(train_urls, cursors=[last[0], last[1]]), 6)
-    for worker in (0, 1):
-        expected = [b["tokens"].tolist() for b in batches[consumed:] if int(b["worker"][0]) == worker][:3]
-        assert [b["tokens"].tolist() for b in again if int(b["worker"][0]) == worker] == expected
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batch_stream_resumes_exactly_on_any_number_of_devices(train_urls, workers):
+    reference = global_batches(batch_plan(8, 2, 4, 1), train_urls, 9, workers)
+    # Two devices run 4 steps and save their cursors (as the DataModule does, from each consumed batch).
+    plan = batch_plan(8, 2, 4, 2)
+    cursors = {}
+    for rank in (0, 1):
+        for batch in micro_batches(plan, rank, train_urls, 4 * plan.accumulation, workers):
+            cursors |= {sub: Cursor(shard, block) for sub, shard, block in batch["positions"].tolist()}
+    # One device, or four, continues from them at step 4 exactly where the uninterrupted run went.
+    for continued in (batch_plan(8, 2, 4, 1), batch_plan(8, None, 4, 4)):
+        ranks = [
+            micro_batches(
+                continued,
+                rank,
+                train_urls,
+                5 * continued.accumulation,
+                workers,
+                cursors=cursors,
+                start=4 * continued.accumulation,
+            )
+            for rank in range(continued.world_size)
+        ]
+        per_step = continued.accumulation
+        again = [
+            [int(i) for rank in ranks for batch in rank[s * per_step : (s + 1) * per_step] for i in batch["sample_id"]]
+            for s in range(5)
+        ]
+        assert again == reference[4:]
 
 
 # --- shards too small for a block ----------------------------------------------------------------------
@@ -508,14 +554,14 @@ def test_no_whole_block_raises(train_urls, shard_dir):
     biggest = max(map(shard_size, train_urls))
     dataset = stream(train_urls, block_size=biggest)  # a block needs biggest + 1 tokens
     with pytest.raises(ValueError, match=r"data\.block_size"):
-        next(iter(dataset))
+        next(dataset.examples(0, 1, Cursor()))
     with pytest.raises(ValueError, match=r"data\.block_size"):
         next(blocks(dataset, 2, 3, Cursor(7, 0)))
-    dm = BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=biggest, batch_size=2, num_workers=0)
+    dm = BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=biggest, global_batch_size=2, num_workers=0)
     with pytest.raises(ValueError, match=r"data\.block_size"):
         next(iter(dm.train_dataloader()))
     # One token fewer, and the biggest shard holds exactly one block: all of it.
-    (first,) = take(stream(train_urls, block_size=biggest - 1), 1)
+    (first,) = take_examples(stream(train_urls, block_size=biggest - 1), 1)
     (url,) = [url for url in train_urls if shard_size(url) == biggest]
     assert first["tokens"].tolist() == [token for document in shard_documents(url) for token in document]
 
@@ -532,7 +578,7 @@ def test_shards_without_a_whole_block_are_skipped(train_urls):
         expected = shuffled(train_urls, shard, epoch, block_size=block_size)
         assert [pair(block) for _, block in items] == [pair(block) for block in expected]
     for cursor, _ in itertools.islice(blocks(dataset, 0, 1, Cursor()), 30):
-        assert worker_shard(cursor.shard, 0, 1, len(train_urls), SEED)[1] in full
+        assert stream_shard(cursor.shard, 0, 1, len(train_urls), SEED)[1] in full
 
 
 def test_one_empty_shard_of_two_does_not_stop_the_stream(train_urls):
@@ -541,7 +587,7 @@ def test_one_empty_shard_of_two_does_not_stop_the_stream(train_urls):
     block_size = shard_size(small)  # `small` holds no block, `big` does
     for worker, workers in [(0, 1), (0, 2), (1, 2)]:
         read = list(itertools.islice(blocks(stream(urls, block_size=block_size), worker, workers, Cursor()), 20))
-        assert all(worker_shard(c.shard, worker, workers, 2, SEED)[1] == 1 for c, _ in read)
+        assert all(stream_shard(c.shard, worker, workers, 2, SEED)[1] == 1 for c, _ in read)
 
 
 # --- validation blocks ---------------------------------------------------------------------------------
@@ -578,23 +624,34 @@ def test_validation_blocks_pack_across_shards_in_manifest_order(train_urls):
 
 
 def test_datamodule_train_batches(shard_dir):
-    dm = BlockDataModule(dir=str(shard_dir), tokenizer=ByteTokenizer(), block_size=32, batch_size=4, num_workers=0)
+    dm = BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=32, global_batch_size=4, num_workers=0)
     loader = dm.train_dataloader()
-    assert loader.dataset.shuffle_buffer == 4096
+    assert loader.dataset.source.shuffle_buffer == 4096
     batch = next(iter(loader))
     assert batch["tokens"].shape == (4, 33) and batch["tokens"].dtype == torch.int64
     assert batch["doc_ids"].shape == (4, 33) and batch["doc_ids"].dtype == torch.int64
     assert batch["target_bytes"].shape == (4,) and (batch["target_bytes"] > 0).all()
-    assert batch["cursor"].shape == (4, 2)
-    assert batch["cursor"].tolist() == [[0, 1], [0, 2], [0, 3], [0, 4]]
-    assert batch["worker"].tolist() == [0, 0, 0, 0]
+    assert batch["positions"].tolist() == [[0, 0, 4]]  # sub-stream 0 continues after block 4 of its shard 0
+    dm.on_before_batch_transfer(batch, 0)
+    assert "positions" not in batch and dm.cursors == {0: Cursor(0, 4)} and dm.batches_consumed == 1
+
+
+def test_global_batch_in_tokens(shard_dir):
+    dm = BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=32, global_batch_tokens=128, num_workers=0)
+    assert dm.global_batch_size == 4 and dm.plan_for(1) == BatchPlan(4, 4, 1, 1)
+    with pytest.raises(ValueError, match=r"data\.global_batch_tokens=100 must be a multiple of data\.block_size=32"):
+        BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=32, global_batch_tokens=100)
+    with pytest.raises(ValueError, match=r"exactly one of data\.global_batch_size"):
+        BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=32, global_batch_size=4, global_batch_tokens=128)
 
 
 def test_datamodule_validation_is_split_across_ranks(shard_dir):
     blocks = validation_blocks(Manifest.load(shard_dir).urls("validation"), ByteTokenizer(), 32, 7)
     rows = []
     for rank in (0, 1):
-        dm = BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=32, batch_size=2, num_workers=0, val_size=7)
+        dm = BlockDataModule(
+            str(shard_dir), ByteTokenizer(), block_size=32, global_batch_size=2, streams=2, num_workers=0, val_size=7
+        )
         dm.trainer = SimpleNamespace(global_rank=rank, world_size=2)
         mine = [tuple(row) for batch in dm.val_dataloader() for row in batch["tokens"].tolist()]
         assert mine == [tuple(b["tokens"].tolist()) for b in blocks[rank::2][:3]]
@@ -604,7 +661,9 @@ def test_datamodule_validation_is_split_across_ranks(shard_dir):
 
 
 def test_datamodule_validation_needs_a_block_per_rank(shard_dir):
-    dm = BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=32, batch_size=2, num_workers=0, val_size=1)
+    dm = BlockDataModule(
+        str(shard_dir), ByteTokenizer(), block_size=32, global_batch_size=2, streams=2, num_workers=0, val_size=1
+    )
     dm.trainer = SimpleNamespace(global_rank=0, world_size=2)
     with pytest.raises(ValueError, match="fewer than 2 ranks"):
         dm.val_dataloader()
@@ -612,14 +671,22 @@ def test_datamodule_validation_needs_a_block_per_rank(shard_dir):
 
 @pytest.mark.parametrize(
     ("key", "value"),
-    [("block_size", 0), ("batch_size", 0), ("num_workers", -1), ("shuffle_buffer", 0), ("val_size", 0)],
+    [
+        ("block_size", 0),
+        ("global_batch_size", 0),
+        ("micro_batch_size", 0),
+        ("streams", 0),
+        ("num_workers", -1),
+        ("shuffle_buffer", 0),
+        ("val_size", 0),
+    ],
 )
 def test_datamodule_rejects_invalid_values(shard_dir, key, value):
-    kwargs = {"block_size": 32, "batch_size": 4, "num_workers": 0, key: value}
+    kwargs = {"block_size": 32, "global_batch_size": 4, "num_workers": 0, key: value}
     with pytest.raises(ValueError, match=rf"data\.{key}={value}"):
         BlockDataModule(str(shard_dir), ByteTokenizer(), **kwargs)
 
 
 def test_datamodule_missing_dir(tmp_path):
     with pytest.raises(ValueError, match="pretrain-data build"):
-        BlockDataModule(str(tmp_path), ByteTokenizer(), block_size=32, batch_size=4)
+        BlockDataModule(str(tmp_path), ByteTokenizer(), block_size=32, global_batch_size=4)

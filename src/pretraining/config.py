@@ -59,6 +59,11 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(
             f"model.warmup_steps={warmup_steps} is not below trainer.max_steps={max_steps}: lower the warmup"
         )
+    if "accumulate_grad_batches" in cfg.trainer:
+        raise ConfigError(
+            "trainer.accumulate_grad_batches is derived, not set: the accumulation is data.global_batch_size / "
+            "(devices x data.micro_batch_size); set data.micro_batch_size to what fits on one device instead"
+        )
     max_seq_len = cfg.model.backbone.max_seq_len
     for key in ("block_size", "query_len", "passage_len"):  # the sequence lengths a data config can set
         length = cfg.data.get(key)

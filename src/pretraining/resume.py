@@ -32,8 +32,8 @@ FIT_CHECKS = {
     "tokenizer": ("tokenizer_fingerprint", "use the tokenizer it was trained with"),
     "topology": (
         "topology",
-        "use the same number of processes (devices x nodes), data.num_workers, data.batch_size, "
-        "data.shuffle_buffer, sequence lengths and seed",
+        "use the same data.global_batch_size, data.streams, data.num_workers, accumulation (devices x "
+        "data.micro_batch_size), data.shuffle_buffer, sequence lengths and seed",
     ),
 }
 ALLOWABLE_CHANGES = tuple(FIT_CHECKS)

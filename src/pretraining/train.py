@@ -47,6 +47,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     loggers: list[Logger] = [build(logger) for logger in cfg.logger.values()]
     trainer: Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers, plugins=trainer_plugins(cfg))
     check_checkpointable(trainer)
+    trainer.accumulate_grad_batches = plan_batches(datamodule, trainer.world_size)
     if resume:
         expected = {
             "data_version": datamodule.manifest.version,
@@ -73,6 +74,17 @@ def train(cfg: DictConfig) -> dict[str, float]:
         rank_zero_info(f"stopped by a signal at step {trainer.global_step}; run the same command to continue")
         raise SystemExit(stopped_by)
     return metrics
+
+
+def plan_batches(datamodule: Any, world_size: int) -> int:
+    """The gradient accumulation that makes the configured global batch on `world_size` devices
+    (refusing, before any work, a global batch the devices cannot share evenly)."""
+    plan = datamodule.plan_for(world_size)
+    rank_zero_info(
+        f"global batch {plan.global_batch} = {world_size} devices x {plan.accumulation} micro-batches of "
+        f"{plan.micro_batch}, drawn from {plan.streams} streams"
+    )
+    return plan.accumulation
 
 
 def trainer_plugins(cfg: DictConfig) -> list[Any]:

@@ -1,4 +1,4 @@
-"""Randomness as a function of (seed, batch, rank), so a resumed run draws what the original drew."""
+"""Randomness as a function of (seed, step, slot), so a resumed run draws what the original drew."""
 
 from __future__ import annotations
 
@@ -33,23 +33,26 @@ def rng_states() -> dict[str, Any]:
 
 
 class StepSeed(Callback):
-    """Reseed every generator before each training batch from (seed, batches consumed, rank).
+    """Reseed every generator before each training micro-batch from (seed, step, slot).
 
-    Dropout and any other draw of a step then depend only on where the run is,
-    not on its history, so a run resumed from a checkpoint draws exactly what
-    the uninterrupted run drew, whatever happened in between (validation,
-    sample generation, a restart). Per-sample randomness in the data (masks)
-    is keyed on sample ids instead. The generators' states at save time are
-    written to the checkpoint for inspection; they are not restored, since the
-    next batch reseeds anyway. Needs the DataModule's `batches_consumed`.
+    The slot is the micro-batch's place in the step's global batch, the same on
+    any number of devices. Dropout and any other draw of a step then depend
+    only on where the run is, not on its history or layout: a run resumed from
+    a checkpoint draws exactly what the uninterrupted run drew, whatever
+    happened in between (validation, sample generation, a restart), and one
+    process accumulating gradients draws what several devices draw.
+    Per-sample randomness in the data (masks) is keyed on sample ids instead.
+    The generators' states at save time are written to the checkpoint for
+    inspection; they are not restored, since the next batch reseeds anyway.
+    Needs the DataModule's `batch_slot`.
     """
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        consumed = trainer.datamodule.batches_consumed  # type: ignore[attr-defined]
-        seed_all(stable_hash("batch", self.seed, consumed, trainer.global_rank))
+        step, slot = trainer.datamodule.batch_slot  # type: ignore[attr-defined]
+        seed_all(stable_hash("batch", self.seed, step, slot))
 
     def state_dict(self) -> dict[str, Any]:
         return {"seed": self.seed, "rng_states_by_rank": gather(rng_states())}

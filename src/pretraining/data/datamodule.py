@@ -1,13 +1,20 @@
 """LightningDataModules over a shard directory with a manifest: packed text blocks or text pairs.
 
+The batch is configured globally: `global_batch_size` examples per optimizer
+step over all devices, run in micro-batches of `micro_batch_size` per device;
+the gradient accumulation follows from the number of devices (`plan`), and so
+do the examples each device reads (`pretraining.data.stream.BatchPlan`): the
+same config trains on the same examples, step by step, on any number of
+devices.
+
 The DataModule also owns the training data position. It sees every batch the
 training loop consumes (`on_before_batch_transfer`, which runs on consumed
-batches, not on the ones the loop prefetches) and keeps, per DataLoader
-worker, the cursor where that worker's stream continues, plus the number of
-batches consumed. `state_dict()` gathers this from every rank, so rank zero's
-checkpoint holds all of them, and `train_dataloader()` always starts from it:
-after a restore, each worker skips its finished shards by arithmetic and
-re-reads only its current shard.
+batches, not on the ones the loop prefetches) and keeps the cursor where each
+of its streams continues, plus the number of micro-batches consumed.
+`state_dict()` gathers the cursors of every rank, so rank zero's checkpoint
+holds all of them, and `train_dataloader()` always starts from them: after a
+restore, each stream skips its finished shards by arithmetic and re-reads only
+its current shard, whatever the number of devices now.
 """
 
 from __future__ import annotations
@@ -18,17 +25,21 @@ import warnings
 from functools import cached_property
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
 from pretraining.data.shards import Manifest, ShardError
 from pretraining.data.stream import (
+    BatchPlan,
+    BatchStream,
     Cursor,
     ExampleFormat,
     PackedBlocks,
     ShardStream,
     Tensors,
     TokenizedPairs,
+    batch_plan,
     validation_examples,
 )
 from pretraining.data.tokenizer import Tokenizer
@@ -55,34 +66,39 @@ def check_minimums(**values: tuple[int, int]) -> None:
 class ShardDataModule(LightningDataModule):
     """Examples streamed from WebDataset shards; subclasses say which (`format`).
 
-    Training is an infinite `ShardStream` per rank (train with `max_steps`).
+    Training is an infinite `BatchStream` per rank (train with `max_steps`).
     Validation is the first `val_size` examples of the validation shards, dealt
     to ranks in equal numbers, the same every time.
     """
 
-    STATE_FORMAT = 1
+    STATE_FORMAT = 2
 
     def __init__(
         self,
         dir: str,
         tokenizer: Tokenizer,
         format: ExampleFormat[Any],
-        batch_size: int,
+        global_batch_size: int,
+        micro_batch_size: int | None = None,
+        streams: int = 1,
         seed: int = 0,
         num_workers: int = 1,
         shuffle_buffer: int = 4096,
         val_size: int = 64,
         val_batch_size: int | None = None,
         verify_checksums: bool = True,
-        pin_memory: bool = False,
+        pin_memory: bool | None = None,
     ) -> None:
         super().__init__()
         check_minimums(
-            batch_size=(batch_size, 1),
+            global_batch_size=(global_batch_size, 1),
+            micro_batch_size=(1 if micro_batch_size is None else micro_batch_size, 1),
+            streams=(streams, 1),
             num_workers=(num_workers, 0),
             shuffle_buffer=(shuffle_buffer, 1),
             val_size=(val_size, 1),
         )
+        batch_plan(global_batch_size, micro_batch_size, streams, 1)  # a config error shows before any work
         self.manifest = Manifest.load(dir, verify_checksums=verify_checksums)
         if self.manifest.fields != format.fields:
             raise ShardError(
@@ -91,26 +107,40 @@ class ShardDataModule(LightningDataModule):
                 f"makes pairs) or choose the data config that matches these shards"
             )
         self.tokenizer, self.format = tokenizer, format
-        self.batch_size, self.seed = batch_size, seed
-        self.num_workers, self.shuffle_buffer, self.pin_memory = num_workers, shuffle_buffer, pin_memory
-        self.val_size, self.val_batch_size = val_size, val_batch_size or batch_size
+        self.global_batch_size, self.micro_batch_size, self.streams = global_batch_size, micro_batch_size, streams
+        self.seed, self.num_workers, self.shuffle_buffer, self.pin_memory = (
+            seed,
+            num_workers,
+            shuffle_buffer,
+            pin_memory,
+        )
+        self.val_size, self.val_batch_size = val_size, val_batch_size
         # Workers already tokenize in parallel; Rust threads in forked workers can hang.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        self.batches_consumed = 0  # training batches this rank has consumed
-        self.cursors = [Cursor()] * self.workers  # where each worker's stream continues
+        self.batches_consumed = 0  # training micro-batches this rank has consumed
+        self.cursors: dict[int, Cursor] = {}  # where each sub-stream this rank has read continues
+
+    def plan_for(self, world_size: int) -> BatchPlan:
+        """How the global batch is split over `world_size` devices (a ValueError if it cannot be)."""
+        return batch_plan(self.global_batch_size, self.micro_batch_size, self.streams, world_size)
+
+    @property
+    def plan(self) -> BatchPlan:
+        return self.plan_for(self.rank_and_world[1])
 
     @property
     def workers(self) -> int:
-        """Streams per rank: one per DataLoader worker (`num_workers=0` reads one in the main process)."""
+        """DataLoader workers per rank (`num_workers=0` reads in the main process, like one worker)."""
         return max(1, self.num_workers)
 
     def topology_for(self, world_size: int) -> dict[str, int]:
-        """What the data position depends on besides the cursors: the same values give the same
-        batches (the example lengths and the shuffle buffer decide what a shard's n-th example is)."""
+        """What decides which examples each step trains on, besides the cursors. The number of devices
+        is not part of it, only the accumulation that Lightning's loop counts batches with."""
         return {
-            "world_size": world_size,
+            "global_batch_size": self.global_batch_size,
+            "streams": self.streams,
             "workers": self.workers,
-            "batch_size": self.batch_size,
+            "accumulation": self.plan_for(world_size).accumulation,
             "seed": self.seed,
             "shuffle_buffer": self.shuffle_buffer,
             **self.format.lengths,
@@ -130,31 +160,35 @@ class ShardDataModule(LightningDataModule):
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
+    @property
+    def batch_slot(self) -> tuple[int, int]:
+        """(step, slot) of the micro-batch consumed last: where it sits in the global batch, the same
+        on any number of devices (randomness keyed on it is too: `StepSeed`)."""
+        return self.plan.slot_of(self.rank_and_world[0], self.batches_consumed - 1)
+
     def train_dataloader(self) -> DataLoader:
-        """The training stream of this rank, continuing from the data position."""
-        rank, world_size = self.rank_and_world
-        urls = self.manifest.urls("train")
-        first_worker = self.batches_consumed % self.workers  # the worker whose batch comes next
-        stream = ShardStream(
-            urls, self.format, self.seed, rank, world_size, self.shuffle_buffer, self.cursors, first_worker
-        )
-        return self._loader(stream, self.batch_size, self.num_workers, leave_stop_signals_to_the_main_process)
+        """The training micro-batches of this rank, continuing from the data position."""
+        rank, _ = self.rank_and_world
+        examples = ShardStream(self.manifest.urls("train"), self.format, self.seed, self.shuffle_buffer)
+        stream = BatchStream(examples, self.plan, rank, self.cursors, self.batches_consumed)
+        return self._loader(stream, None, self.num_workers, leave_stop_signals_to_the_main_process)
 
     def on_before_batch_transfer(self, batch: Tensors, dataloader_idx: int) -> Tensors:
-        if "cursor" in batch:  # a training batch (validation has none): it advances the position
-            worker = int(batch.pop("worker")[0])  # a batch comes whole from one worker
-            self.cursors[worker] = Cursor(*batch.pop("cursor")[-1].tolist())
+        if "positions" in batch:  # a training batch (validation has none): it advances the position
+            for sub, shard, block in batch.pop("positions").tolist():
+                self.cursors[sub] = Cursor(shard, block)
             self.batches_consumed += 1
         return batch
 
     def state_dict(self) -> dict[str, Any]:
         """The data position of every rank (a collective under DDP/FSDP: every rank calls it on save)."""
-        position = {"batches_consumed": self.batches_consumed, "cursors": [[c.shard, c.block] for c in self.cursors]}
+        cursors = {sub: [c.shard, c.block] for rank_cursors in gather(self.cursors) for sub, c in rank_cursors.items()}
         return {
             "format": self.STATE_FORMAT,
             "data_version": self.manifest.version,
             "topology": self.topology,
-            "ranks": gather(position),
+            "steps": self.batches_consumed // self.plan.accumulation,
+            "cursors": [[sub, *cursor] for sub, cursor in sorted(cursors.items())],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -165,28 +199,26 @@ class ShardDataModule(LightningDataModule):
                 f"the checkpoint's data position has format {state.get('format')}, this code reads "
                 f"{self.STATE_FORMAT}: resume it with the code revision that wrote it"
             )
-        rank, world_size = self.rank_and_world
+        self.batches_consumed = state["steps"] * self.plan.accumulation
         if state["data_version"] != self.manifest.version:
             warnings.warn("the data changed since the checkpoint: the new data is read from its start", stacklevel=1)
-            self.batches_consumed = state["ranks"][0]["batches_consumed"]
+            self.cursors = {}
             return
+        saved = {sub: Cursor(shard, block) for sub, shard, block in state["cursors"]}
         if state["topology"] == self.topology:
-            position = state["ranks"][rank]
-            self.batches_consumed = position["batches_consumed"]
-            self.cursors = [Cursor(*cursor) for cursor in position["cursors"]]
+            self.cursors = saved
             return
-        # Every worker starts at the same ordinal: the shards the old run finished, counted over all its
-        # workers, shared out among the new ones (rounded up). Approximate: a shard in progress then
-        # may be skipped or read again from its start.
-        done = sum(cursor[0] for position in state["ranks"] for cursor in position["cursors"])
-        start = Cursor(-(-done // (world_size * self.workers)))
+        # Every sub-stream starts at the same ordinal: the shards the old run finished, counted over all
+        # its sub-streams, shared out among the new ones (rounded up). Approximate: a shard in progress
+        # then may be skipped or read again from its start.
+        done = sum(cursor.shard for cursor in saved.values())
+        start = Cursor(-(-done // (self.streams * self.workers)))
         warnings.warn(
             f"data topology changed from {state['topology']} to {self.topology}: the stream resumes approximately, "
-            f"at shard {start.shard} of every worker, after about {done} shards",
+            f"at shard {start.shard} of every stream, after about {done} shards",
             stacklevel=1,
         )
-        self.batches_consumed = state["ranks"][0]["batches_consumed"]
-        self.cursors = [start] * self.workers
+        self.cursors = dict.fromkeys(range(self.streams * self.workers), start)
 
     @cached_property
     def validation_set(self) -> list[Tensors]:
@@ -204,35 +236,58 @@ class ShardDataModule(LightningDataModule):
                 f"{fix}build the shards with a larger --validation-fraction"
             )
         # Equal counts on every rank: unequal ones deadlock the metric reduction.
-        return self._loader(examples[rank::world_size][:per_rank], self.val_batch_size, 0)
+        batch_size = self.val_batch_size or self.plan.micro_batch
+        return self._loader(examples[rank::world_size][:per_rank], batch_size, 0)
 
-    def _loader(self, dataset, batch_size: int, num_workers: int, worker_init_fn=None) -> DataLoader:
+    def _loader(self, dataset, batch_size: int | None, num_workers: int, worker_init_fn=None) -> DataLoader:
         return DataLoader(
             dataset,
             batch_size=batch_size,
             num_workers=num_workers,
-            pin_memory=self.pin_memory,
+            # Pinned host memory lets the copy to the GPU overlap compute (Lightning copies non-blocking).
+            pin_memory=torch.cuda.is_available() if self.pin_memory is None else self.pin_memory,
             persistent_workers=num_workers > 0,
             worker_init_fn=worker_init_fn,
         )
 
 
+def global_batch_blocks(blocks: int | None, tokens: int | None, block_size: int) -> int:
+    """The global batch in blocks, from exactly one of its size in blocks and in tokens."""
+    if blocks is not None and tokens is None:
+        return blocks
+    if tokens is not None and blocks is None:
+        if tokens % block_size:
+            raise ValueError(f"data.global_batch_tokens={tokens} must be a multiple of data.block_size={block_size}")
+        return tokens // block_size
+    raise ValueError(
+        f"set exactly one of data.global_batch_size (blocks) and data.global_batch_tokens; got {blocks} and {tokens} "
+        f"(set the other to null)"
+    )
+
+
 class BlockDataModule(ShardDataModule):
     """Packed blocks of `block_size + 1` tokens from text shards (next-token and masked-LM)."""
 
-    def __init__(self, dir: str, tokenizer: Tokenizer, block_size: int, batch_size: int, **options: Any) -> None:
+    def __init__(
+        self,
+        dir: str,
+        tokenizer: Tokenizer,
+        block_size: int,
+        global_batch_size: int | None = None,
+        global_batch_tokens: int | None = None,
+        **options: Any,
+    ) -> None:
         check_minimums(block_size=(block_size, 1))
-        super().__init__(dir, tokenizer, PackedBlocks(tokenizer, block_size), batch_size, **options)
+        blocks = global_batch_blocks(global_batch_size, global_batch_tokens, block_size)
+        super().__init__(dir, tokenizer, PackedBlocks(tokenizer, block_size), blocks, **options)
         self.block_size = block_size
 
 
 class PairDataModule(ShardDataModule):
     """(query, passage) pairs from pair shards, each side truncated to its own length (contrastive)."""
 
-    def __init__(
-        self, dir: str, tokenizer: Tokenizer, query_len: int, passage_len: int, batch_size: int, **options: Any
-    ) -> None:
+    def __init__(self, dir: str, tokenizer: Tokenizer, query_len: int, passage_len: int, **options: Any) -> None:
         # Two tokens at least: CLS and one of the text.
         check_minimums(query_len=(query_len, 2), passage_len=(passage_len, 2))
-        super().__init__(dir, tokenizer, TokenizedPairs(tokenizer, query_len, passage_len), batch_size, **options)
+        super().__init__(dir, tokenizer, TokenizedPairs(tokenizer, query_len, passage_len), **options)
         self.query_len, self.passage_len = query_len, passage_len

@@ -1,11 +1,10 @@
-"""The shard stream: shards -> decoded samples -> examples -> shuffled examples.
+"""The shard streams: shards -> decoded samples -> examples -> shuffled examples -> micro-batches.
 
-Every global worker (rank x DataLoader worker) reads an infinite, fixed
-sequence of shards: the per-epoch shard permutations (seeded by `seed` and the
-epoch, the same on every rank) are concatenated and dealt round-robin to the
-global workers. No worker ever runs dry, the epoch is only a counter, and the
-k-th shard of a worker is a pure function of (seed, k, worker, world size,
-workers).
+A stream reads an infinite, fixed sequence of shards: the per-epoch shard
+permutations (seeded by `seed` and the epoch) are concatenated and dealt
+round-robin to the streams. No stream ever runs dry, the epoch is only a
+counter, and the k-th shard of a stream is a pure function of (seed, k,
+stream, number of streams).
 
 Inside a shard, an `ExampleFormat` turns the decoded samples into examples:
 `PackedBlocks` tokenises documents and packs them into fixed-size blocks,
@@ -14,17 +13,23 @@ shuffle buffer seeded by (seed, epoch, shard) that starts afresh at every
 shard. So the examples of a shard, and their order, are a pure function of the
 shard, and a batch mixes many documents instead of consecutive pieces of one.
 
-Each example carries its worker, the `Cursor` where that worker's stream
-continues, and a `sample_id` naming it by (epoch, shard, position): the same
-whatever the world size or worker count, so randomness keyed on it (MLM
-masks) is too. A consumer that records the cursor of every example it trains
-on can restart the stream exactly there: whole shards are skipped by
-arithmetic and only the current shard is read again.
+A step's global batch takes the next `global_batch / streams` examples of each
+of `data.streams` streams, in stream order (`BatchPlan`); each device runs a
+contiguous part of it, in one forward or in several (gradient accumulation).
+So the examples of a step depend on the seed, the global batch, the number of
+streams and of DataLoader workers, never on the number of devices or the
+micro-batch: one process with accumulation trains on exactly what two DDP
+processes train on, and each device reads only its own streams (`BatchStream`).
+
+Every example has a `sample_id` naming it by (epoch, shard, position), the same
+whatever the layout, so randomness keyed on it (MLM masks) is too. Each
+micro-batch carries, for the sub-streams it read, the `Cursor` where they
+continue: a consumer that records them can restart every stream exactly
+there, skipping whole shards by arithmetic and reading only the current one.
 
 Samples that cannot be used (a missing field, text that is not UTF-8 or is
-empty) are skipped with a warning naming the shard and the sample; every
-example says how many were skipped just before it (`skipped`), so the
-consumer can count them exactly.
+empty) are skipped with a warning naming the shard and the sample; each
+micro-batch says how many were skipped while it was read (`skipped`).
 """
 
 from __future__ import annotations
@@ -34,14 +39,14 @@ import hashlib
 import itertools
 import random
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, TypeVar
+from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 import numpy as np
 import torch
 import webdataset as wds
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from pretraining.data.corpus import PAIR_FIELDS, TEXT_FIELDS
 from pretraining.data.tokenizer import CLS_ID, EOS_ID, PAD_ID, Tokenizer
@@ -76,9 +81,9 @@ def shard_order(num_shards: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
-def worker_shard(ordinal: int, global_worker: int, global_workers: int, num_shards: int, seed: int) -> tuple[int, int]:
-    """(epoch, shard index) of a global worker's `ordinal`-th shard."""
-    epoch, index = divmod(global_worker + ordinal * global_workers, num_shards)
+def stream_shard(ordinal: int, stream: int, streams: int, num_shards: int, seed: int) -> tuple[int, int]:
+    """(epoch, shard index) of a stream's `ordinal`-th shard."""
+    epoch, index = divmod(stream + ordinal * streams, num_shards)
     return epoch, shard_order(num_shards, seed, epoch)[index]
 
 
@@ -247,48 +252,29 @@ class TokenizedPairs:
         return {"query": padded(example.query, self.query_len), "passage": padded(example.passage, self.passage_len)}
 
 
-# --- the stream ---------------------------------------------------------------------------------------
+# --- the streams ------------------------------------------------------------------------------------
 
 
-class ShardStream(IterableDataset):
-    """An infinite stream of training examples for one rank (see module doc)."""
+class StreamExample(NamedTuple):
+    """An example of a stream, the cursor that follows it, its sample id, and how many unusable
+    samples the stream skipped since the example before it (or since its start)."""
 
-    def __init__(
-        self,
-        urls: Sequence[str],
-        format: ExampleFormat[Any],
-        seed: int,
-        rank: int = 0,
-        world_size: int = 1,
-        shuffle_buffer: int = 4096,
-        cursors: Sequence[Cursor] | None = None,
-        first_worker: int = 0,
-    ) -> None:
-        self.urls, self.format = list(urls), format
-        self.seed, self.rank, self.world_size = seed, rank, world_size
-        self.shuffle_buffer, self.cursors, self.first_worker = shuffle_buffer, cursors, first_worker
-        self.skips = SkipCounter()
+    cursor: Cursor
+    sample_id: int
+    example: Any
+    skipped: int
 
-    def __iter__(self) -> Iterator[Tensors]:
-        info = get_worker_info()
-        loader_worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        # A DataLoader takes batches from its workers in turn, starting with its worker 0. A restarted
-        # loader must start with the worker whose turn was next, so its workers play rotated roles.
-        worker = (loader_worker + self.first_worker) % workers
-        if self.cursors is not None and len(self.cursors) != workers:
-            raise ValueError(f"{len(self.cursors)} stream cursors for {workers} DataLoader workers")
-        cursor = self.cursors[worker] if self.cursors is not None else Cursor()
-        global_worker, global_workers = self.rank * workers + worker, self.world_size * workers
-        for following, sample_id, example in self.examples(global_worker, global_workers, cursor):
-            yield self.format.tensors(example) | {
-                "sample_id": torch.tensor(sample_id),
-                "skipped": torch.tensor(self.skips.take()),
-                "worker": torch.tensor(worker),
-                "cursor": torch.tensor([following.shard, following.block]),
-            }
 
-    def examples(self, global_worker: int, global_workers: int, start: Cursor) -> Iterator[tuple[Cursor, int, Any]]:
-        """This worker's examples from `start` on, each with the cursor that follows it and its sample id."""
+class ShardStream:
+    """The examples of the shard streams over `urls`: stream `stream` of `streams` reads a fixed,
+    infinite sequence of shards (see module doc) and can restart from any `Cursor`."""
+
+    def __init__(self, urls: Sequence[str], format: ExampleFormat[Any], seed: int, shuffle_buffer: int = 4096) -> None:
+        self.urls, self.format, self.seed, self.shuffle_buffer = list(urls), format, seed, shuffle_buffer
+
+    def examples(self, stream: int, streams: int, start: Cursor) -> Iterator[StreamExample]:
+        """The stream's examples from `start` on."""
+        skips = SkipCounter()
         empty: set[int] = set()  # shards without a whole example (the same in every epoch)
         for ordinal in itertools.count(start.shard):
             if len(empty) == len(self.urls):
@@ -296,20 +282,127 @@ class ShardStream(IterableDataset):
                     "no shard yields a whole example (too few tokens for a block, or no usable samples); "
                     "lower data.block_size or check the shards"
                 )
-            epoch, shard = worker_shard(ordinal, global_worker, global_workers, len(self.urls), self.seed)
-            samples = self.skips.decoded([self.urls[shard]], self.format.fields)
+            epoch, shard = stream_shard(ordinal, stream, streams, len(self.urls), self.seed)
+            samples = skips.decoded([self.urls[shard]], self.format.fields)
             rng = seeded_rng(self.seed, epoch, shard)
             examples = buffer_shuffled(self.format.examples(samples), self.shuffle_buffer, rng)
             first = start.block if ordinal == start.shard else 0
             if first:
                 collections.deque(itertools.islice(examples, first), maxlen=0)  # consumed before the cursor
-                self.skips.take()  # and so were the skips they carried
+                skips.take()  # and so were the skips they carried
             had_example = first > 0
             for index, example in enumerate(examples, start=first + 1):
                 had_example = True
-                yield Cursor(ordinal, index), stable_hash("sample", epoch, shard, index), example
+                sample_id = stable_hash("sample", epoch, shard, index)
+                yield StreamExample(Cursor(ordinal, index), sample_id, example, skips.take())
             if not had_example:
                 empty.add(shard)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How each optimizer step's global batch is read and split over devices (see module doc).
+
+    The global batch is `streams` chunks of `chunk` consecutive examples, one per stream, in stream
+    order; slot `s` (one forward on one device) covers its examples `[s * micro_batch, (s + 1) *
+    micro_batch)`; rank `r` runs slots `r * accumulation` to `(r + 1) * accumulation - 1`, in turn.
+    """
+
+    global_batch: int
+    micro_batch: int
+    streams: int
+    world_size: int = 1
+
+    @property
+    def chunk(self) -> int:
+        return self.global_batch // self.streams
+
+    @property
+    def accumulation(self) -> int:
+        return self.global_batch // (self.world_size * self.micro_batch)
+
+    def slot_of(self, rank: int, index: int) -> tuple[int, int]:
+        """(step, slot) of a rank's `index`-th micro-batch."""
+        step, accumulated = divmod(index, self.accumulation)
+        return step, rank * self.accumulation + accumulated
+
+    def streams_of(self, slot: int) -> range:
+        per_slot = self.micro_batch // self.chunk
+        return range(slot * per_slot, (slot + 1) * per_slot)
+
+
+def batch_plan(global_batch: int, micro_batch: int | None, streams: int, world_size: int) -> BatchPlan:
+    """The plan for `world_size` devices, or a ValueError naming the `data.` key to change.
+
+    `micro_batch` None means no accumulation: each device takes its whole share in one forward.
+    """
+    if global_batch % world_size:
+        raise ValueError(
+            f"data.global_batch_size={global_batch} is not divisible by the {world_size} devices: make it a "
+            f"multiple of {world_size} or run on a number of devices that divides it"
+        )
+    per_device = global_batch // world_size
+    micro = micro_batch or per_device
+    if per_device % micro:
+        raise ValueError(
+            f"data.global_batch_size={global_batch} over {world_size} devices is {per_device} per device, not a "
+            f"multiple of data.micro_batch_size={micro}: choose a micro-batch that divides {per_device}"
+        )
+    if global_batch % streams or streams % world_size:
+        raise ValueError(
+            f"data.streams={streams} must divide data.global_batch_size={global_batch} and be a multiple of the "
+            f"{world_size} devices (each device reads its own streams): change data.streams"
+        )
+    if micro % (global_batch // streams):
+        raise ValueError(
+            f"data.micro_batch_size={micro} must be a multiple of the {global_batch // streams} examples each of "
+            f"the data.streams={streams} streams gives a step: raise data.streams or the micro-batch"
+        )
+    return BatchPlan(global_batch, micro, streams, world_size)
+
+
+class BatchStream(IterableDataset):
+    """A rank's infinite sequence of micro-batches, continuing after its first `start` ones.
+
+    Inside DataLoader worker `w` of `n`, it yields the rank's micro-batches `start + w`, `start + w +
+    n`, ... (the DataLoader takes them in turn). A stream's chunks at steps congruent to `j` modulo
+    `n` are sub-stream `j * streams + stream`: each sub-stream is then always read by the same
+    worker, and which examples make a step depends on the loader's worker count, never on the
+    number of devices or the micro-batch.
+    """
+
+    def __init__(
+        self,
+        examples: ShardStream,
+        plan: BatchPlan,
+        rank: int = 0,
+        cursors: Mapping[int, Cursor] | None = None,
+        start: int = 0,
+    ) -> None:
+        self.source, self.plan, self.rank = examples, plan, rank
+        self.cursors, self.start = dict(cursors or {}), start
+
+    def __iter__(self) -> Iterator[Tensors]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        readers: dict[int, Iterator[StreamExample]] = {}
+        plan, total = self.plan, self.plan.streams * workers
+        for index in itertools.count(self.start + worker, workers):
+            step, slot = plan.slot_of(self.rank, index)
+            rows: list[StreamExample] = []
+            positions = []
+            for stream in plan.streams_of(slot):
+                sub = (step % workers) * plan.streams + stream
+                if sub not in readers:
+                    readers[sub] = self.source.examples(sub, total, self.cursors.get(sub, Cursor()))
+                chunk = list(itertools.islice(readers[sub], plan.chunk))
+                rows += chunk
+                positions.append([sub, chunk[-1].cursor.shard, chunk[-1].cursor.block])
+            yield self.collate(rows) | {"positions": torch.tensor(positions)}
+
+    def collate(self, rows: list[StreamExample]) -> Tensors:
+        tensors = [self.source.format.tensors(row.example) | {"sample_id": torch.tensor(row.sample_id)} for row in rows]
+        return default_collate(tensors) | {"skipped": torch.tensor(sum(row.skipped for row in rows))}
 
 
 def validation_examples(urls: Sequence[str], format: ExampleFormat, max_examples: int) -> list[Tensors]:

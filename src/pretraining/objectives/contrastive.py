@@ -182,7 +182,7 @@ class Contrastive(PretrainingObjective):
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         queries, passages = self.encode(batch["query"], "query"), self.encode(batch["passage"], "passage")
-        return self.pair_loss(queries, passages, distributed=True, size_key="data.batch_size")
+        return self.pair_loss(queries, passages, distributed=True, size_key="data.global_batch_size")
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
