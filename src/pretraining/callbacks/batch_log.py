@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -10,8 +11,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 
 class BatchLog(Callback):
-    """Append one JSON line per training batch to `<dir>/rank<N>.jsonl`: the step, the batch's
-    sample ids and its loss as an exact float (`float.hex`).
+    """Append one JSON line per training micro-batch to `<dir>/rank<N>.jsonl`: the step, its slot in
+    the step's global batch, the number of ranks, the sample ids and the loss as an exact float (`float.hex`; divided by
+    the accumulation, as Lightning reports it).
 
     A restarted run appends the batches it replays again; the later line wins.
     Off by default (it syncs with the device every step): add it with
@@ -25,9 +27,13 @@ class BatchLog(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        step, slot = trainer.datamodule.batch_slot  # type: ignore[attr-defined]
         record = {
             "batch": trainer.datamodule.batches_consumed,  # type: ignore[attr-defined]
-            "step": trainer.global_step,
+            "step": step,
+            "slot": slot,
+            "ranks": trainer.world_size,
+            "time": time.time(),
             "samples": batch["sample_id"].tolist(),
             "loss": float(loss).hex(),
         }
@@ -60,3 +66,19 @@ def batch_log_differences(reference: Path, resumed: Path) -> list[str]:
             elif expected[batch]["loss"] != actual[batch]["loss"]:
                 differences.append(f"{rank} batch {batch}: loss {actual[batch]['loss']} != {expected[batch]['loss']}")
     return differences
+
+
+def global_steps(batches: Path) -> dict[int, tuple[list[int], float]]:
+    """Each step of a run's batch logs (`<run dir>/batches/`) seen globally: its samples over all
+    ranks in slot order, and its loss (the mean over ranks of each rank's accumulated loss), which
+    is what one process would report for the same global batch. A step replayed after a restart on
+    another number of ranks counts as the newest layout logged it."""
+    records = [record for path in batches.glob("rank*.jsonl") for record in read_batch_log(path).values()]
+    newest = {record["step"]: record for record in sorted(records, key=lambda r: r["time"])}
+    steps: dict[int, tuple[list[int], float]] = {}
+    for record in sorted(records, key=lambda r: (r["step"], r["slot"])):
+        if record["ranks"] != newest[record["step"]]["ranks"]:
+            continue  # from a layout that was interrupted and replaced
+        samples, loss = steps.get(record["step"], ([], 0.0))
+        steps[record["step"]] = (samples + record["samples"], loss + float.fromhex(record["loss"]) / record["ranks"])
+    return steps
