@@ -63,7 +63,7 @@ def data_parallel_size(trainer: Trainer) -> int:
 class Throughput(Callback):
     """Log `perf/tokens_per_s` and `perf/samples_per_s` (global, all ranks), `perf/step_time` (seconds
     per optimizer step) and, where the device's peak is known, `perf/mfu`, every `log_every_n_steps`
-    optimizer steps (default: the Trainer's, or a multiple of it). The clock starts after the first step (compilation,
+    optimizer steps (default: the Trainer's). The clock starts after the first step (compilation,
     allocator warm-up) and stops during validation. `peak_flops` (per device) overrides the lookup,
     for a device Lightning's table lacks. `clock` is for tests."""
 
@@ -83,11 +83,6 @@ class Throughput(Callback):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.every = self.every or trainer.log_every_n_steps
-        if self.every % trainer.log_every_n_steps:
-            raise ValueError(
-                f"callbacks.throughput.log_every_n_steps={self.every} must be a multiple of "
-                f"trainer.log_every_n_steps={trainer.log_every_n_steps}: Lightning writes logs only at those steps"
-            )
         if self.peak is None:
             self.peak = peak_flops(pl_module.device, compute_dtype(trainer))
         self.started, self.steps_seen = None, trainer.global_step
@@ -122,7 +117,10 @@ class Throughput(Callback):
         }
         if self.peak:
             metrics["perf/mfu"] = self.flops * ranks / seconds / (self.peak * trainer.world_size)
-        pl_module.log_dict(metrics)  # the same on every rank: no sync needed
+        # Straight to the loggers (rank zero), as LearningRateMonitor does, at the step Lightning logs the
+        # loss of this batch with: `self.log` would repeat these values at every later logging step.
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
         self.started, self.samples, self.tokens, self.flops, self.steps = now, 0, 0, 0, 0
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
