@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import re
+import subprocess
+import sys
 from functools import partial
 from typing import Any
 
@@ -17,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from pretraining.callbacks import Throughput
 from pretraining.callbacks.throughput import peak_flops
-from pretraining.config import ConfigError
+from pretraining.config import PROJECT_ROOT, ConfigError
 from pretraining.models.transformer import Transformer
 from pretraining.objectives import CausalLM, Contrastive, MaskedLM
 from pretraining.objectives.base import lm_cross_entropy
@@ -189,3 +192,13 @@ def test_fsdp_refuses_a_model_without_blocks_and_a_second_cast() -> None:
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", logger=False)
     with pytest.raises(ConfigError, match=r"set trainer\.precision=32-true"):
         trainer.strategy.setup_environment()
+
+
+def test_the_gpu_benchmark_prints_every_row_in_smoke_mode() -> None:
+    script = PROJECT_ROOT / "scripts" / "bench_gpu.py"
+    finished = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    rows = [re.split(r"\s{2,}", line.strip()) for line in finished.stdout.splitlines()[3:]]  # cells: 2+ spaces apart
+    expected = [("GPT-2 124M next-token", "32"), ("BERT-base masked-LM", "4"), ("BERT-base masked-LM", "16")]
+    assert [(row[0], row[1]) for row in rows] == [*expected, ("BERT-base contrastive", "8+16")]
+    assert all(len(row) == 8 and float(row[4]) > 0 for row in rows)  # row[4]: template / plain tokens per second
