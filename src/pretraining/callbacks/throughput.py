@@ -82,7 +82,7 @@ class Throughput(Callback):
         self.samples = self.tokens = self.flops = self.steps = 0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.every = self.every or trainer.log_every_n_steps
+        self.every = self.every or trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning
         if self.peak is None:
             self.peak = peak_flops(pl_module.device, compute_dtype(trainer))
         self.started, self.steps_seen = None, trainer.global_step

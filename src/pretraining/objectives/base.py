@@ -13,7 +13,7 @@ states it keeps (passed to `__init__`), `training_loss`, `validation_update`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, ClassVar, NamedTuple, cast
 
@@ -69,7 +69,8 @@ class PretrainingObjective(LightningModule):
         self.optimizer_factory = optimizer
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self.validation_state = nn.ModuleDict(validation_state or {})
-        self.compile, self.model_configured = compile, False
+        # Not `self.compile`: that is nn.Module's method.
+        self.compile_blocks, self.model_configured = compile, False
         self.last_validated_step = -1
         # Unusable samples the stream skipped on this rank, counted on the device (no host sync per step).
         self.skipped_samples: torch.Tensor
@@ -86,7 +87,7 @@ class PretrainingObjective(LightningModule):
             strategy = self.trainer.strategy
             policy = strategy.policy if isinstance(strategy, FSDP2Strategy) else ShardingPolicy()
             shard(self, self.device_mesh["data_parallel"], policy)
-        if self.compile:
+        if self.compile_blocks:
             for block in self.modules():
                 if isinstance(block, Block):
                     block.compile(dynamic=False)  # pretraining shapes are fixed: no dynamic-shape kernels
@@ -161,7 +162,7 @@ class BatchWork(NamedTuple):
     flops: int
 
 
-def fused_if_open(factory: Callable[..., Optimizer], parameters: list[torch.Tensor]) -> dict[str, bool]:
+def fused_if_open(factory: Callable[..., Optimizer], parameters: Sequence[torch.Tensor]) -> dict[str, bool]:
     """`fused=True` when the optimizer config leaves it open (`fused: null`) and every parameter is on
     CUDA: one kernel for the whole update instead of several per tensor."""
     keywords = factory.keywords if isinstance(factory, partial) else {}
