@@ -12,7 +12,7 @@ ARGS ?=
 CKPT ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install data tokenizer train eval test test-full lint format bench chaos clean clean-logs
+.PHONY: help install data tokenizer train eval test test-full lint format bench bench-gpu chaos clean clean-logs
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -67,6 +67,9 @@ format: install ## Fix style and formatting
 bench: install data ## Template overhead vs plain PyTorch, loader throughput, resume start-up and checkpoint save times
 	$(BIN)/python scripts/bench_overhead.py --data $(DATA_DIR) $(ARGS)
 	$(BIN)/python scripts/bench_resume.py --data $(DATA_DIR)
+
+bench-gpu: install ## On one GPU: template vs plain PyTorch tokens/s, MFU and memory for GPT-2, BERT-base and a pair model
+	$(BIN)/python scripts/bench_gpu.py $(ARGS)
 
 chaos: install data ## Kill a run with SIGKILL at random moments, restart it, compare with an uninterrupted run
 	$(BIN)/python scripts/chaos.py --data $(DATA_DIR) $(ARGS)

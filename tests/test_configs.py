@@ -26,7 +26,7 @@ def test_every_group_has_options() -> None:
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_and_instantiates(group: str, option: str, compose_train, bpe_path: Path) -> None:
     extra = [f"tokenizer.path={bpe_path}"] if option == "bpe" else []
-    if option == "gpu" and not torch.cuda.is_available():
+    if option in ("gpu", "fsdp") and not torch.cuda.is_available():
         extra.append("trainer.accelerator=cpu")  # the rest of the preset is still instantiated
     cfg = compose_train(f"{group}={option}", *extra, tiny=False)
     tokenizer = instantiate(cfg.tokenizer)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import hydra
+import torch
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
@@ -34,6 +35,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     Exits with 128 + the signal number if a signal stopped training (after saving).
     """
     check_config(cfg)
+    torch.set_float32_matmul_precision(cfg.matmul_precision)
     seed_everything(cfg.seed, workers=True)
     resume = checkpoint_to_resume(cfg.resume, cfg.ckpt_path, Path(cfg.paths.output_dir), Path(cfg.paths.checkpoint_dir))
     tokenizer = build(cfg.tokenizer)

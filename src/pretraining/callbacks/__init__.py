@@ -1,9 +1,10 @@
-"""Callbacks: lineage, per-batch seeding, preemption, an audit log of batches, text samples."""
+"""Callbacks: lineage, per-batch seeding, preemption, an audit log of batches, text samples, throughput."""
 
 from pretraining.callbacks.batch_log import BatchLog
 from pretraining.callbacks.lineage import Lineage
 from pretraining.callbacks.preemption import Preemption
 from pretraining.callbacks.step_seed import StepSeed
 from pretraining.callbacks.text_sample import TextSample
+from pretraining.callbacks.throughput import Throughput
 
-__all__ = ["BatchLog", "Lineage", "Preemption", "StepSeed", "TextSample"]
+__all__ = ["BatchLog", "Lineage", "Preemption", "StepSeed", "TextSample", "Throughput"]

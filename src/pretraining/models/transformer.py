@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class SelfAttention(nn.Module):
@@ -52,6 +53,9 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """A pre-norm transformer layer; the unit that FSDP shards, `torch.compile` compiles and
+    activation checkpointing recomputes."""
+
     def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, causal: bool) -> None:
         super().__init__()
         self.attention_norm = nn.LayerNorm(d_model, bias=bias)
@@ -59,8 +63,17 @@ class Block(nn.Module):
         self.mlp_norm = nn.LayerNorm(d_model, bias=bias)
         self.mlp = MLP(d_model, dropout, bias)
         self.residual_dropout = nn.Dropout(dropout)
+        # Set by the FSDP policy (pretraining.parallel): keep only the block's input for backward and
+        # recompute the rest, trading a second forward for activation memory.
+        self.checkpoint_activations = False
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            # Non-reentrant: works under FSDP hooks and torch.compile, and replays the same dropout masks.
+            return checkpoint(self.layer, x, mask, use_reentrant=False)
+        return self.layer(x, mask)
+
+    def layer(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         x = x + self.residual_dropout(self.attention(self.attention_norm(x), mask))
         return x + self.mlp(self.mlp_norm(x))
 
@@ -135,3 +148,20 @@ class Transformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied language-model head over the padded vocabulary."""
         return F.linear(hidden, self.token_embedding.weight)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) of the blocks for one token of a `seq_len`-token sequence.
+
+        PaLM's count (appendix B): 6 per weight of every matmul (2 forward, 4 backward), here the blocks'
+        linear layers (12 d_model^2 per layer); plus attention's two matmuls against the sequence,
+        12 n_layer d_model seq_len, counted over the whole sequence even when causal, as PaLM does.
+        Left out: embedding lookups, norms, biases, softmax (not matmuls), and the recomputation of
+        activation checkpointing (MFU counts the model's FLOPs, not the hardware's). The head is apart:
+        `head_flops_per_token`, for each token it scores.
+        """
+        weights = sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
+        return 6 * weights + 12 * self.n_layer * self.d_model * seq_len
+
+    def head_flops_per_token(self) -> int:
+        """Training FLOPs of the tied language-model head for one scored token (padded vocabulary)."""
+        return 6 * self.token_embedding.weight.numel()

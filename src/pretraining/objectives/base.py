@@ -13,21 +13,24 @@ states it keeps (passed to `__init__`), `training_loss`, `validation_update`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, ClassVar, cast
+from typing import Any, ClassVar, NamedTuple, cast
 
 import torch
+import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
+from torch.utils.checkpoint import checkpoint
 from torchmetrics import Metric, SumMetric
 
 from pretraining.config import ConfigError, build
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.models.transformer import Block, Transformer
+from pretraining.parallel import FSDP2Strategy, ShardingPolicy, shard
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -55,6 +58,7 @@ class PretrainingObjective(LightningModule):
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
         validation_state: Mapping[str, Metric] | None = None,
+        compile: bool = False,
     ) -> None:
         super().__init__()
         if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
@@ -65,25 +69,29 @@ class PretrainingObjective(LightningModule):
         self.optimizer_factory = optimizer
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self.validation_state = nn.ModuleDict(validation_state or {})
+        # Not `self.compile`: that is nn.Module's method.
+        self.compile_blocks, self.model_configured = compile, False
         self.last_validated_step = -1
         # Unusable samples the stream skipped on this rank, counted on the device (no host sync per step).
         self.skipped_samples: torch.Tensor
         self.register_buffer("skipped_samples", torch.zeros((), dtype=torch.long), persistent=False)
 
     def configure_model(self) -> None:
-        """Under FSDP2 (Lightning's `ModelParallelStrategy`), shard each transformer block, then the
-        rest of the objective as one unit. Elsewhere there is nothing to do. Lightning calls this
-        for every `validate` and `fit`, so it shards only once."""
-        from torch.distributed.fsdp import FSDPModule, fully_shard
-
-        if self.device_mesh is None or isinstance(self, FSDPModule):
+        """Under FSDP2 (Lightning's `ModelParallelStrategy`), shard the model by the strategy's policy
+        (`pretraining.parallel.shard`); then, with `compile`, compile each transformer block in place
+        (`nn.Module.compile`: no wrapper, so checkpoint keys stay as they are). Lightning calls this
+        for every `validate` and `fit`, so it acts only once."""
+        if self.model_configured:
             return
-
-        mesh = self.device_mesh["data_parallel"]
-        for module in self.modules():
-            if isinstance(module, Block):
-                fully_shard(module, mesh=mesh)
-        fully_shard(self, mesh=mesh)
+        if self.device_mesh is not None:
+            strategy = self.trainer.strategy
+            policy = strategy.policy if isinstance(strategy, FSDP2Strategy) else ShardingPolicy()
+            shard(self, self.device_mesh["data_parallel"], policy)
+        if self.compile_blocks:
+            for block in self.modules():
+                if isinstance(block, Block):
+                    block.compile(dynamic=False)  # pretraining shapes are fixed: no dynamic-shape kernels
+        self.model_configured = True
 
     def check_tokenizer(self, tokenizer: Tokenizer) -> None:
         """Refuse a tokenizer this objective cannot work with (the default accepts any)."""
@@ -96,6 +104,18 @@ class PretrainingObjective(LightningModule):
 
     def validation_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
+
+    def batch_work(self, batch: dict[str, torch.Tensor]) -> BatchWork:
+        """Samples, tokens and training FLOPs of a batch of packed blocks, from its shapes alone (no
+        device sync); the head scores `head_positions` of each block."""
+        samples, length = batch["tokens"][:, :-1].shape
+        backbone_flops = samples * length * self.backbone.flops_per_token(length)
+        head_flops = samples * self.head_positions(length) * self.backbone.head_flops_per_token()
+        return BatchWork(samples, samples * length, backbone_flops + head_flops)
+
+    def head_positions(self, length: int) -> int:
+        """How many positions of a `length`-token block the language-model head scores in training."""
+        return length
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.training_loss(batch)
@@ -126,7 +146,7 @@ class PretrainingObjective(LightningModule):
             {"params": [p for p in parameters if p.dim() >= 2]},
             {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
         ]
-        optimizer = self.optimizer_factory(groups)
+        optimizer = self.optimizer_factory(groups, **fused_if_open(self.optimizer_factory, parameters))
         schedule = partial(
             warmup_cosine, warmup_steps=self.warmup_steps, total_steps=total_steps, min_lr_ratio=self.min_lr_ratio
         )
@@ -134,6 +154,56 @@ class PretrainingObjective(LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": LambdaLR(optimizer, schedule), "interval": "step"},
         }
+
+
+class BatchWork(NamedTuple):
+    samples: int
+    tokens: int
+    flops: int
+
+
+def fused_if_open(factory: Callable[..., Optimizer], parameters: Sequence[torch.Tensor]) -> dict[str, bool]:
+    """`fused=True` when the optimizer config leaves it open (`fused: null`) and every parameter is on
+    CUDA: one kernel for the whole update instead of several per tensor."""
+    keywords = factory.keywords if isinstance(factory, partial) else {}
+    if "fused" in keywords and keywords["fused"] is None and all(p.device.type == "cuda" for p in parameters):
+        return {"fused": True}
+    return {}
+
+
+def lm_cross_entropy(
+    hidden: torch.Tensor,
+    head: torch.Tensor,
+    targets: torch.Tensor,
+    reduction: str = "mean",
+    chunk_tokens: int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """Cross-entropy of the head `F.linear(hidden, head)` against `targets`, in float32.
+
+    With `chunk_tokens`, the matmul and the loss run over that many tokens at a time under activation
+    checkpointing: the float32 logits (tokens x vocabulary) never exist whole, forward or backward;
+    each chunk's are recomputed in backward. The result equals the plain path's up to rounding."""
+    hidden, targets = hidden.flatten(0, -2), targets.flatten()
+    if chunk_tokens is None:
+        return F.cross_entropy(F.linear(hidden, head).float(), targets, ignore_index=ignore_index, reduction=reduction)
+    chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens), strict=True)
+    total = torch.stack(
+        [
+            checkpoint(_summed_cross_entropy, part, head, labels, ignore_index, use_reentrant=False)
+            for part, labels in chunks
+        ]
+    ).sum()
+    return total if reduction == "sum" else total / (targets != ignore_index).sum()
+
+
+def _summed_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, ignore: int) -> torch.Tensor:
+    return F.cross_entropy(F.linear(hidden, head).float(), targets, ignore_index=ignore, reduction="sum")
+
+
+def check_chunk_tokens(chunk_tokens: int | None) -> None:
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"model.loss_chunk_tokens={chunk_tokens} must be null (no chunking) or a positive count")
 
 
 def build_objective(node: Any, tokenizer: Tokenizer, data_kind: str) -> PretrainingObjective:

@@ -6,12 +6,11 @@ import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 from torch.optim import Optimizer
 
 from pretraining.data.tokenizer import EOS_ID, Tokenizer
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import PretrainingObjective, sums
+from pretraining.objectives.base import PretrainingObjective, check_chunk_tokens, lm_cross_entropy, sums
 
 
 class CausalLM(PretrainingObjective):
@@ -27,17 +26,22 @@ class CausalLM(PretrainingObjective):
         optimizer: Callable[..., Optimizer],
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
+        compile: bool = False,
+        loss_chunk_tokens: int | None = None,
     ) -> None:
         if not backbone.causal:
             raise ValueError("CausalLM needs a causal backbone: set model.backbone.causal=true")
-        super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, sums("nll", "tokens", "bytes"))
+        check_chunk_tokens(loss_chunk_tokens)
+        super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, sums("nll", "tokens", "bytes"), compile)
+        self.loss_chunk_tokens = loss_chunk_tokens
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.backbone.logits(self.backbone(tokens))
 
     def token_nll(self, tokens: torch.Tensor, reduction: str) -> torch.Tensor:
-        logits = self(tokens[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction=reduction)
+        hidden = self.backbone(tokens[:, :-1])
+        head = self.backbone.token_embedding.weight
+        return lm_cross_entropy(hidden, head, tokens[:, 1:], reduction, self.loss_chunk_tokens)
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.token_nll(batch["tokens"], "mean")

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from pretraining.config import ConfigError
 from pretraining.data.tokenizer import MASK_ID, SPECIAL_TOKENS, Tokenizer
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import PretrainingObjective, sums
+from pretraining.objectives.base import PretrainingObjective, check_chunk_tokens, lm_cross_entropy, sums
 
 IGNORE = -100
 _M32 = 0xFFFFFFFF
@@ -44,6 +44,11 @@ def hashed_uniform(seed: int, stream: int, sample_ids: torch.Tensor, positions: 
     return (bits >> 8).to(torch.float32) * 2.0**-24  # 24 bits: exact in float32, never 1.0
 
 
+def masked_count(rate: float, length: int) -> int:
+    """How many positions of a `length`-token block are selected at `rate`."""
+    return max(1, round(rate * length))
+
+
 def mask_tokens(
     tokens: torch.Tensor,
     sample_ids: torch.Tensor,
@@ -62,7 +67,7 @@ def mask_tokens(
     IGNORE, so shapes stay static.
     """
     batch, length = tokens.shape
-    count = max(1, round(rate * length))
+    count = masked_count(rate, length)
     special = tokens < len(SPECIAL_TOKENS)
     every_position = torch.arange(length, device=tokens.device).expand(batch, length)
     scores = hashed_uniform(seed, 0, sample_ids, every_position).masked_fill(special, -1.0)
@@ -100,6 +105,8 @@ class MaskedLM(PretrainingObjective):
         random_prob: float = 0.1,
         seed: int = 0,
         eval_seed: int = 0,
+        compile: bool = False,
+        loss_chunk_tokens: int | None = None,
     ) -> None:
         if backbone.causal:
             raise ValueError("MaskedLM needs a bidirectional backbone: set model.backbone.causal=false")
@@ -111,7 +118,10 @@ class MaskedLM(PretrainingObjective):
                 f"model.mask_prob={mask_prob} and model.random_prob={random_prob} must be >= 0 "
                 f"with a sum of at most 1 (the rest of the selected tokens stay unchanged)"
             )
-        super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, sums("nll", "masked", "correct"))
+        check_chunk_tokens(loss_chunk_tokens)
+        state = sums("nll", "masked", "correct")
+        super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, state, compile)
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.mask_rate, self.eval_mask_rate = mask_rate, eval_mask_rate
         self.mask_prob, self.random_prob = mask_prob, random_prob
         self.seed, self.eval_seed = seed, eval_seed
@@ -123,23 +133,42 @@ class MaskedLM(PretrainingObjective):
                 f"has none: use tokenizer=bytes or a BPE trained by `pretrain-data tokenizer` (both reserve <mask>)"
             )
 
-    def masked_logits(self, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits (batch, k, vocabulary) at `positions` only: the head never sees the other rows."""
+    def masked_inputs(
+        self, batch: dict[str, torch.Tensor], rate: float, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(inputs, positions, labels) of a batch masked at `rate`; the block's last token is the next block's first."""
+        return mask_tokens(
+            batch["tokens"][:, :-1],
+            batch["sample_id"],
+            rate,
+            seed,
+            self.backbone.vocab_size,
+            self.mask_prob,
+            self.random_prob,
+        )
+
+    def masked_hidden(self, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states (batch, k, d_model) at `positions` only: the head never sees the other rows."""
         hidden = self.backbone(inputs)
-        selected = hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
-        return self.backbone.logits(selected)
+        return hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
+
+    def masked_logits(self, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, k, vocabulary) at `positions` only."""
+        return self.backbone.logits(self.masked_hidden(inputs, positions))
 
     def masked_batch(self, batch: dict[str, torch.Tensor], rate: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, labels) of the masked positions; the block's last token is the next block's first."""
-        tokens = batch["tokens"][:, :-1]
-        inputs, positions, labels = mask_tokens(
-            tokens, batch["sample_id"], rate, seed, self.backbone.vocab_size, self.mask_prob, self.random_prob
-        )
+        """(logits, labels) of the masked positions."""
+        inputs, positions, labels = self.masked_inputs(batch, rate, seed)
         return self.masked_logits(inputs, positions), labels
 
+    def head_positions(self, length: int) -> int:
+        return masked_count(self.mask_rate, length)
+
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        logits, labels = self.masked_batch(batch, self.mask_rate, self.seed)
-        return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE)
+        inputs, positions, labels = self.masked_inputs(batch, self.mask_rate, self.seed)
+        head = self.backbone.token_embedding.weight
+        hidden = self.masked_hidden(inputs, positions)
+        return lm_cross_entropy(hidden, head, labels, "mean", self.loss_chunk_tokens, ignore_index=IGNORE)
 
     def validation_update(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         logits, labels = self.masked_batch(batch, self.eval_mask_rate, self.eval_seed)

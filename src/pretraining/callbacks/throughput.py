@@ -1,0 +1,138 @@
+"""Training throughput and model FLOPs utilisation (MFU), logged every few optimizer steps.
+
+MFU = achieved model FLOP/s / (the device's peak FLOP/s x number of devices). The model FLOPs are
+the objective's count (`PretrainingObjective.batch_work`, from `Transformer.flops_per_token`: PaLM's
+6 per matmul weight per token plus the attention term, recomputation not counted). Token and FLOP
+counts are added up on the host from batch shapes, and the clock is read only at logging steps
+(where, on CUDA, the device is synchronised first), so measuring costs no per-step sync.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.throughput import get_available_flops
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from pretraining.parallel import FSDP2Strategy
+
+# Dense (no 2:4 sparsity) peaks per device name fragment, checked before Lightning's table, whose H200
+# entries are the sparse figures and which does not recognise every H200 name.
+DENSE_PEAK_FLOPS: dict[str, dict[torch.dtype | str, float]] = {
+    "h200": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, "tfloat32": 494.7e12, torch.float32: 66.9e12},
+}
+
+
+def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The device's dense peak FLOP/s for matmuls in `dtype` (float32 means TF32 when matmul precision
+    allows it); None where unknown, such as on a CPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    for fragment, peaks in DENSE_PEAK_FLOPS.items():
+        if fragment in name:
+            tf32 = dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest"
+            return peaks.get("tfloat32" if tf32 else dtype)
+    available = get_available_flops(device, dtype)
+    return None if available is None else float(available)
+
+
+def compute_dtype(trainer: Trainer) -> torch.dtype:
+    """The dtype the matmuls run in: the FSDP2 policy's, else the Trainer precision's."""
+    strategy = trainer.strategy
+    if isinstance(strategy, FSDP2Strategy) and strategy.policy.param_dtype is not None:
+        return strategy.policy.param_dtype
+    precision = str(trainer.precision)
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    return torch.float16 if precision.startswith("16") else torch.float32
+
+
+def data_parallel_size(trainer: Trainer) -> int:
+    """How many ranks train on batches of their own (tensor-parallel ranks share one)."""
+    strategy = trainer.strategy
+    if isinstance(strategy, ModelParallelStrategy):
+        return strategy.device_mesh["data_parallel"].size()
+    return trainer.world_size
+
+
+class Throughput(Callback):
+    """Log `perf/tokens_per_s` and `perf/samples_per_s` (global, all ranks), `perf/step_time` (seconds
+    per optimizer step) and, where the device's peak is known, `perf/mfu`, every `log_every_n_steps`
+    optimizer steps (default: the Trainer's). The clock starts after the first step (compilation,
+    allocator warm-up) and stops during validation. `peak_flops` (per device) overrides the lookup,
+    for a device Lightning's table lacks. `clock` is for tests."""
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        peak_flops: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if log_every_n_steps is not None and log_every_n_steps < 1:
+            raise ValueError(f"callbacks.throughput.log_every_n_steps={log_every_n_steps} must be positive or null")
+        self.every, self.peak, self.clock = log_every_n_steps, peak_flops, clock
+        self.started: float | None = None
+        self.paused: float | None = None
+        self.steps_seen = 0
+        self.samples = self.tokens = self.flops = self.steps = 0
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.every = self.every or trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning
+        if self.peak is None:
+            self.peak = peak_flops(pl_module.device, compute_dtype(trainer))
+        self.started, self.steps_seen = None, trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        work = pl_module.batch_work(batch)  # type: ignore[operator]
+        self.samples, self.tokens, self.flops = (
+            self.samples + work.samples,
+            self.tokens + work.tokens,
+            self.flops + work.flops,
+        )
+        if trainer.global_step == self.steps_seen:  # accumulating gradients: no optimizer step yet
+            return
+        self.steps += trainer.global_step - self.steps_seen
+        self.steps_seen = trainer.global_step
+        if self.started is None:  # the first step is warm-up: start the clock at its end
+            self.started = self.read_clock(pl_module)
+            self.samples = self.tokens = self.flops = self.steps = 0
+        elif trainer.global_step % self.every == 0:  # type: ignore[operator]
+            self.log_interval(trainer, pl_module)
+
+    def log_interval(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        now = self.read_clock(pl_module)
+        seconds = now - self.started  # type: ignore[operator]
+        ranks = data_parallel_size(trainer)
+        metrics = {
+            "perf/tokens_per_s": self.tokens * ranks / seconds,
+            "perf/samples_per_s": self.samples * ranks / seconds,
+            "perf/step_time": seconds / self.steps,
+        }
+        if self.peak:
+            metrics["perf/mfu"] = self.flops * ranks / seconds / (self.peak * trainer.world_size)
+        # Straight to the loggers (rank zero), as LearningRateMonitor does, at the step Lightning logs the
+        # loss of this batch with: `self.log` would repeat these values at every later logging step.
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        self.started, self.samples, self.tokens, self.flops, self.steps = now, 0, 0, 0, 0
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.training and self.started is not None:
+            self.paused = self.read_clock(pl_module)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.paused is not None and self.started is not None:
+            self.started += self.read_clock(pl_module) - self.paused
+            self.paused = None
+
+    def read_clock(self, pl_module: LightningModule) -> float:
+        if pl_module.device.type == "cuda":
+            torch.cuda.synchronize(pl_module.device)  # queued kernels belong to the interval just ended
+        return self.clock()

@@ -1,0 +1,124 @@
+"""FSDP2 with a sharding policy: mixed precision, activation checkpointing and CPU offload.
+
+`FSDP2Strategy` is Lightning's `ModelParallelStrategy` plus the policy; the objective applies it
+in `configure_model` (`shard`): each transformer `Block` becomes one FSDP unit (its parameters
+all-gathered just before it runs, freed after), then the rest of the objective another.
+
+    trainer:
+      strategy:
+        _target_: pretraining.parallel.FSDP2Strategy
+        mixed_precision: bf16          # null | bf16 | fp16
+        activation_checkpointing: true
+        cpu_offload: false
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
+from torch.distributed.tensor import DTensor
+
+from pretraining.config import ConfigError
+from pretraining.models.transformer import Block
+
+PARAM_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Lightning calls these directly, not through `forward`, so FSDP must be told to gather the root's
+# parameters (embeddings, heads, a temperature) around them.
+FORWARD_METHODS = ("training_step", "validation_step", "on_validation_epoch_end")
+
+
+@dataclass(frozen=True)
+class ShardingPolicy:
+    """How `shard` wraps a model. `mixed_precision`: the dtype of the gathered parameters and of the
+    compute (gradients are reduced and the optimizer steps in float32); `activation_checkpointing`:
+    recompute each block in backward; `cpu_offload`: keep the sharded parameters, gradients and
+    optimizer state in host memory."""
+
+    mixed_precision: str | None = None
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mixed_precision not in PARAM_DTYPES:
+            raise ConfigError(
+                f"trainer.strategy.mixed_precision={self.mixed_precision!r} must be null, 'bf16' or 'fp16'"
+            )
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        return PARAM_DTYPES[self.mixed_precision]
+
+    def fsdp_options(self) -> dict[str, Any]:
+        reduce_dtype = torch.float32 if self.param_dtype is not None else None
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
+        return {
+            "mp_policy": MixedPrecisionPolicy(param_dtype=self.param_dtype, reduce_dtype=reduce_dtype),
+            "offload_policy": offload,
+        }
+
+
+def shard(module: nn.Module, mesh: DeviceMesh, policy: ShardingPolicy) -> None:
+    """Apply FSDP2 to `module` in place: each `Block` one unit (checkpointed if the policy says so), then
+    the rest as the root unit, whose parameters are gathered around Lightning's step methods too."""
+    blocks = [m for m in module.modules() if isinstance(m, Block)]
+    if not blocks:
+        raise ConfigError(
+            f"FSDP needs transformer blocks to shard: {type(module).__name__} has no "
+            f"pretraining.models.transformer.Block; build it from Blocks or train with trainer=gpu/ddp_cpu"
+        )
+    options = policy.fsdp_options()
+    for block in blocks:
+        block.checkpoint_activations = policy.activation_checkpointing
+        fully_shard(block, mesh=mesh, **options)
+    fully_shard(module, mesh=mesh, **options)
+    for name in FORWARD_METHODS:
+        register_fsdp_forward_method(module, name)
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """`ModelParallelStrategy` (its arguments pass through) with the sharding policy the objective
+    applies in `configure_model`. `data_parallel_size="auto"` with a given `tensor_parallel_size`
+    means every other rank: world size / tensor_parallel_size (Lightning's "auto" is the number of
+    nodes). Keep `trainer.precision=32-true` with `mixed_precision`: the policy already computes in
+    low precision over float32 master weights; `bf16-mixed` would add autocast on top, `bf16-true`
+    would make the master weights themselves bfloat16."""
+
+    def __init__(
+        self,
+        mixed_precision: str | None = None,
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.policy = ShardingPolicy(mixed_precision, activation_checkpointing, cpu_offload)
+
+    def setup_environment(self) -> None:
+        if self.policy.mixed_precision is not None and self.precision_plugin.precision != "32-true":
+            raise ConfigError(
+                f"trainer.strategy.mixed_precision={self.policy.mixed_precision} casts already; "
+                f"trainer.precision={self.precision_plugin.precision} would cast again: set trainer.precision=32-true"
+            )
+        if self._data_parallel_size == "auto" and isinstance(self._tensor_parallel_size, int):
+            self._data_parallel_size = self.world_size // self._tensor_parallel_size
+        super().setup_environment()
+
+    def model_to_device(self) -> None:
+        if not self.policy.cpu_offload:
+            return super().model_to_device()
+        # The offload policy keeps the sharded parameters (DTensors) on the host; everything else moves.
+        assert self.model is not None
+        self.model._apply(lambda t: t if isinstance(t, DTensor) else t.to(self.root_device))

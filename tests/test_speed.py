@@ -1,0 +1,204 @@
+"""Speed features on one process: chunked cross-entropy, block checkpointing, per-block compile, the
+optimizer's fused switch, the FLOPs count and the throughput callback."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+import subprocess
+import sys
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import Logger
+from torch.utils.data import DataLoader
+
+from pretraining.callbacks import Throughput
+from pretraining.callbacks.throughput import peak_flops
+from pretraining.config import PROJECT_ROOT, ConfigError
+from pretraining.models.transformer import Transformer
+from pretraining.objectives import CausalLM, Contrastive, MaskedLM
+from pretraining.objectives.base import lm_cross_entropy
+from pretraining.parallel import FSDP2Strategy, ShardingPolicy, shard
+
+VOCAB = 100  # padded to 128 rows
+
+
+def backbone(causal: bool = True, **kwargs: Any) -> Transformer:
+    return Transformer(VOCAB, max_seq_len=32, d_model=32, n_layer=2, n_head=2, causal=causal, **kwargs)
+
+
+def adamw(**kwargs: Any) -> partial:
+    return partial(torch.optim.AdamW, lr=1e-3, **kwargs)
+
+
+def blocks(batch: int, length: int) -> dict[str, torch.Tensor]:
+    return {"tokens": torch.randint(4, VOCAB, (batch, length + 1)), "sample_id": torch.arange(batch)}
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunked_cross_entropy_equals_the_plain_loss_and_gradients(reduction: str) -> None:
+    torch.manual_seed(0)
+    hidden = torch.randn(3, 10, 16, requires_grad=True)
+    head = torch.randn(128, 16, requires_grad=True)
+    targets = torch.randint(0, 100, (3, 10))
+    targets[0, :4] = -100  # ignored positions count in neither the sum nor the mean's denominator
+    plain = lm_cross_entropy(hidden, head, targets, reduction)
+    expected = torch.autograd.grad(plain, [hidden, head])
+    chunked = lm_cross_entropy(hidden, head, targets, reduction, chunk_tokens=7)  # 30 tokens: 7+7+7+7+2
+    grads = torch.autograd.grad(chunked, [hidden, head])
+    assert torch.allclose(chunked, plain, rtol=1e-6, atol=0)
+    for grad, reference_grad in zip(grads, expected, strict=True):  # float32 rounding of the summation order only
+        torch.testing.assert_close(grad, reference_grad, rtol=1e-5, atol=1e-6 * reference_grad.abs().max().item())
+    reference = F.cross_entropy((hidden @ head.T).flatten(0, 1), targets.flatten(), reduction=reduction)
+    assert torch.allclose(plain, reference, rtol=1e-6)
+
+
+def test_chunked_loss_trains_a_causal_lm_like_the_plain_one() -> None:
+    torch.manual_seed(0)
+    plain = CausalLM(backbone(), adamw())
+    chunked = copy.deepcopy(plain)
+    chunked.loss_chunk_tokens = 5
+    batch = blocks(2, 16)
+    losses = [model.training_loss(batch) for model in (plain, chunked)]
+    assert torch.allclose(losses[0], losses[1], rtol=1e-6)
+    losses[0].backward(), losses[1].backward()
+    for a, b in zip(plain.parameters(), chunked.parameters(), strict=True):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    with pytest.raises(ValueError, match="loss_chunk_tokens=0"):
+        CausalLM(backbone(), adamw(), loss_chunk_tokens=0)
+
+
+def test_checkpointed_blocks_give_the_same_loss_and_gradients_with_dropout() -> None:
+    torch.manual_seed(0)
+    plain = CausalLM(backbone(dropout=0.1), adamw())
+    checkpointed = copy.deepcopy(plain)
+    for block in checkpointed.backbone.blocks:
+        block.checkpoint_activations = True
+    batch = blocks(2, 16)
+    losses = []
+    for model in (plain, checkpointed):
+        torch.manual_seed(1)  # the same dropout masks; the recomputation must replay them
+        losses.append(model.training_loss(batch))
+        losses[-1].backward()
+    assert torch.equal(losses[0], losses[1])
+    for a, b in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad)
+
+
+def test_compile_is_per_block_in_place_and_keeps_checkpoint_keys() -> None:
+    model = CausalLM(backbone(), adamw(), compile=True)
+    keys = list(model.state_dict())
+    model.configure_model()
+    model.configure_model()  # Lightning calls it for every fit and validate
+    assert list(model.state_dict()) == keys and not any("_orig_mod" in key for key in keys)
+    assert all(block._compiled_call_impl is not None for block in model.backbone.blocks)
+    assert CausalLM(backbone(), adamw()).backbone.blocks[0]._compiled_call_impl is None
+
+
+def test_the_optimizer_is_fused_only_on_cuda_or_when_asked() -> None:
+    model = CausalLM(backbone(), adamw(fused=None))
+    model.trainer = type("FakeTrainer", (), {"max_steps": 10})()
+    assert not model.configure_optimizers()["optimizer"].defaults["fused"]  # CPU parameters: the default
+    model.optimizer_factory = adamw(fused=True)
+    assert model.configure_optimizers()["optimizer"].defaults["fused"]
+
+
+def test_flops_per_token_matches_a_hand_count() -> None:
+    d, layers, length, padded_vocab = 32, 2, 16, 128
+    model = backbone()
+    # Per layer: qkv 3d^2, proj d^2, mlp up and down 4d^2 each: 12 d^2 weights, 6 FLOPs each per token;
+    # attention: QK^T and AV, 2 x 2 d length forward, x3 with backward.
+    assert model.flops_per_token(length) == 6 * 12 * d * d * layers + 12 * layers * d * length
+    assert model.head_flops_per_token() == 6 * padded_vocab * d
+
+    per_token = model.flops_per_token(length)
+    work = CausalLM(model, adamw()).batch_work(blocks(3, length))
+    assert work == (3, 3 * length, 3 * length * (per_token + model.head_flops_per_token()))
+    masked = MaskedLM(backbone(causal=False), adamw(), mask_rate=0.3).batch_work(blocks(3, length))
+    assert masked.flops == 3 * length * per_token + 3 * round(0.3 * length) * model.head_flops_per_token()
+    pairs = {"query": torch.ones(4, 8, dtype=torch.long), "passage": torch.ones(4, 24, dtype=torch.long)}
+    contrastive = Contrastive(backbone(causal=False), adamw(), shared_towers=False)
+    expected = 4 * 8 * model.flops_per_token(8) + 4 * 24 * model.flops_per_token(24)
+    assert contrastive.batch_work(pairs) == (4, 4 * 8 + 4 * 24, expected)
+
+
+class Recorder(Logger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((step or 0, metrics))
+
+
+def test_throughput_is_counted_tokens_over_measured_time() -> None:
+    torch.manual_seed(0)
+    model = CausalLM(backbone(), adamw())
+    batch_list = [blocks(4, 16) for _ in range(7)]
+    ticks = itertools.count(step=0.5)  # every clock reading is half a second after the one before
+    callback = Throughput(log_every_n_steps=2, peak_flops=1e9, clock=lambda: next(ticks))
+    recorder = Recorder()
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=7,
+        log_every_n_steps=1,
+        limit_val_batches=0,
+        callbacks=[callback],
+        logger=recorder,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, train_dataloaders=DataLoader(batch_list, batch_size=None))
+    perf = [(step, row) for step, row in recorder.rows if "perf/tokens_per_s" in row]
+    # The clock starts at the end of step 1 and is read at steps 2, 4 and 6: 1, 2, 2 steps per half second.
+    assert [step for step, _ in perf] == [1, 3, 5]
+    flops = model.batch_work(batch_list[0]).flops
+    for (_, row), steps in zip(perf, [1, 2, 2], strict=True):
+        assert row["perf/tokens_per_s"] == pytest.approx(steps * 4 * 16 / 0.5)
+        assert row["perf/samples_per_s"] == pytest.approx(steps * 4 / 0.5)
+        assert row["perf/step_time"] == pytest.approx(0.5 / steps)
+        assert row["perf/mfu"] == pytest.approx(steps * flops / 0.5 / 1e9)
+
+
+def test_no_peak_is_known_for_a_cpu() -> None:
+    assert peak_flops(torch.device("cpu"), torch.float32) is None
+    assert peak_flops(torch.device("cpu"), torch.bfloat16) is None
+
+
+def test_fsdp_refuses_a_model_without_blocks_and_a_second_cast() -> None:
+    with pytest.raises(ConfigError, match="FSDP needs transformer blocks to shard: Linear"):
+        shard(torch.nn.Linear(2, 2), mesh=None, policy=ShardingPolicy())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="mixed_precision='fp8' must be null, 'bf16' or 'fp16'"):
+        ShardingPolicy("fp8")
+    strategy = FSDP2Strategy(mixed_precision="bf16", data_parallel_size=1, tensor_parallel_size=1)
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", logger=False)
+    with pytest.raises(ConfigError, match=r"set trainer\.precision=32-true"):
+        trainer.strategy.setup_environment()
+
+
+def test_the_gpu_benchmark_prints_every_row_in_smoke_mode() -> None:
+    script = PROJECT_ROOT / "scripts" / "bench_gpu.py"
+    finished = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    rows = [re.split(r"\s{2,}", line.strip()) for line in finished.stdout.splitlines()[3:]]  # cells: 2+ spaces apart
+    expected = [("GPT-2 124M next-token", "32"), ("BERT-base masked-LM", "4"), ("BERT-base masked-LM", "16")]
+    assert [(row[0], row[1]) for row in rows] == [*expected, ("BERT-base contrastive", "8+16")]
+    assert all(len(row) == 8 and float(row[4]) > 0 for row in rows)  # row[4]: template / plain tokens per second
