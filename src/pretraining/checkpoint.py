@@ -140,7 +140,7 @@ def remove(path: Path) -> None:
     A directory is renamed to a temporary name first: a crash while deleting it leaves a leftover for
     pruning, not a partial checkpoint under its name."""
     sidecar_path(path).unlink(missing_ok=True)
-    if path.is_dir() and not path.is_symlink():
+    if path.is_dir():
         doomed = temporary_path(path)
         os.replace(path, doomed)
         shutil.rmtree(doomed)
@@ -298,7 +298,7 @@ def save_sharded(trainer: Trainer, path: Path) -> None:
 def publish_sharded(temporary: Path, path: Path) -> None:
     """Fsync and checksum each file of the complete directory `temporary`, rename it to `path`, and
     write its sidecar last."""
-    files = {}
+    files: dict[str, dict[str, Any]] = {}
     for file in sorted(files_under(temporary)):
         with file.open("rb") as opened:  # written by any rank (meta.pt without an fsync)
             os.fsync(opened.fileno())
@@ -320,7 +320,8 @@ def publish_sharded(temporary: Path, path: Path) -> None:
 
 def sharded_summary(directory: Path) -> dict[str, Any]:
     meta = torch.load(directory / SHARDED_META, map_location="cpu", weights_only=True)
-    shapes = {name: list(tensor.size) for name, tensor in model_tensors(read_dcp_metadata(directory)).items()}
+    index = WeightsOnlyReader(directory).read_metadata()
+    shapes = {name: list(tensor.size) for name, tensor in model_tensors(index).items()}
     return {**summary(meta), "parameters": shapes}
 
 
@@ -349,10 +350,6 @@ def load_sharded(directory: Path) -> dict[str, Any]:
     return {**torch.load(directory / SHARDED_META, map_location="cpu", weights_only=True), **state}
 
 
-def read_dcp_metadata(directory: Path) -> Metadata:
-    return WeightsOnlyReader(directory).read_metadata()
-
-
 class WeightsOnlyReader(dcp.FileSystemReader):
     """DCP's reader, reading its index with `MetadataUnpickler` instead of `pickle.load`."""
 
@@ -362,7 +359,7 @@ class WeightsOnlyReader(dcp.FileSystemReader):
             try:
                 metadata = MetadataUnpickler(file).load()
             except pickle.UnpicklingError as error:
-                raise CheckpointError(f"{index} cannot be loaded safely: {error}") from None
+                raise CheckpointError(f"{index} cannot be read: {error}; use another checkpoint") from None
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as the base class does
         return metadata
@@ -397,7 +394,9 @@ class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if (module, name) not in SAFE_METADATA_GLOBALS and not dtype:
-            raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a checkpoint's index never holds")
+            raise pickle.UnpicklingError(
+                f"it refers to {module}.{name}, which a checkpoint's index never holds and which could run code"
+            )
         return super().find_class(module, name)
 
 
