@@ -26,6 +26,7 @@ from pretraining.checkpoint import CheckpointError, saved_checkpoints
 from pretraining.config import CONFIG_DIR, ConfigError, default_run_name
 from pretraining.data.shards import Manifest
 from pretraining.data.stream import stream_shard
+from pretraining.evaluate import load_checkpoint
 from pretraining.train import train
 
 TESTS = Path(__file__).parent
@@ -58,7 +59,7 @@ def run_dir(log_dir: Path, run: str) -> Path:
 
 def final_weights(log_dir: Path, run: str) -> dict[str, torch.Tensor]:
     (_, newest), *_ = saved_checkpoints(run_dir(log_dir, run) / "checkpoints")
-    return torch.load(newest, weights_only=True)["state_dict"]
+    return load_checkpoint(newest)["state_dict"]  # a file, or the shards of a directory gathered
 
 
 def batch_logs(log_dir: Path, run: str) -> dict[str, dict]:
@@ -321,10 +322,3 @@ def test_a_signal_saves_at_the_next_step_boundary_and_requeues_under_slurm(
     requeued = (tmp_path / "scontrol.log").read_text() if (tmp_path / "scontrol.log").exists() else None
     assert requeued == ("requeue 4242\n" if signum == signal.SIGUSR1 else None)  # Ctrl-C is not requeued
     assert {s: signal.getsignal(s) for s in handlers} == handlers  # the handlers from before training are back
-
-
-def test_sharded_fsdp_checkpoints_are_refused_before_any_work(compose_train, tmp_path: Path) -> None:
-    cfg = compose_train("trainer=fsdp_cpu", "trainer.strategy.save_distributed_checkpoint=true")
-    with pytest.raises(ConfigError, match=r"save_distributed_checkpoint=true writes sharded .* set it to false"):
-        train(cfg)
-    assert not (tmp_path / "checkpoints").exists()

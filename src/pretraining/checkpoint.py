@@ -7,6 +7,12 @@ step, lineage, parameter shapes) is written the same way, last. A checkpoint
 counts only once its sidecar exists and its bytes match it, so a crash at any
 moment leaves either the previous good checkpoint or the new good one, never a
 torn file that a resume would trust. Resume takes the newest that verifies.
+
+A sharded checkpoint (FSDP2 with `save_distributed_checkpoint=true`) is a
+directory of the same name: every rank writes its shards into a temporary
+directory beside it, and once all have finished, rank zero checksums every
+file, renames the directory into place and writes the sidecar (which lists each
+file's size and SHA-256) last, with the same guarantees.
 """
 
 from __future__ import annotations
@@ -15,14 +21,21 @@ import hashlib
 import json
 import math
 import os
+import pickle
+import shutil
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.utilities.load import _METADATA_FILENAME as SHARDED_META  # meta.pt: all but weights, optimizer
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 SIDECAR_FORMAT = 1
 LAST_LINK = "last.ckpt"  # a symlink to the newest verified checkpoint, for people (resume never follows it)
@@ -34,6 +47,11 @@ class CheckpointError(RuntimeError):
 
 def sidecar_path(path: Path) -> Path:
     return path.with_name(path.name + ".json")
+
+
+def temporary_path(path: Path) -> Path:
+    """A fresh hidden name beside `path`, to write it under before the rename (pruning deletes leftovers)."""
+    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:16]}")
 
 
 def sha256_of(path: Path) -> str:
@@ -59,7 +77,7 @@ def fsync_directory(directory: Path) -> None:
 def write_durably(path: Path, write: Any) -> str:
     """Write a file through `write(file)` to a temporary name beside `path`, fsync, rename into
     place, fsync the directory; return its SHA-256, read back from disk before the rename."""
-    temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temporary = temporary_path(path)
     try:
         with temporary.open("wb") as file:
             write(file)
@@ -72,6 +90,10 @@ def write_durably(path: Path, write: Any) -> str:
         raise
     fsync_directory(path.parent)
     return digest
+
+
+def write_sidecar(path: Path, record: dict[str, Any]) -> None:
+    write_durably(sidecar_path(path), lambda file: file.write(json.dumps(record, indent=1).encode()))
 
 
 def parameter_shapes(state_dict: dict[str, torch.Tensor]) -> dict[str, list[int]]:
@@ -94,8 +116,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path.parent.mkdir(parents=True, exist_ok=True)
         sidecar_path(path).unlink(missing_ok=True)  # the old sidecar must not vouch for new bytes
         digest = write_durably(path, lambda file: torch.save(checkpoint, file))
-        record = {"format": SIDECAR_FORMAT, "sha256": digest, "bytes": path.stat().st_size, **summary(checkpoint)}
-        write_durably(sidecar_path(path), lambda file: file.write(json.dumps(record, indent=1).encode()))
+        write_sidecar(
+            path, {"format": SIDECAR_FORMAT, "sha256": digest, "bytes": path.stat().st_size, **summary(checkpoint)}
+        )
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
         verify(Path(path))
@@ -113,17 +136,42 @@ def on_cpu(storage: Any, location: str) -> Any:
 
 
 def remove(path: Path) -> None:
-    """Delete a checkpoint, its sidecar first, so that no moment leaves a sidecar vouching for nothing."""
+    """Delete a checkpoint, its sidecar first, so that no moment leaves a sidecar vouching for nothing.
+    A directory is renamed to a temporary name first: a crash while deleting it leaves a leftover for
+    pruning, not a partial checkpoint under its name."""
     sidecar_path(path).unlink(missing_ok=True)
-    path.unlink(missing_ok=True)
+    if path.is_dir():
+        doomed = temporary_path(path)
+        os.replace(path, doomed)
+        shutil.rmtree(doomed)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def files_under(directory: Path) -> set[Path]:
+    return {path for path in directory.rglob("*") if path.is_file()}
+
+
+def checkpoint_bytes(path: Path) -> int:
+    """The size of a checkpoint file, or the total size of a sharded checkpoint's files."""
+    return sum(file.stat().st_size for file in files_under(path)) if path.is_dir() else path.stat().st_size
+
+
+def listed_files(path: Path, record: dict[str, Any]) -> dict[Path, tuple[int, str]]:
+    """Each file of a checkpoint with the size and SHA-256 its sidecar records: the checkpoint file
+    itself, or every file of a sharded checkpoint's directory."""
+    if path.is_dir():
+        return {path / name: (entry["bytes"], entry["sha256"]) for name, entry in record["files"].items()}
+    return {path: (record["bytes"], record["sha256"])}
 
 
 def verify(path: Path) -> dict[str, Any]:
-    """The sidecar of a complete, intact checkpoint; raises `CheckpointError` naming what is wrong.
-    A file already verified in this process, unchanged since, is not read again."""
+    """The sidecar of a complete, intact checkpoint (a file, or a directory of shards); raises
+    `CheckpointError` naming what is wrong. A file already verified in this process, unchanged since,
+    is not read again."""
     path = path.resolve()
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} not found" + (" (it is a directory)" if path.is_dir() else ""))
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} not found")
     sidecar = sidecar_path(path)
     if not sidecar.is_file():
         raise CheckpointError(
@@ -133,33 +181,48 @@ def verify(path: Path) -> dict[str, Any]:
         )
     try:
         record = json.loads(sidecar.read_text())
-        written, expected_bytes, expected_sha = record["format"], record["bytes"], record["sha256"]
-    except (ValueError, KeyError) as error:
+        written, expected = record["format"], listed_files(path, record)
+    except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise CheckpointError(f"sidecar {sidecar} is unreadable ({error!r}); use another checkpoint") from None
     if written != SIDECAR_FORMAT:
         raise CheckpointError(f"sidecar {sidecar} has format {written}, this code reads {SIDECAR_FORMAT}")
-    stat = path.stat()
+    unlisted = sorted(files_under(path) - expected.keys()) if path.is_dir() else []
+    if unlisted:
+        raise CheckpointError(
+            f"{unlisted[0]} is not listed in the sidecar {sidecar.name}: something wrote into the checkpoint after "
+            f"its save; use another checkpoint in {path.parent}"
+        )
+    for file, (size, sha) in expected.items():
+        verify_file(file, size, sha, path.parent)
+    return record
+
+
+def verify_file(file: Path, expected_bytes: int, expected_sha: str, checkpoints: Path) -> None:
+    if not file.is_file():
+        raise CheckpointError(
+            f"{file} is missing: the checkpoint is incomplete; use another checkpoint in {checkpoints}"
+        )
+    stat = file.stat()
     if stat.st_size != expected_bytes:
         raise CheckpointError(
-            f"{path} has {stat.st_size} bytes, its sidecar says {expected_bytes}: it is truncated or altered; "
-            f"use another checkpoint in {path.parent}"
+            f"{file} has {stat.st_size} bytes, its sidecar says {expected_bytes}: it is truncated or altered; "
+            f"use another checkpoint in {checkpoints}"
         )
-    key = (path, stat.st_size, stat.st_mtime_ns, expected_sha)
+    key = (file, stat.st_size, stat.st_mtime_ns, expected_sha)
     if key not in _verified:
-        if sha256_of(path) != expected_sha:
+        if sha256_of(file) != expected_sha:
             raise CheckpointError(
-                f"{path} does not match the SHA-256 in its sidecar: it is corrupt; "
-                f"use another checkpoint in {path.parent}"
+                f"{file} does not match the SHA-256 in its sidecar: it is corrupt; "
+                f"use another checkpoint in {checkpoints}"
             )
         _verified.add(key)
-    return record
 
 
 _verified: set[tuple[Path, int, int, str]] = set()
 
 
 def checkpoint_files(directory: Path) -> list[Path]:
-    """The checkpoint files in `directory` (not the `last.ckpt` link)."""
+    """The checkpoints in `directory`, files or sharded directories (not the `last.ckpt` link)."""
     return [path for path in directory.glob("*.ckpt") if not path.is_symlink()] if directory.is_dir() else []
 
 
@@ -179,7 +242,7 @@ def saved_checkpoints(directory: Path) -> list[tuple[int, Path]]:
     found = []
     for path in checkpoint_files(directory):
         step, size = sidecar_step(path)
-        if step is not None and path.stat().st_size == size:
+        if step is not None and checkpoint_bytes(path) == size:
             found.append((step, path))
     return sorted(found, reverse=True)
 
@@ -210,13 +273,140 @@ def newest_verified(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     return None
 
 
+# --- sharded checkpoints: a directory of torch.distributed.checkpoint (DCP) files and meta.pt ---------------
+
+MODEL_KEY = "state_dict"  # Lightning saves the weights under this key; DCP flattens them to "state_dict.<name>"
+DCP_METADATA = ".metadata"  # DCP's pickled index of every tensor's shards
+
+
+def saves_sharded(trainer: Trainer) -> bool:
+    """Whether the strategy writes each checkpoint as a directory of shards from every rank, bypassing
+    the trainer's checkpoint writer (FSDP2 with `save_distributed_checkpoint=true`)."""
+    strategy = trainer.strategy
+    return isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint
+
+
+def save_sharded(trainer: Trainer, path: Path) -> None:
+    """Every rank writes its shards into a fresh temporary directory beside `path`; the save ends with a
+    barrier, after which rank zero publishes the complete directory under `path`."""
+    temporary = Path(trainer.strategy.broadcast(str(temporary_path(path))))  # rank zero's name, on every rank
+    trainer.save_checkpoint(temporary, weights_only=False)
+    if trainer.is_global_zero:
+        publish_sharded(temporary, path)
+
+
+def publish_sharded(temporary: Path, path: Path) -> None:
+    """Fsync and checksum each file of the complete directory `temporary`, rename it to `path`, and
+    write its sidecar last."""
+    files: dict[str, dict[str, Any]] = {}
+    for file in sorted(files_under(temporary)):
+        with file.open("rb") as opened:  # written by any rank (meta.pt without an fsync)
+            os.fsync(opened.fileno())
+        files[file.relative_to(temporary).as_posix()] = {"bytes": file.stat().st_size, "sha256": sha256_of(file)}
+    listing = "".join(f"{entry['sha256']}  {name}\n" for name, entry in files.items())  # as `sha256sum` prints it
+    record = {
+        "format": SIDECAR_FORMAT,
+        "sha256": hashlib.sha256(listing.encode()).hexdigest(),
+        "bytes": sum(entry["bytes"] for entry in files.values()),
+        "files": files,
+        **sharded_summary(temporary),
+    }
+    fsync_directory(temporary)
+    remove(path)  # the same step saved before but cut off after its rename; the old sidecar must not vouch for it
+    os.replace(temporary, path)
+    fsync_directory(path.parent)
+    write_sidecar(path, record)
+
+
+def sharded_summary(directory: Path) -> dict[str, Any]:
+    meta = torch.load(directory / SHARDED_META, map_location="cpu", weights_only=True)
+    index = WeightsOnlyReader(directory).read_metadata()
+    shapes = {name: list(tensor.size) for name, tensor in model_tensors(index).items()}
+    return {**summary(meta), "parameters": shapes}
+
+
+def model_tensors(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
+    """The model's tensors in a DCP index (not the optimizer's), by parameter name."""
+    prefix = f"{MODEL_KEY}."
+    return {
+        key.removeprefix(prefix): entry
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(entry, TensorStorageMetadata)
+    }
+
+
+def load_sharded(directory: Path) -> dict[str, Any]:
+    """A sharded checkpoint as one checkpoint dict, in this process (no process group): meta.pt's state
+    and the model's full weights, gathered from every rank's shards (not the optimizer's state). Nothing
+    in it can run code: meta.pt loads weights-only, and the shard index through `MetadataUnpickler`."""
+    reader = WeightsOnlyReader(directory)
+    tensors = model_tensors(reader.read_metadata())
+    state = {
+        MODEL_KEY: {name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in tensors.items()}
+    }
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # one process is the intent
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return {**torch.load(directory / SHARDED_META, map_location="cpu", weights_only=True), **state}
+
+
+class WeightsOnlyReader(dcp.FileSystemReader):
+    """DCP's reader, reading its index with `MetadataUnpickler` instead of `pickle.load`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        index = Path(self.path) / DCP_METADATA
+        with index.open("rb") as file:
+            try:
+                metadata = MetadataUnpickler(file).load()
+            except pickle.UnpicklingError as error:
+                raise CheckpointError(f"{index} cannot be read: {error}; use another checkpoint") from None
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # as the base class does
+        return metadata
+
+
+# What a DCP index is made of: its dataclasses, tensor sizes, dtypes and layouts, and the path it was saved to.
+SAFE_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "ChunkStorageMetadata",
+            "BytesStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    *((module, name) for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "WindowsPath")),
+}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP index allowing only `SAFE_METADATA_GLOBALS` and dtypes, so that a checkpoint from
+    elsewhere cannot run code (what `weights_only=True` does for `torch.load`)."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) not in SAFE_METADATA_GLOBALS and not dtype:
+            raise pickle.UnpicklingError(
+                f"it refers to {module}.{name}, which a checkpoint's index never holds and which could run code"
+            )
+        return super().find_class(module, name)
+
+
 class StepCheckpoint(Checkpoint):
     """Save every `every_n_steps` optimizer steps and at the last step, always at a step boundary
     (after the optimizer step, so gradient accumulation is respected), through the trainer's
-    checkpoint writer (`AtomicCheckpointIO`). Keep the newest `keep_last` and, permanently, every
-    step divisible by `keep_every`. Older ones are pruned only after the new one is complete. At
-    least 2 are kept, so that a newest one damaged later (a disk fault, a bad copy) still leaves a
-    fallback."""
+    checkpoint writer (`AtomicCheckpointIO`), or as a sharded directory when the strategy saves
+    shards (`save_sharded`). Keep the newest `keep_last` and, permanently, every step divisible by
+    `keep_every`. Older ones are pruned only after the new one is complete. At least 2 are kept, so
+    that a newest one damaged later (a disk fault, a bad copy) still leaves a fallback."""
 
     def __init__(
         self, dirpath: str, every_n_steps: int = 200, keep_last: int = 2, keep_every: int | None = None
@@ -242,19 +432,22 @@ class StepCheckpoint(Checkpoint):
             self.save(trainer)
 
     def save(self, trainer: Trainer) -> None:
-        """Save the current step (once), verify it, point `last.ckpt` at it and prune."""
+        """Save the current step (once), point `last.ckpt` at it and prune."""
         step = trainer.global_step
         if step == self.saved_step:
             return
         path = self.dirpath / f"step-{step:06d}.ckpt"
-        trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; rank zero writes
+        if saves_sharded(trainer):
+            save_sharded(trainer, path)
+        else:
+            trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; rank zero writes
         self.saved_step, self.last_model_path = step, str(path)
         if trainer.is_global_zero:
             if not sidecar_path(path).is_file():  # the writer verified the bytes it wrote before its sidecar
                 raise CheckpointError(
                     f"{path} was saved without a sidecar: the checkpoint was not written by AtomicCheckpointIO "
-                    f"(trainer.plugins), or the strategy bypasses it (FSDP with save_distributed_checkpoint=true "
-                    f"writes sharded directories, which resume does not support yet: set it to false)"
+                    f"(trainer.plugins), or the strategy bypasses it (for sharded checkpoints use FSDP2: "
+                    f"trainer=fsdp_cpu trainer.strategy.save_distributed_checkpoint=true)"
                 )
             link_last(path)
             self.prune(keep=path)
@@ -267,13 +460,14 @@ class StepCheckpoint(Checkpoint):
             if path not in newest and not permanent:
                 remove(path)
         for leftover in self.dirpath.glob(".*.tmp-*"):  # what a save interrupted by a crash left behind
-            leftover.unlink(missing_ok=True)
+            if leftover.is_dir():
+                shutil.rmtree(leftover)
+            else:
+                leftover.unlink(missing_ok=True)
 
 
 def link_last(path: Path) -> None:
     """Point `last.ckpt` at `path`, atomically."""
-    link = path.with_name(LAST_LINK)
-    temporary = path.with_name(f".{LAST_LINK}.tmp-{os.getpid()}")
-    temporary.unlink(missing_ok=True)
+    temporary = temporary_path(path.with_name(LAST_LINK))
     temporary.symlink_to(path.name)
-    os.replace(temporary, link)
+    os.replace(temporary, path.with_name(LAST_LINK))

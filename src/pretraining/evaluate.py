@@ -3,7 +3,8 @@
     pretrain-eval ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt
 
 The model, tokenizer and data come from the config stored in the checkpoint
-(its lineage), so a checkpoint is evaluated the way it was trained.
+(its lineage), so a checkpoint is evaluated the way it was trained. A sharded
+checkpoint (a directory, from FSDP2) is evaluated the same way, on one process.
 """
 
 from __future__ import annotations
@@ -18,20 +19,21 @@ from lightning.pytorch import LightningModule, Trainer
 from omegaconf import DictConfig, OmegaConf
 
 from pretraining.callbacks.lineage import READABLE_LINEAGE_FORMATS
-from pretraining.checkpoint import sidecar_path, verify
+from pretraining.checkpoint import load_sharded, sidecar_path, verify
 from pretraining.config import CONFIG_DIR, ConfigError, build
 from pretraining.objectives import CausalLM, build_objective
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Load a checkpoint without executing code from it (tensors and plain data only), after
-    checking it against its sidecar when it has one (checkpoints copied without it still load)."""
+    """Load a checkpoint, a file or a sharded directory (its shards gathered in this one process),
+    without executing code from it (tensors and plain data only), after checking it against its
+    sidecar when it has one (checkpoints copied without it still load)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"checkpoint {path} not found; runs keep them in logs/train/runs/<run>/checkpoints/")
     if sidecar_path(path.resolve()).is_file():
         verify(path)
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint = load_sharded(path) if path.is_dir() else torch.load(path, map_location="cpu", weights_only=True)
     if "lineage" not in checkpoint:
         raise ConfigError(f"{path} has no lineage record: it was not written by `pretrain`, so its config is unknown")
     written = checkpoint["lineage"].get("format")

@@ -3,13 +3,13 @@
 A run lives in one directory named by the run, not by the time it started
 (`logs/<task>/runs/<run_name>/`). Running the same command again finds the
 newest checkpoint there that verifies and continues from it (`resume=auto`).
-`ckpt_path=...` starts the run from that file; once the run has checkpoints of
-its own, the same command continues from those, so a requeued job does not go
-back. `resume=never` moves the run's earlier outputs aside and starts over
-(every time: keep it out of a job script that a scheduler requeues). Before
-any work, the checkpoint's sidecar is compared with this run: data version,
-tokenizer, data topology and parameter shapes must match, unless
-`resume_allow` names the deliberate change.
+`ckpt_path=...` starts the run from that checkpoint (a file, or the directory
+of a sharded one); once the run has checkpoints of its own, the same command
+continues from those, so a requeued job does not go back. `resume=never` moves
+the run's earlier outputs aside and starts over (every time: keep it out of a
+job script that a scheduler requeues). Before any work, the checkpoint's
+sidecar is compared with this run: data version, tokenizer, data topology and
+parameter shapes must match, unless `resume_allow` names the deliberate change.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def checkpoint_to_resume(
         return found
     if ckpt_path:
         path = Path(ckpt_path).resolve()
-        if not path.is_file():
-            raise FileNotFoundError(f"ckpt_path={ckpt_path} is not a file; runs keep checkpoints in <run>/checkpoints/")
+        if not path.exists():
+            raise FileNotFoundError(f"ckpt_path={ckpt_path} not found; runs keep checkpoints in <run>/checkpoints/")
         return path, verify(path)
     return None
 

@@ -48,9 +48,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = [build(callback) for callback in cfg.callbacks.values()] + [lineage]
     loggers: list[Logger] = [build(logger) for logger in cfg.logger.values()]
     trainer: Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers, plugins=trainer_plugins(cfg))
-    check_checkpointable(trainer)
     trainer.accumulate_grad_batches = plan_batches(datamodule, trainer.world_size)
     if resume:
+        check_resumable(trainer, resume[0])
         expected = {
             "data_version": datamodule.manifest.version,
             "tokenizer_fingerprint": tokenizer.fingerprint,
@@ -98,13 +98,12 @@ def trainer_plugins(cfg: DictConfig) -> list[Any]:
     return plugins
 
 
-def check_checkpointable(trainer: Trainer) -> None:
-    """Refuse, before any work, a strategy whose checkpoints resume cannot verify."""
-    strategy = trainer.strategy
-    if isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint:
+def check_resumable(trainer: Trainer, checkpoint: Path) -> None:
+    """Refuse, before any work, a sharded checkpoint under a strategy that cannot read one."""
+    if checkpoint.is_dir() and not isinstance(trainer.strategy, ModelParallelStrategy):
         raise ConfigError(
-            "trainer.strategy.save_distributed_checkpoint=true writes sharded checkpoint directories, which this "
-            "template cannot verify or resume yet: set it to false (rank zero then writes one full checkpoint)"
+            f"{checkpoint} is a sharded checkpoint (a directory written by FSDP2), which only FSDP2 can resume: "
+            f"pass trainer=fsdp_cpu (or another ModelParallelStrategy config) with as many processes as wrote it"
         )
 
 
@@ -120,7 +119,7 @@ def report(trainer: Trainer, metrics: dict[str, float]) -> None:
     output_dir = Path(trainer.default_root_dir)
     lines = [f"run directory: {output_dir}"]
     last = getattr(trainer.checkpoint_callback, "last_model_path", "")
-    if last and Path(last).is_file():
+    if last and Path(last).exists():
         lines += [f"last checkpoint: {last}", f"evaluate it: make eval CKPT={last}"]
     lines += [f"{name} = {value:.4f}" for name, value in sorted(metrics.items())]
     hint = wandb_sync_hint(trainer.loggers)

@@ -1,0 +1,194 @@
+"""Sharded checkpoints (FSDP2 with save_distributed_checkpoint=true): a directory of every rank's
+shards, published atomically with a sidecar listing each file; verified, resumed exactly, and
+evaluated on one process."""
+
+from __future__ import annotations
+
+import csv
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hydra import compose, initialize_config_dir
+
+from conftest import tiny_run
+from pretraining.checkpoint import (
+    CheckpointError,
+    StepCheckpoint,
+    load_sharded,
+    newest_verified,
+    publish_sharded,
+    saved_checkpoints,
+    sidecar_path,
+    temporary_path,
+    verify,
+)
+from pretraining.config import CONFIG_DIR, ConfigError
+from pretraining.evaluate import evaluate, load_checkpoint
+from pretraining.resume import checkpoint_to_resume
+from pretraining.train import train
+from test_resume import RESUMABLE, kill_twice_and_compare, pretrain, run_dir
+
+TESTS = Path(__file__).parent
+SHARDED = ["trainer=fsdp_cpu", "trainer.strategy.save_distributed_checkpoint=true"]
+
+
+def save_sharded(directory: Path, step: int) -> Path:
+    """A sharded checkpoint as rank zero publishes it, its shards written here by one process: a
+    weight, its optimizer state, and meta.pt."""
+    path = directory / f"step-{step:06d}.ckpt"
+    temporary = temporary_path(path)
+    state = {"state_dict": {"w": torch.full((64,), float(step))}, "optimizer_0": {"exp_avg": {"w": torch.ones(64)}}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
+        dcp.save(state, checkpoint_id=temporary, no_dist=True)
+    torch.save({"global_step": step, "lineage": {"step": step}}, temporary / "meta.pt")
+    publish_sharded(temporary, path)
+    return path
+
+
+def test_a_sharded_checkpoint_is_a_directory_whose_sidecar_lists_every_file(tmp_path: Path) -> None:
+    path = save_sharded(tmp_path, 3)
+    record = verify(path)
+    assert record["step"] == 3 and record["parameters"] == {"w": [64]}  # the model's, not the optimizer's
+    files = sorted(p.name for p in path.iterdir())
+    assert sorted(record["files"]) == files and {"meta.pt", ".metadata", "__0_0.distcp"} <= set(files)
+    assert record["bytes"] == sum((path / name).stat().st_size for name in files)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name, sidecar_path(path).name]  # no temporaries
+    assert saved_checkpoints(tmp_path) == [(3, path)]
+    loaded = load_sharded(path)
+    assert loaded["global_step"] == 3 and loaded["state_dict"].keys() == {"w"}
+    assert torch.equal(loaded["state_dict"]["w"], torch.full((64,), 3.0))
+
+
+def truncate(file: Path) -> None:
+    file.write_bytes(file.read_bytes()[:-10])
+
+
+def flip_a_byte(file: Path) -> None:
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (truncate, r"__0_0\.distcp has \d+ bytes, its sidecar says \d+: it is truncated"),
+        (flip_a_byte, r"__0_0\.distcp does not match the SHA-256 in its sidecar: it is corrupt"),
+        (Path.unlink, r"__0_0\.distcp is missing: the checkpoint is incomplete"),
+    ],
+    ids=["truncated", "flipped", "missing"],
+)
+def test_a_damaged_shard_fails_verification_naming_it_and_resume_falls_back(tmp_path: Path, damage, message) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    previous = save_sharded(checkpoints, 4)
+    newest = save_sharded(checkpoints, 8)
+    verify(newest)  # verified once: a later change to its bytes must still be caught
+    damage(newest / "__0_0.distcp")
+    with pytest.raises(CheckpointError, match=message):
+        verify(newest)
+    with pytest.warns(UserWarning, match=message):
+        path, record = checkpoint_to_resume("auto", None, tmp_path, checkpoints)
+    assert path == previous and record["step"] == 4
+
+
+def test_a_file_written_into_a_checkpoint_after_its_save_fails_verification(tmp_path: Path) -> None:
+    path = save_sharded(tmp_path, 1)
+    (path / "__2_0.distcp").write_bytes(b"from another run")
+    with pytest.raises(CheckpointError, match=r"__2_0\.distcp is not listed in the sidecar step-000001\.ckpt\.json"):
+        verify(path)
+
+
+@pytest.mark.parametrize(
+    ("kill_in", "warning"),
+    [("sha256_of", None), ("write_sidecar", r"step-000002\.ckpt has no sidecar")],
+    ids=["before_the_rename", "before_the_sidecar"],
+)
+def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_newest(tmp_path: Path, kill_in, warning) -> None:
+    # Rank zero dies by SIGKILL while publishing step 2: checksumming its files, or writing its sidecar.
+    code = textwrap.dedent(f"""
+        import os, signal, sys
+        from pathlib import Path
+        sys.path.insert(0, {str(TESTS)!r})
+        import pretraining.checkpoint
+        from test_sharded_checkpoint import save_sharded
+
+        save_sharded(Path({str(tmp_path)!r}), 1)
+        setattr(pretraining.checkpoint, {kill_in!r}, lambda *args: os.kill(os.getpid(), signal.SIGKILL))
+        save_sharded(Path({str(tmp_path)!r}), 2)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == -9, result.stderr
+    unfinished, temporaries = tmp_path / "step-000002.ckpt", list(tmp_path.glob(".step-000002.ckpt.tmp-*"))
+    if warning is None:  # nothing half-written under the final name, only the temporary directory
+        assert not unfinished.exists() and len(temporaries) == 1 and temporaries[0].is_dir()
+    else:  # renamed complete, but a checkpoint counts only once its sidecar is there
+        assert unfinished.is_dir() and not sidecar_path(unfinished).exists() and not temporaries
+    with pytest.warns(UserWarning, match=warning) if warning else warnings.catch_warnings():
+        path, _ = newest_verified(tmp_path)
+    assert path.name == "step-000001.ckpt" and [step for step, _ in saved_checkpoints(tmp_path)] == [1]
+    assert all(temporary.exists() for temporary in temporaries)  # resuming leaves them: only the run's save cleans
+    StepCheckpoint(str(tmp_path)).prune(keep=path)
+    assert not list(tmp_path.glob(".*.tmp-*"))
+    assert verify(save_sharded(tmp_path, 2))["step"] == 2  # saving the step again replaces what was left
+
+
+def test_the_shard_index_cannot_run_code(tmp_path: Path) -> None:
+    path = save_sharded(tmp_path, 1)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.mkdir, (str(marker),)
+
+    (path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    sidecar_path(path).unlink()  # a checkpoint copied without its sidecar is still evaluated, so must be safe
+    with pytest.raises(CheckpointError, match=r"\.metadata cannot be read: it refers to \w+\.mkdir, .* could run code"):
+        load_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_a_sharded_checkpoint_is_refused_before_any_work_without_fsdp2(compose_train, tmp_path: Path) -> None:
+    path = save_sharded(tmp_path, 1)
+    with pytest.raises(ConfigError, match=r"is a sharded checkpoint .* only FSDP2 can resume: pass trainer=fsdp_cpu"):
+        train(compose_train(f"ckpt_path={path}", f"paths.output_dir={tmp_path / 'run'}"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# --- two processes -----------------------------------------------------------------------------------------
+
+
+def last_validation(run: Path) -> dict[str, float]:
+    with (run / "csv" / "metrics.csv").open() as file:
+        rows = [row for row in csv.DictReader(file) if row.get("val/loss")]
+    return {key: float(value) for key, value in rows[-1].items() if key.startswith("val/")}
+
+
+def test_one_process_evaluates_a_two_process_sharded_checkpoint(tmp_path: Path, small_shards: Path) -> None:
+    assert pretrain(tmp_path, "fsdp", [*tiny_run("clm_tiny"), *SHARDED, f"data.dir={small_shards}"]) == 0
+    last = run_dir(tmp_path, "fsdp") / "checkpoints" / "last.ckpt"
+    assert last.resolve().is_dir() and verify(last)["step"] == 12
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("eval", overrides=[f"ckpt_path={last}", f"paths.output_dir={tmp_path}", "prompt=''"])
+    result = evaluate(cfg)
+    expected = last_validation(run_dir(tmp_path, "fsdp"))
+    assert result["step"] == 12 and set(expected) == {"val/loss", "val/ppl", "val/bpb"}
+    for key, value in expected.items():
+        assert result[key] == pytest.approx(value, rel=1e-6), key
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_run_killed_twice_resumes_exactly(tmp_path: Path, small_shards: Path) -> None:
+    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *SHARDED, f"data.dir={small_shards}"]
+    kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
+    checkpoints = saved_checkpoints(run_dir(tmp_path, "killed") / "checkpoints")
+    assert [step for step, _ in checkpoints] == [14, 12] and all(path.is_dir() for _, path in checkpoints)
