@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader
 
@@ -176,6 +176,42 @@ def test_throughput_is_counted_tokens_over_measured_time() -> None:
         assert row["perf/samples_per_s"] == pytest.approx(steps * 4 / 0.5)
         assert row["perf/step_time"] == pytest.approx(0.5 / steps)
         assert row["perf/mfu"] == pytest.approx(steps * flops / 0.5 / 1e9)
+
+
+def test_validation_time_is_not_counted() -> None:
+    """Validation inside fit (here 100 s a batch, against 1 s a training step) stops the clock."""
+    now = [0.0]
+
+    class Clockwork(Callback):  # runs before Throughput: it moves the fake clock
+        def on_train_batch_end(self, *args: Any) -> None:
+            now[0] += 1.0
+
+        def on_validation_batch_end(self, *args: Any) -> None:
+            now[0] += 100.0
+
+    torch.manual_seed(0)
+    batch_list = [blocks(4, 16) | {"target_bytes": torch.full((4,), 16)} for _ in range(7)]
+    recorder = Recorder()
+    trainer = Trainer(
+        accelerator="cpu",
+        max_steps=7,
+        log_every_n_steps=1,
+        val_check_interval=2,
+        num_sanity_val_steps=0,
+        callbacks=[Clockwork(), Throughput(log_every_n_steps=2, clock=lambda: now[0])],
+        logger=recorder,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(batch_list, batch_size=None)
+    trainer.fit(
+        CausalLM(backbone(), adamw()),
+        train_dataloaders=loader,
+        val_dataloaders=DataLoader(batch_list[:1], batch_size=None),
+    )
+    step_times = [row["perf/step_time"] for _, row in recorder.rows if "perf/step_time" in row]
+    assert len(step_times) == 3 and step_times == pytest.approx([1.0] * 3)
 
 
 def test_no_peak_is_known_for_a_cpu() -> None:

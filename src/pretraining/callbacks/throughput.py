@@ -17,6 +17,7 @@ import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 
 from pretraining.parallel import FSDP2Strategy
 
@@ -124,7 +125,8 @@ class Throughput(Callback):
         self.started, self.samples, self.tokens, self.flops, self.steps = now, 0, 0, 0, 0
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.training and self.started is not None:
+        # Inside fit, not `trainer.training`: Lightning switches the stage to validating before this hook.
+        if trainer.state.fn == TrainerFn.FITTING and self.started is not None:
             self.paused = self.read_clock(pl_module)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
