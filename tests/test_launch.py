@@ -162,6 +162,8 @@ def test_multirun_jobs_each_start_their_own_ranks(tmp_path: Path, small_shards: 
         assert (job_dir / "checkpoints" / "last.ckpt").is_file()
         assert batch_counts(job_dir) == {"rank0": 3, "rank1": 3}
         assert {rank["run_dir"] for rank in ranks.values()} == {str(job_dir)}
+        log = (job_dir / "train.log").read_text()  # each job's own log file, rank zero's lines only
+        assert "GLOBAL_RANK: 0" in log and "GLOBAL_RANK: 1" not in log
         child = ranks["rank1"]["argv"]  # the job's own overrides, as a single run
         assert "-m" not in child and seed in child and "seed=1,2" not in child
     assert jobs[0]["rank0"]["pid"] == jobs[1]["rank0"]["pid"]  # one process runs the sweep...
