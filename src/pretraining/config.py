@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,16 @@ def default_run_name() -> str:
         hydra = HydraConfig.get()
     except ValueError:  # composed outside a Hydra application (tests, notebooks)
         return "default"
-    experiment = hydra.runtime.choices.get("experiment") or "default"
-    overrides = sorted(o for o in hydra.overrides.task if o.split("=")[0].lstrip("+~") not in RUN_CONTROL_KEYS)
-    if not overrides:
+    return run_name(hydra.runtime.choices.get("experiment"), hydra.overrides.task)
+
+
+def run_name(experiment: str | None, overrides: Iterable[str]) -> str:
+    """`experiment`, plus a short hash of the `overrides` that change what runs (not how)."""
+    experiment = experiment or "default"
+    named = sorted(o for o in overrides if o.split("=")[0].lstrip("+~") not in RUN_CONTROL_KEYS)
+    if not named:
         return experiment
-    return f"{experiment}-{hashlib.sha256(' '.join(overrides).encode()).hexdigest()[:8]}"
+    return f"{experiment}-{hashlib.sha256(' '.join(named).encode()).hexdigest()[:8]}"
 
 
 # One suffix per process: two evaluations started in the same second still get different directories.
@@ -42,6 +48,10 @@ _RUN_SUFFIX = secrets.token_hex(3)
 OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
 OmegaConf.register_new_resolver("run_suffix", lambda: _RUN_SUFFIX, replace=True)
 OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=True)
+# A multirun's name, from the sweep's overrides (`seed=1,2`): configs/hydra/default.yaml passes them. Cached:
+# Hydra copies the sweep config's resolver cache into every job's config, where the overrides are the job's
+# own (`seed=1`), so that all jobs agree on the sweep directory.
+OmegaConf.register_new_resolver("sweep_name", run_name, use_cache=True, replace=True)
 
 
 class ConfigError(ValueError):

@@ -24,6 +24,7 @@ from pretraining.callbacks import Lineage, Preemption
 from pretraining.callbacks.lineage import code_revision
 from pretraining.checkpoint import parameter_shapes
 from pretraining.config import CONFIG_DIR, PROJECT_ROOT, ConfigError, build, check_config
+from pretraining.launch import check_devices, distributed_job
 from pretraining.loggers import wandb_sync_hint
 from pretraining.objectives import build_objective
 from pretraining.resume import check_fits, checkpoint_to_resume
@@ -35,6 +36,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     Exits with 128 + the signal number if a signal stopped training (after saving).
     """
     check_config(cfg)
+    check_devices(cfg.trainer)
     torch.set_float32_matmul_precision(cfg.matmul_precision)
     seed_everything(cfg.seed, workers=True)
     resume = checkpoint_to_resume(cfg.resume, cfg.ckpt_path, Path(cfg.paths.output_dir), Path(cfg.paths.checkpoint_dir))
@@ -130,7 +132,8 @@ def report(trainer: Trainer, metrics: dict[str, float]) -> None:
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    metrics = train(cfg)
+    with distributed_job():  # each job of a multirun is a distributed job of its own
+        metrics = train(cfg)
     # A sweeper optimises the value returned here.
     return metrics.get(cfg.get("optimized_metric") or "", None)
 

@@ -1,0 +1,179 @@
+"""Running one Hydra job as one distributed job, whoever starts its processes.
+
+- On one node, Lightning's DDP launcher starts the other ranks itself by running the command again;
+  `rank_command` makes each of them run exactly the job's config in the job's directory.
+- torchrun and SLURM (`srun`) start every rank themselves; Lightning detects them and starts none.
+
+`distributed_job` wraps each job: in a multirun, job 2 then starts its own ranks and process group
+instead of inheriting job 1's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hydra.conf import HydraConf
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import get_original_cwd, to_absolute_path
+from lightning.pytorch.strategies.launchers import subprocess_script
+from omegaconf import DictConfig, ListConfig
+
+from pretraining.config import ConfigError
+
+# What Lightning's launcher sets in the environment of the process that starts the ranks. Left there,
+# they would tell the next job of a multirun that its processes were started already.
+LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
+# Variables that are 0 or unset only in the process of global rank zero, whichever launcher started it.
+RANK_VARIABLES = ("RANK", "SLURM_PROCID", "NODE_RANK", "LOCAL_RANK")
+LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric")
+
+
+@contextmanager
+def distributed_job() -> Iterator[None]:
+    """Run one Hydra job (of a run or a multirun) as a distributed job of its own: its extra ranks
+    run its config in its directory, only rank zero writes the run's log file, and on the way out
+    the job's process group and launcher variables go, so that the next job starts its own."""
+    install_rank_command()
+    with log_file_on_rank_zero(), own_process_group():
+        yield
+
+
+@contextmanager
+def own_process_group() -> Iterator[None]:
+    """Destroy the process group on the way out, and put back the launcher variables as they were."""
+    before = {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}
+    try:
+        yield
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextmanager
+def log_file_on_rank_zero() -> Iterator[None]:
+    """The run's log file (Hydra's file handler) gets rank zero's lines, Lightning's included; the other
+    ranks log to their console only (which torchrun, srun or Lightning's launcher show)."""
+    root = logging.getLogger()
+    files = [handler for handler in root.handlers if isinstance(handler, logging.FileHandler)]
+    if not is_rank_zero_process():
+        for handler in files:
+            root.removeHandler(handler)
+            handler.close()
+        files = []
+    # Lightning's loggers do not propagate to the root logger when it had no handlers at import.
+    isolated = [logger for logger in map(logging.getLogger, LIGHTNING_LOGGERS) if not logger.propagate]
+    for logger, handler in itertools.product(isolated, files):
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:  # Hydra gives the next job of a multirun its own file
+        for logger, handler in itertools.product(isolated, files):
+            logger.removeHandler(handler)
+
+
+def install_rank_command() -> None:
+    """Make Lightning start the extra ranks of a Hydra job with `rank_command`.
+
+    Lightning's own command (`_hydra_subprocess_cmd`) repeats `sys.argv`: in a multirun every rank
+    would run the whole sweep (`-m`, the lists of values) instead of its job. Lightning offers no hook
+    for this command, so the name its PyTorch launcher module calls is replaced, here only."""
+    if not hasattr(subprocess_script, "_hydra_subprocess_cmd"):
+        raise RuntimeError(
+            "lightning.pytorch.strategies.launchers.subprocess_script._hydra_subprocess_cmd is gone in this "
+            "Lightning version: update pretraining.launch.install_rank_command for it"
+        )
+    subprocess_script._hydra_subprocess_cmd = rank_command
+
+
+def rank_command(local_rank: int) -> tuple[list[str], str]:
+    """The command that starts local rank `local_rank` of the current Hydra job, and its working
+    directory: the same program, config and overrides as the job, as a single run (no `-m`) in the
+    job's output directory, which it leaves to rank zero (no `.hydra/` of its own)."""
+    hydra = HydraConfig.get()
+    overrides = [o for o in hydra.overrides.hydra if not o.startswith("hydra.mode=")]
+    output_dir = hydra_quote(hydra.runtime.output_dir)
+    command = [*program(), *config_flags(hydra), *overrides, *hydra.overrides.task]
+    command += [f"hydra.run.dir={output_dir}", "hydra.output_subdir=null"]
+    return command, get_original_cwd()
+
+
+def program() -> list[str]:
+    """How this process was started: `python -m <module>` or `python <script>`."""
+    import __main__
+
+    if __main__.__spec__ is None:  # a script, the `pretrain` console script included
+        return [sys.executable, to_absolute_path(sys.argv[0])]
+    return [sys.executable, "-m", __main__.__spec__.name]
+
+
+def config_flags(hydra: HydraConf) -> list[str]:
+    """The flags that choose the job's primary config and config directories."""
+    flags = ["--config-name", str(hydra.job.config_name)]
+    for source in hydra.runtime.config_sources:
+        location = source.path if source.schema == "file" else f"{source.schema}://{source.path}"
+        if source.provider == "main":
+            flags += ["--config-path", location]
+        elif source.provider == "command-line":
+            flags += ["--config-dir", location]
+    return flags
+
+
+def hydra_quote(value: str) -> str:
+    """`value` as one quoted Hydra override value (a path may hold `,`, `=` or spaces): quotes are
+    escaped, and so are the backslashes before a quote or the end (other backslashes stay as they are)."""
+    return "'" + re.sub(r"(\\*)('|$)", lambda m: 2 * m[1] + ("\\'" if m[2] else ""), value) + "'"
+
+
+def is_rank_zero_process() -> bool:
+    """Whether this is the process of global rank zero, by what its launcher set in its environment
+    (torchrun: RANK, SLURM: SLURM_PROCID, Lightning: NODE_RANK and LOCAL_RANK): known before the
+    trainer exists."""
+    return all(os.environ.get(name, "0") == "0" for name in RANK_VARIABLES)
+
+
+def check_devices(trainer: DictConfig) -> None:
+    """Stop before any work if the trainer asks for more GPUs than this node has, naming the fix."""
+    accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator not in ("gpu", "cuda"):
+        return
+    available = torch.cuda.device_count()
+    if not available:
+        build = " (this torch is a CPU-only build)" if torch.version.cuda is None else ""
+        raise ConfigError(
+            f"trainer.accelerator={accelerator}, but this machine has no CUDA GPU{build}: use trainer=cpu "
+            "(or trainer=ddp_cpu for two processes), or run on a machine with a GPU"
+        )
+    devices = trainer.get("devices", "auto")
+    wanted = requested_gpus(devices)
+    if wanted and max(wanted) >= available:
+        raise ConfigError(
+            f"trainer.devices={devices} asks for GPU {max(wanted)} but this node has {available} "
+            f"(0 to {available - 1}): set trainer.devices={available} or fewer (-1 or auto: all of them), "
+            "and trainer.num_nodes for more"
+        )
+
+
+def requested_gpus(devices: Any) -> list[int] | None:
+    """The GPU indices `devices` asks for (`4`: 0 to 3; `[1, 3]` or `"1,3"`: those); None for all of them."""
+    if isinstance(devices, ListConfig | list | tuple):
+        return [int(index) for index in devices]
+    text = str(devices).strip()
+    if text in ("auto", "-1"):
+        return None
+    if "," in text:
+        return [int(index) for index in text.split(",") if index.strip()]
+    return list(range(int(text)))

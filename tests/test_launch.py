@@ -1,0 +1,204 @@
+"""Trainer presets; one directory per run (or multirun job) that every rank shares, whoever starts the
+ranks (Lightning's launcher, torchrun); GPU requests the machine cannot meet; the SLURM launcher config."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from subprocess import PIPE
+from typing import Any
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.accelerators import CPUAccelerator
+from omegaconf import OmegaConf
+
+from conftest import tiny_run
+from pretraining.config import CONFIG_DIR, PROJECT_ROOT, ConfigError, build
+from pretraining.launch import check_devices, hydra_quote
+from pretraining.models.transformer import Block
+from pretraining.train import train
+
+TESTS = Path(__file__).parent
+TRAINER_PRESETS = sorted(path.stem for path in (CONFIG_DIR / "trainer").glob("*.yaml"))
+# Two ranks on the CPU, each logging its batches and recording its process (RecordProcess below).
+SHORT_DDP = [
+    *tiny_run("clm_tiny"),
+    "trainer=ddp_cpu",
+    "trainer.max_steps=3",
+    "validate_before_training=false",
+    "callbacks=[default,batch_log]",
+    "~callbacks.text_sample",
+    "+callbacks.record._target_=test_launch.RecordProcess",
+]
+
+
+class RecordProcess(Callback):
+    """Writes `<run dir>/processes/rank<N>.json`: this process's id, command line and run directory."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        record = {"pid": os.getpid(), "argv": sys.argv, "run_dir": trainer.default_root_dir}
+        path = Path(trainer.default_root_dir) / "processes" / f"rank{trainer.global_rank}.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(record))
+
+
+def processes(run_dir: Path) -> dict[str, dict[str, Any]]:
+    return {path.stem: json.loads(path.read_text()) for path in sorted((run_dir / "processes").glob("*.json"))}
+
+
+def batch_counts(run_dir: Path) -> dict[str, int]:
+    return {path.stem: len(path.read_text().splitlines()) for path in sorted((run_dir / "batches").glob("*.jsonl"))}
+
+
+def run_command(command: list[str], cwd: Path, **env: str) -> str:
+    """Run `command` in `cwd`, in its own process group, with the tests importable (for RecordProcess); its output."""
+    pythonpath = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": pythonpath, "WANDB_MODE": "offline", **env}
+    process = subprocess.Popen(command, cwd=cwd, env=env, start_new_session=True, stdout=PIPE, stderr=PIPE, text=True)
+    try:
+        stdout, stderr = process.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # every rank, not only the first
+        raise
+    assert process.returncode == 0, stderr[-3000:]
+    return stdout + stderr
+
+
+def pretrain(tmp_path: Path, *args: str) -> str:
+    """The `pretrain` console script, started from an empty directory that must stay empty."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    output = run_command([str(Path(sys.executable).parent / "pretrain"), *args], cwd)
+    assert not list(cwd.iterdir()), "the run wrote outside its run directory"
+    return output
+
+
+# --- presets ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preset", TRAINER_PRESETS)
+def test_every_trainer_preset_composes_and_the_cpu_ones_build(compose_train, preset: str) -> None:
+    trainer_cfg = compose_train(f"trainer={preset}").trainer
+    if trainer_cfg.accelerator == "gpu":
+        assert trainer_cfg.precision == "bf16-mixed"
+        return
+    trainer = build(trainer_cfg, logger=False)
+    assert isinstance(trainer.accelerator, CPUAccelerator)
+    assert trainer.world_size == trainer_cfg.devices * trainer_cfg.get("num_nodes", 1)
+
+
+def test_fsdp1_makes_each_transformer_block_a_unit(compose_train) -> None:
+    strategy = build(compose_train("trainer=fsdp1").trainer.strategy)
+    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block}
+
+
+def test_ddp_takes_every_gpu_of_a_node_and_any_number_of_nodes(compose_train) -> None:
+    trainer_cfg = compose_train("trainer=ddp", "trainer.num_nodes=4").trainer
+    assert (trainer_cfg.strategy, trainer_cfg.devices, trainer_cfg.num_nodes) == ("ddp", "auto", 4)
+
+
+# --- GPUs the machine does not have -------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+@pytest.mark.parametrize("preset", ["gpu", "ddp", "fsdp1"])
+def test_a_gpu_preset_without_a_gpu_stops_before_any_work(compose_train, tmp_path: Path, preset: str) -> None:
+    with pytest.raises(ConfigError, match=r"trainer.accelerator=gpu, but this machine has no CUDA GPU.*trainer=cpu"):
+        train(compose_train(f"trainer={preset}"))
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(("devices", "gpu"), [("4", 3), ("[0,2]", 2), ("'0,5'", 5)])
+def test_more_gpus_than_the_node_has_are_refused(compose_train, monkeypatch, devices: str, gpu: int) -> None:
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    message = rf"asks for GPU {gpu} but this node has 2 \(0 to 1\): set trainer.devices=2 or fewer"
+    with pytest.raises(ConfigError, match=message):
+        check_devices(compose_train("trainer=ddp", f"trainer.devices={devices}").trainer)
+    for fits in ("2", "auto", "-1", "[1]"):
+        check_devices(compose_train("trainer=ddp", f"trainer.devices={fits}").trainer)
+
+
+def test_paths_are_quoted_for_hydra() -> None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for path in ["/runs/a b", "/runs/lr=1e-3,seed=1", "/runs/it's", "/runs/back\\slash", "/runs/end\\"]:
+        assert parser.parse_override(f"hydra.run.dir={hydra_quote(path)}").value() == path
+
+
+# --- one run directory, whoever starts the ranks ------------------------------------------------------------
+
+
+def test_ddp_run_has_one_directory_that_the_child_rank_uses(tmp_path: Path, small_shards: Path) -> None:
+    logs = tmp_path / "logs"
+    pretrain(tmp_path, *SHORT_DDP, f"data.dir={small_shards}", f"paths.log_dir={logs}")
+    (run_dir,) = (logs / "train" / "runs").iterdir()
+    assert [path.parent for path in logs.rglob(".hydra")] == [run_dir]  # one config, written by rank zero
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    assert batch_counts(run_dir) == {"rank0": 3, "rank1": 3}
+    ranks = processes(run_dir)
+    assert {rank["run_dir"] for rank in ranks.values()} == {str(run_dir)}
+    log = (run_dir / "train.log").read_text()  # rank zero's lines only, Lightning's included
+    assert "GLOBAL_RANK: 0" in log and "GLOBAL_RANK: 1" not in log
+
+
+def test_multirun_jobs_each_start_their_own_ranks(tmp_path: Path, small_shards: Path) -> None:
+    logs = tmp_path / "logs"
+    pretrain(tmp_path, "-m", *SHORT_DDP, f"data.dir={small_shards}", f"paths.log_dir={logs}", "seed=1,2")
+    (sweep,) = (logs / "train").iterdir()
+    (sweep_dir,) = sweep.iterdir()
+    assert sweep.name == "multiruns" and sorted(p.name for p in sweep_dir.iterdir()) == ["0", "1", "multirun.yaml"]
+    jobs = [processes(sweep_dir / job) for job in ("0", "1")]
+    for job, (ranks, seed) in enumerate(zip(jobs, ("seed=1", "seed=2"), strict=True)):
+        job_dir = sweep_dir / str(job)
+        assert (job_dir / "checkpoints" / "last.ckpt").is_file()
+        assert batch_counts(job_dir) == {"rank0": 3, "rank1": 3}
+        assert {rank["run_dir"] for rank in ranks.values()} == {str(job_dir)}
+        log = (job_dir / "train.log").read_text()  # each job's own log file, rank zero's lines only
+        assert "GLOBAL_RANK: 0" in log and "GLOBAL_RANK: 1" not in log
+        child = ranks["rank1"]["argv"]  # the job's own overrides, as a single run
+        assert "-m" not in child and seed in child and "seed=1,2" not in child
+    assert jobs[0]["rank0"]["pid"] == jobs[1]["rank0"]["pid"]  # one process runs the sweep...
+    assert jobs[0]["rank1"]["pid"] != jobs[1]["rank1"]["pid"]  # ...and each job starts its own second rank
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_torchrun_starts_every_rank_and_lightning_none(tmp_path: Path, small_shards: Path) -> None:
+    logs = tmp_path / "logs"
+    overrides = [o for o in SHORT_DDP if o != "trainer=ddp_cpu"]
+    script = str(PROJECT_ROOT / "scripts" / "launch_torchrun.sh")
+    env = {"TRAINER": "ddp_cpu", "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port()), "PYTHON": sys.executable}
+    run_command([script, *overrides, f"data.dir={small_shards}", f"paths.log_dir={logs}"], tmp_path, **env)
+    (run_dir,) = (logs / "train" / "runs").iterdir()
+    assert batch_counts(run_dir) == {"rank0": 3, "rank1": 3}
+    ranks = processes(run_dir)
+    assert list(ranks) == ["rank0", "rank1"]
+    assert ranks["rank0"]["argv"] == ranks["rank1"]["argv"]  # both from torchrun, none from Lightning
+
+
+# --- SLURM sweeps -------------------------------------------------------------------------------------------
+
+
+def test_slurm_launcher_config_composes(tmp_path: Path) -> None:
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
+    overrides = ["hydra/launcher=slurm", "trainer=ddp", "trainer.num_nodes=2", f"paths.log_dir={tmp_path}"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
+    assert launcher["_target_"] == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert (launcher["nodes"], launcher["tasks_per_node"]) == (2, launcher["gpus_per_node"])
+    assert launcher["additional_parameters"] == {"signal": "USR1@120", "requeue": True}
+    assert launcher["setup"] == ["export SUBMITIT_PREEMPT_SIGNAL=USR1"]
