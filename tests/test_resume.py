@@ -71,7 +71,8 @@ def kill_twice_and_compare(
 ) -> None:
     """An uninterrupted run against one killed after batches `kills` and restarted after each
     (`accumulate` micro-batches per step, of the global batch of 4)."""
-    overrides = [*overrides, f"trainer.max_steps={max_steps}", f"data.micro_batch_size={4 // accumulate}"]
+    micro_batch = 4 // accumulate if accumulate > 1 else "null"
+    overrides = [*overrides, f"trainer.max_steps={max_steps}", f"data.micro_batch_size={micro_batch}"]
     assert pretrain(log_dir, "reference", overrides) == 0
     for batch in kills:
         assert pretrain(log_dir, "killed", overrides, kill_after=batch) == -signal.SIGKILL
@@ -175,7 +176,8 @@ def stop_with_sigterm(log_dir: Path, overrides: list[str], send: Callable[[subpr
         time.sleep(0.1)
     ((step, _),) = saved_checkpoints(run_dir(log_dir, "term") / "checkpoints")
     for log in logs.glob("*.jsonl"):
-        assert max(record["step"] for record in read_batch_log(log).values()) == step  # saved where it stopped
+        # Saved where it stopped: after the last step trained (steps count from 0 in the log).
+        assert max(record["step"] for record in read_batch_log(log).values()) == step - 1
     return step
 
 

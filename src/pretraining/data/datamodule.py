@@ -206,7 +206,7 @@ class ShardDataModule(LightningDataModule):
             return
         saved = {sub: Cursor(shard, block) for sub, shard, block in state["cursors"]}
         if state["topology"] == self.topology:
-            self.cursors = saved
+            self.cursors = self.own(saved)
             return
         # Every sub-stream starts at the same ordinal: the shards the old run finished, counted over all
         # its sub-streams, shared out among the new ones (rounded up). Approximate: a shard in progress
@@ -218,7 +218,13 @@ class ShardDataModule(LightningDataModule):
             f"at shard {start.shard} of every stream, after about {done} shards",
             stacklevel=1,
         )
-        self.cursors = dict.fromkeys(range(self.streams * self.workers), start)
+        self.cursors = self.own(dict.fromkeys(range(self.streams * self.workers), start))
+
+    def own(self, cursors: dict[int, Cursor]) -> dict[int, Cursor]:
+        """The cursors of the sub-streams this rank reads (each rank saves only its own, so that the
+        gathered position holds each sub-stream's cursor from the one rank that moves it)."""
+        mine = self.plan.streams_of_rank(self.rank_and_world[0])
+        return {sub: cursor for sub, cursor in cursors.items() if sub % self.streams in mine}
 
     @cached_property
     def validation_set(self) -> list[Tensors]:

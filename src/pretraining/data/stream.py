@@ -330,6 +330,10 @@ class BatchPlan:
         per_slot = self.micro_batch // self.chunk
         return range(slot * per_slot, (slot + 1) * per_slot)
 
+    def streams_of_rank(self, rank: int) -> range:
+        per_rank = self.streams // self.world_size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+
 
 def batch_plan(global_batch: int, micro_batch: int | None, streams: int, world_size: int) -> BatchPlan:
     """The plan for `world_size` devices, or a ValueError naming the `data.` key to change.
