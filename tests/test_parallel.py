@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import tiny_run
 from pretraining.callbacks.batch_log import batch_log_differences, read_batch_log
 
@@ -18,6 +20,7 @@ def pretrain(log_dir: Path, run: str, overrides: list[str]) -> Path:
     return log_dir / "train" / "runs" / run
 
 
+@pytest.mark.slow  # two 2-process runs, ~90 s on 2 cores
 def test_activation_checkpointing_trains_the_masked_lm_with_the_same_losses(tmp_path: Path, small_shards: Path) -> None:
     # The masked LM calls its backbone from training_step, not through forward: the FSDP root must
     # still gather the embeddings. Dropout on: the recomputation must replay the same masks.

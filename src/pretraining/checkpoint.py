@@ -17,6 +17,7 @@ file's size and SHA-256) last, with the same guarantees.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
 import math
@@ -387,11 +388,21 @@ SAFE_METADATA_GLOBALS = {
 }
 
 
+def safe_enum_member(cls: Any, name: str) -> Any:
+    """`getattr(cls, name)` as an index may use it: only for a member of an allowed enum."""
+    allowed = isinstance(cls, type) and issubclass(cls, enum.Enum)
+    if not allowed or (cls.__module__, cls.__qualname__) not in SAFE_METADATA_GLOBALS or name not in cls.__members__:
+        raise pickle.UnpicklingError(f"it calls getattr({cls!r}, {name!r}), which could run code")
+    return cls[name]
+
+
 class MetadataUnpickler(pickle.Unpickler):
     """Unpickles a DCP index allowing only `SAFE_METADATA_GLOBALS` and dtypes, so that a checkpoint from
     elsewhere cannot run code (what `weights_only=True` does for `torch.load`)."""
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):  # how some Pythons pickle an enum member
+            return safe_enum_member
         dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
         if (module, name) not in SAFE_METADATA_GLOBALS and not dtype:
             raise pickle.UnpicklingError(
