@@ -148,6 +148,21 @@ class Recorder(Logger):
         self.rows.append((step or 0, metrics))
 
 
+def seven_step_trainer(callbacks: list[Callback], logger: Logger, **options: Any) -> Trainer:
+    """A quiet CPU Trainer for 7 steps, logging every step."""
+    return Trainer(
+        accelerator="cpu",
+        max_steps=7,
+        log_every_n_steps=1,
+        callbacks=callbacks,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **options,
+    )
+
+
 def test_throughput_is_counted_tokens_over_measured_time() -> None:
     torch.manual_seed(0)
     model = CausalLM(backbone(), adamw())
@@ -155,17 +170,7 @@ def test_throughput_is_counted_tokens_over_measured_time() -> None:
     ticks = itertools.count(step=0.5)  # every clock reading is half a second after the one before
     callback = Throughput(log_every_n_steps=2, peak_flops=1e9, clock=lambda: next(ticks))
     recorder = Recorder()
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=7,
-        log_every_n_steps=1,
-        limit_val_batches=0,
-        callbacks=[callback],
-        logger=recorder,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = seven_step_trainer([callback], recorder, limit_val_batches=0)
     trainer.fit(model, train_dataloaders=DataLoader(batch_list, batch_size=None))
     perf = [(step, row) for step, row in recorder.rows if "perf/tokens_per_s" in row]
     # The clock starts at the end of step 1 and is read at steps 2, 4 and 6: 1, 2, 2 steps per half second.
@@ -192,18 +197,8 @@ def test_validation_time_is_not_counted() -> None:
     torch.manual_seed(0)
     batch_list = [blocks(4, 16) | {"target_bytes": torch.full((4,), 16)} for _ in range(7)]
     recorder = Recorder()
-    trainer = Trainer(
-        accelerator="cpu",
-        max_steps=7,
-        log_every_n_steps=1,
-        val_check_interval=2,
-        num_sanity_val_steps=0,
-        callbacks=[Clockwork(), Throughput(log_every_n_steps=2, clock=lambda: now[0])],
-        logger=recorder,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    clock = Throughput(log_every_n_steps=2, clock=lambda: now[0])
+    trainer = seven_step_trainer([Clockwork(), clock], recorder, val_check_interval=2, num_sanity_val_steps=0)
     loader = DataLoader(batch_list, batch_size=None)
     trainer.fit(
         CausalLM(backbone(), adamw()),
