@@ -108,12 +108,8 @@ class ShardDataModule(LightningDataModule):
             )
         self.tokenizer, self.format = tokenizer, format
         self.global_batch_size, self.micro_batch_size, self.streams = global_batch_size, micro_batch_size, streams
-        self.seed, self.num_workers, self.shuffle_buffer, self.pin_memory = (
-            seed,
-            num_workers,
-            shuffle_buffer,
-            pin_memory,
-        )
+        self.seed, self.num_workers = seed, num_workers
+        self.shuffle_buffer, self.pin_memory = shuffle_buffer, pin_memory
         self.val_size, self.val_batch_size = val_size, val_batch_size
         # Workers already tokenize in parallel; Rust threads in forked workers can hang.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
