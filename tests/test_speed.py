@@ -6,8 +6,10 @@ from __future__ import annotations
 import copy
 import itertools
 import re
+import statistics
 import subprocess
 import sys
+import time
 from functools import partial
 from typing import Any
 
@@ -16,11 +18,12 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.loggers import Logger
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 from pretraining.callbacks import Throughput
 from pretraining.callbacks.throughput import peak_flops
 from pretraining.config import PROJECT_ROOT, ConfigError
+from pretraining.data import WaitTimedLoader
 from pretraining.models.transformer import Transformer
 from pretraining.objectives import CausalLM, Contrastive, MaskedLM
 from pretraining.objectives.base import lm_cross_entropy
@@ -181,6 +184,41 @@ def test_throughput_is_counted_tokens_over_measured_time() -> None:
         assert row["perf/samples_per_s"] == pytest.approx(steps * 4 / 0.5)
         assert row["perf/step_time"] == pytest.approx(0.5 / steps)
         assert row["perf/mfu"] == pytest.approx(steps * flops / 0.5 / 1e9)
+        assert row["perf/tokens_per_s_per_device"] == row["perf/tokens_per_s"]  # one device
+        assert row["perf/peak_host_memory_gb"] > 0.01  # this process holds torch: tens of MB at least
+        assert "perf/data_wait" not in row  # a plain DataLoader does not time its waits
+
+
+class Delayed(Dataset):
+    """Batches that each take `delay` seconds to produce: a slow data path."""
+
+    def __init__(self, batches: list[dict[str, torch.Tensor]], delay: float) -> None:
+        self.batches, self.delay = batches, delay
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        time.sleep(self.delay)
+        return self.batches[index]
+
+
+def mean_data_wait(delay: float) -> float:
+    """The mean `perf/data_wait` of a 7-step run whose loader takes `delay` seconds a batch."""
+    torch.manual_seed(0)
+    loader = WaitTimedLoader(Delayed([blocks(4, 16) for _ in range(7)], delay), batch_size=None)
+    recorder = Recorder()
+    trainer = seven_step_trainer([Throughput(log_every_n_steps=2)], recorder, limit_val_batches=0)
+    trainer.fit(CausalLM(backbone(), adamw()), train_dataloaders=loader)
+    waits = [row["perf/data_wait"] for _, row in recorder.rows if "perf/data_wait" in row]
+    assert len(waits) == 3 and all(0.0 <= wait <= 1.0 for wait in waits)
+    return statistics.mean(waits)
+
+
+def test_the_data_wait_fraction_rises_when_the_loader_is_slowed() -> None:
+    prompt, slow = mean_data_wait(0.0), mean_data_wait(0.1)
+    # A tiny model's step takes milliseconds: a 0.1 s loader leaves it waiting most of the time.
+    assert slow > 0.6 and slow > prompt + 0.4, (prompt, slow)
 
 
 def test_validation_time_is_not_counted() -> None:

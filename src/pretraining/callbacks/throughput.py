@@ -1,14 +1,17 @@
-"""Training throughput and model FLOPs utilisation (MFU), logged every few optimizer steps.
+"""Training throughput, data wait, memory and model FLOPs utilisation (MFU), logged every few optimizer
+steps.
 
 MFU = achieved model FLOP/s / (the device's peak FLOP/s x number of devices). The model FLOPs are
 the objective's count (`PretrainingObjective.batch_work`, from `Transformer.flops_per_token`: PaLM's
 6 per matmul weight per token plus the attention term, recomputation not counted). Token and FLOP
-counts are added up on the host from batch shapes, and the clock is read only at logging steps
-(where, on CUDA, the device is synchronised first), so measuring costs no per-step sync.
+counts are added up on the host from batch shapes, the data wait is timed on the host by the loader
+(`WaitTimedLoader`), and the clock is read only at logging steps (where, on CUDA, the device is
+synchronised first), so measuring costs no per-step sync.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +22,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
+from pretraining.data import WaitTimedLoader
 from pretraining.parallel import FSDP2Strategy
 
 # Dense (no 2:4 sparsity) peaks per device name fragment, checked before Lightning's table, whose H200
@@ -61,12 +65,47 @@ def data_parallel_size(trainer: Trainer) -> int:
     return trainer.world_size
 
 
+def peak_host_memory_gb() -> float | None:
+    """The peak resident memory of this process (not of its DataLoader workers), where the OS tells it."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak * (1 if sys.platform == "darwin" else 1024) / 1e9  # bytes on macOS, KiB on Linux
+
+
+def memory_metrics(device: torch.device) -> dict[str, float]:
+    """Peak memory so far: this process's resident memory and, on CUDA, the device's allocations."""
+    metrics = {}
+    host = peak_host_memory_gb()
+    if host is not None:
+        metrics["perf/peak_host_memory_gb"] = host
+    if device.type == "cuda":
+        metrics["perf/peak_device_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    return metrics
+
+
+def data_waited(trainer: Trainer) -> float | None:
+    """Seconds the training loop has waited for batches so far, if its loader counts them."""
+    loader = trainer.train_dataloader
+    return loader.waited if isinstance(loader, WaitTimedLoader) else None
+
+
 class Throughput(Callback):
-    """Log `perf/tokens_per_s` and `perf/samples_per_s` (global, all ranks), `perf/step_time` (seconds
-    per optimizer step) and, where the device's peak is known, `perf/mfu`, every `log_every_n_steps`
-    optimizer steps (default: the Trainer's). The clock starts after the first step (compilation,
-    allocator warm-up) and stops during validation. `peak_flops` (per device) overrides the lookup,
-    for a device Lightning's table lacks. `clock` is for tests."""
+    """Every `log_every_n_steps` optimizer steps (default: the Trainer's), log
+
+    - `perf/tokens_per_s` and `perf/samples_per_s` over all data-parallel ranks, and
+      `perf/tokens_per_s_per_device`;
+    - `perf/step_time`, seconds per optimizer step, and `perf/data_wait`, the share of that time the
+      training loop spent waiting for its next batch (when the loader counts it: `WaitTimedLoader`);
+      near 0 the model is the bottleneck, near 1 the data path is (add `data.num_workers`);
+    - `perf/mfu` where the device's peak is known;
+    - `perf/peak_host_memory_gb` of this process and, on CUDA, `perf/peak_device_memory_gb`.
+
+    The clock starts after the first step (compilation, allocator warm-up) and stops during
+    validation. `latest` holds the last values (the progress bar shows them). `peak_flops` (per
+    device) overrides the lookup, for a device Lightning's table lacks. `clock` is for tests."""
 
     def __init__(
         self,
@@ -79,6 +118,8 @@ class Throughput(Callback):
         self.every, self.peak, self.clock = log_every_n_steps, peak_flops, clock
         self.started: float | None = None
         self.paused: float | None = None
+        self.waited: float | None = None
+        self.latest: dict[str, float] = {}
         self.steps_seen = 0
         self.samples = self.tokens = self.flops = self.steps = 0
 
@@ -102,7 +143,7 @@ class Throughput(Callback):
         self.steps += trainer.global_step - self.steps_seen
         self.steps_seen = trainer.global_step
         if self.started is None:  # the first step is warm-up: start the clock at its end
-            self.started = self.read_clock(pl_module)
+            self.started, self.waited = self.read_clock(pl_module), data_waited(trainer)
             self.samples = self.tokens = self.flops = self.steps = 0
         elif trainer.global_step % self.every == 0:  # type: ignore[operator]
             self.log_interval(trainer, pl_module)
@@ -113,16 +154,23 @@ class Throughput(Callback):
         ranks = data_parallel_size(trainer)
         metrics = {
             "perf/tokens_per_s": self.tokens * ranks / seconds,
+            "perf/tokens_per_s_per_device": self.tokens * ranks / seconds / trainer.world_size,
             "perf/samples_per_s": self.samples * ranks / seconds,
             "perf/step_time": seconds / self.steps,
         }
+        waited = data_waited(trainer)
+        if waited is not None and self.waited is not None:
+            metrics["perf/data_wait"] = min(1.0, (waited - self.waited) / seconds)
         if self.peak:
             metrics["perf/mfu"] = self.flops * ranks / seconds / (self.peak * trainer.world_size)
+        metrics |= memory_metrics(pl_module.device)
         # Straight to the loggers (rank zero), as LearningRateMonitor does, at the step Lightning logs the
         # loss of this batch with: `self.log` would repeat these values at every later logging step.
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
-        self.started, self.samples, self.tokens, self.flops, self.steps = now, 0, 0, 0, 0
+        self.latest = metrics
+        self.started, self.waited = now, waited
+        self.samples, self.tokens, self.flops, self.steps = 0, 0, 0, 0
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Inside fit, not `trainer.training`: Lightning switches the stage to validating before this hook.

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import warnings
+from collections.abc import Iterator
 from functools import cached_property
 from typing import Any
 
@@ -167,7 +169,7 @@ class ShardDataModule(LightningDataModule):
         rank, _ = self.rank_and_world
         examples = ShardStream(self.manifest.urls("train"), self.format, self.seed, self.shuffle_buffer)
         stream = BatchStream(examples, self.plan, rank, self.cursors, self.batches_consumed)
-        return self._loader(stream, None, self.num_workers, leave_stop_signals_to_the_main_process)
+        return self._loader(stream, None, self.num_workers, leave_stop_signals_to_the_main_process, WaitTimedLoader)
 
     def on_before_batch_transfer(self, batch: Tensors, dataloader_idx: int) -> Tensors:
         if "positions" in batch:  # a training batch (validation has none): it advances the position
@@ -241,8 +243,10 @@ class ShardDataModule(LightningDataModule):
         batch_size = self.val_batch_size or self.plan.micro_batch
         return self._loader(examples[rank::world_size][:per_rank], batch_size, 0)
 
-    def _loader(self, dataset, batch_size: int | None, num_workers: int, worker_init_fn=None) -> DataLoader:
-        return DataLoader(
+    def _loader(
+        self, dataset, batch_size: int | None, num_workers: int, worker_init_fn=None, loader=DataLoader
+    ) -> DataLoader:
+        return loader(
             dataset,
             batch_size=batch_size,
             num_workers=num_workers,
@@ -251,6 +255,27 @@ class ShardDataModule(LightningDataModule):
             persistent_workers=num_workers > 0,
             worker_init_fn=worker_init_fn,
         )
+
+
+class WaitTimedLoader(DataLoader):
+    """A DataLoader that adds up, in `waited`, the seconds its consumer spends blocked on the next batch:
+    the training loop's data wait (`pretraining.callbacks.Throughput` reports its share of step time).
+    Only the host clock is read, so timing costs no device sync."""
+
+    waited = 0.0
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # consumers only call next()
+        return self._timed(super().__iter__())
+
+    def _timed(self, batches: Iterator[Any]) -> Iterator[Any]:
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.waited += time.perf_counter() - start
+            yield batch
 
 
 def global_batch_blocks(blocks: int | None, tokens: int | None, block_size: int) -> int:

@@ -1,0 +1,34 @@
+"""The training progress bar: counts toward `max_steps`, so it shows the time left, and shows the loss
+and tokens/s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+from pretraining.callbacks.throughput import Throughput
+
+
+class ProgressBar(TQDMProgressBar):
+    """Lightning's bar over training batches, with `max_steps` (in micro-batches) as its total, so
+    that its estimate of the time left is the run's (an infinite stream has no epoch to count to),
+    starting where a resumed run starts; and the latest tokens/s of the `Throughput` callback."""
+
+    def on_train_epoch_start(self, trainer: Trainer, *args: Any) -> None:
+        super().on_train_epoch_start(trainer, *args)
+        if trainer.max_steps > 0:
+            bar = self.train_progress_bar
+            done = trainer.global_step * trainer.accumulate_grad_batches
+            bar.total = trainer.max_steps * trainer.accumulate_grad_batches
+            bar.initial = bar.n = bar.last_print_n = done  # the rate counts only this process's batches
+            bar.set_description("Training")
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, int | str | float | dict]:
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)  # the logger's version: the run directory already says which run this is
+        throughput = next((c for c in trainer.callbacks if isinstance(c, Throughput)), None)  # type: ignore[attr-defined]
+        if throughput is not None and throughput.latest:
+            metrics["tok/s"] = f"{throughput.latest['perf/tokens_per_s']:,.0f}"
+        return metrics
