@@ -462,6 +462,8 @@ class StepCheckpoint(Checkpoint):
                 )
             link_last(path)
             self.prune(keep=path)
+            for logger in trainer.loggers:  # as ModelCheckpoint does: a logger may keep it (W&B artifacts)
+                logger.after_save_checkpoint(self)  # type: ignore[arg-type]  # loggers read last_model_path only
 
     def prune(self, keep: Path) -> None:
         checkpoints = saved_checkpoints(self.dirpath)

@@ -7,8 +7,10 @@ takes it); the ones here relate values from different groups.
 from __future__ import annotations
 
 import hashlib
+import os
+import re
 import secrets
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +58,42 @@ OmegaConf.register_new_resolver("sweep_name", run_name, use_cache=True, replace=
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key and the fix."""
+
+
+# Names of keys and environment variables that hold credentials: `api_key`, `HF_TOKEN`, `db_password`,
+# `AWS_SECRET_ACCESS_KEY`; not `max_new_tokens` or `tokenizer`.
+SECRET_NAME = re.compile(r"(^|[_.-])(api_?key|access_?key|secret(_?key)?|token|password|passwd|credentials?)$", re.I)
+SHORTEST_SECRET = 8  # shorter environment values ("1", "true") are too common to be told apart from settings
+REDACTED = "<redacted>"
+
+
+def redact_secrets(config: Any, environment: Mapping[str, str] | None = None) -> Any:
+    """`config` (nested dicts and lists) without credentials, for logging and lineage: the value of
+    every key named like a secret, and every occurrence of a credential from the environment
+    (interpolated with `${oc.env:...}`, say) inside any string, become `<redacted>`."""
+    secret_values = sorted(
+        (
+            value
+            for name, value in (os.environ if environment is None else environment).items()
+            if SECRET_NAME.search(name) and len(value) >= SHORTEST_SECRET
+        ),
+        key=len,
+        reverse=True,  # the longest first, so that a secret containing another is redacted whole
+    )
+
+    def redact(value: Any, key: str = "") -> Any:
+        if isinstance(value, dict):
+            return {name: redact(item, str(name)) for name, item in value.items()}
+        if isinstance(value, list):
+            return [redact(item) for item in value]
+        if isinstance(value, str):
+            if SECRET_NAME.search(key) and value:
+                return REDACTED
+            for secret in secret_values:
+                value = value.replace(secret, REDACTED)
+        return value
+
+    return redact(config)
 
 
 def check_config(cfg: DictConfig) -> None:

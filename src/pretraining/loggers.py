@@ -4,6 +4,7 @@ across restarts, and a CSV logger that continues its file when the run resumes."
 from __future__ import annotations
 
 import csv
+import json
 import netrc
 import os
 import secrets
@@ -14,6 +15,8 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
+
+from pretraining.checkpoint import sidecar_path
 
 
 def wandb_credentials_available() -> bool:
@@ -26,15 +29,56 @@ def wandb_credentials_available() -> bool:
         return False
 
 
-def wandb_logger(save_dir: str, offline: bool | None = None, id: str | None = None, **kwargs: Any) -> WandbLogger:
-    """A `WandbLogger`; `offline=None` means offline unless credentials exist. Without an `id`, the
-    run directory's own (`wandb_run_id`, made on the first start) is used, so a resumed run
-    continues the same W&B run, online or offline."""
-    if offline is None:
-        offline = os.environ.get("WANDB_MODE") == "offline" or not wandb_credentials_available()
-    if id is None and getattr(rank_zero_only, "rank", 0) == 0:  # only rank zero logs to W&B
-        id = run_id(Path(save_dir))
-    return WandbLogger(save_dir=save_dir, offline=offline, id=id, resume="allow", **kwargs)
+class WandbRunLogger(WandbLogger):
+    """Lightning's `WandbLogger`, offline unless credentials exist (`offline=None`), and continuing one
+    W&B run across restarts: without an `id`, the run directory's own (`wandb_run_id`, made on the
+    first start) is used. With `checkpoint_artifacts`, each checkpoint `StepCheckpoint` saves becomes
+    a version of the artifact `checkpoints-<run id>` (aliases `latest` and `step-N`, the sidecar's
+    step and lineage as metadata): `reference` records its path and checksums (nothing copied; for a
+    filesystem every reader shares), `upload` copies it into the run (uploaded by `wandb sync` when
+    offline). Lightning's `log_model` is not used: it follows `ModelCheckpoint` only, and not offline."""
+
+    def __init__(
+        self,
+        save_dir: str,
+        offline: bool | None = None,
+        id: str | None = None,
+        checkpoint_artifacts: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if checkpoint_artifacts not in CHECKPOINT_ARTIFACTS:
+            raise ValueError(
+                f"logger.wandb.checkpoint_artifacts={checkpoint_artifacts!r} must be one of {CHECKPOINT_ARTIFACTS}"
+            )
+        if offline is None:
+            offline = os.environ.get("WANDB_MODE") == "offline" or not wandb_credentials_available()
+        if id is None and getattr(rank_zero_only, "rank", 0) == 0:  # only rank zero logs to W&B
+            id = run_id(Path(save_dir))
+        super().__init__(save_dir=save_dir, offline=offline, id=id, resume="allow", **kwargs)
+        self.checkpoint_artifacts = checkpoint_artifacts
+
+    @rank_zero_only
+    def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
+        if self.checkpoint_artifacts is None:
+            return
+        import wandb
+
+        path = Path(checkpoint_callback.last_model_path)
+        sidecar = json.loads(sidecar_path(path).read_text())
+        artifact = wandb.Artifact(
+            f"checkpoints-{self.version}", type="model", metadata={"step": sidecar["step"], **sidecar["lineage"]}
+        )
+        if self.checkpoint_artifacts == "reference":
+            artifact.add_reference(path.resolve().as_uri(), name=path.name)
+        elif path.is_dir():
+            artifact.add_dir(str(path), name=path.name)
+        else:
+            artifact.add_file(str(path), name=path.name)
+        artifact.add_file(str(sidecar_path(path)))  # so that a download can be verified (`verify`)
+        self.experiment.log_artifact(artifact, aliases=["latest", f"step-{sidecar['step']}"])
+
+
+CHECKPOINT_ARTIFACTS = (None, "reference", "upload")
 
 
 def run_id(run_dir: Path) -> str:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from pretraining.callbacks import Lineage, Preemption
 from pretraining.callbacks.lineage import code_revision
 from pretraining.checkpoint import parameter_shapes
-from pretraining.config import CONFIG_DIR, PROJECT_ROOT, ConfigError, build, check_config
+from pretraining.config import CONFIG_DIR, PROJECT_ROOT, ConfigError, build, check_config, redact_secrets
 from pretraining.launch import check_devices, distributed_job
 from pretraining.loggers import wandb_sync_hint
 from pretraining.objectives import build_objective
@@ -44,7 +44,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule = build(cfg.data, tokenizer=tokenizer)
     model = build_objective(cfg.model, tokenizer, datamodule.kind)
 
-    config = cast(dict[str, Any], OmegaConf.to_container(cfg, resolve=True))
+    # Logged and stored in every checkpoint, so without credentials.
+    config = cast(dict[str, Any], redact_secrets(OmegaConf.to_container(cfg, resolve=True)))
     parent = str(resume[0]) if resume else None
     lineage = Lineage(config, datamodule.manifest.version, tokenizer.fingerprint, code_revision(PROJECT_ROOT), parent)
     callbacks = [build(callback) for callback in cfg.callbacks.values()] + [lineage]
@@ -126,7 +127,7 @@ def report(trainer: Trainer, metrics: dict[str, float]) -> None:
     lines += [f"{name} = {value:.4f}" for name, value in sorted(metrics.items())]
     hint = wandb_sync_hint(trainer.loggers)
     if hint:
-        lines.append(f"W&B logged offline (no credentials); upload with: {hint}")
+        lines.append(f"W&B logged offline (no credentials, or WANDB_MODE=offline); upload the run with: {hint}")
     rank_zero_info("\n".join(lines))
 
 

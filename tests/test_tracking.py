@@ -1,0 +1,102 @@
+"""What a run shows to its trackers: the offline W&B run (config with lineage, metrics, checkpoint
+artifacts) read back from its files, no credentials anywhere, TensorBoard as an option."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from wandb.proto import wandb_internal_pb2
+
+from pretraining.config import REDACTED, redact_secrets
+from pretraining.data.shards import Manifest
+from pretraining.train import train
+
+# The offline run file is a LevelDB-style log: a 7-byte header, then 32 KiB blocks of chunks, each with
+# a 4-byte checksum, a 2-byte length and a 1-byte type (1 whole, 2 first, 3 middle, 4 last).
+HEADER_BYTES, BLOCK_BYTES, CHUNK_HEADER_BYTES = 7, 32 * 1024, 7
+
+
+def wandb_records(run_file: Path) -> Iterator[wandb_internal_pb2.Record]:
+    """The records of an offline `run-<id>.wandb` file, as `wandb sync` would send them."""
+    data, offset, pending = run_file.read_bytes(), HEADER_BYTES, b""
+    assert data[:4] == b":W&B", f"{run_file} is not a W&B run file"
+    while offset + CHUNK_HEADER_BYTES <= len(data):
+        room = BLOCK_BYTES - offset % BLOCK_BYTES
+        if room < CHUNK_HEADER_BYTES:  # a block's tail too short for a chunk header is padding
+            offset += room
+            continue
+        _, length, kind = struct.unpack("<IHB", data[offset : offset + CHUNK_HEADER_BYTES])
+        chunk = data[offset + CHUNK_HEADER_BYTES : offset + CHUNK_HEADER_BYTES + length]
+        offset += CHUNK_HEADER_BYTES + length
+        if kind == 0:  # zero-filled end of the file
+            break
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def key(item: wandb_internal_pb2.HistoryItem) -> str:
+    return item.key or "/".join(item.nested_key)  # "train/loss" may come split into nested keys
+
+
+def test_redaction_covers_secret_keys_and_environment_credentials() -> None:
+    environment = {"HF_TOKEN": "hf_0123456789abcdef", "AWS_SECRET_ACCESS_KEY": "s3cr3t-s3cr3t", "HOME": "/home/me"}
+    config = {
+        "logger": {"api_key": "plain-text-key", "project": "p"},
+        "data": {"url": "https://user:hf_0123456789abcdef@host/x", "dir": "/home/me/data"},
+        "callbacks": {"text_sample": {"max_new_tokens": 200}},
+        "tokenizer": {"path": "/tmp/tokenizer.json"},
+        "notes": ["s3cr3t-s3cr3t"],
+    }
+    redacted = redact_secrets(config, environment)
+    assert redacted["logger"] == {"api_key": REDACTED, "project": "p"}
+    assert redacted["data"] == {"url": f"https://user:{REDACTED}@host/x", "dir": "/home/me/data"}  # HOME: no secret
+    assert redacted["callbacks"] == config["callbacks"] and redacted["tokenizer"] == config["tokenizer"]
+    assert redacted["notes"] == [REDACTED]
+
+
+def test_offline_wandb_run_holds_config_lineage_metrics_and_artifacts_and_no_secret(
+    compose_train, tmp_path: Path, shard_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = "tok-9f8e7d6c5b4a3f2e1d"
+    monkeypatch.setenv("MY_SERVICE_TOKEN", secret)
+    cfg = compose_train(
+        "logger=[wandb,csv,tensorboard]",
+        "logger.wandb.checkpoint_artifacts=reference",
+        "trainer.log_every_n_steps=2",
+        "+notes=built-with-${oc.env:MY_SERVICE_TOKEN}",  # a credential interpolated into the config
+        "+hub.api_key=typed-in-plain-text",
+        "tags=[tracking-test]",
+    )
+    train(cfg)
+
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    records = list(wandb_records(run_file))
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.run_id == (tmp_path / "wandb_run_id").read_text() and list(run.tags) == ["tracking-test"]
+
+    config = {item.key: item.value_json for r in records if r.HasField("config") for item in r.config.update}
+    lineage = config["lineage"]
+    assert Manifest.load(shard_dir).version in lineage  # the data version: the manifest's hash
+    assert '"commit"' in lineage and '"dirty"' in lineage and '"tokenizer_fingerprint"' in lineage
+
+    history = [{key(item): item.value_json for item in r.history.item} for r in records if r.HasField("history")]
+    logged = set().union(*history)
+    expected = {"train/loss", "val/loss", "val/bpb", "perf/tokens_per_s", "perf/data_wait", "perf/step_time"}
+    assert expected <= logged, expected - logged
+    assert any(float(row["val/loss"]) > 0 for row in history if "val/loss" in row)
+
+    artifacts = [r.artifact for r in records if r.HasField("artifact")]
+    assert [set(a.aliases) for a in artifacts] == [{"latest", "step-6"}, {"latest", "step-12"}]  # saved every 6 steps
+    assert all(a.name == f"checkpoints-{run.run_id}" and a.type == "model" for a in artifacts)
+
+    assert any(tmp_path.glob("tensorboard/events.out.tfevents.*"))
+    for path in tmp_path.rglob("*"):  # W&B files, CSV hyperparameters, checkpoints, TensorBoard events
+        if path.is_file():
+            content = path.read_bytes()
+            assert secret.encode() not in content and b"typed-in-plain-text" not in content, path
