@@ -12,7 +12,7 @@ ARGS ?=
 CKPT ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install data tokenizer train eval test test-full lint format bench bench-gpu chaos clean clean-logs
+.PHONY: help install data tokenizer train eval info test test-full lint format bench bench-gpu chaos clean clean-logs
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -48,6 +48,10 @@ train: install data ## Train (EXPERIMENT=clm_tiny, mlm_tiny or contrastive_tiny;
 eval: install ## Evaluate a checkpoint: make eval CKPT=path/to/last.ckpt [ARGS="..."]
 	@test -n "$(CKPT)" || { echo "usage: make eval CKPT=logs/train/runs/<run>/checkpoints/last.ckpt"; exit 2; }
 	$(BIN)/pretrain-eval ckpt_path=$(CKPT) $(ARGS)
+
+info: install ## What produced a checkpoint: make info CKPT=path/to/last.ckpt [ARGS="--config"]
+	@test -n "$(CKPT)" || { echo "usage: make info CKPT=logs/train/runs/<run>/checkpoints/last.ckpt"; exit 2; }
+	$(BIN)/pretrain-info $(CKPT) $(ARGS)
 
 test: install ## Run the fast tests
 	$(BIN)/pytest $(ARGS)

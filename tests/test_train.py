@@ -22,6 +22,7 @@ from pretraining.checkpoint import CheckpointError
 from pretraining.config import CONFIG_DIR, ConfigError
 from pretraining.data.shards import ShardError
 from pretraining.evaluate import evaluate, load_checkpoint
+from pretraining.info import main as info_main
 from pretraining.objectives import CausalLM
 from pretraining.train import train
 
@@ -208,3 +209,28 @@ def test_an_objective_from_outside_the_package_needs_only_its_target(compose_tra
     assert "val/bpb" in metrics
     lineage = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["lineage"]
     assert lineage["config"]["model"]["_target_"] == "test_train.CausalLMWithZLoss"
+
+
+def test_info_prints_a_resumed_checkpoints_lineage_and_ancestry(
+    compose_train, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    train(compose_train("trainer.max_steps=6"))
+    train(compose_train("trainer.max_steps=12"))  # continues the run from step 6
+    checkpoints = tmp_path / "checkpoints"
+    capsys.readouterr()  # the training runs' output
+    info_main([str(checkpoints / "last.ckpt"), "--json"])
+    chain = json.loads(capsys.readouterr().out)
+    assert [entry["lineage"]["step"] for entry in chain] == [12, 6]
+    assert chain[0]["lineage"]["parent"] == chain[1]["path"] == str(checkpoints / "step-000006.ckpt")
+    assert [entry["verified"] for entry in chain] == ["ok", "ok"]
+
+    info_main([str(checkpoints / "step-000012.ckpt"), "--config"])
+    printed = capsys.readouterr().out
+    assert "continued from  " + str(checkpoints / "step-000006.ckpt") + " (step 6, verified: ok)" in printed
+    assert "\nconfig:\n" in printed and "max_steps: 12" in printed
+
+    (checkpoints / "step-000006.ckpt").unlink()
+    info_main([str(checkpoints / "step-000012.ckpt")])
+    assert f"{checkpoints / 'step-000006.ckpt'} (no longer exists)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="not found"):
+        info_main([str(checkpoints / "step-000099.ckpt")])

@@ -1,0 +1,105 @@
+"""What produced a checkpoint: `pretrain-info CKPT` (or `make info CKPT=...`).
+
+Prints the checkpoint's lineage (step, code revision, data version, tokenizer, data topology, W&B
+run) and its ancestry: the checkpoint each run continued from, back to the first start. `--config`
+adds the full resolved config it was trained with, `--json` prints everything as JSON. The
+checkpoint is verified against its sidecar first; tensors are not read (memory-mapped, or, for a
+sharded directory, only its `meta.pt`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from pretraining.checkpoint import SHARDED_META, CheckpointError, verify
+
+
+def read_lineage(path: Path) -> dict[str, Any]:
+    """The lineage record of a checkpoint file or sharded directory, without loading its tensors."""
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} not found; runs keep them in logs/train/runs/<run>/checkpoints/")
+    source = path / SHARDED_META if path.is_dir() else path
+    checkpoint = torch.load(source, map_location="cpu", weights_only=True, mmap=not path.is_dir())
+    if "lineage" not in checkpoint:
+        raise CheckpointError(f"{path} has no lineage record: it was not written by `pretrain`")
+    return checkpoint["lineage"]
+
+
+def ancestry(path: Path) -> list[dict[str, Any]]:
+    """`path` and the checkpoints its run continued from, newest first: the path, step, whether it
+    verifies against its sidecar, and its lineage (None where the file is gone)."""
+    chain: list[dict[str, Any]] = []
+    seen: set[Path] = set()
+    current: Path | None = path
+    while current is not None and current.resolve() not in seen:
+        seen.add(current.resolve())
+        entry: dict[str, Any] = {"path": str(current), "lineage": None, "verified": None}
+        if current.exists() or current == path:  # the checkpoint asked about must exist
+            entry["lineage"] = read_lineage(current)
+            try:
+                verify(current)
+                entry["verified"] = "ok"
+            except CheckpointError as error:
+                entry["verified"] = str(error)
+        chain.append(entry)
+        parent = entry["lineage"] and entry["lineage"].get("parent")
+        current = Path(parent) if parent else None
+    return chain
+
+
+def describe(chain: list[dict[str, Any]]) -> str:
+    """The lineage of the newest checkpoint of `chain`, and its ancestry, as aligned lines."""
+    newest = chain[0]
+    lineage = newest["lineage"]
+    code = lineage.get("code") or {}
+    config = lineage.get("config") or {}
+    dirty = {True: " (uncommitted changes)", False: "", None: " (not a git checkout)"}[code.get("dirty")]
+    rows = [
+        ("checkpoint", newest["path"]),
+        ("verified", newest["verified"]),
+        ("step", lineage.get("step")),
+        ("run", f"{config.get('task_name')}/{config.get('run_name')} (W&B run {lineage.get('wandb_run_id')})"),
+        ("code", f"{code.get('commit')}{dirty}"),
+        ("model", config.get("model", {}).get("_target_")),
+        ("data", f"version {lineage.get('data_version')} from {config.get('data', {}).get('dir')}"),
+        ("tokenizer", f"fingerprint {lineage.get('tokenizer_fingerprint')}"),
+        ("topology", ", ".join(f"{key} {value}" for key, value in (lineage.get("topology") or {}).items())),
+    ]
+    ancestors = [
+        f"{a['path']} (no longer exists)"
+        if a["lineage"] is None
+        else f"{a['path']} (step {a['lineage'].get('step')}, verified: {a['verified']})"
+        for a in chain[1:]
+    ]
+    labels = ["continued from"] + [""] * len(ancestors)
+    rows += list(zip(labels, ancestors or ["nothing: a first start"], strict=False))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pretrain-info", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint file or sharded directory (or last.ckpt)")
+    parser.add_argument("--config", action="store_true", help="also print the full resolved config")
+    parser.add_argument("--json", action="store_true", help="print the lineage and ancestry as JSON")
+    args = parser.parse_args(argv)
+    try:
+        chain = ancestry(args.checkpoint)
+    except (FileNotFoundError, CheckpointError) as error:
+        raise SystemExit(f"pretrain-info: {error}") from None
+    if args.json:
+        print(json.dumps(chain, indent=2, default=str))
+        return
+    print(describe(chain))
+    if args.config:
+        print("\nconfig:\n" + OmegaConf.to_yaml(OmegaConf.create(chain[0]["lineage"].get("config") or {})))
+
+
+if __name__ == "__main__":
+    main()
