@@ -67,7 +67,9 @@ def train_texts(shard_dir: Path) -> Iterator[str]:
 
 def tokenizer(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else Path(args.data) / TOKENIZER
-    trained = train_bpe(train_texts(Path(args.data)), args.vocab_size, out)
+    manifest = Manifest.load(args.data)
+    texts = sum(shard.samples for shard in manifest.shards("train")) * len(manifest.fields)
+    trained = train_bpe(train_texts(Path(args.data)), args.vocab_size, out, not args.quiet, length=texts)
     print(f"wrote {out}: vocabulary {trained.vocab_size}, fingerprint {trained.fingerprint}")
 
 
@@ -95,6 +97,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--data", required=True, help="shard directory with manifest.json")
     t.add_argument("--vocab-size", type=int, default=4096)
     t.add_argument("--out", help="tokenizer.json path (default: <data>/tokenizer.json)")
+    t.add_argument("--quiet", action="store_true", help="no progress display")
     t.set_defaults(run=tokenizer)
     return main
 

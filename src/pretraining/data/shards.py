@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from pretraining.data.corpus import TEXT_FIELDS, Document, normalize
 
@@ -228,9 +228,12 @@ def _write_dataset(
     """Write shards and manifest into `staging`; return the manifest."""
     writers = {split: _ShardWriter(staging, split, settings) for split in SPLITS}
     counts = BuildCounts()
-    columns = (SpinnerColumn(), TextColumn("building shards: {task.completed} documents kept"), TimeElapsedColumn())
+    # A corpus's size is unknown until it is read: the display counts what has been done, and how fast.
+    status = "building shards: {task.fields[read]:,} documents read, {task.completed:,} kept, {task.fields[mb]:,.1f} MB"
+    columns = (SpinnerColumn(), TextColumn(status), TaskProgressColumn(show_speed=True), TimeElapsedColumn())
     with Progress(*columns, disable=not show_progress, transient=True) as progress:
-        task = progress.add_task("build", total=None)
+        task = progress.add_task("build", total=None, read=0, mb=0.0)
+        text_bytes = 0
         for document, digests in deduplicated(documents, counts):
             assert document.texts is not None
             if tuple(document.texts) != fields:
@@ -240,7 +243,8 @@ def _write_dataset(
             meta = {"source_id": document.source_id, "sha256": digests, **document.meta}
             writers[split].write(key, document.texts, meta)
             counts.kept[split] += 1
-            progress.advance(task)
+            text_bytes += sum(len(text) for text in document.texts.values())
+            progress.update(task, advance=1, read=counts.read, mb=text_bytes / 1e6)
     shards = {split: writer.close() for split, writer in writers.items()}
     if counts.kept["train"] == 0:
         raise ShardError(

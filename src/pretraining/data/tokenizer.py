@@ -94,8 +94,12 @@ def _byte_level_lengths(vocab: dict[str, int], vocab_size: int) -> np.ndarray:
     return lengths
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, out_path: Path) -> BPETokenizer:
-    """Train a byte-level BPE with the fixed special tokens; write `out_path` atomically."""
+def train_bpe(
+    texts: Iterable[str], vocab_size: int, out_path: Path, show_progress: bool = False, length: int | None = None
+) -> BPETokenizer:
+    """Train a byte-level BPE with the fixed special tokens; write `out_path` atomically. With
+    `show_progress`, the `tokenizers` library shows its phases on a terminal (reading `length`
+    texts, counting pairs, merging)."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -109,9 +113,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_path: Path) -> BPEToken
         special_tokens=list(SPECIAL_TOKENS),
         # Without the full byte alphabet, bytes unseen in training could not be encoded.
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=show_progress,
     )
-    tokenizer.train_from_iterator(texts, trainer)
+    tokenizer.train_from_iterator(texts, trainer, length=length)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out_path, tokenizer.to_str().encode())
     return BPETokenizer(out_path)
