@@ -185,6 +185,7 @@ def test_throughput_is_counted_tokens_over_measured_time() -> None:
         assert row["perf/step_time"] == pytest.approx(0.5 / steps)
         assert row["perf/mfu"] == pytest.approx(steps * flops / 0.5 / 1e9)
         assert row["perf/tokens_per_s_per_device"] == row["perf/tokens_per_s"]  # one device
+        assert row["perf/samples_per_s_per_device"] == row["perf/samples_per_s"]
         assert row["perf/peak_host_memory_gb"] > 0.01  # this process holds torch: tens of MB at least
         assert "perf/data_wait" not in row  # a plain DataLoader does not time its waits
 

@@ -95,8 +95,8 @@ def data_waited(trainer: Trainer) -> float | None:
 class Throughput(Callback):
     """Every `log_every_n_steps` optimizer steps (default: the Trainer's), log
 
-    - `perf/tokens_per_s` and `perf/samples_per_s` over all data-parallel ranks, and
-      `perf/tokens_per_s_per_device`;
+    - `perf/tokens_per_s` and `perf/samples_per_s` over all data-parallel ranks, and each
+      `..._per_device`;
     - `perf/step_time`, seconds per optimizer step, and `perf/data_wait`, the share of that time the
       training loop spent waiting for its next batch (when the loader counts it: `WaitTimedLoader`);
       near 0 the model is the bottleneck, near 1 the data path is (add `data.num_workers`);
@@ -154,10 +154,10 @@ class Throughput(Callback):
         ranks = data_parallel_size(trainer)
         metrics = {
             "perf/tokens_per_s": self.tokens * ranks / seconds,
-            "perf/tokens_per_s_per_device": self.tokens * ranks / seconds / trainer.world_size,
             "perf/samples_per_s": self.samples * ranks / seconds,
             "perf/step_time": seconds / self.steps,
         }
+        metrics |= {f"{name}_per_device": value / trainer.world_size for name, value in list(metrics.items())[:2]}
         waited = data_waited(trainer)
         if waited is not None and self.waited is not None:
             metrics["perf/data_wait"] = min(1.0, (waited - self.waited) / seconds)
