@@ -1,0 +1,340 @@
+"""Learning curves from the CSV logs: `pretrain-plot RUN_DIR` (or `make plot RUN=...`).
+
+For a run directory (`logs/train/runs/<run>`) it writes `<run>/plots/curves.png`: train and
+validation loss, each other metric, tokens/s, data wait, MFU and the learning rate, against the
+step. For a directory of runs (a multirun, `logs/train/multiruns/<sweep>`) it writes each run's
+figure and `<dir>/plots/overlay.png`, the runs' curves on shared panels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import logging
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from matplotlib import colormaps
+from matplotlib.axes import Axes
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from omegaconf import OmegaConf
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = Path("csv") / "metrics.csv"
+OVERRIDES_FILE = Path(".hydra") / "overrides.yaml"
+NOT_METRICS = {"step", "epoch"}
+LOSSES = ("train/loss", "val/loss")
+# The throughput metrics worth a panel; the rest (samples/s, per device, step time, memory) repeat them.
+PERF_SHOWN = ("perf/tokens_per_s", "perf/data_wait", "perf/mfu")
+LINESTYLES = {"-": "solid", "--": "dashed", ":": "dotted", "-.": "dash-dot"}
+Color = tuple[float, float, float, float]
+MARKERS_UP_TO = 30  # points: sparse series (validation) get markers, so that a single point shows
+
+
+class PlotError(ValueError):
+    """Nothing to plot where we were pointed: no metrics file, or one without metrics."""
+
+
+class Series(NamedTuple):
+    """One metric of one run: the steps it was logged at, ascending, and its value at each."""
+
+    steps: list[int]
+    values: list[float]
+
+
+class Panel(NamedTuple):
+    """One subplot: its title and the metrics drawn on it."""
+
+    title: str
+    metrics: list[str]
+
+
+def read_metrics(path: Path) -> dict[str, Series]:
+    """The metrics of a Lightning `metrics.csv`, by name. Rows are sparse (a cell is empty where its
+    metric was not logged); where a step appears twice (replayed after a resume), the later row wins."""
+    points: dict[str, dict[int, float]] = {}
+    rows = 0
+    with path.open(newline="") as file:
+        reader = csv.DictReader(file)
+        if not reader.fieldnames:
+            raise PlotError(f"{path} is empty: the run has not logged any metrics yet")
+        for row in reader:
+            rows += 1
+            step = parse_number(row.get("step"))
+            if step is None:  # a line cut short by a kill in the middle of a write
+                continue
+            for name, cell in row.items():
+                value = parse_number(cell)
+                if name is not None and name not in NOT_METRICS and value is not None:
+                    points.setdefault(name, {})[int(step)] = value
+    if not rows:
+        raise PlotError(f"{path} has a header but no rows: the run has not logged any metrics yet")
+    return {name: Series(sorted(steps), [steps[s] for s in sorted(steps)]) for name, steps in sorted(points.items())}
+
+
+def parse_number(cell: str | list[str] | None) -> float | None:
+    """A finite float from a CSV cell, or None for an empty or malformed one."""
+    if not isinstance(cell, str):  # None: a short row; a list: the surplus cells of a long one
+        return None
+    try:
+        value = float(cell)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None  # inf would wreck the axis limits; a NaN draws nothing
+
+
+def panels(names: Iterable[str]) -> list[Panel]:
+    """The subplots for these metrics: train and validation loss together, one per other `val/`,
+    `train/` and `probe/` metric, tokens/s, data wait and MFU, all `lr-*` columns together, one per
+    metric of any other prefix. Bookkeeping (`epoch`, `data/*`, the other `perf/*`) is left out."""
+    grouped: dict[tuple[int, int, str], list[str]] = {}
+    for name in sorted(set(names)):
+        key = panel_key(name)
+        if key is not None:
+            grouped.setdefault(key, []).append(name)
+    return [Panel(key[2], grouped[key]) for key in sorted(grouped)]
+
+
+def panel_key(name: str) -> tuple[int, int, str] | None:
+    """Where a metric goes: (group order, order within the group, panel title), or None if nowhere."""
+    if name in LOSSES:
+        return (0, 0, "loss")
+    if name in PERF_SHOWN:
+        return (4, PERF_SHOWN.index(name), name)
+    if name.startswith("lr-"):  # LearningRateMonitor: lr-<optimizer>, or lr-<optimizer>/pg<N> per group
+        return (5, 0, "learning rate")
+    if name in NOT_METRICS or name.startswith(("perf/", "data/")):
+        return None
+    order = {"val": 1, "train": 2, "probe": 3}.get(name.split("/")[0], 6)
+    return (order, 0, name)
+
+
+def find_runs(directory: Path) -> list[Path]:
+    """The run directories (holding `csv/metrics.csv`) at or under `directory`, in natural order
+    (job 10 after job 9). A run's own subdirectories are not searched."""
+    if not directory.is_dir():
+        raise PlotError(f"{directory} is not a directory: {expected_input()}")
+    runs = []
+    for root, subdirs, _ in os.walk(directory):
+        if (Path(root) / METRICS_FILE).is_file():
+            runs.append(Path(root))
+            subdirs.clear()  # its wandb/, checkpoints/ and replaced-*/ are not runs of this directory
+        else:
+            subdirs[:] = [name for name in subdirs if not name.startswith(".")]
+    if not runs:
+        raise PlotError(f"no {METRICS_FILE} under {directory}: {expected_input()}")
+    return sorted(runs, key=lambda run: natural_key(run.relative_to(directory)))
+
+
+def expected_input() -> str:
+    return (
+        "pass a run directory such as logs/train/runs/<run> "
+        "or a multirun directory such as logs/train/multiruns/<sweep>"
+    )
+
+
+def natural_key(path: Path) -> list[tuple[int, str]]:
+    return [(int(part), "") if part.isdigit() else (-1, part) for part in re.split(r"(\d+)", path.as_posix())]
+
+
+def run_labels(run_dirs: Sequence[Path]) -> list[str]:
+    """A legend label per run: its path below the directory the runs share (a job's number in a
+    multirun, `<sweep>/<job>` across sweeps), and the Hydra overrides (`.hydra/overrides.yaml`) in
+    which it differs from the other runs (all of them for a single run)."""
+    if len(run_dirs) == 1:
+        names = [run_dirs[0].name]
+    else:  # distinct directories have distinct paths below their common one: distinct labels
+        resolved = [run.resolve() for run in run_dirs]
+        common = Path(os.path.commonpath(resolved))
+        names = [run.relative_to(common).as_posix() for run in resolved]
+    overrides = [read_overrides(run) for run in run_dirs]
+    shared = set.intersection(*map(set, overrides)) if len(overrides) > 1 else set()
+    labels = []
+    for name, own in zip(names, overrides, strict=True):
+        differing = [override for override in own if override not in shared]
+        labels.append(f"{name}: {' '.join(differing)}" if differing else name)
+    return labels
+
+
+def read_overrides(run_dir: Path) -> list[str]:
+    """The command-line overrides Hydra recorded for a run, or none if it recorded nothing."""
+    path = run_dir / OVERRIDES_FILE
+    if not path.is_file():
+        return []
+    return [str(override) for override in OmegaConf.load(path)]
+
+
+def plot_run(run_dir: Path, out: Path | None = None) -> Path:
+    """Draw one run's learning curves into `out` (default `<run>/plots/curves.png`); the PNG's path."""
+    figure = draw_run(load_run(run_dir), title=str(run_dir))
+    return save_png(figure, out or run_dir / "plots" / "curves.png")
+
+
+def plot_overlay(
+    run_dirs: Sequence[Path], out: Path, labels: Sequence[str] | None = None, title: str | None = None
+) -> Path:
+    """Draw several runs' curves on shared panels, one colour per run, into the PNG `out`; its path.
+    `labels` name the runs in the legend (default: `run_labels`), `title` the figure (default: the
+    directory the runs share)."""
+    if not run_dirs:
+        raise PlotError(f"no runs to overlay into {out}")
+    labels = list(labels) if labels is not None else run_labels(run_dirs)
+    curves = {label: load_run(run) for label, run in zip(labels, run_dirs, strict=True)}
+    return save_png(draw_overlay(curves, title=title or os.path.commonpath(run_dirs)), out)
+
+
+def plot(directory: Path, out_dir: Path | None = None) -> list[Path]:
+    """Write the figures for a run directory or a directory of runs (see the module's docstring);
+    with `out_dir`, under it instead (`<out_dir>/<run, relative to directory>/curves.png`,
+    `<out_dir>/overlay.png`). A run with nothing to plot is left out of a directory of runs, with a
+    warning. The paths written."""
+    runs = find_runs(directory)
+    if runs == [directory]:
+        return [plot_run(directory, out_dir / "curves.png" if out_dir else None)]
+    written, curves = [], {}
+    for run, label in zip(runs, run_labels(runs), strict=True):
+        try:
+            metrics = load_run(run)
+        except PlotError as error:
+            log.warning("%s; left out", error)
+            continue
+        out = out_dir / run.relative_to(directory) / "curves.png" if out_dir else run / "plots" / "curves.png"
+        written.append(save_png(draw_run(metrics, title=str(run)), out))
+        curves[label] = metrics
+    if not curves:
+        raise PlotError(f"none of the runs under {directory} has metrics to plot")
+    overlay = (out_dir or directory / "plots") / "overlay.png"
+    written.append(save_png(draw_overlay(curves, title=str(directory)), overlay))
+    return written
+
+
+def load_run(run_dir: Path) -> dict[str, Series]:
+    """A run's metrics, checked to hold at least one that has a panel."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise PlotError(f"no {METRICS_FILE} in {run_dir}: {expected_input()}")
+    metrics = read_metrics(path)
+    if not panels(metrics):
+        raise PlotError(f"{path} has no metric to plot (columns: {', '.join(metrics) or 'none with values'})")
+    return metrics
+
+
+def draw_run(metrics: Mapping[str, Series], title: str) -> Figure:
+    """One run's figure: a panel per `panels` entry, a legend where a panel has several lines."""
+    layout = panels(metrics)
+    figure, axes = new_figure(len(layout), title)
+    for ax, panel in zip(axes, layout, strict=True):
+        drawn = 0
+        for name in distinct(panel.metrics, metrics):
+            draw_series(ax, metrics[name], label=name)
+            drawn += 1
+        ax.set_title(panel.title)
+        if drawn > 1:
+            ax.legend(fontsize="small")
+    return figure
+
+
+def draw_overlay(curves: Mapping[str, Mapping[str, Series]], title: str) -> Figure:
+    """Several runs on shared panels: a colour per run (legend below), a line style per metric of
+    a panel (named in its title)."""
+    layout = panels(set().union(*curves.values()))
+    figure, axes = new_figure(len(layout), title)
+    colors = run_colors(len(curves))
+    for ax, panel in zip(axes, layout, strict=True):
+        # A metric's line style is fixed by its place in the panel, so that it is the same for every run.
+        styles = {name: list(LINESTYLES)[i % len(LINESTYLES)] for i, name in enumerate(panel.metrics)}
+        drawn: set[str] = set()
+        for color, metrics in zip(colors, curves.values(), strict=True):
+            for name in distinct([name for name in panel.metrics if name in metrics], metrics):
+                draw_series(ax, metrics[name], color=color, linestyle=styles[name])
+                drawn.add(name)
+        names = [name for name in panel.metrics if name in drawn]
+        ax.set_title(panel.title if len(names) < 2 else ", ".join(f"{n} {LINESTYLES[styles[n]]}" for n in names))
+    handles = [Line2D([], [], color=color, label=label) for color, label in zip(colors, curves, strict=True)]
+    # Labels carry overrides and can be long: fewer columns then (the PNG widens to fit, see save_png).
+    columns = max(1, min(3, len(handles), 150 // max(len(label) for label in curves)))
+    figure.legend(handles=handles, loc="outside lower center", ncols=columns, fontsize="small")
+    return figure
+
+
+def distinct(names: Sequence[str], metrics: Mapping[str, Series]) -> list[str]:
+    """`names` without those whose series repeats an earlier one's: lr-AdamW/pg1 and /pg2 (with and
+    without weight decay) follow one schedule, and a second line would hide under the first."""
+    kept: list[str] = []
+    for name in names:
+        if all(metrics[name] != metrics[other] for other in kept):
+            kept.append(name)
+    return kept
+
+
+def draw_series(
+    ax: Axes, series: Series, label: str | None = None, color: Color | None = None, linestyle: str = "-"
+) -> None:
+    marker = "o" if len(series.steps) <= MARKERS_UP_TO else None
+    ax.plot(series.steps, series.values, label=label, color=color, linestyle=linestyle, marker=marker, markersize=3)
+
+
+def new_figure(count: int, title: str) -> tuple[Figure, list[Axes]]:
+    """A figure of `count` panels, three to a row, each with the step as its x axis."""
+    columns = min(3, count)
+    rows = math.ceil(count / columns)
+    figure = Figure(figsize=(4.8 * columns, 3.3 * rows + 0.6), layout="constrained")
+    FigureCanvasAgg(figure)  # render off-screen, whatever backend pyplot would pick
+    grid = figure.subplots(rows, columns, squeeze=False).ravel().tolist()
+    for unused in grid[count:]:
+        figure.delaxes(unused)
+    for ax in grid[:count]:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    figure.suptitle(title, fontsize="medium")
+    return figure, grid[:count]
+
+
+def run_colors(count: int) -> list[Color]:
+    """Distinct colours for `count` runs: tab10 while it lasts, then evenly along viridis."""
+    if count <= 10:
+        return [colormaps["tab10"](i) for i in range(count)]
+    return [colormaps["viridis"](i / (count - 1)) for i in range(count)]
+
+
+def save_png(figure: Figure, path: Path) -> Path:
+    """Write `figure` to `path` as a PNG through a temporary file, so that `path` is never half-written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        figure.savefig(temporary, format="png", dpi=100, bbox_inches="tight")  # tight: no legend cut off
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pretrain-plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "run_dir",
+        type=Path,
+        help="a run directory (logs/train/runs/<run>) or a directory of runs (logs/train/multiruns/<sweep>)",
+    )
+    parser.add_argument(
+        "--out", type=Path, metavar="DIR", help="write the figures under this directory instead of each run's plots/"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="pretrain-plot: %(message)s")
+    try:
+        written = plot(args.run_dir, args.out)
+    except PlotError as error:
+        raise SystemExit(f"pretrain-plot: {error}") from None
+    for path in written:
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
