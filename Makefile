@@ -10,9 +10,10 @@ PAIRS_DIR ?= data/stdlib_pairs
 EXPERIMENT ?= clm_tiny
 ARGS ?=
 CKPT ?=
+RUN ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install data tokenizer train eval info test test-full lint format bench bench-gpu chaos clean clean-logs
+.PHONY: help install data tokenizer train eval info plot test test-full lint format bench bench-gpu chaos clean clean-logs
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -52,6 +53,10 @@ eval: install ## Evaluate a checkpoint: make eval CKPT=path/to/last.ckpt [ARGS="
 info: install ## What produced a checkpoint: make info CKPT=path/to/last.ckpt [ARGS="--config"]
 	@test -n "$(CKPT)" || { echo "usage: make info CKPT=logs/train/runs/<run>/checkpoints/last.ckpt"; exit 2; }
 	$(BIN)/pretrain-info $(CKPT) $(ARGS)
+
+plot: install ## Learning curves as PNG: make plot RUN=logs/train/runs/<run> (or a multirun directory)
+	@test -n "$(RUN)" || { echo "usage: make plot RUN=logs/train/runs/<run> or RUN=logs/train/multiruns/<sweep>"; exit 2; }
+	$(BIN)/pretrain-plot $(RUN) $(ARGS)
 
 test: install ## Run the fast tests
 	$(BIN)/pytest $(ARGS)
