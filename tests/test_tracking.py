@@ -3,7 +3,9 @@ artifacts) read back from its files, no credentials anywhere, TensorBoard as an 
 
 from __future__ import annotations
 
+import csv
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from wandb.proto import wandb_internal_pb2
 
 from pretraining.config import REDACTED, redact_secrets
 from pretraining.data.shards import Manifest
+from pretraining.loggers import ResumableCSVLogger
 from pretraining.train import train
 
 # The offline run file is a LevelDB-style log: a 7-byte header, then 32 KiB blocks of chunks, each with
@@ -29,15 +32,27 @@ def wandb_records(run_file: Path) -> Iterator[wandb_internal_pb2.Record]:
             offset += room
             continue
         _, length, kind = struct.unpack("<IHB", data[offset : offset + CHUNK_HEADER_BYTES])
+        if kind == 0:  # zeros: the writer padded the rest of this block
+            offset += room
+            continue
         chunk = data[offset + CHUNK_HEADER_BYTES : offset + CHUNK_HEADER_BYTES + length]
         offset += CHUNK_HEADER_BYTES + length
-        if kind == 0:  # zero-filled end of the file
-            break
         pending = chunk if kind in (1, 2) else pending + chunk
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             yield record
+
+
+def finished_run_records(run_file: Path, timeout: float = 60.0) -> list[wandb_internal_pb2.Record]:
+    """The records of a finished offline run: W&B's service may still be writing the file's end (up to
+    the `exit` record) after `wandb.finish()` has returned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = list(wandb_records(run_file))
+        if any(r.HasField("exit") for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
 
 
 def key(item: wandb_internal_pb2.HistoryItem) -> str:
@@ -76,7 +91,7 @@ def test_offline_wandb_run_holds_config_lineage_metrics_and_artifacts_and_no_sec
     train(cfg)
 
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
-    records = list(wandb_records(run_file))
+    records = finished_run_records(run_file)
     (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run.run_id == (tmp_path / "wandb_run_id").read_text() and list(run.tags) == ["tracking-test"]
 
@@ -100,3 +115,28 @@ def test_offline_wandb_run_holds_config_lineage_metrics_and_artifacts_and_no_sec
         if path.is_file():
             content = path.read_bytes()
             assert secret.encode() not in content and b"typed-in-plain-text" not in content, path
+
+
+def test_a_new_metric_column_rewrites_the_csv_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    logger = ResumableCSVLogger(save_dir=str(tmp_path), name="csv", version="")
+    logger.log_metrics({"train/loss": 2.0}, step=0)
+    logger.save()
+    metrics_file = tmp_path / "csv" / "metrics.csv"
+    before = metrics_file.read_text()
+
+    def crash(*args: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr("pretraining.loggers.os.replace", crash)
+    logger.log_metrics({"val/loss": 3.0}, step=1)  # a new column: the file is rewritten with a new header
+    with pytest.raises(OSError, match="disk full"):
+        logger.save()
+    assert metrics_file.read_text() == before  # the crash left the old file whole
+
+    monkeypatch.undo()
+    resumed = ResumableCSVLogger(save_dir=str(tmp_path), name="csv", version="")  # the run, restarted
+    resumed.log_metrics({"val/loss": 3.0}, step=1)
+    resumed.save()
+    with metrics_file.open() as file:
+        rows = list(csv.DictReader(file))
+    assert [(row["step"], row["train/loss"], row["val/loss"]) for row in rows] == [("0", "2.0", ""), ("1", "", "3.0")]

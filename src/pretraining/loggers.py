@@ -101,12 +101,25 @@ def wandb_sync_hint(loggers: list[Logger]) -> str | None:
 
 
 class ContinuedExperimentWriter(ExperimentWriter):
-    """Lightning's CSV writer, except that an existing metrics file is continued, not deleted."""
+    """Lightning's CSV writer, except that an existing metrics file is continued, not deleted, and
+    that the rewrite a new metric's column needs replaces the file atomically (Lightning's rewrites it
+    in place: a crash then would lose the rows logged so far)."""
 
     def _check_log_dir_exists(self) -> None:
         if self._fs.isfile(self.metrics_file_path):
             with self._fs.open(self.metrics_file_path, "r", newline="") as file:
                 self.metrics_keys = next(csv.reader(file), [])
+
+    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
+        path = Path(self.metrics_file_path)
+        with path.open(newline="") as file:
+            rows = list(csv.DictReader(file))
+        temporary = path.with_name(f".{path.name}.tmp")
+        with temporary.open("w", newline="") as file:
+            writer = csv.DictWriter(file, fieldnames=fieldnames)
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(temporary, path)
 
 
 class ResumableCSVLogger(CSVLogger):
