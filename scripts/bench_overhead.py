@@ -1,14 +1,14 @@
 """Template overhead vs a plain PyTorch loop, and loader vs model throughput (CPU, one process).
 
 1. The clm_tiny CausalLM trains N identical, pre-fetched batches (a) through the template's Trainer (built from
-   configs/trainer/default.yaml, with its LR monitor and CSV logger) and (b) through a plain loop doing what
-   Lightning does per step: zero_grad, loss, backward, clip_grad_norm_(1.0) over the optimizer's params,
-   optimizer.step, scheduler.step. The two run in lockstep, on separate copies of the model: at the start of
-   Lightning's step i a callback runs plain step i (timed on its own), so both see the same machine state and the
-   slow drift of a shared machine cancels out. Lightning's step i is everything from the end of plain step i to the
-   start of plain step i+1 (hooks, logging, the LR scheduler, fetching the next batch included). The first
-   `--warmup` steps are left out; the step times are medians over all timed steps of all runs, and
-   `template / plain` is the median of the per-step ratios: goal <= 1.03.
+   configs/trainer/default.yaml, with its LR monitor, throughput callback, data-wait-timing loader and CSV logger)
+   and (b) through a plain loop doing what Lightning does per step: zero_grad, loss, backward,
+   clip_grad_norm_(1.0) over the optimizer's params, optimizer.step, scheduler.step. The two run in lockstep, on
+   separate copies of the model: at the start of Lightning's step i a callback runs plain step i (timed on its
+   own), so both see the same machine state and the slow drift of a shared machine cancels out. Lightning's step i
+   is everything from the end of plain step i to the start of plain step i+1 (hooks, logging, the LR scheduler,
+   fetching the next batch included). The first `--warmup` steps are left out; the step times are medians over
+   all timed steps of all runs, and `template / plain` is the median of the per-step ratios: goal <= 1.03.
 2. Both models start from the same weights; after N steps every parameter must be bitwise equal (`torch.equal`).
 3. The training DataLoader (default num_workers) must deliver tokens at >= 10x the rate the model consumes them.
 
@@ -36,7 +36,9 @@ from lightning.pytorch.loggers import CSVLogger
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
+from pretraining.callbacks import Throughput
 from pretraining.config import CONFIG_DIR  # registers the config resolvers
+from pretraining.data import WaitTimedLoader
 from pretraining.objectives import PretrainingObjective
 
 Batch = dict[str, torch.Tensor]
@@ -79,8 +81,8 @@ class Lockstep(Callback):
 def train_both(
     initial: PretrainingObjective, batches: list[Batch], warmup: int, trainer_config: DictConfig, log_dir: str
 ) -> tuple[list[float], list[float], tuple[bool, float]]:
-    """Train copies of `initial` in lockstep, Lightning with the template's trainer config, LR monitor and CSV
-    logger: the timed Lightning and plain step seconds, and `weights_equal`."""
+    """Train copies of `initial` in lockstep, Lightning with the template's trainer config, LR monitor, throughput
+    callback and CSV logger: the timed Lightning and plain step seconds, and `weights_equal`."""
     lightning, plain = copy.deepcopy(initial), PlainLoop(copy.deepcopy(initial), len(batches))
     lockstep = Lockstep(plain, batches)
     trainer = instantiate(
@@ -88,14 +90,14 @@ def train_both(
         accelerator="cpu",
         max_steps=len(batches),
         max_epochs=1,
-        callbacks=[lockstep, LearningRateMonitor(logging_interval="step")],
+        callbacks=[lockstep, LearningRateMonitor(logging_interval="step"), Throughput()],
         logger=CSVLogger(log_dir),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
     )
-    trainer.fit(lightning, train_dataloaders=DataLoader(batches, batch_size=None))
+    trainer.fit(lightning, train_dataloaders=WaitTimedLoader(batches, batch_size=None))
     assert trainer.global_step == len(batches), f"Lightning ran {trainer.global_step} of {len(batches)} steps"
     assert not weights_equal(initial, plain.model)[0], "training left the weights unchanged"
     stamps = lockstep.stamps[warmup:]
