@@ -35,9 +35,9 @@ from pretraining.models.transformer import Block
 
 PARAM_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# Lightning calls these directly, not through `forward`, so FSDP must be told to gather the root's
-# parameters (embeddings, heads, a temperature) around them.
-FORWARD_METHODS = ("training_step", "validation_step", "on_validation_epoch_end")
+# Lightning calls these directly, not through `forward` (and `LinearProbe` calls `features`), so FSDP
+# must be told to gather the root's parameters (embeddings, heads, a temperature) around them.
+FORWARD_METHODS = ("training_step", "validation_step", "on_validation_epoch_end", "features")
 
 
 @dataclass(frozen=True)

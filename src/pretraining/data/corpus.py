@@ -179,7 +179,7 @@ def docstring_pairs(documents: Iterable[Document], counts: PairCounts | None = N
             counts.unparsable_files += 1
             continue
         code = _SourceBytes(source)
-        for qualname, kind, node in _definitions(tree):
+        for qualname, kind, node in definitions(tree):
             docstring = ast.get_docstring(node)
             if not docstring:
                 continue
@@ -200,16 +200,16 @@ def docstring_pairs(documents: Iterable[Document], counts: PairCounts | None = N
 Definition = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
 
 
-def _definitions(tree: ast.AST, prefix: str = "", in_class: bool = False) -> Iterator[tuple[str, str, Definition]]:
+def definitions(tree: ast.AST, prefix: str = "", in_class: bool = False) -> Iterator[tuple[str, str, Definition]]:
     """(qualified name, kind, node) of every function, method and class, nested ones included."""
     for node in ast.iter_child_nodes(tree):
         if isinstance(node, Definition):
             qualname = f"{prefix}{node.name}"
             kind = "class" if isinstance(node, ast.ClassDef) else "method" if in_class else "function"
             yield qualname, kind, node
-            yield from _definitions(node, f"{qualname}.", isinstance(node, ast.ClassDef))
+            yield from definitions(node, f"{qualname}.", isinstance(node, ast.ClassDef))
         else:
-            yield from _definitions(node, prefix, in_class)
+            yield from definitions(node, prefix, in_class)
 
 
 class _SourceBytes:

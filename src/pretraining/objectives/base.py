@@ -7,13 +7,15 @@ A new objective subclasses `PretrainingObjective` and supplies:
 `input_kind` (the examples it trains on: "blocks" or "pairs"), the validation
 states it keeps (passed to `__init__`), `training_loss`, `validation_update`
 (what to add to those states per validation batch) and `validation_metrics`
-(what to report from the reduced states).
+(what to report from the reduced states). It may override `pooled_features`,
+what a probe reads (`pretraining.callbacks.LinearProbe`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, ClassVar, NamedTuple, cast
 
@@ -105,6 +107,16 @@ class PretrainingObjective(LightningModule):
     def validation_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def features(self, tokens: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """Float32 features (batch, width) of PAD-padded token ids (`attend` False at padding) for probes,
+        computed in eval mode without gradients; the module's mode is restored after."""
+        with frozen(self):
+            return self.pooled_features(tokens, attend).float()
+
+    def pooled_features(self, tokens: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """What `features` reads: the backbone's final hidden states averaged over the real tokens."""
+        return masked_mean(self.backbone(tokens, attend).float(), attend)
+
     def batch_work(self, batch: dict[str, torch.Tensor]) -> BatchWork:
         """Samples, tokens and training FLOPs of a batch of packed blocks, from its shapes alone (no
         device sync); the head scores `head_positions` of each block."""
@@ -154,6 +166,24 @@ class PretrainingObjective(LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": LambdaLR(optimizer, schedule), "interval": "step"},
         }
+
+
+@contextmanager
+def frozen(module: nn.Module) -> Iterator[None]:
+    """`module` in eval mode (no dropout) without gradients; its previous mode back after."""
+    was_training = module.training
+    module.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        module.train(was_training)
+
+
+def masked_mean(hidden: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+    """The mean of `hidden` (batch, length, width) over the positions where `attend` (batch, length) is True."""
+    weights = attend[..., None].to(hidden.dtype)
+    return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1)
 
 
 class BatchWork(NamedTuple):

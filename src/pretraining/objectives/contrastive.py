@@ -26,7 +26,7 @@ from torchmetrics import CatMetric
 
 from pretraining.data.tokenizer import PAD_ID
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import BatchWork, PretrainingObjective
+from pretraining.objectives.base import BatchWork, PretrainingObjective, masked_mean
 
 MAX_LOGIT_SCALE = math.log(100)
 
@@ -161,12 +161,12 @@ class Contrastive(PretrainingObjective):
         backbone, head = self.tower(side)
         attend = tokens != PAD_ID
         hidden = backbone(tokens, attend)
-        if self.pooling == "first":
-            pooled = hidden[:, 0]
-        else:
-            weights = attend[..., None].to(hidden.dtype)
-            pooled = (hidden * weights).sum(1) / weights.sum(1)
+        pooled = hidden[:, 0] if self.pooling == "first" else masked_mean(hidden, attend)
         return F.normalize(head(pooled).float(), dim=-1)
+
+    def pooled_features(self, tokens: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """The passage embedding that training shapes (`tokens` CLS-prefixed, as the passages are)."""
+        return self.encode(tokens, "passage")
 
     def pair_loss(
         self, queries: torch.Tensor, passages: torch.Tensor, distributed: bool, size_key: str
