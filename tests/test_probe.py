@@ -192,7 +192,11 @@ def objectives() -> list[CausalLM | MaskedLM | Contrastive]:
         return Transformer(vocab_size=260, max_seq_len=32, d_model=32, n_layer=1, n_head=2, dropout=0.2, causal=causal)
 
     optimizer = partial(torch.optim.AdamW, lr=1e-3)
-    return [CausalLM(backbone(True), optimizer), MaskedLM(backbone(False), optimizer), Contrastive(backbone(False), optimizer)]
+    return [
+        CausalLM(backbone(True), optimizer),
+        MaskedLM(backbone(False), optimizer),
+        Contrastive(backbone(False), optimizer),
+    ]
 
 
 @pytest.mark.parametrize("objective", objectives(), ids=lambda o: type(o).__name__)
