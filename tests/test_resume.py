@@ -127,6 +127,7 @@ def test_gradient_accumulation(tmp_path: Path, small_shards: Path) -> None:
     kill_twice_and_compare(tmp_path, overrides, kills=(10, 15), max_steps=8, accumulate=2)
 
 
+@pytest.mark.slow  # keeps the default suite near 10 minutes on 2 cores
 def test_ddp_on_two_processes_with_two_workers(tmp_path: Path, small_shards: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *DDP, f"data.dir={small_shards}", "data.num_workers=2"]
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
@@ -144,6 +145,7 @@ def test_fsdp2_on_two_processes(tmp_path: Path, small_shards: Path) -> None:
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
 
 
+@pytest.mark.slow  # keeps the default suite near 10 minutes on 2 cores
 def test_without_reseeding_the_losses_differ(tmp_path: Path, small_shards: Path) -> None:
     """The negative control: the same kills without `StepSeed` give the same batches, other losses."""
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, f"data.dir={small_shards}", "~callbacks.step_seed"]
