@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import sysconfig
 import textwrap
 import unicodedata
@@ -178,7 +179,7 @@ def docstring_pairs(documents: Iterable[Document], counts: PairCounts | None = N
         except (SyntaxError, ValueError):
             counts.unparsable_files += 1
             continue
-        code = _SourceBytes(source)
+        code = SourceBytes(source)
         for qualname, kind, node in definitions(tree):
             docstring = ast.get_docstring(node)
             if not docstring:
@@ -212,15 +213,23 @@ def definitions(tree: ast.AST, prefix: str = "", in_class: bool = False) -> Iter
             yield from definitions(node, prefix, in_class)
 
 
-class _SourceBytes:
-    """A source file as UTF-8 bytes, addressed as ast does: (1-based line, byte column)."""
+class SourceBytes:
+    """A source file as UTF-8 bytes, addressed as ast does: (1-based line, byte column). The line
+    offsets are found once (`ast.get_source_segment` splits the whole file at every call)."""
 
     def __init__(self, source: str) -> None:
         self.data = source.encode()
-        self.line_starts = [0, *(index + 1 for index, byte in enumerate(self.data) if byte == ord("\n"))]
+        self.line_starts = [0, *(match.end() for match in re.finditer(b"\n", self.data))]
 
     def offset(self, line: int, column: int) -> int:
         return self.line_starts[line - 1] + column
+
+    def segment(self, node: Definition) -> str:
+        """The definition's source from the start of its first line (only indentation precedes `def` or
+        `class` there), dedented."""
+        assert node.end_lineno is not None and node.end_col_offset is not None
+        code = self.data[self.line_starts[node.lineno - 1] : self.offset(node.end_lineno, node.end_col_offset)]
+        return textwrap.dedent(code.decode())
 
     def without_docstrings(self, node: Definition) -> str:
         """The definition's source (decorators included), dedented, with every docstring inside it cut out."""

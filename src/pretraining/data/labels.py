@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import ast
 import json
-import re
-import textwrap
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,7 +31,7 @@ from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 from pretraining.config import ConfigError
-from pretraining.data.corpus import PAIR_FIELDS, definitions
+from pretraining.data.corpus import PAIR_FIELDS, SourceBytes, definitions
 from pretraining.data.shards import Manifest
 from pretraining.data.stream import read_shard, stable_hash
 
@@ -112,15 +110,10 @@ class PythonDefinitions:
         except (SyntaxError, ValueError):
             self.counts.unparsable_files += 1
             return []
-        # Byte offsets of the lines, once: `ast.get_source_segment` splits the whole file at every call.
-        data = source.encode()
-        line_starts = [0, *(match.end() for match in re.finditer(b"\n", data))]
+        code = SourceBytes(source)
         examples = []
         for _, kind, node in definitions(tree):
-            assert node.end_lineno is not None and node.end_col_offset is not None
-            # From the start of its first line (only indentation precedes `def` or `class` there).
-            code = data[line_starts[node.lineno - 1] : line_starts[node.end_lineno - 1] + node.end_col_offset]
-            text = textwrap.dedent(code.decode())
+            text = code.segment(node)
             examples.append(LabelledExample(text, self._label(source_id, kind), source_id))
         self.counts.definitions += len(examples)
         return examples
