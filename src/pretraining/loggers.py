@@ -4,6 +4,7 @@ across restarts, and a CSV logger that continues its file when the run resumes."
 from __future__ import annotations
 
 import csv
+import io
 import json
 import netrc
 import os
@@ -17,6 +18,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
 from pretraining.checkpoint import sidecar_path
+from pretraining.data.shards import write_atomically
 
 
 def wandb_credentials_available() -> bool:
@@ -86,9 +88,7 @@ def run_id(run_dir: Path) -> str:
     path = run_dir / "wandb_run_id"
     if not path.is_file():
         run_dir.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.tmp")
-        temporary.write_text(secrets.token_hex(4))
-        os.replace(temporary, path)
+        write_atomically(path, secrets.token_hex(4).encode())
     return path.read_text().strip()
 
 
@@ -114,12 +114,11 @@ class ContinuedExperimentWriter(ExperimentWriter):
         path = Path(self.metrics_file_path)
         with path.open(newline="") as file:
             rows = list(csv.DictReader(file))
-        temporary = path.with_name(f".{path.name}.tmp")
-        with temporary.open("w", newline="") as file:
-            writer = csv.DictWriter(file, fieldnames=fieldnames)
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(temporary, path)
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=fieldnames)
+        writer.writeheader()
+        writer.writerows(rows)
+        write_atomically(path, text.getvalue().encode())
 
 
 class ResumableCSVLogger(CSVLogger):
