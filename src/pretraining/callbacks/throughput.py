@@ -157,7 +157,8 @@ class Throughput(Callback):
             "perf/samples_per_s": self.samples * ranks / seconds,
             "perf/step_time": seconds / self.steps,
         }
-        metrics |= {f"{name}_per_device": value / trainer.world_size for name, value in list(metrics.items())[:2]}
+        metrics["perf/tokens_per_s_per_device"] = metrics["perf/tokens_per_s"] / trainer.world_size
+        metrics["perf/samples_per_s_per_device"] = metrics["perf/samples_per_s"] / trainer.world_size
         waited = data_waited(trainer)
         if waited is not None and self.waited is not None:
             metrics["perf/data_wait"] = min(1.0, (waited - self.waited) / seconds)
