@@ -28,21 +28,32 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Load a checkpoint, a file or a sharded directory (its shards gathered in this one process),
     without executing code from it (tensors and plain data only), after checking it against its
     sidecar when it has one (checkpoints copied without it still load)."""
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} not found; runs keep them in logs/train/runs/<run>/checkpoints/")
+    path = existing_checkpoint(path)
     if sidecar_path(path.resolve()).is_file():
         verify(path)
     checkpoint = load_sharded(path) if path.is_dir() else torch.load(path, map_location="cpu", weights_only=True)
-    if "lineage" not in checkpoint:
-        raise ConfigError(f"{path} has no lineage record: it was not written by `pretrain`, so its config is unknown")
-    written = checkpoint["lineage"].get("format")
+    written = lineage_of(checkpoint, path).get("format")
     if written not in READABLE_LINEAGE_FORMATS:
         raise ConfigError(
             f"{path} has lineage format {written}, this code reads {READABLE_LINEAGE_FORMATS}: evaluate it with "
             f"the code revision that wrote it ({checkpoint['lineage'].get('code', {}).get('commit')})"
         )
     return checkpoint
+
+
+def existing_checkpoint(path: str | Path) -> Path:
+    """`path`, refused with the place runs keep their checkpoints if nothing is there."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} not found; runs keep them in logs/train/runs/<run>/checkpoints/")
+    return path
+
+
+def lineage_of(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The lineage record of a loaded checkpoint, refused if it has none."""
+    if "lineage" not in checkpoint:
+        raise ConfigError(f"{path} has no lineage record: it was not written by `pretrain`, so its config is unknown")
+    return checkpoint["lineage"]
 
 
 def build_from_checkpoint(

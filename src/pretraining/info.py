@@ -18,17 +18,16 @@ import torch
 from omegaconf import OmegaConf
 
 from pretraining.checkpoint import SHARDED_META, CheckpointError, verify
+from pretraining.config import ConfigError
+from pretraining.evaluate import existing_checkpoint, lineage_of
 
 
 def read_lineage(path: Path) -> dict[str, Any]:
     """The lineage record of a checkpoint file or sharded directory, without loading its tensors."""
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} not found; runs keep them in logs/train/runs/<run>/checkpoints/")
-    source = path / SHARDED_META if path.is_dir() else path
-    checkpoint = torch.load(source, map_location="cpu", weights_only=True, mmap=not path.is_dir())
-    if "lineage" not in checkpoint:
-        raise CheckpointError(f"{path} has no lineage record: it was not written by `pretrain`")
-    return checkpoint["lineage"]
+    path = existing_checkpoint(path)
+    sharded = path.is_dir()  # its meta.pt holds the lineage; the shards are not read
+    source = path / SHARDED_META if sharded else path
+    return lineage_of(torch.load(source, map_location="cpu", weights_only=True, mmap=not sharded), path)
 
 
 def ancestry(path: Path) -> list[dict[str, Any]]:
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         chain = ancestry(args.checkpoint)
-    except (FileNotFoundError, CheckpointError) as error:
+    except (FileNotFoundError, CheckpointError, ConfigError) as error:
         raise SystemExit(f"pretrain-info: {error}") from None
     if args.json:
         print(json.dumps(chain, indent=2, default=str))
