@@ -21,7 +21,7 @@ from pretraining.callbacks.probe import fit_linear_probe
 from pretraining.config import ConfigError
 from pretraining.data import BlockDataModule, ByteTokenizer
 from pretraining.data.corpus import PAIR_FIELDS, docstring_pairs, read_text_files
-from pretraining.data.labels import LabelledExample, PythonDefinitions, is_test, package_of, probe_set
+from pretraining.data.labels import LabelledExample, LabelledJsonl, PythonDefinitions, is_test, package_of, probe_set
 from pretraining.data.shards import BuildSettings, Manifest, build_shards
 from pretraining.data.tokenizer import CLS_ID, PAD_ID
 from pretraining.models import Transformer
@@ -285,3 +285,11 @@ def test_a_probe_set_the_data_cannot_give_stops_the_run_before_training(
     with pytest.raises(ConfigError, match=r"~callbacks\.probe"):
         train(cfg)
     assert not list(tmp_path.glob("checkpoints/*.ckpt"))
+
+
+@pytest.mark.parametrize("line", [b'{"text": "a", "label": ', b'{"text": "\xff", "label": "x"}', b'["a", "x"]'])
+def test_a_bad_line_of_a_labelled_jsonl_is_refused_naming_the_line(tmp_path: Path, line: bytes) -> None:
+    path = tmp_path / "labels.jsonl"
+    path.write_bytes(b'{"text": "fine", "label": "x"}\n' + line + b"\n")
+    with pytest.raises(ConfigError, match=r"labels.jsonl:2 is not a JSON object with a string 'text' and a 'label'"):
+        LabelledJsonl(str(path))(None)  # type: ignore[arg-type]  # a jsonl source reads no manifest

@@ -141,11 +141,14 @@ class LabelledJsonl:
 
     def __call__(self, manifest: Manifest) -> list[LabelledExample]:
         examples = []
-        with self.path.open(encoding="utf-8") as lines:
+        with self.path.open("rb") as lines:
             for number, line in enumerate(lines, start=1):
                 if not line.strip():
                     continue
-                record = json.loads(line)
+                try:
+                    record = json.loads(line)  # bytes: UTF-8 (or -16/-32) is detected, anything else fails
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    record = None
                 if not isinstance(record, dict) or not isinstance(record.get("text"), str) or "label" not in record:
                     raise ConfigError(
                         f"{self.path}:{number} is not a JSON object with a string 'text' and a 'label': fix the line"
