@@ -23,7 +23,7 @@ import unicodedata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import cast
+from typing import Any, cast
 
 TEXT_FIELDS: tuple[str, ...] = ("txt",)
 # WebDataset splits a member name at its first dot: key "train-000000001", field "query.txt".
@@ -87,23 +87,29 @@ def read_jsonl(
     text_fields = text_fields or {"txt": "text"}
     files = sorted(path.rglob("*.jsonl")) if path.is_dir() else [path]
     for file in files:
-        with file.open("rb") as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)  # bytes: UTF-8 (or -16/-32) is detected, anything else fails
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    record = None
-                texts = {name: record.get(key) for name, key in text_fields.items()} if isinstance(record, dict) else {}
-                if not texts or not all(isinstance(text, str) for text in texts.values()):
-                    keys = " and ".join(repr(key) for key in text_fields.values())
-                    raise CorpusError(
-                        f"{file}:{number} is not a JSON object with string {keys} fields; fix the line "
-                        f"or name the right fields (--text-field, or --query-field/--passage-field with --pairs)"
-                    )
-                source_id = str(record[id_field]) if id_field else f"{file.name}:{number}"
-                yield Document(source_id, cast(dict[str, str], texts))
+        for number, record in jsonl_records(file):
+            texts = {name: record.get(key) for name, key in text_fields.items()} if isinstance(record, dict) else {}
+            if not texts or not all(isinstance(text, str) for text in texts.values()):
+                keys = " and ".join(repr(key) for key in text_fields.values())
+                raise CorpusError(
+                    f"{file}:{number} is not a JSON object with string {keys} fields; fix the line "
+                    f"or name the right fields (--text-field, or --query-field/--passage-field with --pairs)"
+                )
+            source_id = str(record[id_field]) if id_field else f"{file.name}:{number}"
+            yield Document(source_id, cast(dict[str, str], texts))
+
+
+def jsonl_records(file: Path) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) of each non-blank line of a `.jsonl` file; the value is None
+    where the line is not JSON (or not UTF-8, -16 or -32): the caller names the line in its error."""
+    with file.open("rb") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)  # bytes: the encoding is detected
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                yield number, None
 
 
 def read_source(source: str, text_fields: dict[str, str] | None = None) -> Iterator[Document]:

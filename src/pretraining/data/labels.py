@@ -31,7 +31,7 @@ from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 from pretraining.config import ConfigError
-from pretraining.data.corpus import PAIR_FIELDS, SourceBytes, definitions
+from pretraining.data.corpus import PAIR_FIELDS, SourceBytes, definitions, jsonl_records
 from pretraining.data.shards import Manifest
 from pretraining.data.stream import read_shard, stable_hash
 
@@ -141,20 +141,13 @@ class LabelledJsonl:
 
     def __call__(self, manifest: Manifest) -> list[LabelledExample]:
         examples = []
-        with self.path.open("rb") as lines:
-            for number, line in enumerate(lines, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)  # bytes: UTF-8 (or -16/-32) is detected, anything else fails
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    record = None
-                if not isinstance(record, dict) or not isinstance(record.get("text"), str) or "label" not in record:
-                    raise ConfigError(
-                        f"{self.path}:{number} is not a JSON object with a string 'text' and a 'label': fix the line"
-                    )
-                group = str(record.get("group", f"line {number}"))
-                examples.append(LabelledExample(record["text"], str(record["label"]), group))
+        for number, record in jsonl_records(self.path):
+            if not isinstance(record, dict) or not isinstance(record.get("text"), str) or "label" not in record:
+                raise ConfigError(
+                    f"{self.path}:{number} is not a JSON object with a string 'text' and a 'label': fix the line"
+                )
+            group = str(record.get("group", f"line {number}"))
+            examples.append(LabelledExample(record["text"], str(record["label"]), group))
         self.lines = len(examples)
         return examples
 
