@@ -11,9 +11,12 @@ EXPERIMENT ?= clm_tiny
 ARGS ?=
 CKPT ?=
 RUN ?=
+SWEEP ?=
+# The Optuna search preset (configs/hparams_search/) of the experiment's objective: clm_tiny -> clm.
+SEARCH ?= $(firstword $(subst _, ,$(EXPERIMENT)))
 
 .DEFAULT_GOAL := help
-.PHONY: help install data tokenizer train eval info plot test test-full lint format bench bench-gpu chaos clean clean-logs
+.PHONY: help install data tokenizer train sweep sweep-optuna sweep-report eval info plot test test-full lint format bench bench-gpu chaos clean clean-logs
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -45,6 +48,16 @@ tokenizer: data ## Train a BPE tokenizer on the default shards (then use tokeniz
 
 train: install data ## Train (EXPERIMENT=clm_tiny, mlm_tiny or contrastive_tiny; Hydra overrides in ARGS="...")
 	$(BIN)/pretrain experiment=$(EXPERIMENT) $(ARGS)
+
+sweep: install data ## A Hydra multirun, each job in logs/train/multiruns/<sweep>/<job>: make sweep ARGS="model.optimizer.lr=1e-3,3e-3"
+	$(BIN)/pretrain -m experiment=$(EXPERIMENT) $(ARGS)
+
+sweep-optuna: install data ## An Optuna search (configs/hparams_search/, by objective: SEARCH=clm for clm_tiny); run again to continue
+	$(BIN)/pretrain -m experiment=$(EXPERIMENT) hparams_search=$(SEARCH) $(ARGS)
+
+sweep-report: install ## A sweep's jobs ranked, as report.md/report.csv and plots/overlay.png: make sweep-report SWEEP=<dir>
+	@test -n "$(SWEEP)" || { echo "usage: make sweep-report SWEEP=logs/train/multiruns/<sweep>"; exit 2; }
+	$(BIN)/pretrain-sweep-report $(SWEEP)
 
 eval: install ## Evaluate a checkpoint: make eval CKPT=path/to/last.ckpt [ARGS="..."]
 	@test -n "$(CKPT)" || { echo "usage: make eval CKPT=logs/train/runs/<run>/checkpoints/last.ckpt"; exit 2; }
