@@ -208,7 +208,7 @@ class Report:
                     *(overrides.get(key, "") for key in swept),
                     *(number(job.value if job.metric == name else None) for name in optimised),
                     "" if job.step is None else str(job.step),
-                    number(job.tokens_per_s, digits=0),
+                    number(job.tokens_per_s),
                     *(number(job.final.get(name)) for name in metrics),
                     job.error,
                 ]
@@ -227,8 +227,8 @@ def split_override(override: str) -> tuple[str, str]:
     return key, value
 
 
-def number(value: float | None, digits: int = 4) -> str:
-    return "" if value is None else f"{value:.{digits}f}"
+def number(value: float | None) -> str:
+    return "" if value is None else f"{value:.6g}"
 
 
 def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

@@ -1,0 +1,197 @@
+"""Sweeps: grid multiruns whose failed jobs do not stop the others, the Optuna sweeper's study and its
+continuation, and the sweep report."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import optuna
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import TINY_RUN
+from pretraining.sweeps import SweepError, read_status, write_report, write_status
+from pretraining.sweeps import main as report_main
+from test_plots import make_sweep
+
+SHORT = [*TINY_RUN, "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.log_every_n_steps=2"]
+
+
+def multirun(log_dir: Path, data: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
+    """`pretrain -m` with tiny settings; the sweep directory is the only one under `log_dir`."""
+    command = [sys.executable, "-m", "pretraining.train", "-m", *SHORT, f"data.dir={data}", f"paths.log_dir={log_dir}"]
+    env = {**os.environ, "WANDB_MODE": "offline"}
+    return subprocess.run([*command, *overrides], capture_output=True, text=True, env=env, timeout=300)
+
+
+def sweep_dir(log_dir: Path) -> Path:
+    (directory,) = (log_dir / "train" / "multiruns").iterdir()
+    return directory
+
+
+def report_rows(directory: Path) -> list[dict[str, str]]:
+    with (directory / "report.csv").open(newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def test_a_grid_runs_each_job_in_its_own_directory_and_the_report_lists_them(
+    tmp_path: Path, small_shards: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    result = multirun(tmp_path, small_shards, "model.optimizer.lr=1e-3,3e-3")
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    directory = sweep_dir(tmp_path)
+    for job, lr in (("0", "0.001"), ("1", "0.003")):
+        assert f"model.optimizer.lr={lr}" in OmegaConf.load(directory / job / ".hydra" / "overrides.yaml")
+        assert read_status(directory / job)["status"] == "completed"
+        assert (directory / job / "checkpoints" / "step-000006.ckpt").is_file()
+    rows = report_rows(directory)  # written by the sweep itself, after its last job
+    assert sorted(row["job"] for row in rows) == ["0", "1"]
+    assert {row["model.optimizer.lr"] for row in rows} == {"0.001", "0.003"}
+    assert all(row["status"] == "completed" and row["step"] == "6" and float(row["val/bpb"]) > 0 for row in rows)
+    assert float(rows[0]["val/bpb"]) <= float(rows[1]["val/bpb"])  # best first
+    assert float(rows[0]["tokens/s"]) > 0
+    assert (directory / "plots" / "overlay.png").stat().st_size > 0
+
+    report_main([str(directory)])  # make sweep-report
+    printed = capsys.readouterr().out
+    assert "2 completed" in printed and "| 0 |" in printed and "| 1 |" in printed
+
+
+def test_a_failed_job_is_recorded_and_the_others_still_run(tmp_path: Path, small_shards: Path) -> None:
+    # Job 0's warmup is not below the run's 6 steps: it stops at its config check; job 1 must still run.
+    result = multirun(tmp_path, small_shards, "model.warmup_steps=10,2")
+
+    assert result.returncode != 0  # the sweep reports the failure ...
+    assert "model.warmup_steps=10 is not below trainer.max_steps=6" in result.stderr
+    directory = sweep_dir(tmp_path)
+    failed, completed = read_status(directory / "0"), read_status(directory / "1")
+    assert failed["status"] == "failed" and "ConfigError: model.warmup_steps=10" in failed["error"]
+    assert completed["status"] == "completed"  # ... after running the rest
+    assert (directory / "1" / "checkpoints" / "step-000006.ckpt").is_file()
+    rows = report_rows(directory)
+    assert [(row["job"], row["status"]) for row in rows] == [("1", "completed"), ("0", "failed")]
+    assert "lower the warmup" in rows[1]["error"]
+
+
+def test_an_optuna_study_continues_from_its_storage(tmp_path: Path, small_shards: Path) -> None:
+    search = [
+        "hparams_search=clm",
+        "model.optimizer.lr=tag(log, interval(1e-4, 1e-2))",
+        "model.backbone.d_model=choice(16, 32)",
+        "data.global_batch_size=choice(4, 8)",
+    ]
+    first = multirun(tmp_path, small_shards, *search, "hydra.sweeper.n_trials=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    directory = sweep_dir(tmp_path)
+    storage = f"sqlite:///{directory / 'optuna.db'}"
+    study = optuna.load_study(study_name=directory.name, storage=storage)
+    assert [trial.state.name for trial in study.trials] == ["COMPLETE", "COMPLETE"]
+    before = [(trial.params, trial.value) for trial in study.trials]
+    # As if a sweep had been killed during its third trial: asked for, never told.
+    interrupted = study.ask(study.trials[0].distributions)
+
+    second = multirun(tmp_path, small_shards, *search, "hydra.sweeper.n_trials=4")
+    assert second.returncode == 0, second.stderr[-3000:]
+
+    trials = optuna.load_study(study_name=directory.name, storage=storage).trials
+    assert [trial.state.name for trial in trials] == ["COMPLETE"] * 4
+    assert [(trial.params, trial.value) for trial in trials[:2]] == before
+    assert trials[2].params == interrupted.params  # the interrupted trial ran again, with its own values
+    assert trials[3].params not in [trial.params for trial in trials[:3]]  # a continued study draws anew
+    for trial in trials:
+        job = directory / str(trial.number)
+        status = read_status(job)
+        assert status["status"] == "completed" and status["value"] == trial.value
+        overrides = OmegaConf.load(job / ".hydra" / "overrides.yaml")
+        assert f"model.optimizer.lr={trial.params['model.optimizer.lr']}" in overrides
+    rows = report_rows(directory)
+    assert sorted(row["job"] for row in rows) == ["0", "1", "2", "3"]
+    assert [float(row["val/bpb"]) for row in rows] == pytest.approx(sorted(trial.value for trial in trials), rel=1e-5)
+
+
+# --- the sweeper's search space -----------------------------------------------------------------------------
+
+
+def test_search_space_reads_hydras_sweep_syntax() -> None:
+    from hydra_plugins.pretraining_optuna.sweeper import search_space
+
+    params = {"model.optimizer.lr": "tag(log, interval(1e-4, 1e-2))", "model.warmup_steps": "range(10, 70, 20)"}
+    arguments = [
+        "data.global_batch_size=choice(8, 16)",
+        "model.warmup_steps=5",
+        "seed=3",
+        "x.width=tag(int, interval(2, 9))",
+    ]
+
+    space, fixed = search_space(params, arguments)
+
+    assert space == {
+        "model.optimizer.lr": optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True),
+        "data.global_batch_size": optuna.distributions.CategoricalDistribution([8, 16]),
+        "x.width": optuna.distributions.IntDistribution(2, 9),
+    }
+    assert fixed == ["model.warmup_steps=5", "seed=3"]  # the command line's fixed value wins over the preset's range
+    assert search_space({"n": "range(10, 70, 20)"}, [])[0]["n"] == optuna.distributions.IntDistribution(10, 50, step=20)
+
+
+def test_search_space_refuses_what_optuna_cannot_sample() -> None:
+    from hydra_plugins.pretraining_optuna.sweeper import search_space
+
+    with pytest.raises(ValueError, match=r"x=range\(0.1,0.5,0.1\): an Optuna search space takes"):
+        search_space({}, ["x=range(0.1,0.5,0.1)"])
+
+
+def test_a_study_is_not_continued_with_another_search_space(tmp_path: Path) -> None:
+    from hydra_plugins.pretraining_optuna.sweeper import check_same_study, search_space
+
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study = optuna.create_study(study_name="s", storage=storage)
+    space, _ = search_space({"lr": "interval(0.1, 0.2)"}, [])
+    study.tell(study.ask(space), 1.0)
+
+    check_same_study(study, space, "minimize", storage)  # the same: continues
+    with pytest.raises(ValueError, match="keep its search space to continue it"):
+        check_same_study(study, search_space({"lr": "interval(0.1, 0.3)"}, [])[0], "minimize", storage)
+    with pytest.raises(ValueError, match="was run to minimize, not to maximize"):
+        check_same_study(study, space, "maximize", storage)
+
+
+# --- the report ---------------------------------------------------------------------------------------------
+
+
+def test_the_report_ranks_by_the_sweepers_direction_and_marks_dead_jobs_interrupted(tmp_path: Path) -> None:
+    jobs = make_sweep(tmp_path, ["0.001", "0.003", "0.01"])  # val/loss ends at 5.0 + job number
+    for number, job in enumerate(jobs):
+        (job / ".hydra" / "config.yaml").write_text("optimized_metric: val/loss\n")
+        write_status(job, {"status": "completed", "value": 5.0 + number})
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    write_status(jobs[2], {**read_status(jobs[2]), "status": "running", "host": os.uname().nodename, "pid": dead.pid})
+    (tmp_path / "multirun.yaml").write_text("hydra:\n  sweeper:\n    direction: maximize\n")
+
+    report = write_report(tmp_path)
+
+    header, rows = report.table()
+    assert header[:4] == ["job", "status", "model.optimizer.lr", "val/loss"]
+    assert [row[:2] for row in rows] == [["2", "interrupted"], ["1", "completed"], ["0", "completed"]]
+    assert report.summary() == "2 completed, 1 interrupted"
+    assert (tmp_path / "report.md").read_text().startswith(f"# Sweep {tmp_path.name}: 2 completed, 1 interrupted")
+
+
+def test_the_report_names_what_to_pass_for_a_directory_without_jobs(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no job directories"):
+        report_main([str(tmp_path)])
+    with pytest.raises(SweepError, match="is not a directory"):
+        write_report(tmp_path / "missing")
+
+
+def test_status_records_are_json(tmp_path: Path) -> None:
+    write_status(tmp_path, {"status": "completed", "value": 1.5})
+    assert json.loads((tmp_path / "status.json").read_text()) == {"status": "completed", "value": 1.5}
+    assert read_status(tmp_path / "elsewhere") == {"status": "unknown"}
