@@ -1,5 +1,5 @@
 #!/bin/bash
-# Pretrain on SLURM: sbatch [--nodes=4] scripts/launch_slurm.sh experiment=clm_tiny model=clm_gpt2
+# Pretrain on SLURM: sbatch [--nodes=4] scripts/launch_slurm.sh experiment=gpt2_124m data.dir=data/mine
 #
 # srun starts one task per GPU on every node and Lightning joins them (it detects SLURM and starts no
 # process itself). Before the time limit SLURM sends USR1 to every task: they save a checkpoint at the

@@ -4,8 +4,8 @@
 #
 #   one node, every GPU:  scripts/launch_torchrun.sh experiment=clm_tiny
 #   two nodes, run the same command on each with its NODE_RANK:
-#     NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 scripts/launch_torchrun.sh model=clm_gpt2   # on node0
-#     NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 scripts/launch_torchrun.sh model=clm_gpt2   # on node1
+#     NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 scripts/launch_torchrun.sh experiment=gpt2_124m data.dir=data/mine   # on node0
+#     NNODES=2 NODE_RANK=1 MASTER_ADDR=node0 scripts/launch_torchrun.sh experiment=gpt2_124m data.dir=data/mine   # on node1
 #
 # Every rank finds the same run directory (the run's name comes from the overrides), so running the
 # same command again continues the run from its newest checkpoint. A SIGTERM to torchrun reaches

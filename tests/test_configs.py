@@ -15,7 +15,7 @@ from lightning.pytorch import Trainer
 from pretraining.config import CONFIG_DIR
 from pretraining.objectives import PretrainingObjective
 
-GROUPS = ("data", "tokenizer", "model", "trainer", "callbacks", "logger", "experiment", "debug")
+GROUPS = ("data", "tokenizer", "model", "trainer", "callbacks", "logger", "experiment", "hparams_search", "debug")
 GPU_ONLY = {("trainer", "fsdp1")}  # Lightning's classic FSDP needs CUDA to build: tests/test_launch.py composes it
 OPTIONS = [
     (group, path.stem)

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import optuna
 import pytest
+from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import TINY_RUN
+from pretraining.config import CONFIG_DIR
 from pretraining.sweeps import SweepError, read_status, write_report, write_status
 from pretraining.sweeps import main as report_main
 from test_plots import make_sweep
@@ -195,3 +197,20 @@ def test_status_records_are_json(tmp_path: Path) -> None:
     write_status(tmp_path, {"status": "completed", "value": 1.5})
     assert json.loads((tmp_path / "status.json").read_text()) == {"status": "completed", "value": 1.5}
     assert read_status(tmp_path / "elsewhere") == {"status": "unknown"}
+
+
+@pytest.mark.parametrize("preset", ["clm", "mlm", "contrastive"])
+def test_each_search_preset_is_a_valid_space_over_existing_keys(preset: str) -> None:
+    from hydra_plugins.pretraining_optuna.sweeper import search_space
+
+    experiment = {"clm": "clm_tiny", "mlm": "mlm_tiny", "contrastive": "contrastive_tiny"}[preset]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", [f"experiment={experiment}", f"hparams_search={preset}"], return_hydra_config=True)
+
+    space, fixed = search_space(dict(cfg.hydra.sweeper.params), [])
+
+    assert len(space) >= 5 and not fixed
+    for key, distribution in space.items():
+        assert OmegaConf.select(cfg, key) is not None, f"{preset}: {key} is not a key of the config"
+        if key == "model.backbone.d_model":  # every width must split into the heads
+            assert all(width % cfg.model.backbone.n_head == 0 for width in distribution.choices)
