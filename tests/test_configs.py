@@ -12,7 +12,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from lightning.pytorch import Trainer
 
-from pretraining.config import CONFIG_DIR
+from pretraining.config import CONFIG_DIR, ConfigError, check_config
 from pretraining.objectives import PretrainingObjective
 
 GROUPS = ("data", "tokenizer", "model", "trainer", "callbacks", "logger", "experiment", "hparams_search", "debug")
@@ -49,6 +49,13 @@ def test_option_composes_and_instantiates(group: str, option: str, compose_train
     ]
     assert lengths and max(lengths) <= model.backbone.max_seq_len
     assert model.backbone.vocab_size == tokenizer.vocab_size
+
+
+def test_a_data_directory_of_your_own_must_be_named() -> None:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["data=text"])
+    with pytest.raises(ConfigError, match=r"data\.dir is not set"):  # not "tokenizer.path", which interpolates it
+        check_config(cfg)
 
 
 def test_eval_config_composes() -> None:

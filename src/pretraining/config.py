@@ -98,6 +98,13 @@ def redact_secrets(config: Any, environment: Mapping[str, str] | None = None) ->
 
 def check_config(cfg: DictConfig) -> None:
     """Stop before any work if values from different groups contradict each other."""
+    # data=text and data=pairs (and the large presets) leave it to you; other groups interpolate it
+    # (tokenizer.path), so OmegaConf alone would name the wrong key.
+    if OmegaConf.is_missing(cfg.data, "dir"):
+        raise ConfigError(
+            "data.dir is not set: pass data.dir=<shard directory> (built with `pretrain-data build --out <dir>`, "
+            "plus `pretrain-data tokenizer --data <dir>` for tokenizer=bpe)"
+        )
     max_steps, warmup_steps = cfg.trainer.max_steps, cfg.model.warmup_steps
     if max_steps <= 0:
         raise ConfigError(
