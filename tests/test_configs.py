@@ -1,4 +1,5 @@
-"""Every option of every config group composes and instantiates; run directories are unique."""
+"""Every option of every config group composes and instantiates; every experiment preset passes the
+config checks, and the large ones have the size they state; run directories are unique."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from lightning.pytorch import Trainer
+from omegaconf import DictConfig
 
 from pretraining.config import CONFIG_DIR, ConfigError, check_config
 from pretraining.objectives import PretrainingObjective
@@ -30,12 +32,20 @@ def test_every_group_has_options() -> None:
     assert {(group, path.stem) for group in GROUPS for path in (CONFIG_DIR / group).glob("*.yaml")} >= GPU_ONLY
 
 
+def on_test_data(cfg: DictConfig, bpe_path: Path) -> DictConfig:
+    """`cfg` (composed by `compose_train`, so on the test shards) made to run on this machine: the test
+    BPE where a BPE is read from the text shards (the pair shards hold their own), and the CPU for a
+    GPU trainer when there is no GPU (the rest of the trainer preset is still instantiated)."""
+    if cfg.tokenizer._target_.endswith("BPETokenizer") and cfg.data._target_.endswith("BlockDataModule"):
+        cfg.tokenizer.path = str(bpe_path)
+    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        cfg.trainer.accelerator = "cpu"
+    return cfg
+
+
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
 def test_option_composes_and_instantiates(group: str, option: str, compose_train, bpe_path: Path) -> None:
-    extra = [f"tokenizer.path={bpe_path}"] if option == "bpe" else []
-    if option in ("gpu", "ddp", "fsdp") and not torch.cuda.is_available():
-        extra.append("trainer.accelerator=cpu")  # the rest of the preset is still instantiated
-    cfg = compose_train(f"{group}={option}", *extra, tiny=False)
+    cfg = on_test_data(compose_train(f"{group}={option}", tiny=False), bpe_path)
     tokenizer = instantiate(cfg.tokenizer)
     datamodule = instantiate(cfg.data, tokenizer=tokenizer)
     model = instantiate(cfg.model, backbone={"vocab_size": tokenizer.vocab_size})
@@ -49,6 +59,39 @@ def test_option_composes_and_instantiates(group: str, option: str, compose_train
     ]
     assert lengths and max(lengths) <= model.backbone.max_seq_len
     assert model.backbone.vocab_size == tokenizer.vocab_size
+
+
+EXPERIMENTS = sorted(path.stem for path in (CONFIG_DIR / "experiment").glob("*.yaml"))  # what experiment=glob(*) picks
+# The presets sized for a GPU node: the vocabulary their header assumes and the parameters (millions) it states.
+LARGE = {"gpt2_124m": (50257, 124.4), "bert_base": (30522, 108.5), "contrastive_code": (32768, 110.7)}
+NODE_GPUS = 8  # the node the large presets are written for
+
+
+def test_large_presets_exist() -> None:
+    assert set(LARGE) <= set(EXPERIMENTS)  # a renamed preset must not drop out of the checks below
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_experiment_preset_passes_checks(name: str, compose_train, bpe_path: Path) -> None:
+    """Every preset composes, passes the cross-group checks and splits its global batch over the devices
+    it is written for (one for the tiny presets, a node of GPUs for the large ones)."""
+    cfg = on_test_data(compose_train(f"experiment={name}", tiny=False), bpe_path)
+    check_config(cfg)
+    datamodule = instantiate(cfg.data, tokenizer=instantiate(cfg.tokenizer))
+    datamodule.plan_for(NODE_GPUS if name in LARGE else 1)  # raises if the devices cannot share the batch
+
+
+@pytest.mark.parametrize("name", sorted(LARGE))
+def test_large_preset_has_its_stated_size(name: str) -> None:
+    vocab_size, millions = LARGE[name]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[f"experiment={name}"])
+    with pytest.raises(ConfigError, match=r"data\.dir is not set"):  # your corpus, never the default one
+        check_config(cfg)
+    assert cfg.trainer.accelerator == "gpu" and cfg.trainer.precision == "bf16-mixed"
+    with torch.device("meta"):  # shapes only: no memory, no time
+        model = instantiate(cfg.model, backbone={"vocab_size": vocab_size})
+    assert round(sum(p.numel() for p in model.parameters()) / 1e6, 1) == millions
 
 
 def test_a_data_directory_of_your_own_must_be_named() -> None:
