@@ -155,12 +155,15 @@ def test_multirun_jobs_each_start_their_own_ranks(tmp_path: Path, small_shards: 
     pretrain(tmp_path, "-m", *SHORT_DDP, f"data.dir={small_shards}", f"paths.log_dir={logs}", "seed=1,2")
     (sweep,) = (logs / "train").iterdir()
     (sweep_dir,) = sweep.iterdir()
-    assert sweep.name == "multiruns" and sorted(p.name for p in sweep_dir.iterdir()) == ["0", "1", "multirun.yaml"]
+    jobs_and_report = ["0", "1", "multirun.yaml", "plots", "report.csv", "report.md"]
+    assert sweep.name == "multiruns" and sorted(p.name for p in sweep_dir.iterdir()) == jobs_and_report
     jobs = [processes(sweep_dir / job) for job in ("0", "1")]
     for job, (ranks, seed) in enumerate(zip(jobs, ("seed=1", "seed=2"), strict=True)):
         job_dir = sweep_dir / str(job)
         assert (job_dir / "checkpoints" / "last.ckpt").is_file()
         assert batch_counts(job_dir) == {"rank0": 3, "rank1": 3}
+        status = json.loads((job_dir / "status.json").read_text())  # written once, by rank zero
+        assert status["status"] == "completed" and status["pid"] == ranks["rank0"]["pid"]
         assert {rank["run_dir"] for rank in ranks.values()} == {str(job_dir)}
         log = (job_dir / "train.log").read_text()  # each job's own log file, rank zero's lines only
         assert "GLOBAL_RANK: 0" in log and "GLOBAL_RANK: 1" not in log

@@ -112,11 +112,13 @@ def test_next_token_with_two_workers_across_shards_and_epochs(tmp_path: Path, sm
     assert epochs[0] == 0 and epochs[-1] >= 1
 
 
+@pytest.mark.slow  # keeps the default suite near 10 minutes on 2 cores
 def test_masked_lm(tmp_path: Path, shard_dir: Path) -> None:
     overrides = [*tiny_run("mlm_tiny"), *RESUMABLE, f"data.dir={shard_dir}"]
     kill_twice_and_compare(tmp_path, overrides, kills=(5, 10), max_steps=12)
 
 
+@pytest.mark.slow  # keeps the default suite near 10 minutes on 2 cores
 def test_contrastive(tmp_path: Path, pair_dir: Path) -> None:
     overrides = [*tiny_run("contrastive_tiny"), *RESUMABLE, f"data.dir={pair_dir}", "data.num_workers=2"]
     kill_twice_and_compare(tmp_path, overrides, kills=(5, 10), max_steps=12)
@@ -198,6 +200,7 @@ def test_sigterm_to_one_rank_saves_at_the_step_boundary_and_all_ranks_exit(tmp_p
     assert_same_training(tmp_path, "reference", "term", 60)
 
 
+@pytest.mark.slow  # keeps the default suite near 10 minutes on 2 cores
 def test_sigterm_to_every_process_with_loader_workers(tmp_path: Path, small_shards: Path) -> None:
     """A scheduler signals the whole job: the DataLoader workers must not die before the save."""
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, f"data.dir={small_shards}", "data.num_workers=2"]

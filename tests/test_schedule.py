@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import TINY
 from pretraining.config import PROJECT_ROOT
 from pretraining.info import ancestry
@@ -21,6 +23,7 @@ def schedule(overrides: list[str], **env: str) -> subprocess.CompletedProcess[st
     return subprocess.run([SCRIPT, *overrides], env=variables, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # 30 s; the next test checks the chain with stand-in commands in the default suite
 def test_schedule_continues_the_run_then_evaluates_it(small_shards: Path, tmp_path: Path) -> None:
     tiny = [override for override in TINY if not override.startswith("trainer.max_steps=")]  # the schedule sets it
     steps = {"SHORT_STEPS": "6", "LONG_STEPS": "12", "THEN": ""}  # no step (d): test_schedule_steps covers it
