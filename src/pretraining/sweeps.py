@@ -104,8 +104,8 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # someone else's process holds that id now
-        return True
+    except PermissionError:  # another user's process holds that id now
+        pass
     return True
 
 
