@@ -26,7 +26,7 @@ import socket
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,14 +114,14 @@ class Job:
     """One job of a sweep, as its directory tells it."""
 
     directory: Path
-    overrides: list[str]
+    overrides: dict[str, str]  # key -> value of each command-line override (`~key` -> "")
     status: str
     error: str
     metric: str
     value: float | None
     step: int | None  # of the newest checkpoint
     tokens_per_s: float | None
-    final: dict[str, float] = field(default_factory=dict)
+    final: dict[str, float]  # the last value of each val/ and probe/ metric
 
 
 def read_job(job_dir: Path) -> Job:
@@ -133,7 +133,7 @@ def read_job(job_dir: Path) -> Job:
     saved = saved_checkpoints(job_dir / "checkpoints")
     return Job(
         directory=job_dir,
-        overrides=read_overrides(job_dir),
+        overrides=dict(map(split_override, read_overrides(job_dir))),
         status=status["status"],
         error=status.get("error", ""),
         metric=metric,
@@ -187,11 +187,10 @@ class Report:
 
     def swept(self) -> list[str]:
         """The override keys whose values differ between the jobs (every key of a single job)."""
-        parsed = [dict(map(split_override, job.overrides)) for job in self.jobs]
-        keys = list(dict.fromkeys(key for overrides in parsed for key in overrides))
-        if len(parsed) == 1:
+        keys = list(dict.fromkeys(key for job in self.jobs for key in job.overrides))
+        if len(self.jobs) == 1:
             return keys
-        return [key for key in keys if len({overrides.get(key) for overrides in parsed}) > 1]  # None: not set
+        return [key for key in keys if len({job.overrides.get(key) for job in self.jobs}) > 1]  # None: not set
 
     def table(self) -> tuple[list[str], list[list[str]]]:
         swept = self.swept()
@@ -200,12 +199,11 @@ class Report:
         header = ["job", "status", *swept, *optimised, "step", "tokens/s", *metrics, "error"]
         rows = []
         for job in self.ranked():
-            overrides = dict(map(split_override, job.overrides))
             rows.append(
                 [
                     job.directory.name,
                     job.status,
-                    *(overrides.get(key, "") for key in swept),
+                    *(job.overrides.get(key, "") for key in swept),
                     *(number(job.value if job.metric == name else None) for name in optimised),
                     "" if job.step is None else str(job.step),
                     number(job.tokens_per_s),
