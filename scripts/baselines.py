@@ -20,14 +20,14 @@ import numpy as np
 import torch
 
 from pretraining.data.shards import Manifest
-from pretraining.data.stream import PackedBlocks, SkipCounter, encode_document, validation_examples
+from pretraining.data.stream import PackedBlocks, SampleReader, encode_document, validation_examples
 from pretraining.data.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 from pretraining.objectives.masked_lm import IGNORE, mask_tokens
 
 
 def train_token_counts(manifest: Manifest, tokenizer: ByteTokenizer) -> np.ndarray:
     counts = np.ones(tokenizer.vocab_size)
-    for (text,) in SkipCounter().decoded(manifest.urls("train"), manifest.fields):
+    for (text,) in SampleReader(manifest.fields).all_texts(manifest.urls("train")):
         counts += np.bincount(encode_document(tokenizer, text), minlength=tokenizer.vocab_size)
     return counts
 

@@ -10,7 +10,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
 
 from pretraining.data.cli import main as data_cli
 from pretraining.data.corpus import PAIR_FIELDS, CorpusError, Document, PairCounts, docstring_pairs, read_source
@@ -18,7 +17,6 @@ from pretraining.data.datamodule import BlockDataModule, PairDataModule
 from pretraining.data.shards import BuildSettings, Manifest, ShardError, build_shards
 from pretraining.data.stream import Cursor, ShardStream, TokenizedPairs, read_shard
 from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
-from pretraining.objectives.base import PretrainingObjective
 
 SOURCE = textwrap.dedent(
     '''\
@@ -273,22 +271,6 @@ def test_a_shard_with_no_usable_pair_is_an_error(tmp_path: Path) -> None:
     stream = ShardStream([url], TokenizedPairs(ByteTokenizer(), 8, 16), seed=0)
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="no shard yields a whole example"):
         next(stream.examples(0, 1, Cursor()))
-
-
-def test_objective_counts_skipped_samples() -> None:
-    from functools import partial
-
-    from pretraining.models import Transformer
-    from pretraining.objectives import CausalLM
-
-    model: PretrainingObjective = CausalLM(
-        Transformer(vocab_size=260, max_seq_len=8, d_model=16, n_layer=1, n_head=2), partial(torch.optim.AdamW)
-    )
-    tokens = torch.randint(4, 260, (2, 9))
-    for skipped in ([0, 2], [1, 0]):
-        with pytest.warns(UserWarning, match="self.log"):  # no trainer here: logging is skipped
-            model.training_step({"tokens": tokens, "skipped": torch.tensor(skipped)}, 0)
-    assert int(model.skipped_samples) == 3
 
 
 def test_cli_builds_pairs_from_python_and_jsonl(tmp_path: Path, capsys) -> None:

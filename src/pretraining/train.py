@@ -20,7 +20,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, OmegaConf
 
-from pretraining.callbacks import Lineage, Preemption
+from pretraining.callbacks import Lineage, Preemption, SkippedSamples
 from pretraining.callbacks.lineage import code_revision
 from pretraining.checkpoint import parameter_shapes
 from pretraining.config import CONFIG_DIR, PROJECT_ROOT, ConfigError, build, check_config, redact_secrets
@@ -48,7 +48,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     config = cast(dict[str, Any], redact_secrets(OmegaConf.to_container(cfg, resolve=True)))
     parent = str(resume[0]) if resume else None
     lineage = Lineage(config, datamodule.manifest.version, tokenizer.fingerprint, code_revision(PROJECT_ROOT), parent)
-    callbacks = [build(callback) for callback in cfg.callbacks.values()] + [lineage]
+    callbacks = [build(callback) for callback in cfg.callbacks.values()] + [lineage, SkippedSamples()]
     loggers: list[Logger] = [build(logger) for logger in cfg.logger.values()]
     trainer: Trainer = build(cfg.trainer, callbacks=callbacks, logger=loggers, plugins=trainer_plugins(cfg))
     trainer.accumulate_grad_batches = plan_batches(datamodule, trainer.world_size)

@@ -1,13 +1,24 @@
 """Callbacks: lineage, per-batch seeding, preemption, an audit log of batches, text samples, throughput,
-the progress bar, a linear probe."""
+the progress bar, a linear probe, the skipped-sample count and limit."""
 
 from pretraining.callbacks.batch_log import BatchLog
 from pretraining.callbacks.lineage import Lineage
 from pretraining.callbacks.preemption import Preemption
 from pretraining.callbacks.probe import LinearProbe
 from pretraining.callbacks.progress import ProgressBar
+from pretraining.callbacks.skipped_samples import SkippedSamples
 from pretraining.callbacks.step_seed import StepSeed
 from pretraining.callbacks.text_sample import TextSample
 from pretraining.callbacks.throughput import Throughput
 
-__all__ = ["BatchLog", "Lineage", "LinearProbe", "Preemption", "ProgressBar", "StepSeed", "TextSample", "Throughput"]
+__all__ = [
+    "BatchLog",
+    "Lineage",
+    "LinearProbe",
+    "Preemption",
+    "ProgressBar",
+    "SkippedSamples",
+    "StepSeed",
+    "TextSample",
+    "Throughput",
+]

@@ -20,7 +20,7 @@ from pretraining.data.corpus import (
     read_source,
 )
 from pretraining.data.shards import TOKENIZER, BuildSettings, Manifest, ShardError, build_shards
-from pretraining.data.stream import SkipCounter
+from pretraining.data.stream import SampleReader
 from pretraining.data.tokenizer import train_bpe
 
 
@@ -61,7 +61,7 @@ def build(args: argparse.Namespace) -> None:
 def train_texts(shard_dir: Path) -> Iterator[str]:
     """Every text of every training sample (both sides of pairs)."""
     manifest = Manifest.load(shard_dir)
-    for texts in SkipCounter().decoded(manifest.urls("train"), manifest.fields):
+    for texts in SampleReader(manifest.fields).all_texts(manifest.urls("train")):
         yield from texts
 
 

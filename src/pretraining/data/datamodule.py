@@ -15,6 +15,13 @@ of its streams continues, plus the number of micro-batches consumed.
 holds all of them, and `train_dataloader()` always starts from them: after a
 restore, each stream skips its finished shards by arithmetic and re-reads only
 its current shard, whatever the number of devices now.
+
+Bad data follows `bad_data`: `skip` (the default) skips unusable samples and
+shards with a warning and counts them (`samples_read`, `samples_skipped`, kept in
+the checkpoint with the position); `raise` stops on the first. A shard missing
+or altered at start-up keeps its place in the stream order and is skipped
+whole. `check_skips` stops the run once too much was skipped
+(`pretraining.callbacks.SkippedSamples` calls it with the totals of all ranks).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from functools import cached_property
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -33,6 +40,7 @@ from torch.utils.data import DataLoader
 
 from pretraining.data.shards import Manifest, ShardError
 from pretraining.data.stream import (
+    BAD_DATA_POLICIES,
     BatchPlan,
     BatchStream,
     Cursor,
@@ -90,8 +98,15 @@ class ShardDataModule(LightningDataModule):
         val_batch_size: int | None = None,
         verify_checksums: bool = True,
         pin_memory: bool | None = None,
+        bad_data: Literal["skip", "raise"] = "skip",
+        max_skip_fraction: float = 0.01,
     ) -> None:
         super().__init__()
+        if bad_data not in BAD_DATA_POLICIES or not 0.0 <= max_skip_fraction <= 1.0:
+            raise ValueError(
+                f"data.bad_data={bad_data!r} must be skip or raise, and data.max_skip_fraction={max_skip_fraction} "
+                f"in [0, 1]"
+            )
         check_minimums(
             global_batch_size=(global_batch_size, 1),
             micro_batch_size=(1 if micro_batch_size is None else micro_batch_size, 1),
@@ -101,7 +116,9 @@ class ShardDataModule(LightningDataModule):
             val_size=(val_size, 1),
         )
         batch_plan(global_batch_size, micro_batch_size, streams, 1)  # a config error shows before any work
-        self.manifest = Manifest.load(dir, verify_checksums=verify_checksums)
+        self.bad_data, self.max_skip_fraction = bad_data, max_skip_fraction
+        self.manifest = Manifest.load(dir, check=bad_data == "raise", verify_checksums=verify_checksums)
+        self.refused = self.manifest.problems(verify_checksums) if bad_data == "skip" else {}
         if self.manifest.fields != format.fields:
             raise ShardError(
                 f"{dir} holds samples with fields {list(self.manifest.fields)}, but {type(self).__name__} reads "
@@ -117,6 +134,33 @@ class ShardDataModule(LightningDataModule):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.batches_consumed = 0  # training micro-batches this rank has consumed
         self.cursors: dict[int, Cursor] = {}  # where each sub-stream this rank has read continues
+        self.samples_read = self.samples_skipped = 0  # by the training batches this rank consumed
+        self.check_refused_shards()
+
+    @property
+    def train_samples(self) -> int:
+        return sum(shard.samples for shard in self.manifest.shards("train"))
+
+    def check_refused_shards(self) -> None:
+        """Warn about each shard refused at start-up (missing or altered), and stop if they hold too much
+        of the training data."""
+        for name, problem in self.refused.items():
+            warnings.warn(f"shard {self.manifest.directory / name}: {problem}; it is skipped", stacklevel=2)
+        lost = sum(shard.samples for shard in self.manifest.shards("train") if shard.name in self.refused)
+        self.check_skips(lost, 0)
+
+    def check_skips(self, skipped: int, read: int) -> None:
+        """Stop if more than `max_skip_fraction` of the training samples were skipped: of those read, or,
+        while fewer than the training split holds were read, of the split (so that one bad shard read
+        early is judged against the whole data, not against the little read so far)."""
+        denominator = max(read, self.train_samples)
+        if skipped > self.max_skip_fraction * denominator:
+            raise ShardError(
+                f"{skipped} of {denominator} training samples were skipped as unusable ({skipped / denominator:.2%}), "
+                f"more than data.max_skip_fraction={self.max_skip_fraction}: the warnings above name the shards "
+                f"and samples; rebuild or remove them (`pretrain-data build`), or raise data.max_skip_fraction. "
+                f"The checkpoints saved so far are intact"
+            )
 
     def plan_for(self, world_size: int) -> BatchPlan:
         """How the global batch is split over `world_size` devices (a ValueError if it cannot be)."""
@@ -167,7 +211,20 @@ class ShardDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         """The training micro-batches of this rank, continuing from the data position."""
         rank, _ = self.rank_and_world
-        examples = ShardStream(self.manifest.urls("train"), self.format, self.seed, self.shuffle_buffer)
+        shards = self.manifest.shards("train")
+        refused = {index: self.refused[shard.name] for index, shard in enumerate(shards) if shard.name in self.refused}
+        samples = [shard.samples for shard in shards]
+        examples = ShardStream(
+            self.manifest.urls("train"), self.format, self.seed, self.shuffle_buffer, samples, refused, self.bad_data
+        )
+        sub_streams = self.streams * self.workers
+        if len(shards) < sub_streams:
+            warnings.warn(
+                f"{len(shards)} training shards for {sub_streams} sub-streams (data.streams x data.num_workers): "
+                f"several sub-streams read the same shard at once, so a step can repeat examples; build more, "
+                f"smaller shards (`pretrain-data build --max-shard-bytes`) or lower data.streams",
+                stacklevel=2,
+            )
         stream = BatchStream(examples, self.plan, rank, self.cursors, self.batches_consumed)
         return self._loader(stream, None, self.num_workers, leave_stop_signals_to_the_main_process, WaitTimedLoader)
 
@@ -176,17 +233,22 @@ class ShardDataModule(LightningDataModule):
             for sub, shard, block in batch.pop("positions").tolist():
                 self.cursors[sub] = Cursor(shard, block)
             self.batches_consumed += 1
+            self.samples_read += int(batch.pop("read"))
+            self.samples_skipped += int(batch.pop("skipped"))
         return batch
 
     def state_dict(self) -> dict[str, Any]:
         """The data position of every rank (a collective under DDP/FSDP: every rank calls it on save)."""
-        cursors = {sub: [c.shard, c.block] for rank_cursors in gather(self.cursors) for sub, c in rank_cursors.items()}
+        ranks = gather((self.cursors, self.samples_read, self.samples_skipped))
+        cursors = {sub: [c.shard, c.block] for rank_cursors, _, _ in ranks for sub, c in rank_cursors.items()}
         return {
             "format": self.STATE_FORMAT,
             "data_version": self.manifest.version,
             "topology": self.topology,
             "steps": self.batches_consumed // self.plan.accumulation,
             "cursors": [[sub, *cursor] for sub, cursor in sorted(cursors.items())],
+            "samples_read": sum(read for _, read, _ in ranks),
+            "samples_skipped": sum(skipped for _, _, skipped in ranks),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -198,6 +260,10 @@ class ShardDataModule(LightningDataModule):
                 f"{self.STATE_FORMAT}: resume it with the code revision that wrote it"
             )
         self.batches_consumed = state["steps"] * self.plan.accumulation
+        # The run's totals, on rank zero only: summed over ranks, they stay the totals.
+        first = self.rank_and_world[0] == 0
+        self.samples_read = state.get("samples_read", 0) if first else 0
+        self.samples_skipped = state.get("samples_skipped", 0) if first else 0
         if state["data_version"] != self.manifest.version:
             warnings.warn("the data changed since the checkpoint: the new data is read from its start", stacklevel=1)
             self.cursors = {}
@@ -227,7 +293,12 @@ class ShardDataModule(LightningDataModule):
     @cached_property
     def validation_set(self) -> list[Tensors]:
         """All ranks' validation examples, read once however often validation runs."""
-        return validation_examples(self.manifest.urls("validation"), self.format, self.val_size)
+        urls = [
+            str(self.manifest.directory / s.name)
+            for s in self.manifest.shards("validation")
+            if s.name not in self.refused
+        ]
+        return validation_examples(urls, self.format, self.val_size, self.bad_data)
 
     def val_dataloader(self) -> DataLoader:
         rank, world_size = self.rank_and_world

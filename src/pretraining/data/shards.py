@@ -313,7 +313,9 @@ class Manifest:
     fields: tuple[str, ...] = TEXT_FIELDS
 
     @classmethod
-    def load(cls, directory: str | Path, verify_checksums: bool = True) -> Manifest:
+    def load(cls, directory: str | Path, verify_checksums: bool = True, check: bool = True) -> Manifest:
+        """The manifest of `directory`; with `check`, refusing shards that are missing or altered (their
+        checksums are read with `verify_checksums`, sizes always)."""
         directory = Path(directory)
         path = directory / MANIFEST
         if not path.is_file():
@@ -327,21 +329,30 @@ class Manifest:
             manifest = cls(directory, raw["version"], splits, tuple(raw.get("fields", TEXT_FIELDS)))
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ShardError(f"{path} is not a valid manifest ({error}); rebuild with `pretrain-data build`") from error
-        manifest.check(verify_checksums)
+        if check:
+            manifest.check(verify_checksums)
         return manifest
 
-    def check(self, verify_checksums: bool) -> None:
-        """Every listed shard exists with its recorded size (and checksum)."""
+    def problems(self, verify_checksums: bool = True) -> dict[str, str]:
+        """What is wrong with each listed shard that is missing or does not match its entry, by name."""
+        found = {}
         for shards in self.splits.values():
             for shard in shards:
                 path = self.directory / shard.name
                 if not path.is_file():
-                    raise ShardError(f"shard {path} is listed in the manifest but missing; rebuild the shards")
-                if path.stat().st_size != shard.bytes or (verify_checksums and file_sha256(path) != shard.sha256):
-                    raise ShardError(
-                        f"shard {path} does not match its manifest entry (size or sha256 differs): it was "
-                        f"altered or truncated; rebuild the shards with `pretrain-data build`"
-                    )
+                    found[shard.name] = "missing (listed in the manifest)"
+                elif (size := path.stat().st_size) != shard.bytes:
+                    found[shard.name] = f"truncated or altered ({size} bytes, the manifest says {shard.bytes})"
+                elif verify_checksums and file_sha256(path) != shard.sha256:
+                    found[shard.name] = "altered or corrupt (its sha256 differs from the manifest's)"
+        return found
+
+    def check(self, verify_checksums: bool = True) -> None:
+        for name, problem in self.problems(verify_checksums).items():
+            raise ShardError(
+                f"shard {self.directory / name}: {problem}; rebuild the shards with `pretrain-data build` "
+                f"(or train with data.bad_data=skip to skip it)"
+            )
 
     def urls(self, split: str) -> list[str]:
         return [str(self.directory / shard.name) for shard in self.shards(split)]

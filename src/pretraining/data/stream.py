@@ -28,8 +28,11 @@ continue: a consumer that records them can restart every stream exactly
 there, skipping whole shards by arithmetic and reading only the current one.
 
 Samples that cannot be used (a missing field, text that is not UTF-8 or is
-empty) are skipped with a warning naming the shard and the sample; each
-micro-batch says how many were skipped while it was read (`skipped`).
+empty) and shards that cannot be read (truncated, corrupt, missing) are
+skipped with a warning naming the shard, the byte offset and the sample, or
+stop the run, as the bad-data policy says (`SampleReader`); each micro-batch
+says how many samples were read and skipped while it was made (`read`,
+`skipped`). Skipping is deterministic, so the exact resume holds.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import collections
 import hashlib
 import itertools
 import random
+import tarfile
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +53,7 @@ import webdataset as wds
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from pretraining.data.corpus import PAIR_FIELDS, TEXT_FIELDS
+from pretraining.data.shards import ShardError
 from pretraining.data.tokenizer import CLS_ID, EOS_ID, PAD_ID, Tokenizer
 
 T = TypeVar("T")
@@ -101,9 +106,43 @@ def buffer_shuffled(items: Iterable[T], buffer_size: int, rng: random.Random) ->
     yield from buffer
 
 
+BAD_DATA_POLICIES = ("skip", "raise")
+NAMED_SKIPS = 20  # bad samples or shards a reader names in a warning; the rest are only counted
+
+
 def read_shard(url: str) -> Iterator[dict[str, Any]]:
-    """Raw samples of one tar shard (local path, URL or `pipe:` command), undecoded."""
-    return wds.tariterators.tarfile_samples([{"url": url}])
+    """The samples of one tar shard (local path, URL or `pipe:` command), undecoded: the tar members
+    grouped by key as WebDataset groups them (`<key>.<field>`), plus `__key__` and `__offset__` (the
+    byte offset of the sample's first header, to find it in the file). A shard that cannot be read on
+    (truncated, a corrupt header, gone) raises `ShardReadError` after its last whole sample."""
+    sample: dict[str, Any] = {}
+    offset = 0
+    try:
+        with wds.gopen(url) as file, tarfile.open(fileobj=file, mode="r|*") as tar:
+            for member in tar:
+                offset = member.offset
+                if not member.isreg():
+                    continue
+                directory, _, name = member.name.rpartition("/")
+                stem, dot, field = name.partition(".")
+                key = f"{directory}/{stem}" if directory else stem
+                if sample and sample["__key__"] != key:
+                    yield sample
+                    sample = {}
+                sample = sample or {"__key__": key, "__offset__": member.offset}
+                sample[field if dot else ""] = tar.extractfile(member).read()  # type: ignore[union-attr]
+    except Exception as error:  # anything raised while parsing these bytes means they cannot be trusted
+        raise ShardReadError(url, offset, error) from error
+    if sample:
+        yield sample
+
+
+class ShardReadError(Exception):
+    """A shard that cannot be read past `offset`: truncated, a corrupt tar header, or unreadable."""
+
+    def __init__(self, url: str, offset: int, cause: BaseException) -> None:
+        super().__init__(f"{url} cannot be read past byte {offset}: {type(cause).__name__}: {cause}")
+        self.url, self.offset = url, offset
 
 
 def sample_texts(sample: dict[str, Any], fields: Sequence[str]) -> tuple[str, ...] | str:
@@ -122,25 +161,70 @@ def sample_texts(sample: dict[str, Any], fields: Sequence[str]) -> tuple[str, ..
     return tuple(texts)
 
 
-class SkipCounter:
-    """Decodes samples, dropping the unusable ones with a warning, and counts them."""
+class SampleReader:
+    """Reads the texts of `fields` from shards under a bad-data policy, counting samples as it goes.
 
-    def __init__(self) -> None:
-        self.pending = 0  # skipped since the last example handed out
+    A sample that cannot be used (a missing field, text that is not UTF-8 or is empty) and the rest of
+    a shard that cannot be read on (truncated, corrupt, gone, or refused at start-up) are, with policy
+    `skip`, dropped with a warning naming the shard, the byte offset and the sample, and counted; with
+    `raise`, they stop the run with that message. A shard's lost samples are counted from its manifest
+    entry (`samples`), or as one where that is unknown.
+    """
 
-    def decoded(self, urls: Iterable[str], fields: Sequence[str]) -> Iterator[tuple[str, ...]]:
-        for url in urls:
+    def __init__(self, fields: Sequence[str], policy: str = "skip") -> None:
+        if policy not in BAD_DATA_POLICIES:
+            raise ValueError(f"data.bad_data={policy!r} must be one of {', '.join(BAD_DATA_POLICIES)}")
+        self.fields, self.policy = tuple(fields), policy
+        self.read = self.skipped = 0  # since the last `take`
+        self.named = 0  # warnings given
+
+    def texts(self, url: str, samples: int | None = None) -> Iterator[tuple[str, ...]]:
+        """The usable texts of one shard, which holds `samples` samples (None: unknown)."""
+        seen = 0
+        try:
             for sample in read_shard(url):
-                texts = sample_texts(sample, fields)
+                seen += 1
+                self.read += 1
+                texts = sample_texts(sample, self.fields)
                 if isinstance(texts, str):
-                    self.pending += 1
-                    warnings.warn(f"skipped sample {sample.get('__key__')!r} of {url}: {texts}", stacklevel=1)
+                    self.bad(f"sample {sample['__key__']!r} of {url} at byte {sample['__offset__']}: {texts}", 1)
                     continue
                 yield texts
+        except ShardReadError as error:
+            lost = max(1, (samples or 0) - seen)
+            self.read += lost
+            self.bad(f"{error} (about {lost} samples lost)", lost)
 
-    def take(self) -> int:
-        pending, self.pending = self.pending, 0
-        return pending
+    def skip_shard(self, url: str, samples: int, reason: str) -> None:
+        """Count a whole shard refused before reading (see `pretraining.data.shards.Manifest.problems`)."""
+        self.read += samples
+        self.bad(f"shard {url}: {reason} ({samples} samples)", samples)
+
+    def bad(self, problem: str, samples: int) -> None:
+        if self.policy == "raise":
+            raise ShardError(
+                f"bad data: {problem}. data.bad_data=raise stops on it: set data.bad_data=skip to skip and count "
+                f"such samples (data/skipped_samples, stopping above data.max_skip_fraction), or rebuild the shards"
+            )
+        self.skipped += samples
+        self.named += 1
+        if self.named <= NAMED_SKIPS:
+            last = (
+                "; further ones of this stream are only counted (data/skipped_samples)"
+                if self.named == NAMED_SKIPS
+                else ""
+            )
+            warnings.warn(f"skipped {problem}{last}", stacklevel=2)
+
+    def take(self) -> tuple[int, int]:
+        """(samples read, samples skipped) since the last call."""
+        counts = self.read, self.skipped
+        self.read = self.skipped = 0
+        return counts
+
+    def all_texts(self, urls: Iterable[str]) -> Iterator[tuple[str, ...]]:
+        for url in urls:
+            yield from self.texts(url)
 
 
 class ExampleFormat(Protocol[Example]):
@@ -256,47 +340,70 @@ class TokenizedPairs:
 
 
 class StreamExample(NamedTuple):
-    """An example of a stream, the cursor that follows it, its sample id, and how many unusable
-    samples the stream skipped since the example before it (or since its start)."""
+    """An example of a stream, the cursor that follows it, its sample id, and how many samples the
+    stream read, and skipped as unusable, since the example before it (or since its start)."""
 
     cursor: Cursor
     sample_id: int
     example: Any
+    read: int
     skipped: int
 
 
 class ShardStream:
     """The examples of the shard streams over `urls`: stream `stream` of `streams` reads a fixed,
-    infinite sequence of shards (see module doc) and can restart from any `Cursor`."""
+    infinite sequence of shards (see module doc) and can restart from any `Cursor`.
 
-    def __init__(self, urls: Sequence[str], format: ExampleFormat[Any], seed: int, shuffle_buffer: int = 4096) -> None:
+    `samples` gives each shard's sample count (to count what a corrupt shard loses); `refused` the
+    shards found bad before reading (missing, or not matching their checksum) with the reason: they keep
+    their place in the order, so the position arithmetic is unchanged, and are skipped whole when their
+    turn comes. `policy` is the bad-data policy (`SampleReader`)."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        format: ExampleFormat[Any],
+        seed: int,
+        shuffle_buffer: int = 4096,
+        samples: Sequence[int] | None = None,
+        refused: Mapping[int, str] | None = None,
+        policy: str = "skip",
+    ) -> None:
         self.urls, self.format, self.seed, self.shuffle_buffer = list(urls), format, seed, shuffle_buffer
+        self.samples, self.refused, self.policy = samples, dict(refused or {}), policy
 
     def examples(self, stream: int, streams: int, start: Cursor) -> Iterator[StreamExample]:
         """The stream's examples from `start` on."""
-        skips = SkipCounter()
+        reader = SampleReader(self.format.fields, self.policy)
         empty: set[int] = set()  # shards without a whole example (the same in every epoch)
         for ordinal in itertools.count(start.shard):
             if len(empty) == len(self.urls):
-                raise ValueError(
-                    "no shard yields a whole example (too few tokens for a block, or no usable samples); "
-                    "lower data.block_size or check the shards"
+                raise ShardError(
+                    "no shard yields a whole example (too few tokens for a block, or no usable samples: see the "
+                    "warnings); lower data.block_size or rebuild the shards"
                 )
             epoch, shard = stream_shard(ordinal, stream, streams, len(self.urls), self.seed)
-            samples = skips.decoded([self.urls[shard]], self.format.fields)
+            samples = self.shard_texts(reader, shard)
             rng = seeded_rng(self.seed, epoch, shard)
             examples = buffer_shuffled(self.format.examples(samples), self.shuffle_buffer, rng)
             first = start.block if ordinal == start.shard else 0
             if first:
                 collections.deque(itertools.islice(examples, first), maxlen=0)  # consumed before the cursor
-                skips.take()  # and so were the skips they carried
+                reader.take()  # and so were the samples they counted
             had_example = first > 0
             for index, example in enumerate(examples, start=first + 1):
                 had_example = True
                 sample_id = stable_hash("sample", epoch, shard, index)
-                yield StreamExample(Cursor(ordinal, index), sample_id, example, skips.take())
+                yield StreamExample(Cursor(ordinal, index), sample_id, example, *reader.take())
             if not had_example:
                 empty.add(shard)
+
+    def shard_texts(self, reader: SampleReader, shard: int) -> Iterator[tuple[str, ...]]:
+        url, samples = self.urls[shard], self.samples[shard] if self.samples else None
+        if shard in self.refused:
+            reader.skip_shard(url, samples or 1, self.refused[shard])
+            return iter(())
+        return reader.texts(url, samples)
 
 
 @dataclass(frozen=True)
@@ -406,13 +513,16 @@ class BatchStream(IterableDataset):
 
     def collate(self, rows: list[StreamExample]) -> Tensors:
         tensors = [self.source.format.tensors(row.example) | {"sample_id": torch.tensor(row.sample_id)} for row in rows]
-        return default_collate(tensors) | {"skipped": torch.tensor(sum(row.skipped for row in rows))}
+        counts = {"read": sum(row.read for row in rows), "skipped": sum(row.skipped for row in rows)}
+        return default_collate(tensors) | {name: torch.tensor(count) for name, count in counts.items()}
 
 
-def validation_examples(urls: Sequence[str], format: ExampleFormat, max_examples: int) -> list[Tensors]:
+def validation_examples(
+    urls: Sequence[str], format: ExampleFormat, max_examples: int, policy: str = "skip"
+) -> list[Tensors]:
     """The first `max_examples` examples of the validation shards, read in manifest order as one
     stream, each with its position as `sample_id`."""
-    examples = format.examples(SkipCounter().decoded(urls, format.fields))
+    examples = format.examples(SampleReader(format.fields, policy).all_texts(urls))
     return [
         format.tensors(example) | {"sample_id": torch.tensor(index)}
         for index, example in enumerate(itertools.islice(examples, max_examples))

@@ -74,9 +74,6 @@ class PretrainingObjective(LightningModule):
         # Not `self.compile`: that is nn.Module's method.
         self.compile_blocks, self.model_configured = compile, False
         self.last_validated_step = -1
-        # Unusable samples the stream skipped on this rank, counted on the device (no host sync per step).
-        self.skipped_samples: torch.Tensor
-        self.register_buffer("skipped_samples", torch.zeros((), dtype=torch.long), persistent=False)
 
     def configure_model(self) -> None:
         """Under FSDP2 (Lightning's `ModelParallelStrategy`), shard the model by the strategy's policy
@@ -132,9 +129,6 @@ class PretrainingObjective(LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.training_loss(batch)
         self.log("train/loss", loss, prog_bar=True)
-        if "skipped" in batch:
-            self.skipped_samples += batch["skipped"].sum()
-            self.log("data/skipped_samples", self.skipped_samples.float(), reduce_fx="sum", sync_dist=True)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:

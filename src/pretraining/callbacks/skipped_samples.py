@@ -1,0 +1,34 @@
+"""The count of unusable training samples, on the logs, and the limit on it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+
+class SkippedSamples(Callback):
+    """Every `trainer.log_every_n_steps` optimizer steps and at the last, sum over all ranks the
+    samples the training stream read and skipped (`ShardDataModule.samples_read`, `samples_skipped`),
+    log `data/skipped_samples` and `data/samples_read`, and stop the run if too many were skipped
+    (`ShardDataModule.check_skips`). One small all-reduce, at the same steps on every rank, so that
+    all stop together. `train.py` adds it to every run: it enforces the data config's policy.
+    """
+
+    def __init__(self) -> None:
+        self.checked_step = -1
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        due = step % trainer.log_every_n_steps == 0 or step >= trainer.max_steps  # type: ignore[attr-defined]
+        if step == self.checked_step or not due:  # mid-accumulation, or already checked at this step
+            return
+        self.checked_step = step
+        data = trainer.datamodule  # type: ignore[attr-defined]
+        counts = torch.tensor([data.samples_read, data.samples_skipped], device=pl_module.device)
+        read, skipped = trainer.strategy.reduce(counts, reduce_op="sum").tolist()
+        pl_module.log_dict({"data/samples_read": float(read), "data/skipped_samples": float(skipped)})
+        data.check_skips(skipped, read)

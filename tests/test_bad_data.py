@@ -1,0 +1,305 @@
+"""Bad data: corrupt, truncated and missing shards, unusable samples, too few shards. With
+`data.bad_data=skip` (the default) they are skipped, named in a warning and counted, the run
+stops once more than `data.max_skip_fraction` was skipped, and the exact resume holds; with
+`raise` the first one stops the run. A fuzz test mutates shards at random."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+import signal
+import tarfile
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ComposeTrain
+from pretraining.checkpoint import saved_checkpoints, sha256_of, verify
+from pretraining.data.corpus import TEXT_FIELDS, Document, stdlib_root
+from pretraining.data.datamodule import BlockDataModule
+from pretraining.data.shards import MANIFEST, BuildSettings, Manifest, ShardError, build_shards
+from pretraining.data.stream import (
+    Cursor,
+    PackedBlocks,
+    SampleReader,
+    ShardReadError,
+    ShardStream,
+    read_shard,
+    stream_shard,
+)
+from pretraining.data.tokenizer import ByteTokenizer
+from pretraining.train import train
+
+SHARD_SAMPLES = 5
+BAD_SAMPLES = [  # each an unusable sample: named, skipped and counted
+    {"json": b"{}"},  # no text field
+    {"txt": b"caf\xe9 au lait", "json": b"{}"},  # not UTF-8
+    {"txt": b"  \n ", "json": b"{}"},  # empty
+]
+
+
+def tar_of(samples: list[dict[str, bytes]], prefix: str) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        for number, sample in enumerate(samples):
+            for field, data in sample.items():
+                info = tarfile.TarInfo(f"{prefix}-{number:04d}.{field}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def replace_shard(directory: Path, name: str, data: bytes, samples: int | None = None) -> None:
+    """Write `data` as shard `name` and record its size and checksum (and sample count) in the manifest,
+    as shards written by another tool would be: only reading them shows what is wrong."""
+    (directory / name).write_bytes(data)
+    manifest = json.loads((directory / MANIFEST).read_text())
+    for split in manifest["splits"].values():
+        for shard in split["shards"]:
+            if shard["name"] == name:
+                shard.update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+                shard["samples"] = shard["samples"] if samples is None else samples
+    (directory / MANIFEST).write_text(json.dumps(manifest))
+
+
+def build_text_shards(out: Path, documents: int = 50, shard_samples: int = SHARD_SAMPLES) -> Manifest:
+    """Shards of `shard_samples` documents of 200 characters each (a tenth of them for validation)."""
+    source = (stdlib_root() / "json" / "decoder.py").read_text() * 3
+    docs = [Document(f"doc{i}", {"txt": source[i * 200 : (i + 1) * 200]}) for i in range(documents)]
+    build_shards(docs, out, ["json/decoder.py"], BuildSettings(0.1, max_shard_samples=shard_samples), False)
+    return Manifest.load(out)
+
+
+def member_offset(tar: bytes, prefix: str) -> int:
+    """The offset of the header of the first member of `tar` whose name starts with `prefix`."""
+    with tarfile.open(fileobj=io.BytesIO(tar)) as opened:
+        return next(member.offset for member in opened.getmembers() if member.name.startswith(prefix))
+
+
+@pytest.fixture(scope="module")
+def bad_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Text shards in which every training shard holds the three unusable samples among its good ones,
+    and the second is cut short in its sixth sample (its manifest entry still counting all of them)."""
+    out = tmp_path_factory.mktemp("data") / "bad"
+    manifest = build_text_shards(out)
+    for number, url in enumerate(manifest.urls("train")):
+        good = [{k: v for k, v in s.items() if not k.startswith("__")} for s in read_shard(url)]
+        samples = good[:2] + BAD_SAMPLES + good[2:]
+        data = tar_of(samples, Path(url).stem)
+        if number == 1:
+            data = data[: member_offset(data, f"{Path(url).stem}-0005") + 700]  # inside sample 5's first member
+        replace_shard(out, Path(url).name, data, len(samples))
+    return out
+
+
+def test_a_truncated_shard_yields_its_whole_samples_then_names_its_offset(bad_shards: Path) -> None:
+    url = Manifest.load(bad_shards).urls("train")[1]
+    seen = []
+    with pytest.raises(ShardReadError, match=rf"{url} cannot be read past byte \d+: ReadError"):
+        seen.extend(read_shard(url))
+    assert [sample["__key__"] for sample in seen] == [f"train-000001-{n:04d}" for n in range(5)]
+    assert seen[1]["__offset__"] == 2 * 1024  # a good sample: two members of one header and one data block
+
+
+def test_skip_counts_every_sample_read_and_lost_and_names_shard_and_offset(bad_shards: Path) -> None:
+    urls = Manifest.load(bad_shards).urls("train")
+    reader = SampleReader(TEXT_FIELDS, "skip")
+    with pytest.warns(UserWarning) as caught:
+        texts = list(reader.texts(urls[0], 8)) + list(reader.texts(urls[1], 8))
+    assert len(texts) == 5 + 2  # the first shard's good samples, the second's before the cut
+    assert reader.take() == (16, 9)  # 8 read in each; 3 unusable, then 3 unusable + 3 lost to the cut
+    messages = [str(w.message) for w in caught]
+    assert any(f"sample 'train-000000-0002' of {urls[0]} at byte 4096: no 'txt' field" in m for m in messages)
+    assert any("'train-000000-0003'" in m and "'txt' is not UTF-8" in m for m in messages)
+    assert any("'train-000000-0004'" in m and "'txt' is empty" in m for m in messages)
+    assert any(f"{urls[1]} cannot be read past byte" in m and "about 3 samples lost" in m for m in messages)
+
+
+def test_raise_stops_on_the_first_bad_sample_with_the_fix(bad_shards: Path) -> None:
+    url = Manifest.load(bad_shards).urls("train")[0]
+    reader = SampleReader(TEXT_FIELDS, "raise")
+    texts = reader.texts(url, 8)
+    assert len([next(texts), next(texts)]) == 2
+    with pytest.raises(ShardError, match=r"'train-000000-0002' .* no 'txt' field.*set data.bad_data=skip"):
+        next(texts)
+
+
+def test_a_shard_refused_at_start_keeps_its_place_and_is_skipped_whole(tmp_path: Path) -> None:
+    manifest = build_text_shards(tmp_path / "shards")
+    urls, format = manifest.urls("train"), PackedBlocks(ByteTokenizer(), 32)
+    full = ShardStream(urls, format, seed=3, samples=[5] * len(urls))
+    refused = ShardStream(urls, format, seed=3, samples=[5] * len(urls), refused={2: "missing"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing else is skipped
+        reference = list(take(full.examples(0, 1, Cursor()), 200))
+    with pytest.warns(UserWarning, match=rf"skipped shard {urls[2]}: missing \(5 samples\)"):
+        skipped = list(take(refused.examples(0, 1, Cursor()), 200))
+    # The other shards' examples, in the same order and at the same cursors: the position arithmetic holds.
+    refused_ordinals = {k for k in range(100) if stream_shard(k, 0, 1, len(urls), 3)[1] == 2}
+    kept = [(e.cursor, e.example) for e in reference if e.cursor.shard not in refused_ordinals]
+    assert [(e.cursor, e.example) for e in skipped][: len(kept)] == kept
+    assert not {e.cursor.shard for e in skipped} & refused_ordinals
+    assert sum(e.skipped for e in skipped) >= 5 and sum(e.skipped for e in reference) == 0
+
+
+def take(examples: Iterator, count: int) -> Iterator:
+    return (example for example, _ in zip(examples, range(count), strict=False))
+
+
+# --- fuzzing ----------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def deadline(seconds: int) -> Iterator[None]:
+    """Fail, instead of hanging, if the block runs longer than `seconds`."""
+
+    def expire(*_: object) -> None:
+        raise TimeoutError(f"the shard reader ran past {seconds} s: a hang")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def mutated(data: bytes, rng: random.Random) -> bytes:
+    """`data` truncated at a random byte, or with random bytes flipped, or both."""
+    kind = rng.choice(("truncate", "flip", "both"))
+    if kind != "flip":
+        data = data[: rng.randrange(len(data))]
+    if kind != "truncate" and data:
+        flipped = bytearray(data)
+        for _ in range(rng.randint(1, 16)):
+            flipped[rng.randrange(len(flipped))] ^= 1 << rng.randrange(8)
+        data = bytes(flipped)
+    return data
+
+
+def fuzz_shard_reader(tmp_path: Path, mutations: int, seed: int) -> None:
+    """Every mutation of a real shard reads, under `skip`, without an exception, every sample read
+    either used or counted as skipped; under `raise`, it reads the same texts until a `ShardError`."""
+    manifest = build_text_shards(tmp_path / "shards", documents=10)
+    original = (manifest.directory / manifest.shards("train")[0].name).read_bytes()
+    rng, path = random.Random(seed), tmp_path / "mutated.tar"
+    outcomes = set()
+    with deadline(max(30, mutations // 10)), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(mutations):
+            path.write_bytes(mutated(original, rng))
+            skipping = SampleReader(TEXT_FIELDS, "skip")
+            texts = list(skipping.texts(str(path), SHARD_SAMPLES))
+            read, skipped = skipping.take()
+            assert read >= 1 and read - skipped == len(texts) and all(isinstance(t, str) for (t,) in texts)
+            raising, strict = SampleReader(TEXT_FIELDS, "raise").texts(str(path), SHARD_SAMPLES), []
+            try:
+                strict.extend(raising)
+            except ShardError as error:
+                assert str(path) in str(error) and "data.bad_data=skip" in str(error)
+                outcomes.add("raised")
+            assert texts[: len(strict)] == strict and (skipped > 0 or strict == texts)
+            outcomes.add("skipped" if skipped else "clean")
+    assert outcomes == {"raised", "skipped", "clean"}  # the mutations reached every outcome
+
+
+def test_fuzz_the_shard_reader(tmp_path: Path) -> None:
+    fuzz_shard_reader(tmp_path, mutations=400, seed=0)
+
+
+@pytest.mark.slow
+def test_fuzz_the_shard_reader_longer(tmp_path: Path) -> None:
+    fuzz_shard_reader(tmp_path, mutations=20_000, seed=1)
+
+
+# --- runs ----------------------------------------------------------------------------------------------------
+
+
+def final_data_state(run: Path) -> dict:
+    (_, newest), *_ = saved_checkpoints(run / "checkpoints")
+    return torch.load(newest, weights_only=True)["BlockDataModule"]
+
+
+def test_a_run_skips_counts_and_logs_bad_samples(compose_train: ComposeTrain, tmp_path: Path, bad_shards: Path) -> None:
+    with pytest.warns(UserWarning, match=r"skipped sample '.*' of .* at byte \d+: "):
+        train(compose_train(f"data.dir={bad_shards}", "data.max_skip_fraction=1.0", "trainer.log_every_n_steps=1"))
+    state = final_data_state(tmp_path)
+    assert state["samples_skipped"] > 0 and state["samples_read"] > state["samples_skipped"]
+    with (tmp_path / "csv" / "metrics.csv").open() as file:
+        logged = [row for row in csv_rows(file) if row.get("data/skipped_samples")]
+    assert float(logged[-1]["data/skipped_samples"]) == state["samples_skipped"]
+    assert float(logged[-1]["data/samples_read"]) == state["samples_read"]
+
+
+def csv_rows(file: io.TextIOBase) -> list[dict[str, str]]:
+    import csv
+
+    return list(csv.DictReader(file))
+
+
+def test_too_many_skipped_samples_stop_the_run_keeping_its_checkpoints(
+    compose_train: ComposeTrain, tmp_path: Path, bad_shards: Path
+) -> None:
+    overrides = [f"data.dir={bad_shards}", "data.max_skip_fraction=0.3", "trainer.max_steps=40"]
+    overrides += ["callbacks.checkpoint.every_n_steps=2", "trainer.log_every_n_steps=2"]
+    with pytest.warns(UserWarning), pytest.raises(ShardError) as stopped:
+        train(compose_train(*overrides))
+    assert "training samples were skipped as unusable" in str(stopped.value)
+    assert "more than data.max_skip_fraction=0.3" in str(stopped.value) and "The checkpoints saved so far are intact"
+    checkpoints = saved_checkpoints(tmp_path / "checkpoints")
+    assert checkpoints, "the run stopped before its first checkpoint: the test no longer shows they survive"
+    for _, path in checkpoints:
+        verify(path)
+    assert checkpoints[0][0] < 40
+
+
+def test_bad_shards_at_start_skip_or_stop(compose_train: ComposeTrain, tmp_path: Path) -> None:
+    data = tmp_path / "shards"
+    manifest = build_text_shards(data, documents=200)
+    missing, altered = (data / shard.name for shard in manifest.shards("train")[:2])
+    missing.unlink()
+    flipped = bytearray(altered.read_bytes())
+    flipped[700] ^= 0xFF
+    altered.write_bytes(bytes(flipped))
+    before = {path.name: sha256_of(path) for path in data.iterdir()}
+    with pytest.raises(ShardError, match=rf"{missing.name}: missing \(listed in the manifest\).*bad_data=skip"):
+        train(compose_train(f"data.dir={data}", "data.bad_data=raise"))
+    # 2 of about 36 shards: too many for the default 1%, fine for 10%.
+    with pytest.warns(UserWarning, match=altered.name), pytest.raises(ShardError, match=r"max_skip_fraction=0\.01"):
+        train(compose_train(f"data.dir={data}"))
+    with pytest.warns(UserWarning) as caught:
+        train(compose_train(f"data.dir={data}", "data.max_skip_fraction=0.1", "trainer.max_steps=6"))
+    messages = [str(w.message) for w in caught]
+    assert any(f"{altered.name}: altered or corrupt (its sha256 differs" in m and "skipped" in m for m in messages)
+    assert {path.name: sha256_of(path) for path in data.iterdir()} == before  # nothing rewritten or removed
+
+
+def test_fewer_shards_than_sub_streams_warns_and_trains(compose_train: ComposeTrain, tmp_path: Path) -> None:
+    data = tmp_path / "shards"
+    manifest = build_text_shards(data, documents=20, shard_samples=100)
+    assert len(manifest.shards("train")) == 1
+    with pytest.warns(UserWarning, match=r"1 training shards for 8 sub-streams .* build more, smaller shards"):
+        train(compose_train(f"data.dir={data}", "data.streams=4", "data.num_workers=2", "trainer.max_steps=6"))
+    assert final_data_state(tmp_path)["steps"] == 6
+
+
+def test_the_counts_travel_in_the_data_position(bad_shards: Path) -> None:
+    data = BlockDataModule(str(bad_shards), ByteTokenizer(), block_size=32, global_batch_size=4, streams=2)
+    batch = {"positions": torch.tensor([[0, 1, 3]]), "read": torch.tensor(9), "skipped": torch.tensor(2)}
+    assert data.on_before_batch_transfer(dict(batch), 0).keys() == set()  # the objective sees none of it
+    data.on_before_batch_transfer(dict(batch, read=torch.tensor(4), skipped=torch.tensor(0)), 0)
+    state = data.state_dict()
+    assert (state["samples_read"], state["samples_skipped"]) == (13, 2)
+    again = BlockDataModule(str(bad_shards), ByteTokenizer(), block_size=32, global_batch_size=4, streams=2)
+    again.load_state_dict(state)
+    assert (again.samples_read, again.samples_skipped) == (13, 2)
+    with pytest.raises(ShardError, match=r"3 of \d+ training samples were skipped"):
+        again.check_skips(3, 10)
+    again.check_skips(0, 10)
