@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ComposeTrain
+from conftest import ComposeTrain, tiny_run
 from pretraining.checkpoint import saved_checkpoints, sha256_of, verify
 from pretraining.data.corpus import TEXT_FIELDS, Document, stdlib_root
 from pretraining.data.datamodule import BlockDataModule
@@ -35,6 +35,7 @@ from pretraining.data.stream import (
 )
 from pretraining.data.tokenizer import ByteTokenizer
 from pretraining.train import train
+from test_resume import RESUMABLE, kill_twice_and_compare, run_dir
 
 SHARD_SAMPLES = 5
 BAD_SAMPLES = [  # each an unusable sample: named, skipped and counted
@@ -303,3 +304,19 @@ def test_the_counts_travel_in_the_data_position(bad_shards: Path) -> None:
     with pytest.raises(ShardError, match=r"3 of \d+ training samples were skipped"):
         again.check_skips(3, 10)
     again.check_skips(0, 10)
+
+
+@pytest.mark.slow  # about 40 s; tests/test_pairs.py shows a stream restarted at any cursor counts its skips exactly
+def test_skipping_keeps_the_exact_resume(tmp_path: Path, bad_shards: Path) -> None:
+    """Killed and restarted, a run over bad shards trains on the same batches with the same losses and
+    weights as an uninterrupted one, and ends with the same counts (skips after the restart included)."""
+    overrides = [*tiny_run(), *RESUMABLE, f"data.dir={bad_shards}", "data.max_skip_fraction=1.0"]
+    kill_twice_and_compare(tmp_path, overrides, kills=(9,), max_steps=12)
+    counts = {}
+    for run in ("reference", "killed"):
+        checkpoints = dict(saved_checkpoints(run_dir(tmp_path, run) / "checkpoints"))
+        states = [torch.load(checkpoints[step], weights_only=True)["BlockDataModule"] for step in (8, 12)]
+        counts[run] = [(state["samples_read"], state["samples_skipped"]) for state in states]
+    assert counts["killed"] == counts["reference"]
+    (read_8, skipped_8), (read_12, skipped_12) = counts["reference"]
+    assert 0 < skipped_8 < skipped_12 and read_8 < read_12  # skips before the kill's checkpoint and after it
