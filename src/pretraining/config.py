@@ -97,7 +97,10 @@ def redact_secrets(config: Any, environment: Mapping[str, str] | None = None) ->
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Stop before any work if values from different groups contradict each other."""
+    """Stop before any work if a value does not fit the schema (`pretraining.schema`), or values from
+    different groups contradict each other."""
+    from pretraining.schema import TrainSettings, check_schema  # it imports the modules that import this one
+
     # data=text and data=pairs (and the large presets) leave it to you; other groups interpolate it
     # (tokenizer.path), so OmegaConf alone would name the wrong key.
     if OmegaConf.is_missing(cfg.data, "dir"):
@@ -105,6 +108,7 @@ def check_config(cfg: DictConfig) -> None:
             "data.dir is not set: pass data.dir=<shard directory> (built with `pretrain-data build --out <dir>`, "
             "plus `pretrain-data tokenizer --data <dir>` for tokenizer=bpe)"
         )
+    check_schema(cfg, TrainSettings, "configs/train.yaml")
     max_steps, warmup_steps = cfg.trainer.max_steps, cfg.model.warmup_steps
     if max_steps <= 0:
         raise ConfigError(
