@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
+from hydra.errors import CompactHydraException, InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -56,8 +56,9 @@ OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=Tr
 OmegaConf.register_new_resolver("sweep_name", run_name, use_cache=True, replace=True)
 
 
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and the fix."""
+class ConfigError(ValueError, CompactHydraException):
+    """A config value that cannot work; the message names the key and the fix. A Hydra application
+    prints it alone, without a traceback (HYDRA_FULL_ERROR=1 shows one)."""
 
 
 # Names of keys and environment variables that hold credentials: `api_key`, `HF_TOKEN`, `db_password`,
