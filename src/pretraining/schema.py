@@ -140,6 +140,7 @@ def check_node(values: dict[str, Any], target: Callable[..., Any], key: str, wha
 
 
 def check_value(value: Any, annotation: Any, key: str) -> None:
+    """Check one value: a `_target_` node against its target, anything else against `annotation`."""
     if value is UNSET:
         return
     if isinstance(value, dict) and "_target_" in value:
