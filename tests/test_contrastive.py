@@ -224,7 +224,7 @@ def test_refuses_bad_settings_and_a_single_pair() -> None:
     for key, value in [("pool_size", 0), ("embed_dim", 0)]:
         with pytest.raises(ValueError, match=rf"model\.{key}=0 must be at least 1"):
             tiny_contrastive(**{key: value})
-    with pytest.raises(ValueError, match=r"model\.recall_at=0 must be at least 1"):
+    with pytest.raises(ValueError, match=r"model\.recall_at\[1\]=0 must be at least 1"):
         tiny_contrastive(recall_at=(1, 0))
     with pytest.raises(ValueError, match=r"at least 2 pairs.*data\.global_batch_size"):
         tiny_contrastive().training_loss(pair_batch(1))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
+from hydra.errors import CompactHydraException, InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -56,8 +56,9 @@ OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=Tr
 OmegaConf.register_new_resolver("sweep_name", run_name, use_cache=True, replace=True)
 
 
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key and the fix."""
+class ConfigError(ValueError, CompactHydraException):
+    """A config value that cannot work; the message names the key and the fix. A Hydra application
+    prints it alone, without a traceback (HYDRA_FULL_ERROR=1 shows one)."""
 
 
 # Names of keys and environment variables that hold credentials: `api_key`, `HF_TOKEN`, `db_password`,
@@ -97,7 +98,10 @@ def redact_secrets(config: Any, environment: Mapping[str, str] | None = None) ->
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Stop before any work if values from different groups contradict each other."""
+    """Stop before any work if a value does not fit the schema (`pretraining.schema`), or values from
+    different groups contradict each other."""
+    from pretraining.schema import TrainSettings, check_schema  # it imports the modules that import this one
+
     # data=text and data=pairs (and the large presets) leave it to you; other groups interpolate it
     # (tokenizer.path), so OmegaConf alone would name the wrong key.
     if OmegaConf.is_missing(cfg.data, "dir"):
@@ -105,6 +109,7 @@ def check_config(cfg: DictConfig) -> None:
             "data.dir is not set: pass data.dir=<shard directory> (built with `pretrain-data build --out <dir>`, "
             "plus `pretrain-data tokenizer --data <dir>` for tokenizer=bpe)"
         )
+    check_schema(cfg, TrainSettings, "configs/train.yaml")
     max_steps, warmup_steps = cfg.trainer.max_steps, cfg.model.warmup_steps
     if max_steps <= 0:
         raise ConfigError(

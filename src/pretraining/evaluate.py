@@ -22,6 +22,7 @@ from pretraining.callbacks.lineage import READABLE_LINEAGE_FORMATS
 from pretraining.checkpoint import load_sharded, sidecar_path, verify
 from pretraining.config import CONFIG_DIR, ConfigError, build
 from pretraining.objectives import CausalLM, build_objective
+from pretraining.schema import EvalSettings, check_schema
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -76,6 +77,7 @@ def build_from_checkpoint(
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Validation metrics of `cfg.ckpt_path` and a sample, also written to metrics.json."""
+    check_schema(cfg, EvalSettings, "configs/eval.yaml")
     checkpoint = load_checkpoint(cfg.ckpt_path)
     overrides = {key: value for key, value in (("dir", cfg.data_dir), ("val_size", cfg.val_size)) if value is not None}
     model, datamodule = build_from_checkpoint(checkpoint, overrides, cfg.tokenizer_path)

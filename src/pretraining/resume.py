@@ -17,17 +17,20 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from pretraining.checkpoint import CheckpointError, newest_verified, verify
 from pretraining.config import ConfigError
 
-RESUME_MODES = ("auto", "never")
+ResumeMode = Literal["auto", "never"]
+RESUME_MODES = get_args(ResumeMode)
+# A deliberate change a resume accepts when `resume_allow` names it.
+Change = Literal["data", "tokenizer", "topology"]
 # What a resume compares (the lineage key, and the fix for a difference); each may be named in
 # `resume_allow` to accept a deliberate change. Parameter shapes are compared too and never accepted.
-FIT_CHECKS = {
+FIT_CHECKS: dict[Change, tuple[str, str]] = {
     "data": ("data_version", "point data.dir at the shards it was trained on"),
     "tokenizer": ("tokenizer_fingerprint", "use the tokenizer it was trained with"),
     "topology": (
@@ -36,7 +39,7 @@ FIT_CHECKS = {
         "data.micro_batch_size), data.shuffle_buffer, sequence lengths and seed",
     ),
 }
-ALLOWABLE_CHANGES = tuple(FIT_CHECKS)
+ALLOWABLE_CHANGES = get_args(Change)
 
 
 def checkpoint_to_resume(

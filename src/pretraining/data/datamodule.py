@@ -32,7 +32,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from functools import cached_property
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 from lightning.pytorch import LightningDataModule
@@ -40,7 +40,6 @@ from torch.utils.data import DataLoader
 
 from pretraining.data.shards import Manifest, ShardError
 from pretraining.data.stream import (
-    BAD_DATA_POLICIES,
     BatchPlan,
     BatchStream,
     Cursor,
@@ -54,6 +53,7 @@ from pretraining.data.stream import (
 )
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.distributed import gather
+from pretraining.schema import Range, check_ranges
 
 
 def leave_stop_signals_to_the_main_process(worker_id: int) -> None:
@@ -66,11 +66,8 @@ def leave_stop_signals_to_the_main_process(worker_id: int) -> None:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
-def check_minimums(**values: tuple[int, int]) -> None:
-    """Raise naming the `data.` key of any value below its minimum."""
-    for key, (value, minimum) in values.items():
-        if value < minimum:
-            raise ValueError(f"data.{key}={value} must be at least {minimum}")
+Positive = Annotated[int, Range(ge=1)]
+SideLength = Annotated[int, Range(ge=2)]  # two tokens at least: CLS and one of the text
 
 
 class ShardDataModule(LightningDataModule):
@@ -88,33 +85,21 @@ class ShardDataModule(LightningDataModule):
         dir: str,
         tokenizer: Tokenizer,
         format: ExampleFormat[Any],
-        global_batch_size: int,
-        micro_batch_size: int | None = None,
-        streams: int = 1,
+        global_batch_size: Positive,
+        micro_batch_size: Positive | None = None,
+        streams: Positive = 1,
         seed: int = 0,
-        num_workers: int = 1,
-        shuffle_buffer: int = 4096,
-        val_size: int = 64,
-        val_batch_size: int | None = None,
+        num_workers: Annotated[int, Range(ge=0)] = 1,
+        shuffle_buffer: Positive = 4096,
+        val_size: Positive = 64,
+        val_batch_size: Positive | None = None,
         verify_checksums: bool = True,
         pin_memory: bool | None = None,
         bad_data: Literal["skip", "raise"] = "skip",
-        max_skip_fraction: float = 0.01,
+        max_skip_fraction: Annotated[float, Range(ge=0, le=1)] = 0.01,
     ) -> None:
         super().__init__()
-        if bad_data not in BAD_DATA_POLICIES or not 0.0 <= max_skip_fraction <= 1.0:
-            raise ValueError(
-                f"data.bad_data={bad_data!r} must be skip or raise, and data.max_skip_fraction={max_skip_fraction} "
-                f"in [0, 1]"
-            )
-        check_minimums(
-            global_batch_size=(global_batch_size, 1),
-            micro_batch_size=(1 if micro_batch_size is None else micro_batch_size, 1),
-            streams=(streams, 1),
-            num_workers=(num_workers, 0),
-            shuffle_buffer=(shuffle_buffer, 1),
-            val_size=(val_size, 1),
-        )
+        check_ranges(ShardDataModule.__init__, locals(), "data")
         batch_plan(global_batch_size, micro_batch_size, streams, 1)  # a config error shows before any work
         self.bad_data, self.max_skip_fraction = bad_data, max_skip_fraction
         self.manifest = Manifest.load(dir, check=bad_data == "raise", verify_checksums=verify_checksums)
@@ -370,12 +355,12 @@ class BlockDataModule(ShardDataModule):
         self,
         dir: str,
         tokenizer: Tokenizer,
-        block_size: int,
-        global_batch_size: int | None = None,
-        global_batch_tokens: int | None = None,
+        block_size: Positive,
+        global_batch_size: Positive | None = None,
+        global_batch_tokens: Positive | None = None,
         **options: Any,
     ) -> None:
-        check_minimums(block_size=(block_size, 1))
+        check_ranges(BlockDataModule.__init__, locals(), "data")
         blocks = global_batch_blocks(global_batch_size, global_batch_tokens, block_size)
         super().__init__(dir, tokenizer, PackedBlocks(tokenizer, block_size), blocks, **options)
         self.block_size = block_size
@@ -384,8 +369,9 @@ class BlockDataModule(ShardDataModule):
 class PairDataModule(ShardDataModule):
     """(query, passage) pairs from pair shards, each side truncated to its own length (contrastive)."""
 
-    def __init__(self, dir: str, tokenizer: Tokenizer, query_len: int, passage_len: int, **options: Any) -> None:
-        # Two tokens at least: CLS and one of the text.
-        check_minimums(query_len=(query_len, 2), passage_len=(passage_len, 2))
+    def __init__(
+        self, dir: str, tokenizer: Tokenizer, query_len: SideLength, passage_len: SideLength, **options: Any
+    ) -> None:
+        check_ranges(PairDataModule.__init__, locals(), "data")
         super().__init__(dir, tokenizer, TokenizedPairs(tokenizer, query_len, passage_len), **options)
         self.query_len, self.passage_len = query_len, passage_len

@@ -9,11 +9,16 @@ tied to the token embedding.
 from __future__ import annotations
 
 import math
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from pretraining.schema import Range, check_ranges
+
+Positive = Annotated[int, Range(ge=1)]
 
 
 class SelfAttention(nn.Module):
@@ -87,21 +92,17 @@ class Transformer(nn.Module):
 
     def __init__(
         self,
-        vocab_size: int,
-        max_seq_len: int = 256,
-        d_model: int = 128,
-        n_layer: int = 4,
-        n_head: int = 4,
-        dropout: float = 0.0,
+        vocab_size: Positive,
+        max_seq_len: Positive = 256,
+        d_model: Positive = 128,
+        n_layer: Positive = 4,
+        n_head: Positive = 4,
+        dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0,
         bias: bool = False,
         causal: bool = True,
     ) -> None:
+        check_ranges(Transformer.__init__, locals(), "model.backbone")
         super().__init__()
-        for key, value in [("vocab_size", vocab_size), ("max_seq_len", max_seq_len), ("n_layer", n_layer)]:
-            if value < 1:
-                raise ValueError(f"model.backbone.{key}={value} must be positive")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"model.backbone.dropout={dropout} must be in [0, 1)")
         self.vocab_size, self.max_seq_len, self.n_layer, self.causal = vocab_size, max_seq_len, n_layer, causal
         self.d_model = d_model
         padded_vocab = math.ceil(vocab_size / 64) * 64

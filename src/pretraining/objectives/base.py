@@ -17,7 +17,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, ClassVar, NamedTuple, cast
+from typing import Annotated, Any, ClassVar, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,12 @@ from pretraining.config import ConfigError, build
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.models.transformer import Block, Transformer
 from pretraining.parallel import FSDP2Strategy, ShardingPolicy, shard
+from pretraining.schema import Range, check_ranges
+
+# The ranges of settings objectives share; a subclass repeats them in its signature, which the schema reads.
+WarmupSteps = Annotated[int, Range(ge=0)]
+LRRatio = Annotated[float, Range(ge=0, le=1)]
+ChunkTokens = Annotated[int, Range(ge=1)] | None  # null: the head and loss over all tokens at once
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -57,16 +63,13 @@ class PretrainingObjective(LightningModule):
         self,
         backbone: Transformer,
         optimizer: Callable[..., Optimizer],
-        warmup_steps: int = 100,
-        min_lr_ratio: float = 0.1,
+        warmup_steps: WarmupSteps = 100,
+        min_lr_ratio: LRRatio = 0.1,
         validation_state: Mapping[str, Metric] | None = None,
         compile: bool = False,
     ) -> None:
+        check_ranges(PretrainingObjective.__init__, locals(), "model")
         super().__init__()
-        if warmup_steps < 0 or not 0.0 <= min_lr_ratio <= 1.0:
-            raise ValueError(
-                f"model.warmup_steps={warmup_steps} must be >= 0 and model.min_lr_ratio={min_lr_ratio} in [0, 1]"
-            )
         self.backbone = backbone
         self.optimizer_factory = optimizer
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
@@ -223,11 +226,6 @@ def lm_cross_entropy(
 
 def _summed_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor, ignore: int) -> torch.Tensor:
     return F.cross_entropy(F.linear(hidden, head).float(), targets, ignore_index=ignore, reduction="sum")
-
-
-def check_chunk_tokens(chunk_tokens: int | None) -> None:
-    if chunk_tokens is not None and chunk_tokens < 1:
-        raise ValueError(f"model.loss_chunk_tokens={chunk_tokens} must be null (no chunking) or a positive count")
 
 
 def build_objective(node: Any, tokenizer: Tokenizer, data_kind: str) -> PretrainingObjective:

@@ -10,7 +10,8 @@ from torch.optim import Optimizer
 
 from pretraining.data.tokenizer import EOS_ID, Tokenizer
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import PretrainingObjective, check_chunk_tokens, lm_cross_entropy, sums
+from pretraining.objectives.base import ChunkTokens, LRRatio, PretrainingObjective, WarmupSteps, lm_cross_entropy, sums
+from pretraining.schema import check_ranges
 
 
 class CausalLM(PretrainingObjective):
@@ -24,14 +25,14 @@ class CausalLM(PretrainingObjective):
         self,
         backbone: Transformer,
         optimizer: Callable[..., Optimizer],
-        warmup_steps: int = 100,
-        min_lr_ratio: float = 0.1,
+        warmup_steps: WarmupSteps = 100,
+        min_lr_ratio: LRRatio = 0.1,
         compile: bool = False,
-        loss_chunk_tokens: int | None = None,
+        loss_chunk_tokens: ChunkTokens = None,
     ) -> None:
+        check_ranges(CausalLM.__init__, locals(), "model")
         if not backbone.causal:
             raise ValueError("CausalLM needs a causal backbone: set model.backbone.causal=true")
-        check_chunk_tokens(loss_chunk_tokens)
         super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, sums("nll", "tokens", "bytes"), compile)
         self.loss_chunk_tokens = loss_chunk_tokens
 

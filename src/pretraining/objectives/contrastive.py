@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Sequence
+from typing import Annotated, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,12 @@ from torchmetrics import CatMetric
 
 from pretraining.data.tokenizer import PAD_ID
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import BatchWork, PretrainingObjective, masked_mean
+from pretraining.objectives.base import BatchWork, LRRatio, PretrainingObjective, WarmupSteps, masked_mean
+from pretraining.schema import Range, check_ranges
+
+Count = Annotated[int, Range(ge=1)]
+Pooling = Literal["mean", "first"]
+Loss = Literal["clip", "sigmoid"]
 
 MAX_LOGIT_SCALE = math.log(100)
 
@@ -107,27 +113,25 @@ class Contrastive(PretrainingObjective):
         self,
         backbone: Transformer,
         optimizer: Callable[..., Optimizer],
-        warmup_steps: int = 100,
-        min_lr_ratio: float = 0.1,
-        embed_dim: int = 128,
-        pooling: str = "mean",
+        warmup_steps: WarmupSteps = 100,
+        min_lr_ratio: LRRatio = 0.1,
+        embed_dim: Count = 128,
+        pooling: Pooling = "mean",
         shared_towers: bool = True,
-        loss: str = "clip",
+        loss: Loss = "clip",
         init_logit_scale: float | None = None,
         init_logit_bias: float = -10.0,
-        recall_at: Sequence[int] = (1, 5, 10),
-        pool_size: int = 1000,
+        recall_at: Sequence[Count] = (1, 5, 10),
+        pool_size: Count = 1000,
         compile: bool = False,
     ) -> None:
+        check_ranges(Contrastive.__init__, locals(), "model")
         if backbone.causal:
             raise ValueError("Contrastive needs a bidirectional backbone: set model.backbone.causal=false")
-        if pooling not in ("mean", "first"):
+        if pooling not in get_args(Pooling):
             raise ValueError(f"model.pooling={pooling!r} must be 'mean' or 'first' (the CLS token)")
-        if loss not in ("clip", "sigmoid"):
+        if loss not in get_args(Loss):
             raise ValueError(f"model.loss={loss!r} must be 'clip' (InfoNCE) or 'sigmoid' (SigLIP)")
-        for key, value in [("embed_dim", embed_dim), ("pool_size", pool_size), *(("recall_at", k) for k in recall_at)]:
-            if value < 1:
-                raise ValueError(f"model.{key}={value} must be at least 1")
         # NaN embeddings must reach the metrics (not be dropped, which breaks the rows' alignment),
         # and sample ids stay exact in float64.
         state = {

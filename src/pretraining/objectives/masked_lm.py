@@ -11,6 +11,7 @@ one, ranks never mask alike, and the validation masks are fixed.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Annotated
 
 import torch
 import torch.nn.functional as F
@@ -19,9 +20,12 @@ from torch.optim import Optimizer
 from pretraining.config import ConfigError
 from pretraining.data.tokenizer import MASK_ID, SPECIAL_TOKENS, Tokenizer
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import PretrainingObjective, check_chunk_tokens, lm_cross_entropy, sums
+from pretraining.objectives.base import ChunkTokens, LRRatio, PretrainingObjective, WarmupSteps, lm_cross_entropy, sums
+from pretraining.schema import Range, check_ranges
 
 IGNORE = -100
+MaskRate = Annotated[float, Range(gt=0, lt=1)]
+Probability = Annotated[float, Range(ge=0, le=1)]
 _M32 = 0xFFFFFFFF
 
 
@@ -97,28 +101,25 @@ class MaskedLM(PretrainingObjective):
         self,
         backbone: Transformer,
         optimizer: Callable[..., Optimizer],
-        warmup_steps: int = 100,
-        min_lr_ratio: float = 0.1,
-        mask_rate: float = 0.3,
-        eval_mask_rate: float = 0.15,
-        mask_prob: float = 0.8,
-        random_prob: float = 0.1,
+        warmup_steps: WarmupSteps = 100,
+        min_lr_ratio: LRRatio = 0.1,
+        mask_rate: MaskRate = 0.3,
+        eval_mask_rate: MaskRate = 0.15,
+        mask_prob: Probability = 0.8,
+        random_prob: Probability = 0.1,
         seed: int = 0,
         eval_seed: int = 0,
         compile: bool = False,
-        loss_chunk_tokens: int | None = None,
+        loss_chunk_tokens: ChunkTokens = None,
     ) -> None:
+        check_ranges(MaskedLM.__init__, locals(), "model")
         if backbone.causal:
             raise ValueError("MaskedLM needs a bidirectional backbone: set model.backbone.causal=false")
-        for key, rate in [("mask_rate", mask_rate), ("eval_mask_rate", eval_mask_rate)]:
-            if not 0.0 < rate < 1.0:
-                raise ValueError(f"model.{key}={rate} must be in (0, 1)")
-        if mask_prob < 0 or random_prob < 0 or mask_prob + random_prob > 1:
+        if mask_prob + random_prob > 1:
             raise ValueError(
-                f"model.mask_prob={mask_prob} and model.random_prob={random_prob} must be >= 0 "
-                f"with a sum of at most 1 (the rest of the selected tokens stay unchanged)"
+                f"model.mask_prob={mask_prob} and model.random_prob={random_prob} must have a sum of at most 1 "
+                f"(the rest of the selected tokens stay unchanged)"
             )
-        check_chunk_tokens(loss_chunk_tokens)
         state = sums("nll", "masked", "correct")
         super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, state, compile)
         self.loss_chunk_tokens = loss_chunk_tokens
