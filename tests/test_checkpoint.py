@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
+import re
+import resource
+import signal
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch import Callback, Trainer
 
+import pretraining.checkpoint as checkpoint_module
 import pretraining.data.stream as stream_module
+from conftest import tiny_run
 from pretraining.checkpoint import (
     AtomicCheckpointIO,
     CheckpointError,
@@ -18,12 +29,14 @@ from pretraining.checkpoint import (
     newest_verified,
     on_cpu,
     saved_checkpoints,
+    sha256_of,
     sidecar_path,
     verify,
 )
 from pretraining.data.datamodule import BlockDataModule
 from pretraining.data.stream import Cursor
 from pretraining.data.tokenizer import ByteTokenizer
+from pretraining.train import train
 
 
 def save(directory: Path, step: int) -> Path:
@@ -199,3 +212,111 @@ def test_another_worker_count_resumes_approximately_where_allowed(small_shards: 
         restored.load_state_dict(state)
     assert restored.cursors == {0: Cursor(done)} and restored.batches_consumed == 30
     assert len(consume(restored, 3)) == 3
+
+
+# --- storage faults: a full disk, an unwritable directory -------------------------------------------------------
+
+
+@contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """Writes past `limit` bytes of any file fail with EFBIG, as a full disk fails them with ENOSPC: a
+    real failure of the operating system's `write`, in this process only."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the kernel kills the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+
+
+def directory_state(directory: Path) -> dict[str, str]:
+    return {path.name: sha256_of(path) for path in directory.iterdir() if path.is_file() and not path.is_symlink()}
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint_of_the_same_step_and_no_temporaries(tmp_path: Path) -> None:
+    path = save(tmp_path, 4)
+    before = directory_state(tmp_path)
+    with file_size_limit(300), pytest.raises(OSError) as failed:
+        save(tmp_path, 4)  # the same step again (a preemption save, say), into a full disk
+    assert failed.value.errno == errno.EFBIG
+    assert directory_state(tmp_path) == before and verify(path)["step"] == 4
+
+
+def test_a_checkpoint_whose_sidecar_cannot_be_written_is_removed(tmp_path: Path, monkeypatch) -> None:
+    save(tmp_path, 4)
+    before = directory_state(tmp_path)
+
+    def full(path: Path, record: dict) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(sidecar_path(path)))
+
+    monkeypatch.setattr(checkpoint_module, "write_sidecar", full)
+    with pytest.raises(OSError, match="No space left"):
+        save(tmp_path, 8)
+    assert directory_state(tmp_path) == before  # step 8 is gone, not left without a sidecar
+
+
+def test_a_full_disk_stops_the_run_naming_the_cause_and_the_intact_checkpoint(tmp_path: Path, shard_dir: Path) -> None:
+    """A real `pretrain` process (its output goes to pipes, which no file size limit touches)."""
+    overrides = [*tiny_run(), "trainer.max_steps=12", f"paths.output_dir={tmp_path}", f"data.dir={shard_dir}"]
+    stopped = pretrain_process([*overrides, "+callbacks.disk._target_=test_checkpoint.FillDiskAfterFirstSave"])
+    checkpoints = tmp_path / "checkpoints"
+    assert stopped.returncode == 1
+    message = " ".join(stopped.stderr.split())  # as one line, however the traceback wraps it
+    assert re.search(r"saving \S*step-000012\.ckpt failed: \[Errno 27\] File too large", message), message[-2000:]
+    assert f"the newest complete checkpoint, {checkpoints / 'step-000006.ckpt'}, is intact" in message
+    assert "Free space on that disk" in message and "run the same command to continue" in message
+    assert [step for step, _ in saved_checkpoints(checkpoints)] == [6] and verify(checkpoints / "step-000006.ckpt")
+    assert (checkpoints / "step-000006.ckpt").stat().st_size > FillDiskAfterFirstSave.LIMIT  # the limit bites
+    assert not list(checkpoints.glob(".*tmp*")) and not (checkpoints / "step-000012.ckpt").exists()
+    assert pretrain_process(overrides).returncode == 0  # space again: the same command continues from step 6
+    assert [step for step, _ in saved_checkpoints(checkpoints)] == [12, 6]
+
+
+def pretrain_process(overrides: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "pretraining.train", *overrides]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+class FillDiskAfterFirstSave(Callback):
+    """From the step after the first checkpoint on, no file can grow past `LIMIT` (see `file_size_limit`)."""
+
+    LIMIT = 64 * 1024
+
+    def __init__(self) -> None:
+        self.limit = contextlib.ExitStack()
+
+    def on_train_batch_start(self, trainer: Trainer, *args: object) -> None:
+        if trainer.global_step == 7:
+            self.limit.enter_context(file_size_limit(self.LIMIT))
+
+    def teardown(self, *args: object, **kwargs: object) -> None:
+        self.limit.close()
+
+
+def test_an_unwritable_directory_stops_the_run_naming_it(compose_train, tmp_path: Path, monkeypatch) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    if os.geteuid() != 0:
+        checkpoints.chmod(0o555)
+    else:  # root writes anywhere: refuse as the kernel would refuse anyone else
+        real_open = Path.open
+
+        def refuse(self: Path, mode: str = "r", *args: object, **kwargs: object):
+            if self.parent == checkpoints and "w" in mode:
+                raise PermissionError(errno.EACCES, "Permission denied", str(self))
+            return real_open(self, mode, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "open", refuse)
+    try:
+        with pytest.raises(
+            CheckpointError,
+            match=r"step-000006\.ckpt failed: \[Errno 13\] Permission denied.*"
+            r"no checkpoint was saved before.*make .*checkpoints writable",
+        ):
+            train(compose_train("trainer.max_steps=12"))
+    finally:
+        checkpoints.chmod(0o755)
+    assert not list(checkpoints.iterdir())

@@ -6,7 +6,11 @@ import hashlib
 import json
 import random
 import re
+import resource
 import shutil
+import signal
+import subprocess
+import sys
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -466,3 +470,20 @@ def test_jsonl_that_is_not_utf8_names_file_and_line(tmp_path):
     corpus.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(CorpusError, match=r"bad\.jsonl:2 "):
         list(read_source(str(corpus)))
+
+
+def test_a_full_disk_during_a_build_leaves_the_previous_dataset_and_says_so(corpus, tmp_path):
+    out = tmp_path / "shards"
+    build(corpus, out)
+    before = {path.name: path.read_bytes() for path in out.iterdir()}
+
+    def full_disk() -> None:  # in the child: files cannot grow past 4 kB, as on a full disk
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+    command = [sys.executable, "-m", "pretraining.data.cli", "build", "--source", str(corpus), "--out", str(out)]
+    failed = subprocess.run([*command, "--quiet"], capture_output=True, text=True, preexec_fn=full_disk, timeout=120)
+    assert failed.returncode == 1
+    assert f"writing the shards failed: [Errno 27] File too large; {out} is unchanged" in failed.stderr
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == before
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["shards"]  # no staging directory left

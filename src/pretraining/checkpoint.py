@@ -75,9 +75,11 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def write_durably(path: Path, write: Any) -> str:
+def write_durably(path: Path, write: Any, stale: Path | None = None) -> str:
     """Write a file through `write(file)` to a temporary name beside `path`, fsync, rename into
-    place, fsync the directory; return its SHA-256, read back from disk before the rename."""
+    place, fsync the directory; return its SHA-256, read back from disk before the rename. `stale`,
+    a file that vouches for the old `path` (its sidecar), is deleted just before the rename: a write
+    that fails leaves the old file and its sidecar as they were."""
     temporary = temporary_path(path)
     try:
         with temporary.open("wb") as file:
@@ -85,6 +87,8 @@ def write_durably(path: Path, write: Any) -> str:
             file.flush()
             os.fsync(file.fileno())
         digest = sha256_of(temporary)
+        if stale is not None:
+            stale.unlink(missing_ok=True)
         os.replace(temporary, path)
     except BaseException:
         temporary.unlink(missing_ok=True)
@@ -95,6 +99,16 @@ def write_durably(path: Path, write: Any) -> str:
 
 def write_sidecar(path: Path, record: dict[str, Any]) -> None:
     write_durably(sidecar_path(path), lambda file: file.write(json.dumps(record, indent=1).encode()))
+
+
+def vouch_for(path: Path, record: dict[str, Any]) -> None:
+    """Write the sidecar of the checkpoint just renamed to `path`; if that fails (a full disk), remove
+    the checkpoint: complete but not vouched for, it is not worth the space it takes."""
+    try:
+        write_sidecar(path, record)
+    except BaseException:
+        remove(path)
+        raise
 
 
 def parameter_shapes(state_dict: dict[str, torch.Tensor]) -> dict[str, list[int]]:
@@ -115,11 +129,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        sidecar_path(path).unlink(missing_ok=True)  # the old sidecar must not vouch for new bytes
-        digest = write_durably(path, lambda file: torch.save(checkpoint, file))
-        write_sidecar(
-            path, {"format": SIDECAR_FORMAT, "sha256": digest, "bytes": path.stat().st_size, **summary(checkpoint)}
-        )
+        digest = write_durably(path, lambda file: torch.save(checkpoint, file), stale=sidecar_path(path))
+        size = path.stat().st_size
+        vouch_for(path, {"format": SIDECAR_FORMAT, "sha256": digest, "bytes": size, **summary(checkpoint)})
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
         verify(Path(path))
@@ -291,9 +303,13 @@ def save_sharded(trainer: Trainer, path: Path) -> None:
     """Every rank writes its shards into a fresh temporary directory beside `path`; the save ends with a
     barrier, after which rank zero publishes the complete directory under `path`."""
     temporary = Path(trainer.strategy.broadcast(str(temporary_path(path))))  # rank zero's name, on every rank
-    trainer.save_checkpoint(temporary, weights_only=False)
-    if trainer.is_global_zero:
-        publish_sharded(temporary, path)
+    try:
+        trainer.save_checkpoint(temporary, weights_only=False)
+        if trainer.is_global_zero:
+            publish_sharded(temporary, path)
+    finally:
+        if trainer.is_global_zero and temporary.exists():  # a save that failed (published, it is gone)
+            shutil.rmtree(temporary, ignore_errors=True)
 
 
 def publish_sharded(temporary: Path, path: Path) -> None:
@@ -316,7 +332,7 @@ def publish_sharded(temporary: Path, path: Path) -> None:
     remove(path)  # the same step saved before but cut off after its rename; the old sidecar must not vouch for it
     os.replace(temporary, path)
     fsync_directory(path.parent)
-    write_sidecar(path, record)
+    vouch_for(path, record)
 
 
 def sharded_summary(directory: Path) -> dict[str, Any]:
@@ -448,10 +464,20 @@ class StepCheckpoint(Checkpoint):
         if step == self.saved_step:
             return
         path = self.dirpath / f"step-{step:06d}.ckpt"
-        if saves_sharded(trainer):
-            save_sharded(trainer, path)
-        else:
-            trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; rank zero writes
+        try:
+            if saves_sharded(trainer):
+                save_sharded(trainer, path)
+            else:
+                trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; rank zero writes
+        except Exception as error:
+            storage = storage_fault(error)
+            if storage is None:
+                raise
+            raise CheckpointError(
+                f"saving {path} failed: {storage}. Nothing was lost: {newest_saved(self.dirpath)}. Free space on "
+                f"that disk or make {self.dirpath} writable (or point paths.log_dir elsewhere and pass "
+                f"ckpt_path=<that checkpoint>), then run the same command to continue"
+            ) from error
         self.saved_step, self.last_model_path = step, str(path)
         if trainer.is_global_zero:
             if not sidecar_path(path).is_file():  # the writer verified the bytes it wrote before its sidecar
@@ -477,6 +503,25 @@ class StepCheckpoint(Checkpoint):
                 shutil.rmtree(leftover)
             else:
                 leftover.unlink(missing_ok=True)
+
+
+def storage_fault(error: BaseException) -> OSError | None:
+    """The OSError (disk full, permission denied, ...) behind `error`, if any: `torch.save` and DCP wrap
+    the one their file writes raised in their own errors."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        if isinstance(seen, dcp.api.CheckpointException):  # DCP collects each rank's error
+            return next(filter(None, (storage_fault(failure) for failure, _ in seen.failures.values())), None)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def newest_saved(directory: Path) -> str:
+    """Where a run stopped by a failed save continues from, in words."""
+    saved = saved_checkpoints(directory)
+    return f"the newest complete checkpoint, {saved[0][1]}, is intact" if saved else "no checkpoint was saved before"
 
 
 def link_last(path: Path) -> None:

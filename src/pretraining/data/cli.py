@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         args.source = ["stdlib"]
     try:
         args.run(args)
-    except (CorpusError, ShardError, FileNotFoundError, ValueError) as error:
+    except (CorpusError, ShardError, OSError, ValueError) as error:
         sys.exit(f"pretrain-data {args.command}: error: {error}")
 
 

@@ -207,7 +207,7 @@ class ShardDataModule(LightningDataModule):
             warnings.warn(
                 f"{len(shards)} training shards for {sub_streams} sub-streams (data.streams x data.num_workers): "
                 f"several sub-streams read the same shard at once, so a step can repeat examples; build more, "
-                f"smaller shards (`pretrain-data build --max-shard-bytes`) or lower data.streams",
+                f"smaller shards (`pretrain-data build --shard-bytes`) or lower data.streams",
                 stacklevel=2,
             )
         stream = BatchStream(examples, self.plan, rank, self.cursors, self.batches_consumed)

@@ -91,13 +91,18 @@ def file_sha256(path: Path) -> str:
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    """Write to `path.tmp`, fsync, then rename: readers see the old file or the new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(tmp, path)
+    """Write to a temporary file beside `path`, fsync, then rename: readers see the old file or the new
+    one, and a failed write (a full disk) leaves the old one and no temporary."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _member_bytes(size: int) -> int:
@@ -209,8 +214,13 @@ def build_shards(
     staging.mkdir(parents=True)
     try:
         manifest = _write_dataset(documents, staging, sources, settings, show_progress, fields, provenance)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)  # out_dir keeps the previous good dataset
+        if isinstance(error, OSError):  # a full disk, a directory that cannot be written
+            raise ShardError(
+                f"writing the shards failed: {error}; {out_dir} is unchanged and nothing half-written was left: "
+                f"free space (or choose another --out) and build again"
+            ) from error
         raise
     _swap_in(staging, out_dir)
     return manifest
