@@ -5,6 +5,7 @@ evaluated on one process."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import pickle
 import subprocess
@@ -26,6 +27,7 @@ from pretraining.checkpoint import (
     newest_verified,
     publish_sharded,
     saved_checkpoints,
+    sha256_of,
     sidecar_path,
     temporary_path,
     verify,
@@ -192,3 +194,28 @@ def test_fsdp2_sharded_run_killed_twice_resumes_exactly(tmp_path: Path, small_sh
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
     checkpoints = saved_checkpoints(run_dir(tmp_path, "killed") / "checkpoints")
     assert [step for step, _ in checkpoints] == [14, 12] and all(path.is_dir() for _, path in checkpoints)
+
+
+def test_resuming_a_sharded_checkpoint_cannot_run_code(compose_train, tmp_path: Path) -> None:
+    """FSDP2 on one process resumes a sharded checkpoint of its own whose index was replaced, sidecar and
+    all (whoever can write a checkpoint can write its sidecar): refused, and the payload never ran."""
+    one_process = [*SHARDED, "trainer.devices=1", "trainer.strategy.data_parallel_size=1"]
+    train(compose_train(*one_process, "trainer.max_steps=6", "trainer.val_check_interval=6"))
+    path = tmp_path / "checkpoints" / "step-000006.ckpt"
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.mkdir, (str(marker),)
+
+    (path / ".metadata").write_bytes(pickle.dumps(Payload()))
+    record = json.loads(sidecar_path(path).read_text())
+    record["files"][".metadata"] = {
+        "bytes": (path / ".metadata").stat().st_size,
+        "sha256": sha256_of(path / ".metadata"),
+    }
+    sidecar_path(path).write_text(json.dumps(record))
+    verify(path)  # it passes for a good checkpoint
+    with pytest.raises(CheckpointError, match=r"\.metadata cannot be read: it refers to \w+\.mkdir, .* could run code"):
+        train(compose_train(*one_process, "trainer.max_steps=12", "trainer.val_check_interval=6"))
+    assert not marker.exists()

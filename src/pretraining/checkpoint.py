@@ -36,7 +36,15 @@ from lightning.fabric.utilities.load import _METADATA_FILENAME as SHARDED_META  
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
 
 SIDECAR_FORMAT = 1
 LAST_LINK = "last.ckpt"  # a symlink to the newest verified checkpoint, for people (resume never follows it)
@@ -365,6 +373,23 @@ def load_sharded(directory: Path) -> dict[str, Any]:
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # one process is the intent
         dcp.load(state, storage_reader=reader, no_dist=True)
     return {**torch.load(directory / SHARDED_META, map_location="cpu", weights_only=True), **state}
+
+
+def load_sharded_into(module: nn.Module, optimizers: list[Optimizer], directory: Path, strict: bool) -> dict[str, Any]:
+    """Restore the FSDP2 `module` and its `optimizers` from a sharded checkpoint, each rank reading its own
+    shards, and return meta.pt's state (the rest of the checkpoint). Lightning's loader does the same but
+    unpickles the shard index; here nothing in the checkpoint can run code."""
+    WeightsOnlyReader(directory).read_metadata()  # an unsafe index refused in our words, before DCP wraps them
+    model_state = {MODEL_KEY: get_model_state_dict(module)}
+    dcp.load(model_state, storage_reader=WeightsOnlyReader(directory))
+    module.load_state_dict(model_state[MODEL_KEY], strict=strict)
+    for index, optimizer in enumerate(optimizers):
+        key = f"optimizer_{index}"  # as Lightning saves them
+        optimizer_state = {key: get_optimizer_state_dict(module, optimizer)}
+        dcp.load(optimizer_state, storage_reader=WeightsOnlyReader(directory))
+        options = StateDictOptions(cpu_offload=True)
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key], options=options)
+    return torch.load(directory / SHARDED_META, map_location="cpu", weights_only=True)
 
 
 class WeightsOnlyReader(dcp.FileSystemReader):

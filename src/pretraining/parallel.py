@@ -15,6 +15,7 @@ all-gathered just before it runs, freed after), then the rest of the objective a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
+from pretraining.checkpoint import load_sharded_into
 from pretraining.config import ConfigError
 from pretraining.models.transformer import Block
 
@@ -115,6 +117,15 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._data_parallel_size == "auto" and isinstance(self._tensor_parallel_size, int):
             self._data_parallel_size = self.world_size // self._tensor_parallel_size
         super().setup_environment()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's loader, except that nothing in a checkpoint can run code: a file loads weights-only
+        and a sharded directory through `load_sharded_into`."""
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_dir():
+            return super().load_checkpoint(path, weights_only=True)
+        assert self.model is not None and self.lightning_module is not None
+        return load_sharded_into(self.model, self.optimizers, path, self.lightning_module.strict_loading)
 
     def model_to_device(self) -> None:
         if not self.policy.cpu_offload:
