@@ -14,11 +14,13 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from conftest import tiny_run
 from pretraining.callbacks.numerics import NumericalError
 from pretraining.checkpoint import saved_checkpoints, sha256_of, verify
 from pretraining.evaluate import load_checkpoint
 from pretraining.objectives import CausalLM
 from pretraining.train import train
+from test_resume import pretrain, run_dir
 from test_train import metric_rows
 
 FAULTY = "model._target_=test_numerics.FaultyCausalLM"
@@ -37,9 +39,10 @@ class InfiniteGradient(torch.autograd.Function):
 
 
 class FaultyCausalLM(CausalLM):
-    """Next-token loss with faults at chosen steps (numbered as checkpoints are, from 1), in the first
-    micro-batch of the global batch only (with accumulation, one of several; under DDP, rank zero's):
-    a NaN loss, an infinite gradient under a finite loss, or the loss times 100."""
+    """Next-token loss with faults at chosen steps (numbered as checkpoints are, from 1), in one
+    micro-batch of the global batch, `fault_slot` (with accumulation, one of several; under DDP, one
+    rank's): a NaN loss whose gradient stays finite (so that only the loss tells), a finite loss with an
+    infinite gradient (so that only the gradient tells), or the loss times 100."""
 
     def __init__(
         self,
@@ -47,18 +50,20 @@ class FaultyCausalLM(CausalLM):
         nan_at: Sequence[int] = (),
         inf_grad_at: Sequence[int] = (),
         spike_at: Sequence[int] = (),
+        fault_slot: int = 0,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
         self.nan_at, self.inf_grad_at, self.spike_at = list(nan_at), list(inf_grad_at), list(spike_at)
+        self.fault_slot = fault_slot
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         loss = super().training_loss(batch)
         step, slot = self.trainer.datamodule.batch_slot
-        if slot != 0:
+        if slot != self.fault_slot:
             return loss
         if step + 1 in self.nan_at:
-            return loss * math.nan
+            return loss + loss.detach() * math.nan
         if step + 1 in self.inf_grad_at:
             return InfiniteGradient.apply(loss)
         return loss * 100 if step + 1 in self.spike_at else loss
@@ -79,8 +84,12 @@ def faults(**steps: list[int]) -> list[str]:
     return [FAULTY, *(f"+model.{name}={value}" for name, value in steps.items())]
 
 
+def logged(run_dir: Path, key: str) -> list[float]:
+    return [float(row[key]) for row in metric_rows(run_dir) if row.get(key)]
+
+
 def last_logged(run_dir: Path, key: str) -> float:
-    return float([row[key] for row in metric_rows(run_dir) if row.get(key)][-1])
+    return logged(run_dir, key)[-1]
 
 
 def optimizer_state_is_finite(checkpoint: dict[str, Any]) -> bool:
@@ -88,18 +97,24 @@ def optimizer_state_is_finite(checkpoint: dict[str, Any]) -> bool:
     return all(torch.isfinite(value).all() for state in states for value in state.values())
 
 
+def adamw_updates(checkpoint: dict[str, Any]) -> int:
+    (updates,) = {int(state["step"]) for state in checkpoint["optimizer_states"][0]["state"].values()}
+    return updates
+
+
 def test_a_nan_loss_in_one_micro_batch_skips_the_step_and_training_goes_on(compose_train, tmp_path: Path) -> None:
-    cfg = compose_train(*faults(nan_at=[3]), "data.micro_batch_size=2", "trainer.log_every_n_steps=1")
-    with pytest.warns(UserWarning, match=r"step 3: loss nan, gradient norm nan: skipped"):
+    cfg = compose_train(
+        *faults(nan_at=[3]), "data.micro_batch_size=2", "trainer.max_steps=6", "trainer.log_every_n_steps=1"
+    )
+    with pytest.warns(UserWarning, match=r"step 3: loss nan, gradient norm \d+\.\d+: skipped"):
         metrics = train(cfg)
     assert metrics["train/skipped_steps"] == 1 and math.isfinite(metrics["train/loss"])
     assert last_logged(tmp_path, "train/skipped_steps") == 1
     checkpoint = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
-    assert checkpoint["global_step"] == 12
+    assert checkpoint["global_step"] == 6
     assert all(torch.isfinite(weight).all() for weight in checkpoint["state_dict"].values())
     assert optimizer_state_is_finite(checkpoint)
-    # AdamW counted 11 updates: the skipped step made none.
-    assert {int(state["step"]) for state in checkpoint["optimizer_states"][0]["state"].values()} == {11}
+    assert adamw_updates(checkpoint) == 5  # the skipped step made none
 
 
 def test_an_infinite_gradient_under_a_finite_loss_is_skipped_too(compose_train, tmp_path: Path) -> None:
@@ -170,3 +185,23 @@ def test_spikes_are_logged_and_the_counts_continue_exactly_after_a_resume(compos
     (spike,) = [json.loads(line) for line in (dirs[1] / "loss_spikes.jsonl").read_text().splitlines()]
     assert spike["step"] == 10 and spike["loss"] > spike["mean"] + 6 * spike["std"]
     assert {"grad_norm", "lr", "time"} <= spike.keys()
+
+
+# FSDP2 (the norm of sharded gradients) is slow-marked, keeping this file near a minute on 2 cores.
+@pytest.mark.parametrize("strategy", ["ddp_cpu", pytest.param("fsdp_cpu", marks=pytest.mark.slow)])
+def test_every_rank_skips_a_step_whose_loss_is_nan_on_one_rank(
+    compose_train, tmp_path: Path, shard_dir: Path, strategy: str
+) -> None:
+    """Rank one's loss is NaN at step 3, its gradient finite: rank zero (which saves) skips the step
+    too, and the gradient norm is that of the whole gradient, as on one process."""
+    run = [*faults(nan_at=[3], fault_slot=1), "trainer.max_steps=4", "trainer.log_every_n_steps=1"]
+    train(compose_train(*run, "data.micro_batch_size=2", f"paths.output_dir={tmp_path / 'one'}"))
+    two = [*tiny_run("clm_tiny"), *run, f"data.dir={shard_dir}", f"trainer={strategy}"]
+    assert pretrain(tmp_path, "two", two) == 0
+    run_dirs = [tmp_path / "one", run_dir(tmp_path, "two")]
+    checkpoints = [load_checkpoint(path / "checkpoints" / "last.ckpt") for path in run_dirs]
+    assert [checkpoint["callbacks"]["NumericalGuard"]["skipped_steps"] for checkpoint in checkpoints] == [1, 1]
+    assert [adamw_updates(checkpoint) for checkpoint in checkpoints] == [3, 3]
+    norms = [torch.tensor(logged(path, "train/grad_norm")) for path in run_dirs]
+    assert len(norms[0]) == 4
+    torch.testing.assert_close(norms[1], norms[0], rtol=1e-4, atol=0)
