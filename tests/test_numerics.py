@@ -205,3 +205,27 @@ def test_every_rank_skips_a_step_whose_loss_is_nan_on_one_rank(
     norms = [torch.tensor(logged(path, "train/grad_norm")) for path in run_dirs]
     assert len(norms[0]) == 4
     torch.testing.assert_close(norms[1], norms[0], rtol=1e-4, atol=0)
+
+
+# On the CPU Lightning turns precision=16-mixed into bf16-mixed; its plugin with a CPU GradScaler keeps float16.
+FLOAT16 = [
+    "trainer.precision=null",
+    "trainer.plugins=[{_target_: pretraining.checkpoint.AtomicCheckpointIO}, {_target_: "
+    "lightning.pytorch.plugins.MixedPrecision, precision: 16-mixed, device: cpu, scaler: {_target_: "
+    "torch.amp.GradScaler, device: cpu}}]",
+]
+
+
+def test_under_float16_an_overflow_is_left_to_the_grad_scaler_and_a_nan_loss_is_skipped(
+    compose_train, tmp_path: Path
+) -> None:
+    cfg = compose_train(*faults(inf_grad_at=[3], nan_at=[4]), *FLOAT16, "trainer.max_steps=6")
+    with pytest.warns(UserWarning) as warned:
+        metrics = train(cfg)
+    assert not [warning for warning in warned if "step 3" in str(warning.message)]
+    assert metrics["train/skipped_steps"] == 1  # step 4's NaN loss; step 3 was the scaler's
+    checkpoint = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert adamw_updates(checkpoint) == 4
+    assert checkpoint["MixedPrecision"]["scale"] == 2.0**15  # lowered once, at step 3
+    statistics = checkpoint["callbacks"]["NumericalGuard"]["loss_statistics"]
+    assert statistics["count"] == 4 and abs(statistics["mean"] - metrics["train/loss"]) < 1  # unscaled losses
