@@ -15,7 +15,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from conftest import tiny_run
-from pretraining.callbacks.numerics import NumericalError
+from pretraining.callbacks.numerics import LossStatistics, NumericalError, NumericalGuard
 from pretraining.checkpoint import saved_checkpoints, sha256_of, verify
 from pretraining.evaluate import load_checkpoint
 from pretraining.objectives import CausalLM
@@ -229,3 +229,28 @@ def test_under_float16_an_overflow_is_left_to_the_grad_scaler_and_a_nan_loss_is_
     assert checkpoint["MixedPrecision"]["scale"] == 2.0**15  # lowered once, at step 3
     statistics = checkpoint["callbacks"]["NumericalGuard"]["loss_statistics"]
     assert statistics["count"] == 4 and abs(statistics["mean"] - metrics["train/loss"]) < 1  # unscaled losses
+
+
+def test_loss_statistics_start_as_a_plain_mean_and_variance_then_forget() -> None:
+    statistics = LossStatistics(window=9)  # weight 2 / (9 + 1) = 0.2 per step once past the 5th
+    for loss in [1.0, 2.0, 3.0]:
+        statistics.update(loss)
+    assert statistics.mean == pytest.approx(2.0) and statistics.variance == pytest.approx(2 / 3)
+    assert not statistics.is_spike(100.0, threshold=6.0)  # fewer steps seen than the window
+    for _ in range(100):
+        statistics.update(5.0)
+    assert statistics.mean == pytest.approx(5.0) and statistics.variance == pytest.approx(0.0, abs=1e-6)
+    assert statistics.is_spike(5.1, threshold=6.0)
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"max_consecutive_bad_steps": 0}, r"max_consecutive_bad_steps=0 must be >= 1, or null"),
+        ({"spike_threshold": -1.0}, r"spike_threshold=-1.0 must be > 0 or null"),
+        ({"spike_window": 0}, r"spike_window=0 >= 1"),
+    ],
+)
+def test_bad_settings_are_refused_with_the_key(settings: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        NumericalGuard(**settings)

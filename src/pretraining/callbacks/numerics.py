@@ -66,13 +66,17 @@ class NumericalGuard(Callback):
       deviations is a loss spike: counted (`train/loss_spikes`), warned about and appended by rank
       zero as a JSON line {step, loss, mean, std, grad_norm, lr, time} to `spike_log` (default
       `<run dir>/loss_spikes.jsonl`; a restarted run appends the steps it replays again, the later
-      line wins). Spikes are trained on, not skipped. `spike_threshold: null` turns this off.
+      line wins). Spikes are trained on, not skipped, and enter the statistics like any step, so
+      that a lasting change of level stops being flagged after about a window.
+      `spike_threshold: null` turns this off.
 
     `train/grad_norm`, the global gradient norm before clipping, is logged too. Steps are numbered
     as checkpoints are: step N is the N-th optimizer step. The loss is the step's mean over
     micro-batches and ranks. Every rank decides alike: the loss and norm are averaged over ranks by
     one all-reduce of two numbers (under FSDP2 the norm of the sharded gradients is all-reduced
-    first). The two numbers then come to the host in one transfer, one device sync per step.
+    first), so a NaN on one rank is seen by all. The cost: one pass over the gradients for the norm,
+    and one transfer of the two numbers to the host, a device sync per step (the rest of the
+    template syncs only at logging steps); removing the callback (`~callbacks.numerics`) removes it.
     Counters and loss statistics travel in checkpoints, so a resumed run counts as the
     uninterrupted run would.
     """
@@ -116,7 +120,7 @@ class NumericalGuard(Callback):
         if math.isfinite(loss) and math.isfinite(norm):
             self.bad_in_a_row = 0
             self.watch_for_spike(trainer, step, loss, norm, optimizer.param_groups[0]["lr"])
-        elif math.isfinite(loss) and getattr(trainer.precision_plugin, "scaler", None) is not None:
+        elif math.isfinite(loss) and grad_scaler(trainer) is not None:
             pass  # a float16 overflow: the GradScaler skips this step and lowers its scale
         else:
             self.skip(trainer, optimizer, step, loss, norm)
@@ -138,7 +142,7 @@ class NumericalGuard(Callback):
         values = torch.stack([self.step_loss, norm.float().to(self.step_loss.device)])
         self.step_loss = None
         loss, norm_value = trainer.strategy.reduce(values, reduce_op="mean").tolist()  # the one host sync
-        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        scaler = grad_scaler(trainer)
         if scaler is not None:  # the backward pass saw the loss multiplied by the scale
             loss /= scaler.get_scale()
         return loss, norm_value
@@ -205,6 +209,11 @@ class NumericalGuard(Callback):
         self.bad_in_a_row, self.first_bad_step = state_dict["bad_in_a_row"], state_dict["first_bad_step"]
         # The window is the config's: a run continued with another one keeps the statistics so far.
         self.statistics = LossStatistics(self.statistics.window, **state_dict["loss_statistics"])
+
+
+def grad_scaler(trainer: Trainer) -> Any:
+    """The precision plugin's GradScaler (float16 mixed precision), or None."""
+    return getattr(trainer.precision_plugin, "scaler", None)
 
 
 def newest_checkpoint(trainer: Trainer) -> tuple[int, Path] | None:
