@@ -8,7 +8,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from pretraining.checkpoint import StepCheckpoint, saved_checkpoints
+from pretraining.schema import Range, check_ranges
 
 
 class NumericalError(RuntimeError):
@@ -83,21 +84,12 @@ class NumericalGuard(Callback):
 
     def __init__(
         self,
-        max_consecutive_bad_steps: int | None = 10,
-        spike_threshold: float | None = 6.0,
-        spike_window: int = 100,
+        max_consecutive_bad_steps: Annotated[int, Range(ge=1)] | None = 10,
+        spike_threshold: Annotated[float, Range(gt=0)] | None = 6.0,
+        spike_window: Annotated[int, Range(ge=1)] = 100,
         spike_log: str | None = None,
     ) -> None:
-        if max_consecutive_bad_steps is not None and max_consecutive_bad_steps < 1:
-            raise ValueError(
-                f"callbacks.numerics.max_consecutive_bad_steps={max_consecutive_bad_steps} must be >= 1, or null "
-                f"(never stop)"
-            )
-        if (spike_threshold is not None and spike_threshold <= 0) or spike_window < 1:
-            raise ValueError(
-                f"callbacks.numerics: spike_threshold={spike_threshold} must be > 0 or null (no spike log) and "
-                f"spike_window={spike_window} >= 1"
-            )
+        check_ranges(NumericalGuard.__init__, locals(), "callbacks.numerics")
         self.max_bad, self.threshold = max_consecutive_bad_steps, spike_threshold
         self.spike_log = Path(spike_log) if spike_log else None
         self.statistics = LossStatistics(spike_window)
