@@ -1,8 +1,9 @@
-"""Callbacks: lineage, per-batch seeding, preemption, an audit log of batches, text samples, throughput,
-the progress bar, a linear probe, the skipped-sample count and limit."""
+"""Callbacks: lineage, per-batch seeding, preemption, numerical faults, an audit log of batches, text
+samples, throughput, the progress bar, a linear probe, the skipped-sample count and limit."""
 
 from pretraining.callbacks.batch_log import BatchLog
 from pretraining.callbacks.lineage import Lineage
+from pretraining.callbacks.numerics import NumericalGuard
 from pretraining.callbacks.preemption import Preemption
 from pretraining.callbacks.probe import LinearProbe
 from pretraining.callbacks.progress import ProgressBar
@@ -15,6 +16,7 @@ __all__ = [
     "BatchLog",
     "Lineage",
     "LinearProbe",
+    "NumericalGuard",
     "Preemption",
     "ProgressBar",
     "SkippedSamples",

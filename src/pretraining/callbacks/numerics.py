@@ -1,0 +1,226 @@
+"""Numerical faults: skip an optimizer step whose loss or gradient norm is not finite, stop after
+too many in a row, and log loss spikes."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from pretraining.checkpoint import StepCheckpoint, saved_checkpoints
+from pretraining.schema import Range, check_ranges
+
+
+class NumericalError(RuntimeError):
+    """Training stopped on consecutive non-finite steps; the message names the steps, the newest
+    checkpoint and what to change."""
+
+
+@dataclass
+class LossStatistics:
+    """Exponentially weighted mean and variance of the step loss over about `window` steps. The
+    first steps weigh 1/n each (a plain running mean), so the estimate is unbiased from the start."""
+
+    window: int
+    mean: float = 0.0
+    variance: float = 0.0
+    count: int = 0
+
+    def update(self, loss: float) -> None:
+        self.count += 1
+        weight = max(1 / self.count, 2 / (self.window + 1))
+        difference = loss - self.mean
+        self.mean += weight * difference
+        self.variance = (1 - weight) * (self.variance + weight * difference**2)
+
+    def is_spike(self, loss: float, threshold: float) -> bool:
+        """Whether `loss` lies more than `threshold` standard deviations above the mean, once a
+        full window has been seen."""
+        return self.count >= self.window and loss > self.mean + threshold * math.sqrt(self.variance)
+
+
+class NumericalGuard(Callback):
+    """Check every optimizer step before it updates the weights, after gradient accumulation and
+    before gradient clipping (Lightning's `on_before_optimizer_step`):
+
+    - A step whose loss (on any rank, any micro-batch) or global gradient norm is NaN or infinite
+      is skipped: its gradients are dropped, so the optimizer changes neither the weights nor its
+      state (AdamW's moments and step counts); the LR schedule still advances, and the step still
+      counts towards `trainer.max_steps`. Each is counted (`train/skipped_steps`) and warned about.
+    - After `max_consecutive_bad_steps` such steps in a row (null: never), training stops with a
+      `NumericalError` naming the steps and the newest checkpoint. Since no bad update is ever
+      applied, every checkpoint holds finite weights, and the stop saves nothing.
+    - Under float16 with a GradScaler, a step with a finite loss whose gradients overflow is the
+      scaler's to skip (it lowers its scale and carries on): such steps are neither counted nor
+      warned about, and do not break a run of bad steps either.
+    - A step whose loss exceeds the moving mean of earlier steps' losses (over about
+      `spike_window` steps, once that many have been seen) by more than `spike_threshold` standard
+      deviations is a loss spike: counted (`train/loss_spikes`), warned about and appended by rank
+      zero as a JSON line {step, loss, mean, std, grad_norm, lr, time} to `spike_log` (default
+      `<run dir>/loss_spikes.jsonl`; a restarted run appends the steps it replays again, the later
+      line wins). Spikes are trained on, not skipped, and enter the statistics like any step, so
+      that a lasting change of level stops being flagged after about a window.
+      `spike_threshold: null` turns this off.
+
+    `train/grad_norm`, the global gradient norm before clipping, is logged too. Steps are numbered
+    as checkpoints are: step N is the N-th optimizer step. The loss is the step's mean over
+    micro-batches and ranks. Every rank decides alike: the loss and norm are averaged over ranks by
+    one all-reduce of two numbers (under FSDP2 the norm of the sharded gradients is all-reduced
+    first), so a NaN on one rank is seen by all. The cost: one pass over the gradients for the norm,
+    and one transfer of the two numbers to the host, a device sync per step (the rest of the
+    template syncs only at logging steps); removing the callback (`~callbacks.numerics`) removes it.
+    Counters and loss statistics travel in checkpoints, so a resumed run counts as the
+    uninterrupted run would.
+    """
+
+    def __init__(
+        self,
+        max_consecutive_bad_steps: Annotated[int, Range(ge=1)] | None = 10,
+        spike_threshold: Annotated[float, Range(gt=0)] | None = 6.0,
+        spike_window: Annotated[int, Range(ge=1)] = 100,
+        spike_log: str | None = None,
+    ) -> None:
+        check_ranges(NumericalGuard.__init__, locals(), "callbacks.numerics")
+        self.max_bad, self.threshold = max_consecutive_bad_steps, spike_threshold
+        self.spike_log = Path(spike_log) if spike_log else None
+        self.statistics = LossStatistics(spike_window)
+        self.skipped_steps = self.loss_spikes = 0
+        self.bad_in_a_row, self.first_bad_step = 0, 0
+        self.step_loss: torch.Tensor | None = None  # the sum of this step's micro-batch losses, on the device
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.spike_log = self.spike_log or Path(trainer.default_root_dir) / "loss_spikes.jsonl"
+        self.step_loss = None
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor) -> None:
+        # Lightning passes each micro-batch's loss divided by the accumulation: their sum is the step's mean.
+        loss = loss.detach().float()
+        self.step_loss = loss if self.step_loss is None else self.step_loss + loss
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        loss, norm = self.step_values(trainer, optimizer)
+        step = trainer.global_step + 1
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.bad_in_a_row = 0
+            self.watch_for_spike(trainer, step, loss, norm, optimizer.param_groups[0]["lr"])
+        elif math.isfinite(loss) and grad_scaler(trainer) is not None:
+            pass  # a float16 overflow: the GradScaler skips this step and lowers its scale
+        else:
+            self.skip(trainer, optimizer, step, loss, norm)
+        pl_module.log_dict(
+            {
+                "train/grad_norm": norm,
+                "train/skipped_steps": float(self.skipped_steps),
+                "train/loss_spikes": float(self.loss_spikes),
+            }
+        )
+
+    def step_values(self, trainer: Trainer, optimizer: Optimizer) -> tuple[float, float]:
+        """The step's loss (unscaled) and global gradient norm, averaged over ranks: identical on every rank."""
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(norm, DTensor):  # FSDP2: each rank holds a shard's norm
+            norm = norm.full_tensor()
+        assert self.step_loss is not None, "on_before_backward was not called in this step"
+        values = torch.stack([self.step_loss, norm.float().to(self.step_loss.device)])
+        self.step_loss = None
+        loss, norm_value = trainer.strategy.reduce(values, reduce_op="mean").tolist()  # the one host sync
+        scaler = grad_scaler(trainer)
+        if scaler is not None:  # the backward pass saw the loss multiplied by the scale
+            loss /= scaler.get_scale()
+        return loss, norm_value
+
+    def skip(self, trainer: Trainer, optimizer: Optimizer, step: int, loss: float, norm: float) -> None:
+        optimizer.zero_grad(set_to_none=True)  # the optimizer passes over parameters without gradients
+        self.skipped_steps += 1
+        self.bad_in_a_row += 1
+        if self.bad_in_a_row == 1:
+            self.first_bad_step = step
+        rank_zero_warn(
+            f"step {step}: loss {loss}, gradient norm {norm}: skipped (weights and optimizer state unchanged, "
+            f"the LR schedule advances); {self.skipped_steps} skipped so far, {self.bad_in_a_row} in a row"
+        )
+        if self.max_bad is not None and self.bad_in_a_row >= self.max_bad:
+            raise NumericalError(self.stop_message(trainer, step, loss, norm))
+
+    def stop_message(self, trainer: Trainer, step: int, loss: float, norm: float) -> str:
+        newest = newest_checkpoint(trainer)
+        if newest:
+            saved = f"the newest checkpoint, {newest[1]} (step {newest[0]}), is intact"
+            again = (
+                f"Running the same command again continues from it and meets the same batches; to skip past them, "
+                f"add ckpt_path={newest[1]} callbacks.numerics.max_consecutive_bad_steps=null"
+            )
+        else:
+            saved = "no checkpoint has been saved yet"
+            again = "To skip past them, add callbacks.numerics.max_consecutive_bad_steps=null"
+        return (
+            f"{self.bad_in_a_row} consecutive steps ({self.first_bad_step} to {step}) had a non-finite loss or "
+            f"gradient norm (the last: loss {loss}, gradient norm {norm}): stopping, as "
+            f"callbacks.numerics.max_consecutive_bad_steps={self.max_bad} says. None of them changed the weights; "
+            f"{saved}. Likely causes: a learning rate too high for this model and batch (lower model.optimizer.lr "
+            f"or lengthen model.warmup_steps, in a new run: a run continued from a checkpoint keeps the LR in its "
+            f"optimizer state), float16 overflow (trainer.precision=bf16-mixed), or bad data at these steps (log "
+            f"the batches with callbacks=[default,batch_log]). {again}."
+        )
+
+    def watch_for_spike(self, trainer: Trainer, step: int, loss: float, norm: float, lr: float) -> None:
+        statistics = self.statistics
+        if self.threshold is not None and statistics.is_spike(loss, self.threshold):
+            self.loss_spikes += 1
+            std = math.sqrt(statistics.variance)
+            record = {"step": step, "loss": loss, "mean": statistics.mean, "std": std, "grad_norm": norm, "lr": lr}
+            rank_zero_warn(
+                f"step {step}: loss spike {loss:.4g} ({(loss - statistics.mean) / std:.1f} standard deviations above "
+                f"the recent mean {statistics.mean:.4g}); logged to {self.spike_log}"
+            )
+            if trainer.is_global_zero:
+                append_line(self.spike_log, {**record, "time": time.time()})  # type: ignore[arg-type]  # set at start
+        statistics.update(loss)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "skipped_steps": self.skipped_steps,
+            "loss_spikes": self.loss_spikes,
+            "bad_in_a_row": self.bad_in_a_row,
+            "first_bad_step": self.first_bad_step,
+            "loss_statistics": {key: value for key, value in asdict(self.statistics).items() if key != "window"},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.skipped_steps, self.loss_spikes = state_dict["skipped_steps"], state_dict["loss_spikes"]
+        self.bad_in_a_row, self.first_bad_step = state_dict["bad_in_a_row"], state_dict["first_bad_step"]
+        # The window is the config's: a run continued with another one keeps the statistics so far.
+        self.statistics = LossStatistics(self.statistics.window, **state_dict["loss_statistics"])
+
+
+def grad_scaler(trainer: Trainer) -> Any:
+    """The precision plugin's GradScaler (float16 mixed precision), or None."""
+    return getattr(trainer.precision_plugin, "scaler", None)
+
+
+def newest_checkpoint(trainer: Trainer) -> tuple[int, Path] | None:
+    """The step and path of the newest checkpoint the run's `StepCheckpoint` has saved, if any."""
+    saved = [
+        found
+        for callback in trainer.checkpoint_callbacks
+        if isinstance(callback, StepCheckpoint)
+        for found in saved_checkpoints(callback.dirpath)
+    ]
+    return max(saved) if saved else None
+
+
+def append_line(path: Path, record: dict[str, Any]) -> None:
+    """Append one JSON line in a single write, so that a crash cannot leave half a line before a whole one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as file:
+        file.write(json.dumps(record) + "\n")
