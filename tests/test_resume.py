@@ -261,8 +261,8 @@ def test_an_explicit_checkpoint_is_resumed(compose_train, tmp_path: Path) -> Non
             r"topology: the checkpoint has .*'global_batch_size': 4.*this run has .*'global_batch_size': 8",
         ),
         (["model.backbone.d_model=64"], r"holds another model: parameter backbone\..* has shape \[.*32.*\] there"),
-        (["resume=sometimes"], r"resume='sometimes': use one of auto, never"),
-        (["resume_allow=[everything]"], r"resume_allow=\['everything'\]: \['everything'\] unknown"),
+        (["resume=sometimes"], r"resume='sometimes' is not one of 'auto', 'never': change resume"),
+        (["resume_allow=[everything]"], r"resume_allow\[0\]='everything' is not one of 'data', 'tokenizer', 'topology'"),
     ],
     ids=["batch_size", "model", "resume_mode", "allow"],
 )
