@@ -84,8 +84,8 @@ def test_offline_wandb_run_holds_config_lineage_metrics_and_artifacts_and_no_sec
         "logger=[wandb,csv,tensorboard]",
         "logger.wandb.checkpoint_artifacts=reference",
         "trainer.log_every_n_steps=2",
-        "+notes=built-with-${oc.env:MY_SERVICE_TOKEN}",  # a credential interpolated into the config
-        "+hub.api_key=typed-in-plain-text",
+        "+paths.service=built-with-${oc.env:MY_SERVICE_TOKEN}",  # a credential interpolated into the config
+        "+paths.api_key=typed-in-plain-text",
         "tags=[tracking-test]",
     )
     train(cfg)
