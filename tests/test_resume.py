@@ -185,6 +185,7 @@ def stop_with_sigterm(log_dir: Path, overrides: list[str], send: Callable[[subpr
     return step
 
 
+@pytest.mark.slow  # about 50 s; the one-process signal tests below stay in the default suite
 def test_sigterm_to_one_rank_saves_at_the_step_boundary_and_all_ranks_exit(tmp_path: Path, small_shards: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *DDP, f"data.dir={small_shards}", "trainer.max_steps=60"]
     overrides += ["callbacks.checkpoint.every_n_steps=1000"]  # only the stop and the end save
