@@ -18,7 +18,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
 from pretraining.checkpoint import sidecar_path
-from pretraining.data.shards import write_atomically
+from pretraining.files import write_atomically
 
 
 def wandb_credentials_available() -> bool:

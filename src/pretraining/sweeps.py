@@ -36,7 +36,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pretraining.checkpoint import saved_checkpoints
-from pretraining.data.shards import write_atomically
+from pretraining.files import write_atomically
 from pretraining.launch import is_rank_zero_process
 from pretraining.plots import METRICS_FILE, PlotError, Series, natural_key, plot_overlay, read_metrics, read_overrides
 

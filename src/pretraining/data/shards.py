@@ -27,6 +27,7 @@ from pathlib import Path
 from rich.progress import Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from pretraining.data.corpus import TEXT_FIELDS, Document, normalize
+from pretraining.files import sha256_of, write_atomically
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"  # where `pretrain-data tokenizer` puts a BPE by default
@@ -80,29 +81,6 @@ def split_of(source_id: str, validation_fraction: float) -> str:
     """The split a document belongs to: a pure function of its source id."""
     position = int(hashlib.sha256(source_id.encode()).hexdigest()[:16], 16) / 2**64
     return "validation" if position < validation_fraction else "train"
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as file:
-        for chunk in iter(lambda: file.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename: readers see the old file or the new
-    one, and a failed write (a full disk) leaves the old one and no temporary."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def _member_bytes(size: int) -> int:
@@ -163,7 +141,7 @@ class _ShardWriter:
         final = self.directory / self._name
         os.replace(self.directory / (self._name + ".tmp"), final)
         self.shards.append(
-            ShardInfo(self._name, self._samples, final.stat().st_size, file_sha256(final), self._text_bytes)
+            ShardInfo(self._name, self._samples, final.stat().st_size, sha256_of(final), self._text_bytes)
         )
         self._tar = None
 
@@ -353,7 +331,7 @@ class Manifest:
                     found[shard.name] = "missing (listed in the manifest)"
                 elif (size := path.stat().st_size) != shard.bytes:
                     found[shard.name] = f"truncated or altered ({size} bytes, the manifest says {shard.bytes})"
-                elif verify_checksums and file_sha256(path) != shard.sha256:
+                elif verify_checksums and sha256_of(path) != shard.sha256:
                     found[shard.name] = "altered or corrupt (its sha256 differs from the manifest's)"
         return found
 

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pretraining.data.shards import write_atomically
+from pretraining.files import write_atomically
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<mask>", "<cls>")
 PAD_ID, EOS_ID, MASK_ID, CLS_ID = range(len(SPECIAL_TOKENS))

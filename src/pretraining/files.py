@@ -1,0 +1,64 @@
+"""Files that are whole or absent: written under a temporary name beside their final one, fsynced,
+renamed into place, the directory fsynced. A write that fails (a full disk, a crash) leaves the
+previous file, if any, and no temporary. Checkpoints, sidecars, manifests, tokenizers, run records
+and reports are all written this way."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+
+def temporary_path(path: Path) -> Path:
+    """A fresh hidden name beside `path`, to write it under before the rename (pruning deletes leftovers)."""
+    return path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:16]}")
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in `directory` durable (a no-op where directories cannot be opened, e.g. Windows)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, write: Any, stale: Path | None = None) -> str:
+    """Write a file through `write(file)` to a temporary name beside `path`, fsync, rename into
+    place, fsync the directory; return its SHA-256, read back from disk before the rename. `stale`,
+    a file that vouches for the old `path` (its sidecar), is deleted just before the rename: a write
+    that fails leaves the old file and its sidecar as they were."""
+    temporary = temporary_path(path)
+    try:
+        with temporary.open("wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        digest = sha256_of(temporary)
+        if stale is not None:
+            stale.unlink(missing_ok=True)
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+    return digest
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`write_durably` for bytes at hand."""
+    write_durably(path, lambda file: file.write(data))
