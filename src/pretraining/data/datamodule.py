@@ -278,11 +278,7 @@ class ShardDataModule(LightningDataModule):
     @cached_property
     def validation_set(self) -> list[Tensors]:
         """All ranks' validation examples, read once however often validation runs."""
-        urls = [
-            str(self.manifest.directory / s.name)
-            for s in self.manifest.shards("validation")
-            if s.name not in self.refused
-        ]
+        urls = [self.manifest.url(s) for s in self.manifest.shards("validation") if s.name not in self.refused]
         return validation_examples(urls, self.format, self.val_size, self.bad_data)
 
     def val_dataloader(self) -> DataLoader:

@@ -343,7 +343,10 @@ class Manifest:
             )
 
     def urls(self, split: str) -> list[str]:
-        return [str(self.directory / shard.name) for shard in self.shards(split)]
+        return [self.url(shard) for shard in self.shards(split)]
+
+    def url(self, shard: ShardInfo) -> str:
+        return str(self.directory / shard.name)
 
     def shards(self, split: str) -> list[ShardInfo]:
         shards = self.splits.get(split, [])
