@@ -26,9 +26,10 @@ from pathlib import Path
 
 import torch
 
-from pretraining.checkpoint import AtomicCheckpointIO, saved_checkpoints
+from pretraining.checkpoint import saved_checkpoints
 from pretraining.data.shards import Manifest
 from pretraining.models import Transformer
+from pretraining.plugins import AtomicCheckpointIO
 
 RUN = [
     "experiment=clm_tiny",

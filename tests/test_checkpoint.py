@@ -19,23 +19,16 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 
-import pretraining.checkpoint as checkpoint_module
+import pretraining.checkpoint.store as checkpoint_store
 import pretraining.data.stream as stream_module
 from conftest import tiny_run
-from pretraining.checkpoint import (
-    AtomicCheckpointIO,
-    CheckpointError,
-    StepCheckpoint,
-    newest_verified,
-    on_cpu,
-    saved_checkpoints,
-    sha256_of,
-    sidecar_path,
-    verify,
-)
+from pretraining.checkpoint import CheckpointError, newest_verified, prune, saved_checkpoints, sidecar_path, verify
 from pretraining.data.datamodule import BlockDataModule
 from pretraining.data.stream import Cursor
 from pretraining.data.tokenizer import ByteTokenizer
+from pretraining.files import sha256_of
+from pretraining.plugins import AtomicCheckpointIO
+from pretraining.plugins.checkpoint_io import on_cpu
 from pretraining.train import train
 
 
@@ -90,7 +83,7 @@ def test_a_checkpoint_without_its_sidecar_is_skipped_and_never_deleted(tmp_path:
         verify(path)
     with pytest.warns(UserWarning, match="no sidecar"):
         assert newest_verified(tmp_path)[0].name == "step-000001.ckpt"
-    StepCheckpoint(str(tmp_path), keep_last=2).prune(keep=tmp_path / "step-000001.ckpt")
+    prune(tmp_path, keep_last=2, keep_every=None, keep=tmp_path / "step-000001.ckpt")
     assert path.is_file()  # perhaps copied without its sidecar: not ours to delete
 
 
@@ -119,7 +112,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_and_no_unverifiable
     code = textwrap.dedent(f"""
         import os, signal, torch
         from pathlib import Path
-        from pretraining.checkpoint import AtomicCheckpointIO
+        from pretraining.plugins import AtomicCheckpointIO
 
         class DieWhilePickled:
             def __reduce__(self):
@@ -251,7 +244,7 @@ def test_a_checkpoint_whose_sidecar_cannot_be_written_is_removed(tmp_path: Path,
     def full(path: Path, record: dict) -> None:
         raise OSError(errno.ENOSPC, "No space left on device", str(sidecar_path(path)))
 
-    monkeypatch.setattr(checkpoint_module, "write_sidecar", full)
+    monkeypatch.setattr(checkpoint_store, "write_sidecar", full)
     with pytest.raises(OSError, match="No space left"):
         save(tmp_path, 8)
     assert directory_state(tmp_path) == before  # step 8 is gone, not left without a sidecar

@@ -14,7 +14,8 @@ from hydra.utils import instantiate
 from lightning.pytorch import Trainer
 from omegaconf import DictConfig
 
-from pretraining.config import CONFIG_DIR, ConfigError, check_config
+from pretraining.config import CONFIG_DIR, check_config
+from pretraining.errors import ConfigError
 from pretraining.objectives import PretrainingObjective
 
 GROUPS = ("data", "tokenizer", "model", "trainer", "callbacks", "logger", "experiment", "hparams_search", "debug")

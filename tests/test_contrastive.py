@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from conftest import fit_batch
-from pretraining.config import ConfigError
 from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
+from pretraining.errors import ConfigError
 from pretraining.models import Transformer
 from pretraining.objectives import Contrastive, build_objective
 from pretraining.objectives import contrastive as contrastive_module
@@ -35,7 +35,7 @@ VOCAB = 260
 
 def tiny_contrastive(**options: object) -> Contrastive:
     backbone = Transformer(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layer=1, n_head=2, causal=False)
-    return Contrastive(backbone, partial(torch.optim.AdamW, lr=3e-3), **{"embed_dim": 16, **options})
+    return Contrastive(backbone, optimizer=partial(torch.optim.AdamW, lr=3e-3), **{"embed_dim": 16, **options})
 
 
 def unit(rows: int, dim: int = 8, seed: int = 0) -> torch.Tensor:
@@ -216,7 +216,7 @@ def test_validation_metrics_are_independent_of_the_order_of_ranks() -> None:
 def test_refuses_bad_settings_and_a_single_pair() -> None:
     causal = Transformer(vocab_size=VOCAB, max_seq_len=16, d_model=16, n_layer=1, n_head=2, causal=True)
     with pytest.raises(ValueError, match=r"model\.backbone\.causal=false"):
-        Contrastive(causal, partial(torch.optim.AdamW))
+        Contrastive(causal, optimizer=partial(torch.optim.AdamW))
     with pytest.raises(ValueError, match=r"model\.pooling='max'"):
         tiny_contrastive(pooling="max")
     with pytest.raises(ValueError, match=r"model\.loss='triplet'"):

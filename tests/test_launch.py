@@ -21,7 +21,9 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from omegaconf import OmegaConf
 
 from conftest import tiny_run
-from pretraining.config import CONFIG_DIR, PROJECT_ROOT, ConfigError, build
+from pretraining.config import CONFIG_DIR, PROJECT_ROOT
+from pretraining.errors import ConfigError
+from pretraining.instantiate import build
 from pretraining.launch import check_devices, hydra_quote
 from pretraining.models.transformer import Block
 from pretraining.train import train

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import fit_batch
-from pretraining.config import ConfigError
 from pretraining.data.shards import Manifest
 from pretraining.data.stream import BatchStream, PackedBlocks, ShardStream, batch_plan
 from pretraining.data.tokenizer import EOS_ID, MASK_ID, SPECIAL_TOKENS, ByteTokenizer
+from pretraining.errors import ConfigError
 from pretraining.models import Transformer
 from pretraining.objectives import MaskedLM, build_objective
 from pretraining.objectives.masked_lm import IGNORE, hashed_uniform, mask_tokens
@@ -34,7 +34,7 @@ def random_blocks(rows: int, length: int, seed: int = 0) -> torch.Tensor:
 
 def tiny_mlm(**options: object) -> MaskedLM:
     backbone = Transformer(vocab_size=VOCAB, max_seq_len=64, d_model=32, n_layer=2, n_head=2, causal=False)
-    return MaskedLM(backbone, partial(torch.optim.AdamW, lr=3e-3), **options)
+    return MaskedLM(backbone, optimizer=partial(torch.optim.AdamW, lr=3e-3), **options)
 
 
 def test_hashed_uniform_is_uniform_and_a_pure_function() -> None:
@@ -182,7 +182,7 @@ def test_overfits_a_fixed_batch() -> None:
 def test_refuses_bad_settings() -> None:
     causal = Transformer(vocab_size=VOCAB, max_seq_len=16, d_model=16, n_layer=1, n_head=2, causal=True)
     with pytest.raises(ValueError, match=r"model\.backbone\.causal=false"):
-        MaskedLM(causal, partial(torch.optim.AdamW))
+        MaskedLM(causal, optimizer=partial(torch.optim.AdamW))
     for key, value in [("mask_rate", 0.0), ("eval_mask_rate", 1.0), ("mask_rate", 1.5)]:
         with pytest.raises(ValueError, match=rf"model\.{key}={value} must be in \(0, 1\)"):
             tiny_mlm(**{key: value})

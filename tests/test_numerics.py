@@ -16,9 +16,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from conftest import tiny_run
 from pretraining.callbacks.numerics import LossStatistics, NumericalError, NumericalGuard
-from pretraining.checkpoint import saved_checkpoints, sha256_of, verify
-from pretraining.config import ConfigError
+from pretraining.checkpoint import saved_checkpoints, verify
+from pretraining.errors import ConfigError
 from pretraining.evaluate import load_checkpoint
+from pretraining.files import sha256_of
 from pretraining.objectives import CausalLM
 from pretraining.train import train
 from test_resume import pretrain, run_dir
@@ -211,7 +212,7 @@ def test_every_rank_skips_a_step_whose_loss_is_nan_on_one_rank(
 # On the CPU Lightning turns precision=16-mixed into bf16-mixed; its plugin with a CPU GradScaler keeps float16.
 FLOAT16 = [
     "trainer.precision=null",
-    "trainer.plugins=[{_target_: pretraining.checkpoint.AtomicCheckpointIO}, {_target_: "
+    "trainer.plugins=[{_target_: pretraining.plugins.AtomicCheckpointIO}, {_target_: "
     "lightning.pytorch.plugins.MixedPrecision, precision: 16-mixed, device: cpu, scaler: {_target_: "
     "torch.amp.GradScaler, device: cpu}}]",
 ]

@@ -1,4 +1,4 @@
-"""FSDP2 through `pretraining.parallel.FSDP2Strategy` on two CPU processes (gloo)."""
+"""FSDP2 through `pretraining.plugins.FSDP2Strategy` on two CPU processes (gloo)."""
 
 from __future__ import annotations
 

@@ -18,12 +18,12 @@ from lightning.pytorch.loggers import CSVLogger
 from conftest import tiny_run
 from pretraining.callbacks import LinearProbe
 from pretraining.callbacks.probe import fit_linear_probe
-from pretraining.config import ConfigError
 from pretraining.data import BlockDataModule, ByteTokenizer
 from pretraining.data.corpus import PAIR_FIELDS, docstring_pairs, read_text_files
 from pretraining.data.labels import LabelledExample, LabelledJsonl, PythonDefinitions, is_test, package_of, probe_set
 from pretraining.data.shards import BuildSettings, Manifest, build_shards
 from pretraining.data.tokenizer import CLS_ID, PAD_ID
+from pretraining.errors import ConfigError
 from pretraining.models import Transformer
 from pretraining.objectives import CausalLM, Contrastive, MaskedLM
 from pretraining.train import train
@@ -193,9 +193,9 @@ def objectives() -> list[CausalLM | MaskedLM | Contrastive]:
 
     optimizer = partial(torch.optim.AdamW, lr=1e-3)
     return [
-        CausalLM(backbone(True), optimizer),
-        MaskedLM(backbone(False), optimizer),
-        Contrastive(backbone(False), optimizer),
+        CausalLM(backbone(True), optimizer=optimizer),
+        MaskedLM(backbone(False), optimizer=optimizer),
+        Contrastive(backbone(False), optimizer=optimizer),
     ]
 
 
@@ -249,7 +249,7 @@ def test_the_probe_callback_logs_accuracy_above_chance_on_a_toy_set(tmp_path: Pa
     )
     torch.manual_seed(0)
     backbone = Transformer(tokenizer.vocab_size, max_seq_len=32, d_model=32, n_layer=1, n_head=2)
-    model = CausalLM(backbone, partial(torch.optim.AdamW, lr=1e-3))
+    model = CausalLM(backbone, optimizer=partial(torch.optim.AdamW, lr=1e-3))
     probe = LinearProbe(labels=str(toy_labels(tmp_path / "toy.jsonl")), min_per_class=4, max_examples=100)
     logger = CSVLogger(tmp_path, name="csv", version="")
     trainer = Trainer(

@@ -23,9 +23,10 @@ from hydra.core.hydra_config import HydraConfig
 from conftest import tiny_run
 from pretraining.callbacks.batch_log import batch_log_differences, read_batch_log
 from pretraining.checkpoint import CheckpointError, saved_checkpoints
-from pretraining.config import CONFIG_DIR, ConfigError, default_run_name
+from pretraining.config import CONFIG_DIR, default_run_name
 from pretraining.data.shards import Manifest
 from pretraining.data.stream import stream_shard
+from pretraining.errors import ConfigError
 from pretraining.evaluate import load_checkpoint
 from pretraining.train import train
 

@@ -13,9 +13,12 @@ from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 from omegaconf import DictConfig
 
-from pretraining.config import CONFIG_DIR, ConfigError, check_config
+from pretraining.config import CONFIG_DIR, check_config
+from pretraining.errors import ConfigError
 from pretraining.objectives import CausalLM
-from pretraining.schema import EvalSettings, Range, TrainSettings, check_schema, signature
+from pretraining.ranges import Range
+from pretraining.schema import check_schema, signature
+from pretraining.settings import EvalSettings, TrainSettings
 
 PRESETS = [
     f"{group}={path.stem}"

@@ -22,18 +22,18 @@ from hydra import compose, initialize_config_dir
 from conftest import tiny_run
 from pretraining.checkpoint import (
     CheckpointError,
-    StepCheckpoint,
     load_sharded,
     newest_verified,
+    prune,
     publish_sharded,
     saved_checkpoints,
-    sha256_of,
     sidecar_path,
-    temporary_path,
     verify,
 )
-from pretraining.config import CONFIG_DIR, ConfigError
+from pretraining.config import CONFIG_DIR
+from pretraining.errors import ConfigError
 from pretraining.evaluate import evaluate, load_checkpoint
+from pretraining.files import sha256_of, temporary_path
 from pretraining.resume import checkpoint_to_resume
 from pretraining.train import train
 from test_resume import RESUMABLE, kill_twice_and_compare, pretrain, run_dir
@@ -112,7 +112,7 @@ def test_a_file_written_into_a_checkpoint_after_its_save_fails_verification(tmp_
 
 @pytest.mark.parametrize(
     ("kill_in", "warning"),
-    [("sha256_of", None), ("write_sidecar", r"step-000002\.ckpt has no sidecar")],
+    [("sharded.sha256_of", None), ("store.write_sidecar", r"step-000002\.ckpt has no sidecar")],
     ids=["before_the_rename", "before_the_sidecar"],
 )
 def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_newest(tmp_path: Path, kill_in, warning) -> None:
@@ -121,11 +121,12 @@ def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_newest(tmp_
         import os, signal, sys
         from pathlib import Path
         sys.path.insert(0, {str(TESTS)!r})
-        import pretraining.checkpoint
+        import pretraining.checkpoint.sharded, pretraining.checkpoint.store
         from test_sharded_checkpoint import save_sharded
 
         save_sharded(Path({str(tmp_path)!r}), 1)
-        setattr(pretraining.checkpoint, {kill_in!r}, lambda *args: os.kill(os.getpid(), signal.SIGKILL))
+        module, name = {kill_in!r}.split(".")
+        setattr(getattr(pretraining.checkpoint, module), name, lambda *args: os.kill(os.getpid(), signal.SIGKILL))
         save_sharded(Path({str(tmp_path)!r}), 2)
     """)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -139,7 +140,7 @@ def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_newest(tmp_
         path, _ = newest_verified(tmp_path)
     assert path.name == "step-000001.ckpt" and [step for step, _ in saved_checkpoints(tmp_path)] == [1]
     assert all(temporary.exists() for temporary in temporaries)  # resuming leaves them: only the run's save cleans
-    StepCheckpoint(str(tmp_path)).prune(keep=path)
+    prune(tmp_path, keep_last=2, keep_every=None, keep=path)
     assert not list(tmp_path.glob(".*.tmp-*"))
     assert verify(save_sharded(tmp_path, 2))["step"] == 2  # saving the step again replaces what was left
 

@@ -22,12 +22,13 @@ from torch.utils.data import DataLoader, Dataset
 
 from pretraining.callbacks import Throughput
 from pretraining.callbacks.throughput import peak_flops
-from pretraining.config import PROJECT_ROOT, ConfigError
+from pretraining.config import PROJECT_ROOT
 from pretraining.data import WaitTimedLoader
+from pretraining.errors import ConfigError
 from pretraining.models.transformer import Transformer
 from pretraining.objectives import CausalLM, Contrastive, MaskedLM
 from pretraining.objectives.base import lm_cross_entropy
-from pretraining.parallel import FSDP2Strategy, ShardingPolicy, shard
+from pretraining.plugins import FSDP2Strategy, ShardingPolicy, shard
 
 VOCAB = 100  # padded to 128 rows
 
@@ -64,7 +65,7 @@ def test_chunked_cross_entropy_equals_the_plain_loss_and_gradients(reduction: st
 
 def test_chunked_loss_trains_a_causal_lm_like_the_plain_one() -> None:
     torch.manual_seed(0)
-    plain = CausalLM(backbone(), adamw())
+    plain = CausalLM(backbone(), optimizer=adamw())
     chunked = copy.deepcopy(plain)
     chunked.loss_chunk_tokens = 5
     batch = blocks(2, 16)
@@ -74,12 +75,12 @@ def test_chunked_loss_trains_a_causal_lm_like_the_plain_one() -> None:
     for a, b in zip(plain.parameters(), chunked.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7)
     with pytest.raises(ValueError, match="loss_chunk_tokens=0"):
-        CausalLM(backbone(), adamw(), loss_chunk_tokens=0)
+        CausalLM(backbone(), optimizer=adamw(), loss_chunk_tokens=0)
 
 
 def test_checkpointed_blocks_give_the_same_loss_and_gradients_with_dropout() -> None:
     torch.manual_seed(0)
-    plain = CausalLM(backbone(dropout=0.1), adamw())
+    plain = CausalLM(backbone(dropout=0.1), optimizer=adamw())
     checkpointed = copy.deepcopy(plain)
     for block in checkpointed.backbone.blocks:
         block.checkpoint_activations = True
@@ -95,17 +96,17 @@ def test_checkpointed_blocks_give_the_same_loss_and_gradients_with_dropout() -> 
 
 
 def test_compile_is_per_block_in_place_and_keeps_checkpoint_keys() -> None:
-    model = CausalLM(backbone(), adamw(), compile=True)
+    model = CausalLM(backbone(), optimizer=adamw(), compile=True)
     keys = list(model.state_dict())
     model.configure_model()
     model.configure_model()  # Lightning calls it for every fit and validate
     assert list(model.state_dict()) == keys and not any("_orig_mod" in key for key in keys)
     assert all(block._compiled_call_impl is not None for block in model.backbone.blocks)
-    assert CausalLM(backbone(), adamw()).backbone.blocks[0]._compiled_call_impl is None
+    assert CausalLM(backbone(), optimizer=adamw()).backbone.blocks[0]._compiled_call_impl is None
 
 
 def test_the_optimizer_is_fused_only_on_cuda_or_when_asked() -> None:
-    model = CausalLM(backbone(), adamw(fused=None))
+    model = CausalLM(backbone(), optimizer=adamw(fused=None))
     model.trainer = type("FakeTrainer", (), {"max_steps": 10})()
     assert not model.configure_optimizers()["optimizer"].defaults["fused"]  # CPU parameters: the default
     model.optimizer_factory = adamw(fused=True)
@@ -121,12 +122,12 @@ def test_flops_per_token_matches_a_hand_count() -> None:
     assert model.head_flops_per_token() == 6 * padded_vocab * d
 
     per_token = model.flops_per_token(length)
-    work = CausalLM(model, adamw()).batch_work(blocks(3, length))
+    work = CausalLM(model, optimizer=adamw()).batch_work(blocks(3, length))
     assert work == (3, 3 * length, 3 * length * (per_token + model.head_flops_per_token()))
-    masked = MaskedLM(backbone(causal=False), adamw(), mask_rate=0.3).batch_work(blocks(3, length))
+    masked = MaskedLM(backbone(causal=False), optimizer=adamw(), mask_rate=0.3).batch_work(blocks(3, length))
     assert masked.flops == 3 * length * per_token + 3 * round(0.3 * length) * model.head_flops_per_token()
     pairs = {"query": torch.ones(4, 8, dtype=torch.long), "passage": torch.ones(4, 24, dtype=torch.long)}
-    contrastive = Contrastive(backbone(causal=False), adamw(), shared_towers=False)
+    contrastive = Contrastive(backbone(causal=False), optimizer=adamw(), shared_towers=False)
     expected = 4 * 8 * model.flops_per_token(8) + 4 * 24 * model.flops_per_token(24)
     assert contrastive.batch_work(pairs) == (4, 4 * 8 + 4 * 24, expected)
 
@@ -168,7 +169,7 @@ def seven_step_trainer(callbacks: list[Callback], logger: Logger, **options: Any
 
 def test_throughput_is_counted_tokens_over_measured_time() -> None:
     torch.manual_seed(0)
-    model = CausalLM(backbone(), adamw())
+    model = CausalLM(backbone(), optimizer=adamw())
     batch_list = [blocks(4, 16) for _ in range(7)]
     ticks = itertools.count(step=0.5)  # every clock reading is half a second after the one before
     callback = Throughput(log_every_n_steps=2, peak_flops=1e9, clock=lambda: next(ticks))
@@ -210,7 +211,7 @@ def mean_data_wait(delay: float) -> float:
     loader = WaitTimedLoader(Delayed([blocks(4, 16) for _ in range(7)], delay), batch_size=None)
     recorder = Recorder()
     trainer = seven_step_trainer([Throughput(log_every_n_steps=2)], recorder, limit_val_batches=0)
-    trainer.fit(CausalLM(backbone(), adamw()), train_dataloaders=loader)
+    trainer.fit(CausalLM(backbone(), optimizer=adamw()), train_dataloaders=loader)
     waits = [row["perf/data_wait"] for _, row in recorder.rows if "perf/data_wait" in row]
     assert len(waits) == 3 and all(0.0 <= wait <= 1.0 for wait in waits)
     return statistics.mean(waits)
@@ -240,7 +241,7 @@ def test_validation_time_is_not_counted() -> None:
     trainer = seven_step_trainer([Clockwork(), clock], recorder, val_check_interval=2, num_sanity_val_steps=0)
     loader = DataLoader(batch_list, batch_size=None)
     trainer.fit(
-        CausalLM(backbone(), adamw()),
+        CausalLM(backbone(), optimizer=adamw()),
         train_dataloaders=loader,
         val_dataloaders=DataLoader(batch_list[:1], batch_size=None),
     )

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import CompactHydraException, InstantiationException
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+
+from pretraining.errors import ConfigError
+from pretraining.schema import check_schema
+from pretraining.settings import TrainSettings
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PROJECT_ROOT / "configs"
@@ -54,11 +56,6 @@ OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=Tr
 # Hydra copies the sweep config's resolver cache into every job's config, where the overrides are the job's
 # own (`seed=1`), so that all jobs agree on the sweep directory.
 OmegaConf.register_new_resolver("sweep_name", run_name, use_cache=True, replace=True)
-
-
-class ConfigError(ValueError, CompactHydraException):
-    """A config value that cannot work; the message names the key and the fix. A Hydra application
-    prints it alone, without a traceback (HYDRA_FULL_ERROR=1 shows one)."""
 
 
 # Names of keys and environment variables that hold credentials: `api_key`, `HF_TOKEN`, `db_password`,
@@ -100,8 +97,6 @@ def redact_secrets(config: Any, environment: Mapping[str, str] | None = None) ->
 def check_config(cfg: DictConfig) -> None:
     """Stop before any work if a value does not fit the schema (`pretraining.schema`), or values from
     different groups contradict each other."""
-    from pretraining.schema import TrainSettings, check_schema  # it imports the modules that import this one
-
     # data=text and data=pairs (and the large presets) leave it to you; other groups interpolate it
     # (tokenizer.path), so OmegaConf alone would name the wrong key.
     if OmegaConf.is_missing(cfg.data, "dir"):
@@ -132,16 +127,3 @@ def check_config(cfg: DictConfig) -> None:
                 f"data.{key}={length} exceeds model.backbone.max_seq_len={max_seq_len}: "
                 f"lower data.{key} or raise model.backbone.max_seq_len"
             )
-
-
-def build(node: DictConfig, **kwargs: Any) -> Any:
-    """`hydra.utils.instantiate`, letting our own errors (which name the key and the fix) through unwrapped."""
-    try:
-        return instantiate(node, **kwargs)
-    except InstantiationException as error:
-        cause = error.__cause__
-        while isinstance(cause, InstantiationException):
-            cause = cause.__cause__
-        if isinstance(cause, ValueError | FileNotFoundError):
-            raise cause from None
-        raise

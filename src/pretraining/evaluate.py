@@ -20,9 +20,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from pretraining.callbacks.lineage import READABLE_LINEAGE_FORMATS
 from pretraining.checkpoint import load_sharded, sidecar_path, verify
-from pretraining.config import CONFIG_DIR, ConfigError, build
+from pretraining.config import CONFIG_DIR
+from pretraining.errors import ConfigError
+from pretraining.instantiate import build
 from pretraining.objectives import CausalLM, build_objective
-from pretraining.schema import EvalSettings, check_schema
+from pretraining.schema import check_schema
+from pretraining.settings import EvalSettings
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ import torch
 from omegaconf import OmegaConf
 
 from pretraining.checkpoint import SHARDED_META, CheckpointError, verify
-from pretraining.config import ConfigError
+from pretraining.errors import ConfigError
 from pretraining.evaluate import existing_checkpoint, lineage_of
 
 

@@ -27,7 +27,7 @@ from hydra.utils import get_original_cwd, to_absolute_path
 from lightning.pytorch.strategies.launchers import subprocess_script
 from omegaconf import DictConfig, ListConfig
 
-from pretraining.config import ConfigError
+from pretraining.errors import ConfigError
 
 # What Lightning's launcher sets in the environment of the process that starts the ranks. Left there,
 # they would tell the next job of a multirun that its processes were started already.

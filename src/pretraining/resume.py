@@ -17,12 +17,12 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
-from pretraining.checkpoint import CheckpointError, newest_verified, verify
-from pretraining.config import ConfigError
+from pretraining.checkpoint import newest_verified, verify
+from pretraining.errors import CheckpointError, ConfigError
 
 ResumeMode = Literal["auto", "never"]
 RESUME_MODES = get_args(ResumeMode)
@@ -42,10 +42,15 @@ FIT_CHECKS: dict[Change, tuple[str, str]] = {
 ALLOWABLE_CHANGES = get_args(Change)
 
 
-def checkpoint_to_resume(
-    resume: str, ckpt_path: str | None, run_dir: Path, checkpoints: Path
-) -> tuple[Path, dict[str, Any]] | None:
-    """The checkpoint to continue from and its verified sidecar, or None to start fresh."""
+class Resume(NamedTuple):
+    """A checkpoint to continue from, and its verified sidecar."""
+
+    path: Path
+    sidecar: dict[str, Any]
+
+
+def checkpoint_to_resume(resume: str, ckpt_path: str | None, run_dir: Path, checkpoints: Path) -> Resume | None:
+    """The checkpoint to continue from, or None to start fresh."""
     if resume not in RESUME_MODES:
         raise ConfigError(f"resume={resume!r}: use one of {', '.join(RESUME_MODES)} (or set ckpt_path=<file>)")
     if resume == "never":
@@ -54,12 +59,12 @@ def checkpoint_to_resume(
     found = newest_verified(checkpoints)
     if found:
         rank_zero_info(f"resuming from {found[0]} (step {found[1]['step']}); pass resume=never to start over")
-        return found
+        return Resume(*found)
     if ckpt_path:
         path = Path(ckpt_path).resolve()
         if not path.exists():
             raise FileNotFoundError(f"ckpt_path={ckpt_path} not found; runs keep checkpoints in <run>/checkpoints/")
-        return path, verify(path)
+        return Resume(path, verify(path))
     return None
 
 

@@ -5,7 +5,8 @@ unknown keys (with the closest known one), types from the parameters' annotation
 declared as `Annotated[float, Range(gt=0)]` metadata on them (for classes this package does not own,
 in `EXTRA_ANNOTATIONS`). A class of your own is thus checked as soon as its constructor has type hints.
 The top-level keys of train.yaml and eval.yaml are checked the same way, against `TrainSettings` and
-`EvalSettings`. Relations between groups are checked by `pretraining.config.check_config`.
+`EvalSettings` (`pretraining.settings`). Relations between groups are checked by
+`pretraining.config.check_config`.
 """
 
 from __future__ import annotations
@@ -14,50 +15,19 @@ import difflib
 import inspect
 import pydoc
 import types
-import typing
 from collections import abc
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from collections.abc import Callable
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import torch
 from lightning.pytorch import Trainer
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pretraining.config import ConfigError
-from pretraining.resume import Change, ResumeMode
+from pretraining.errors import ConfigError
+from pretraining.ranges import Range, describe, fits, item_annotation, mapping, out_of_range, range_problem, type_hints
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
-
-
-@dataclass(frozen=True)
-class Range:
-    """Bounds of a number, as `Annotated` metadata: `Annotated[float, Range(gt=0, lt=1)]`."""
-
-    gt: float | None = None
-    ge: float | None = None
-    lt: float | None = None
-    le: float | None = None
-
-    def admits(self, value: float) -> bool:
-        return not (
-            (self.gt is not None and value <= self.gt)
-            or (self.ge is not None and value < self.ge)
-            or (self.lt is not None and value >= self.lt)
-            or (self.le is not None and value > self.le)
-        )
-
-    def __str__(self) -> str:
-        low, high = (self.gt, self.ge), (self.lt, self.le)
-        if any(bound is not None for bound in low) and any(bound is not None for bound in high):
-            opening = f"({self.gt}" if self.gt is not None else f"[{self.ge}"
-            closing = f"{self.lt})" if self.lt is not None else f"{self.le}]"
-            return f"in {opening}, {closing}"
-        for bound, words in ((self.gt, "> {}"), (self.ge, "at least {}"), (self.lt, "< {}"), (self.le, "at most {}")):
-            if bound is not None:
-                return words.format(bound)
-        return "any number"
 
 
 Beta = Annotated[float, Range(ge=0, lt=1)]
@@ -90,24 +60,6 @@ def check_schema(cfg: DictConfig, settings: type, name: str) -> None:
     does not fit: `settings` (a dataclass) for the top-level keys of config `name`, the signature of
     its `_target_` for every node that has one."""
     check_node(plain(cfg, skip=("hydra",)), settings, "", f"a key of {name}")
-
-
-def check_ranges(function: Callable[..., Any], arguments: Mapping[str, Any], prefix: str) -> None:
-    """Raise a ConfigError for an argument outside the `Range` its annotation in `function` declares.
-    Constructors call it with `locals()`, so that Python callers get the checks a config gets at startup."""
-    parameters, _ = signature(function)
-    for name, annotation in parameters.items():
-        if name in arguments:
-            check_range(arguments[name], annotation, f"{prefix}.{name}")
-
-
-def check_range(value: Any, annotation: Any, key: str) -> None:
-    """Raise a ConfigError if `value`, or an item of it, is outside the `Range` its annotation declares."""
-    problem = range_problem(value, annotation)
-    if problem:
-        raise out_of_range(key, value, problem)
-    for index, item in enumerate(value) if isinstance(value, list | tuple) else ():
-        check_range(item, item_annotation(annotation, index), f"{key}[{index}]")
 
 
 def plain(node: Any, skip: tuple[str, ...] = ()) -> Any:
@@ -208,70 +160,6 @@ def signature(target: Callable[..., Any]) -> tuple[dict[str, Any], bool]:
     return parameters, open_ended
 
 
-def type_hints(function: Callable[..., Any]) -> dict[str, Any]:
-    """The resolved annotations of `function`; none where they cannot be resolved here (names
-    imported only for type checkers): those parameters are not type-checked."""
-    try:
-        return typing.get_type_hints(inspect.unwrap(function), include_extras=True)
-    except Exception:
-        return {}
-
-
-def fits(value: Any, annotation: Any) -> bool:
-    """Whether `value` (from a config: None, bool, int, float, str, list, dict) can be `annotation`;
-    true for annotations a config value cannot be checked against (classes, callables, type variables)."""
-    origin, args = get_origin(annotation), get_args(annotation)
-    if origin is Annotated:
-        return fits(value, args[0])
-    if origin in (Union, types.UnionType):
-        return any(fits(value, arg) for arg in args)
-    if origin is Literal:
-        return any(value == arg and type(value) is type(arg) for arg in args)
-    if annotation in (None, type(None)):
-        return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, int | float) and not isinstance(value, bool)
-    if annotation is str:
-        return isinstance(value, str)
-    if origin is tuple and args and args[-1] is not Ellipsis:
-        return isinstance(value, list | tuple) and len(value) == len(args)
-    if sequence(origin or annotation):
-        return isinstance(value, list | tuple)
-    if mapping(origin or annotation):
-        return isinstance(value, dict)
-    return True
-
-
-def range_problem(value: Any, annotation: Any) -> str | None:
-    """The range a `value` that `fits` the annotation misses ("must be at least 1"), or None."""
-    origin, args = get_origin(annotation), get_args(annotation)
-    if origin is Annotated:
-        ranges = [meta for meta in args[1:] if isinstance(meta, Range)]
-        return range_problem(value, args[0]) or next((f"must be {r}" for r in ranges if not r.admits(value)), None)
-    if origin in (Union, types.UnionType):
-        problems = [range_problem(value, arg) for arg in args if fits(value, arg)]
-        return None if not problems or None in problems else problems[0]
-    return None
-
-
-def item_annotation(annotation: Any, key: Any) -> Any:
-    """The annotation of one item of a list (index `key`) or dict (key `key`) annotated `annotation`."""
-    origin, args = get_origin(annotation), get_args(annotation)
-    if origin is Annotated:
-        return item_annotation(args[0], key)
-    if origin is tuple and args and args[-1] is not Ellipsis:
-        return args[key] if isinstance(key, int) and key < len(args) else Any
-    if args and (origin is tuple or sequence(origin)):
-        return args[0]
-    if len(args) == 2 and mapping(origin):
-        return args[1]
-    return Any
-
-
 def builds(target: Callable[..., Any], annotation: Any) -> bool:
     """Whether a node naming `target` can stand where `annotation` is expected: false only for a class
     that is none of the classes the annotation names (a function's result is not known here, and a
@@ -293,41 +181,6 @@ def builds(target: Callable[..., Any], annotation: Any) -> bool:
         return True
 
 
-def sequence(kind: Any) -> bool:
-    return kind in (list, tuple, set, frozenset, abc.Sequence, abc.MutableSequence, abc.Iterable, abc.Collection)
-
-
-def mapping(kind: Any) -> bool:
-    return kind in (dict, abc.Mapping, abc.MutableMapping)
-
-
-def describe(annotation: Any) -> str:
-    """`annotation` in words, as a config value."""
-    origin, args = get_origin(annotation), get_args(annotation)
-    if origin is Annotated:
-        return describe(args[0])
-    if origin in (Union, types.UnionType):
-        # The values of all Literal members in one list (Lightning's precision is a union of three).
-        values = [value for arg in args if get_origin(arg) is Literal for value in get_args(arg)]
-        others = [describe(arg) for arg in args if get_origin(arg) is not Literal]
-        return " or ".join(dict.fromkeys([describe(Literal[tuple(values)])] * bool(values) + others))
-    if origin is Literal:
-        return "one of " + ", ".join(repr(arg) for arg in args)
-    words = {None: "null", type(None): "null", bool: "true or false", int: "an integer", float: "a number"}
-    if annotation in words:
-        return words[annotation]
-    if annotation is str:
-        return "a string"
-    if origin is tuple and args and args[-1] is not Ellipsis:
-        return f"a list of {len(args)} items"
-    if sequence(origin or annotation):
-        return f"a list of {describe(args[0])}" if args else "a list"
-    if mapping(origin or annotation):
-        return "a mapping"
-    name = getattr(origin or annotation, "__qualname__", str(annotation))
-    return f"a {name} (a node with _target_)"
-
-
 def unknown_key(key: str, value: Any, what: str, known: list[str]) -> ConfigError:
     """The error for a key that is not `what` it should be: the closest known key, or all of them."""
     parent, _, name = key.rpartition(".")
@@ -338,50 +191,3 @@ def unknown_key(key: str, value: Any, what: str, known: list[str]) -> ConfigErro
     else:
         fix = f"the keys there are {', '.join(known)}; remove it (~{key})"
     return ConfigError(f"{key}={value!r}: {key} is not {what}: {fix}")
-
-
-def out_of_range(key: str, value: Any, problem: str) -> ConfigError:
-    return ConfigError(f"{key}={value} {problem}: set {key} within that range")
-
-
-@dataclass
-class TrainSettings:
-    """The keys of configs/train.yaml that train.py reads; each group is a node (or, for callbacks and
-    logger, a mapping of nodes) checked against the class its `_target_` names."""
-
-    data: dict[str, Any]
-    tokenizer: dict[str, Any]
-    model: dict[str, Any]
-    trainer: dict[str, Any]
-    callbacks: dict[str, dict[str, Any]] | None
-    logger: dict[str, dict[str, Any]] | None
-    paths: dict[str, str]
-    task_name: str
-    run_name: str
-    tags: list[str]
-    seed: int
-    matmul_precision: Literal["highest", "high", "medium"]  # torch.set_float32_matmul_precision
-    resume: ResumeMode
-    ckpt_path: str | None
-    resume_allow: list[Change]
-    validate_before_training: bool
-    optimized_metric: str | None
-
-
-@dataclass
-class EvalSettings:
-    """The keys of configs/eval.yaml that evaluate.py reads."""
-
-    paths: dict[str, str]
-    task_name: str
-    run_name: str
-    ckpt_path: str
-    data_dir: str | None
-    tokenizer_path: str | None
-    val_size: Annotated[int, Range(ge=1)] | None
-    accelerator: str
-    prompt: str | None
-    max_new_tokens: Annotated[int, Range(ge=1)]
-    temperature: Annotated[float, Range(gt=0)]
-    top_k: Annotated[int, Range(ge=1)] | None
-    seed: int

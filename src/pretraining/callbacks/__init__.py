@@ -1,7 +1,9 @@
-"""Callbacks: lineage, per-batch seeding, preemption, numerical faults, an audit log of batches, text
-samples, throughput, the progress bar, a linear probe, the skipped-sample count and limit."""
+"""Callbacks: checkpoints at step boundaries, lineage, per-batch seeding, preemption, numerical faults,
+an audit log of batches, text samples, throughput, the progress bar, a linear probe, the skipped-sample
+count and limit."""
 
 from pretraining.callbacks.batch_log import BatchLog
+from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.callbacks.lineage import Lineage
 from pretraining.callbacks.numerics import NumericalGuard
 from pretraining.callbacks.preemption import Preemption
@@ -20,6 +22,7 @@ __all__ = [
     "Preemption",
     "ProgressBar",
     "SkippedSamples",
+    "StepCheckpoint",
     "StepSeed",
     "TextSample",
     "Throughput",

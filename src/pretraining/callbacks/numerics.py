@@ -16,8 +16,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-from pretraining.checkpoint import StepCheckpoint, saved_checkpoints
-from pretraining.schema import Range, check_ranges
+from pretraining.callbacks.checkpoint import StepCheckpoint
+from pretraining.checkpoint import saved_checkpoints
+from pretraining.ranges import Range, checked_ranges
 
 
 class NumericalError(RuntimeError):
@@ -82,6 +83,7 @@ class NumericalGuard(Callback):
     uninterrupted run would.
     """
 
+    @checked_ranges("callbacks.numerics")
     def __init__(
         self,
         max_consecutive_bad_steps: Annotated[int, Range(ge=1)] | None = 10,
@@ -89,7 +91,6 @@ class NumericalGuard(Callback):
         spike_window: Annotated[int, Range(ge=1)] = 100,
         spike_log: str | None = None,
     ) -> None:
-        check_ranges(NumericalGuard.__init__, locals(), "callbacks.numerics")
         self.max_bad, self.threshold = max_consecutive_bad_steps, spike_threshold
         self.spike_log = Path(spike_log) if spike_log else None
         self.statistics = LossStatistics(spike_window)

@@ -24,9 +24,9 @@ import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
-from pretraining.config import ConfigError
 from pretraining.data.labels import KEY, LabelSource, ProbeSet, label_source, probe_set
 from pretraining.data.tokenizer import CLS_ID, PAD_ID
+from pretraining.errors import ConfigError
 
 
 class ProbeResult(NamedTuple):

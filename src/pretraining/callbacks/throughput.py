@@ -23,7 +23,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from pretraining.data import WaitTimedLoader
-from pretraining.parallel import FSDP2Strategy
+from pretraining.plugins import FSDP2Strategy
 
 # Dense (no 2:4 sparsity) peaks per device name fragment, checked before Lightning's table, whose H200
 # entries are the sparse figures and which does not recognise every H200 name.

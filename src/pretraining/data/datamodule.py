@@ -53,7 +53,7 @@ from pretraining.data.stream import (
 )
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.distributed import gather
-from pretraining.schema import Range, check_ranges
+from pretraining.ranges import Range, checked_ranges
 
 
 def leave_stop_signals_to_the_main_process(worker_id: int) -> None:
@@ -80,6 +80,7 @@ class ShardDataModule(LightningDataModule):
 
     STATE_FORMAT = 2
 
+    @checked_ranges("data")
     def __init__(
         self,
         dir: str,
@@ -99,7 +100,6 @@ class ShardDataModule(LightningDataModule):
         max_skip_fraction: Annotated[float, Range(ge=0, le=1)] = 0.01,
     ) -> None:
         super().__init__()
-        check_ranges(ShardDataModule.__init__, locals(), "data")
         batch_plan(global_batch_size, micro_batch_size, streams, 1)  # a config error shows before any work
         self.bad_data, self.max_skip_fraction = bad_data, max_skip_fraction
         self.manifest = Manifest.load(dir, check=bad_data == "raise", verify_checksums=verify_checksums)
@@ -347,6 +347,7 @@ def global_batch_blocks(blocks: int | None, tokens: int | None, block_size: int)
 class BlockDataModule(ShardDataModule):
     """Packed blocks of `block_size + 1` tokens from text shards (next-token and masked-LM)."""
 
+    @checked_ranges("data")
     def __init__(
         self,
         dir: str,
@@ -356,7 +357,6 @@ class BlockDataModule(ShardDataModule):
         global_batch_tokens: Positive | None = None,
         **options: Any,
     ) -> None:
-        check_ranges(BlockDataModule.__init__, locals(), "data")
         blocks = global_batch_blocks(global_batch_size, global_batch_tokens, block_size)
         super().__init__(dir, tokenizer, PackedBlocks(tokenizer, block_size), blocks, **options)
         self.block_size = block_size
@@ -365,9 +365,9 @@ class BlockDataModule(ShardDataModule):
 class PairDataModule(ShardDataModule):
     """(query, passage) pairs from pair shards, each side truncated to its own length (contrastive)."""
 
+    @checked_ranges("data")
     def __init__(
         self, dir: str, tokenizer: Tokenizer, query_len: SideLength, passage_len: SideLength, **options: Any
     ) -> None:
-        check_ranges(PairDataModule.__init__, locals(), "data")
         super().__init__(dir, tokenizer, TokenizedPairs(tokenizer, query_len, passage_len), **options)
         self.query_len, self.passage_len = query_len, passage_len

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
-from pretraining.config import ConfigError
 from pretraining.data.corpus import PAIR_FIELDS, SourceBytes, definitions, jsonl_records
 from pretraining.data.shards import Manifest
 from pretraining.data.stream import read_shard, stable_hash
+from pretraining.errors import ConfigError
 
 # Where the probe callback sits in configs/callbacks/default.yaml: errors name its keys.
 KEY = "callbacks.probe"

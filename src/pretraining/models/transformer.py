@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pretraining.schema import Range, check_ranges
+from pretraining.ranges import Range, checked_ranges
 
 Positive = Annotated[int, Range(ge=1)]
 
@@ -90,6 +90,7 @@ class Transformer(nn.Module):
     the padded ids never occur in data, and `logits()` can drop them.
     """
 
+    @checked_ranges("model.backbone")
     def __init__(
         self,
         vocab_size: Positive,
@@ -101,7 +102,6 @@ class Transformer(nn.Module):
         bias: bool = False,
         causal: bool = True,
     ) -> None:
-        check_ranges(Transformer.__init__, locals(), "model.backbone")
         super().__init__()
         self.vocab_size, self.max_seq_len, self.n_layer, self.causal = vocab_size, max_seq_len, n_layer, causal
         self.d_model = d_model

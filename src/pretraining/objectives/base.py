@@ -29,13 +29,14 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.checkpoint import checkpoint
 from torchmetrics import Metric, SumMetric
 
-from pretraining.config import ConfigError, build
 from pretraining.data.tokenizer import Tokenizer
+from pretraining.errors import ConfigError
+from pretraining.instantiate import build
 from pretraining.models.transformer import Block, Transformer
-from pretraining.parallel import FSDP2Strategy, ShardingPolicy, shard
-from pretraining.schema import Range, check_ranges
+from pretraining.plugins import FSDP2Strategy, ShardingPolicy, shard
+from pretraining.ranges import Range, checked_ranges
 
-# The ranges of settings objectives share; a subclass repeats them in its signature, which the schema reads.
+# The ranges of the settings every objective takes (subclasses pass them on as **settings).
 WarmupSteps = Annotated[int, Range(ge=0)]
 LRRatio = Annotated[float, Range(ge=0, le=1)]
 ChunkTokens = Annotated[int, Range(ge=1)] | None  # null: the head and loss over all tokens at once
@@ -59,6 +60,7 @@ class PretrainingObjective(LightningModule):
 
     input_kind: ClassVar[str] = "blocks"
 
+    @checked_ranges("model")
     def __init__(
         self,
         backbone: Transformer,
@@ -68,7 +70,6 @@ class PretrainingObjective(LightningModule):
         validation_state: Mapping[str, Metric] | None = None,
         compile: bool = False,
     ) -> None:
-        check_ranges(PretrainingObjective.__init__, locals(), "model")
         super().__init__()
         self.backbone = backbone
         self.optimizer_factory = optimizer

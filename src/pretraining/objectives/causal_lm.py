@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch.optim import Optimizer
 
 from pretraining.data.tokenizer import EOS_ID, Tokenizer
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import ChunkTokens, LRRatio, PretrainingObjective, WarmupSteps, lm_cross_entropy, sums
-from pretraining.schema import check_ranges
+from pretraining.objectives.base import ChunkTokens, PretrainingObjective, lm_cross_entropy, sums
+from pretraining.ranges import checked_ranges
 
 
 class CausalLM(PretrainingObjective):
@@ -21,19 +20,12 @@ class CausalLM(PretrainingObjective):
     from summed negative log-likelihood, token and byte counts.
     """
 
-    def __init__(
-        self,
-        backbone: Transformer,
-        optimizer: Callable[..., Optimizer],
-        warmup_steps: WarmupSteps = 100,
-        min_lr_ratio: LRRatio = 0.1,
-        compile: bool = False,
-        loss_chunk_tokens: ChunkTokens = None,
-    ) -> None:
-        check_ranges(CausalLM.__init__, locals(), "model")
+    @checked_ranges("model")
+    def __init__(self, backbone: Transformer, *, loss_chunk_tokens: ChunkTokens = None, **settings: Any) -> None:
+        """`settings`: what every objective takes (`PretrainingObjective`: optimizer, warmup, ...)."""
         if not backbone.causal:
             raise ValueError("CausalLM needs a causal backbone: set model.backbone.causal=true")
-        super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, sums("nll", "tokens", "bytes"), compile)
+        super().__init__(backbone, validation_state=sums("nll", "tokens", "bytes"), **settings)
         self.loss_chunk_tokens = loss_chunk_tokens
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -14,21 +14,20 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Sequence
-from typing import Annotated, Literal, get_args
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_autograd
 import torch.nn.functional as F
 from torch import nn
-from torch.optim import Optimizer
 from torchmetrics import CatMetric
 
 from pretraining.data.tokenizer import PAD_ID
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import BatchWork, LRRatio, PretrainingObjective, WarmupSteps, masked_mean
-from pretraining.schema import Range, check_ranges
+from pretraining.objectives.base import BatchWork, PretrainingObjective, masked_mean
+from pretraining.ranges import Range, checked_ranges
 
 Count = Annotated[int, Range(ge=1)]
 Pooling = Literal["mean", "first"]
@@ -109,12 +108,11 @@ class Contrastive(PretrainingObjective):
 
     input_kind = "pairs"
 
+    @checked_ranges("model")
     def __init__(
         self,
         backbone: Transformer,
-        optimizer: Callable[..., Optimizer],
-        warmup_steps: WarmupSteps = 100,
-        min_lr_ratio: LRRatio = 0.1,
+        *,
         embed_dim: Count = 128,
         pooling: Pooling = "mean",
         shared_towers: bool = True,
@@ -123,9 +121,9 @@ class Contrastive(PretrainingObjective):
         init_logit_bias: float = -10.0,
         recall_at: Sequence[Count] = (1, 5, 10),
         pool_size: Count = 1000,
-        compile: bool = False,
+        **settings: Any,
     ) -> None:
-        check_ranges(Contrastive.__init__, locals(), "model")
+        """`settings`: what every objective takes (`PretrainingObjective`: optimizer, warmup, ...)."""
         if backbone.causal:
             raise ValueError("Contrastive needs a bidirectional backbone: set model.backbone.causal=false")
         if pooling not in get_args(Pooling):
@@ -139,7 +137,7 @@ class Contrastive(PretrainingObjective):
             "passage": CatMetric(nan_strategy="disable"),
             "sample_id": CatMetric(nan_strategy="disable").set_dtype(torch.float64),
         }
-        super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, state, compile)
+        super().__init__(backbone, validation_state=state, **settings)
         self.pooling, self.loss, self.recall_at, self.pool_size = pooling, loss, tuple(recall_at), pool_size
         self.query_head = nn.Linear(backbone.d_model, embed_dim, bias=False)
         self.passage_backbone: Transformer | None = None

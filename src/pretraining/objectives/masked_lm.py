@@ -10,18 +10,16 @@ one, ranks never mask alike, and the validation masks are fixed.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
-from torch.optim import Optimizer
 
-from pretraining.config import ConfigError
 from pretraining.data.tokenizer import MASK_ID, SPECIAL_TOKENS, Tokenizer
+from pretraining.errors import ConfigError
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import ChunkTokens, LRRatio, PretrainingObjective, WarmupSteps, lm_cross_entropy, sums
-from pretraining.schema import Range, check_ranges
+from pretraining.objectives.base import ChunkTokens, PretrainingObjective, lm_cross_entropy, sums
+from pretraining.ranges import Range, checked_ranges
 
 IGNORE = -100
 MaskRate = Annotated[float, Range(gt=0, lt=1)]
@@ -97,22 +95,21 @@ class MaskedLM(PretrainingObjective):
     across runs. The head and the loss see only the selected positions.
     """
 
+    @checked_ranges("model")
     def __init__(
         self,
         backbone: Transformer,
-        optimizer: Callable[..., Optimizer],
-        warmup_steps: WarmupSteps = 100,
-        min_lr_ratio: LRRatio = 0.1,
+        *,
         mask_rate: MaskRate = 0.3,
         eval_mask_rate: MaskRate = 0.15,
         mask_prob: Probability = 0.8,
         random_prob: Probability = 0.1,
         seed: int = 0,
         eval_seed: int = 0,
-        compile: bool = False,
         loss_chunk_tokens: ChunkTokens = None,
+        **settings: Any,
     ) -> None:
-        check_ranges(MaskedLM.__init__, locals(), "model")
+        """`settings`: what every objective takes (`PretrainingObjective`: optimizer, warmup, ...)."""
         if backbone.causal:
             raise ValueError("MaskedLM needs a bidirectional backbone: set model.backbone.causal=false")
         if mask_prob + random_prob > 1:
@@ -120,8 +117,7 @@ class MaskedLM(PretrainingObjective):
                 f"model.mask_prob={mask_prob} and model.random_prob={random_prob} must have a sum of at most 1 "
                 f"(the rest of the selected tokens stay unchanged)"
             )
-        state = sums("nll", "masked", "correct")
-        super().__init__(backbone, optimizer, warmup_steps, min_lr_ratio, state, compile)
+        super().__init__(backbone, validation_state=sums("nll", "masked", "correct"), **settings)
         self.loss_chunk_tokens = loss_chunk_tokens
         self.mask_rate, self.eval_mask_rate = mask_rate, eval_mask_rate
         self.mask_prob, self.random_prob = mask_prob, random_prob

@@ -6,7 +6,7 @@ all-gathered just before it runs, freed after), then the rest of the objective a
 
     trainer:
       strategy:
-        _target_: pretraining.parallel.FSDP2Strategy
+        _target_: pretraining.plugins.FSDP2Strategy
         mixed_precision: bf16          # null | bf16 | fp16
         activation_checkpointing: true
         cpu_offload: false
@@ -32,7 +32,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 
 from pretraining.checkpoint import load_sharded_into
-from pretraining.config import ConfigError
+from pretraining.errors import ConfigError
 from pretraining.models.transformer import Block
 
 PARAM_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,0 +1,51 @@
+"""Checkpoints that are never half-written, and the search for the newest good one.
+
+A checkpoint `step-000200.ckpt` is written to a temporary file in the same
+directory, fsynced, read back for its SHA-256, renamed into place, and the
+directory fsynced; then its sidecar `step-000200.ckpt.json` (checksum, size,
+step, lineage, parameter shapes) is written the same way, last. A checkpoint
+counts only once its sidecar exists and its bytes match it, so a crash at any
+moment leaves either the previous good checkpoint or the new good one, never a
+torn file that a resume would trust. Resume takes the newest that verifies.
+
+A sharded checkpoint (FSDP2 with `save_distributed_checkpoint=true`) is a
+directory of the same name: every rank writes its shards into a temporary
+directory beside it, and once all have finished, rank zero checksums every
+file, renames the directory into place and writes the sidecar (which lists each
+file's size and SHA-256) last, with the same guarantees.
+"""
+
+from pretraining.checkpoint.sharded import SHARDED_META, load_sharded, load_sharded_into, publish_sharded
+from pretraining.checkpoint.sidecar import parameter_shapes, sidecar_path, verify
+from pretraining.checkpoint.store import (
+    LAST_LINK,
+    link_last,
+    newest_saved,
+    newest_verified,
+    prune,
+    remove,
+    save_file,
+    saved_checkpoints,
+    storage_fault,
+)
+from pretraining.errors import CheckpointError
+
+__all__ = [
+    "LAST_LINK",
+    "SHARDED_META",
+    "CheckpointError",
+    "link_last",
+    "load_sharded",
+    "load_sharded_into",
+    "newest_saved",
+    "newest_verified",
+    "parameter_shapes",
+    "prune",
+    "publish_sharded",
+    "remove",
+    "save_file",
+    "saved_checkpoints",
+    "sidecar_path",
+    "storage_fault",
+    "verify",
+]

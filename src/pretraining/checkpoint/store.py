@@ -1,0 +1,154 @@
+"""A run's directory of checkpoints: writing one (the file, then its sidecar), finding the newest that
+verifies, pointing `last.ckpt` at it, pruning, and removing without a moment where a sidecar vouches
+for nothing."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from pretraining.checkpoint.sidecar import (
+    SIDECAR_FORMAT,
+    checkpoint_bytes,
+    sidecar_path,
+    summary,
+    verify,
+    write_sidecar,
+)
+from pretraining.errors import CheckpointError
+from pretraining.files import temporary_path, write_durably
+
+LAST_LINK = "last.ckpt"  # a symlink to the newest verified checkpoint, for people (resume never follows it)
+
+
+def save_file(checkpoint: dict[str, Any], path: Path) -> None:
+    """Write `checkpoint` to `path` atomically (see `pretraining.checkpoint`), then its sidecar."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    digest = write_durably(path, lambda file: torch.save(checkpoint, file), stale=sidecar_path(path))
+    size = path.stat().st_size
+    vouch_for(path, {"format": SIDECAR_FORMAT, "sha256": digest, "bytes": size, **summary(checkpoint)})
+
+
+def vouch_for(path: Path, record: dict[str, Any]) -> None:
+    """Write the sidecar of the checkpoint just renamed to `path`; if that fails (a full disk), remove
+    the checkpoint: complete but not vouched for, it is not worth the space it takes."""
+    try:
+        write_sidecar(path, record)
+    except BaseException:
+        remove(path)
+        raise
+
+
+def remove(path: Path) -> None:
+    """Delete a checkpoint, its sidecar first, so that no moment leaves a sidecar vouching for nothing.
+    A directory is renamed to a temporary name first: a crash while deleting it leaves a leftover for
+    pruning, not a partial checkpoint under its name."""
+    sidecar_path(path).unlink(missing_ok=True)
+    if path.is_dir():
+        doomed = temporary_path(path)
+        os.replace(path, doomed)
+        shutil.rmtree(doomed)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def checkpoint_files(directory: Path) -> list[Path]:
+    """The checkpoints in `directory`, files or sharded directories (not the `last.ckpt` link)."""
+    return [path for path in directory.glob("*.ckpt") if not path.is_symlink()] if directory.is_dir() else []
+
+
+def sidecar_step(path: Path) -> tuple[int | None, Any]:
+    """The step and size a checkpoint's sidecar records (None, None without a readable sidecar)."""
+    try:
+        record = json.loads(sidecar_path(path).read_text())
+    except (OSError, ValueError):
+        return None, None
+    step = record.get("step") if isinstance(record, dict) else None
+    return (step, record.get("bytes")) if isinstance(step, int) else (None, None)
+
+
+def saved_checkpoints(directory: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the checkpoints in `directory` whose sidecar exists and gives their size,
+    newest first (not yet checksummed)."""
+    found = []
+    for path in checkpoint_files(directory):
+        step, size = sidecar_step(path)
+        if step is not None and checkpoint_bytes(path) == size:
+            found.append((step, path))
+    return sorted(found, reverse=True)
+
+
+def newest_verified(directory: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The newest checkpoint in `directory` that verifies, and its sidecar, warning about each one
+    skipped; None if the directory holds no checkpoint. If it holds some but none verifies, refuse
+    (starting over would silently discard them). Newest means the step the sidecar records, not the
+    file name (names sort wrongly past step 999999); those without a readable sidecar are tried, and
+    reported, first."""
+
+    def newest_first(path: Path) -> tuple[float, str]:
+        step, _ = sidecar_step(path)
+        return (math.inf if step is None else step, path.name)
+
+    problems = []
+    for path in sorted(checkpoint_files(directory), key=newest_first, reverse=True):
+        try:
+            return path, verify(path)
+        except CheckpointError as error:
+            warnings.warn(f"ignoring a checkpoint that does not verify, trying an older one: {error}", stacklevel=2)
+            problems.append(str(error))
+    if problems:
+        raise CheckpointError(
+            f"no checkpoint in {directory} verifies:\n  " + "\n  ".join(problems) + "\npass ckpt_path=<a checkpoint "
+            "you trust>, restore the missing sidecars, or pass resume=never to move these aside and start over"
+        )
+    return None
+
+
+def newest_saved(directory: Path) -> str:
+    """Where a run stopped by a failed save continues from, in words."""
+    saved = saved_checkpoints(directory)
+    return f"the newest complete checkpoint, {saved[0][1]}, is intact" if saved else "no checkpoint was saved before"
+
+
+def link_last(path: Path) -> None:
+    """Point `last.ckpt` at `path`, atomically."""
+    temporary = temporary_path(path.with_name(LAST_LINK))
+    temporary.symlink_to(path.name)
+    os.replace(temporary, path.with_name(LAST_LINK))
+
+
+def prune(directory: Path, keep_last: int, keep_every: int | None, keep: Path) -> None:
+    """Remove the checkpoints of `directory` but `keep`, the newest `keep_last` and every step divisible
+    by `keep_every`; then what saves interrupted by a crash left behind."""
+    checkpoints = saved_checkpoints(directory)
+    newest = {path for _, path in checkpoints[:keep_last]} | {keep}
+    for step, path in checkpoints:
+        permanent = keep_every is not None and step % keep_every == 0
+        if path not in newest and not permanent:
+            remove(path)
+    for leftover in directory.glob(".*.tmp-*"):
+        if leftover.is_dir():
+            shutil.rmtree(leftover)
+        else:
+            leftover.unlink(missing_ok=True)
+
+
+def storage_fault(error: BaseException) -> OSError | None:
+    """The OSError (disk full, permission denied, ...) behind `error`, if any: `torch.save` and DCP wrap
+    the one their file writes raised in their own errors."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        if isinstance(seen, dcp.api.CheckpointException):  # DCP collects each rank's error
+            return next(filter(None, (storage_fault(failure) for failure, _ in seen.failures.values())), None)
+        seen = seen.__cause__ or seen.__context__
+    return None

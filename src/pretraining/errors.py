@@ -1,0 +1,14 @@
+"""The errors the template raises for input it cannot use. Each message names the problem and the fix;
+a Hydra application prints a `ConfigError` alone, without a traceback (HYDRA_FULL_ERROR=1 shows one)."""
+
+from __future__ import annotations
+
+from hydra.errors import CompactHydraException
+
+
+class ConfigError(ValueError, CompactHydraException):
+    """A config value that cannot work; the message names the key and the fix."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is incomplete, corrupt or does not fit the run; the message says which and what to do."""

@@ -1,0 +1,31 @@
+"""Lightning's checkpoint writer and reader, made atomic and verified (`pretraining.checkpoint`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.plugins import TorchCheckpointIO
+
+from pretraining.checkpoint import remove, save_file, verify
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint whole or not at all, with its sidecar last; reads only one that verifies."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        save_file(checkpoint, Path(path))
+
+    def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
+        verify(Path(path))
+        # Tensors and plain data only: a checkpoint from elsewhere cannot run code. Onto the CPU unless
+        # told otherwise: every rank loads the file, and a GPU's copy would land on the saver's device.
+        return super().load_checkpoint(path, map_location=map_location or on_cpu, weights_only=True)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        remove(Path(path))
+
+
+def on_cpu(storage: Any, location: str) -> Any:
+    """A `torch.load` map_location that keeps every tensor on the CPU."""
+    return storage

@@ -1,0 +1,142 @@
+"""The set-up and end of one training run, for `pretraining.train.train`: the process, the run's lineage,
+the Trainer with its batch plan, whether the checkpoint it continues from fits, the validations around
+fit, and the report. Which checkpoint a run continues from is `pretraining.resume`'s."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_info
+from omegaconf import DictConfig, OmegaConf
+
+from pretraining.callbacks import Lineage, Preemption
+from pretraining.callbacks.lineage import code_revision
+from pretraining.checkpoint import parameter_shapes
+from pretraining.config import PROJECT_ROOT, redact_secrets
+from pretraining.data import ShardDataModule
+from pretraining.errors import ConfigError
+from pretraining.instantiate import build
+from pretraining.launch import check_devices
+from pretraining.loggers import wandb_sync_hint
+from pretraining.resume import Resume, check_fits
+
+
+def prepare_process(cfg: DictConfig) -> None:
+    """Refuse GPUs this node lacks, set the float32 matmul precision and seed every generator."""
+    check_devices(cfg.trainer)
+    torch.set_float32_matmul_precision(cfg.matmul_precision)
+    seed_everything(cfg.seed, workers=True)
+
+
+def run_lineage(cfg: DictConfig, datamodule: ShardDataModule, resume: Resume | None) -> Lineage:
+    """The callback that stamps every checkpoint with what produced it: the config (without credentials:
+    it is logged and stored), the code revision, data and tokenizer, and the checkpoint continued from."""
+    config = cast(dict[str, Any], redact_secrets(OmegaConf.to_container(cfg, resolve=True)))
+    parent = str(resume.path) if resume else None
+    code = code_revision(PROJECT_ROOT)
+    return Lineage(config, datamodule.manifest.version, datamodule.tokenizer.fingerprint, code, parent)
+
+
+def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[Callback]) -> Trainer:
+    """The configured Trainer, with the configured callbacks and loggers plus `callbacks`, and the gradient
+    accumulation that makes the global batch. The accumulation follows from the number of devices, which
+    Lightning resolves as it builds the Trainer (`devices=auto`, nodes, torchrun's environment): it is set
+    right after, before anything runs, and a global batch the devices cannot share stops the run here."""
+    configured = [build(callback) for callback in cfg.callbacks.values()]
+    loggers: list[Logger] = [build(logger) for logger in cfg.logger.values()]
+    trainer: Trainer = build(cfg.trainer, callbacks=configured + callbacks, logger=loggers, plugins=plugins(cfg))
+    plan = datamodule.plan_for(trainer.world_size)
+    rank_zero_info(
+        f"global batch {plan.global_batch} = {trainer.world_size} devices x {plan.accumulation} micro-batches of "
+        f"{plan.micro_batch}, drawn from {plan.streams} streams"
+    )
+    trainer.accumulate_grad_batches = plan.accumulation
+    return trainer
+
+
+def plugins(cfg: DictConfig) -> list[Any]:
+    """The configured plugins, plus, under SLURM, its environment with Lightning's auto-requeue off:
+    that saves inside the signal handler; `Preemption` saves at the step boundary instead."""
+    configured = [build(plugin) for plugin in cfg.trainer.get("plugins") or []]
+    return configured + [SLURMEnvironment(auto_requeue=False)] * SLURMEnvironment.detect()
+
+
+def check_resume(
+    trainer: Trainer, datamodule: ShardDataModule, model: LightningModule, resume: Resume, allow: list[str]
+) -> None:
+    """Refuse, before any work, a checkpoint this strategy cannot read or that does not fit this run."""
+    if resume.path.is_dir() and not isinstance(trainer.strategy, ModelParallelStrategy):
+        raise ConfigError(
+            f"{resume.path} is a sharded checkpoint (a directory written by FSDP2), which only FSDP2 can resume: "
+            f"pass trainer=fsdp_cpu (or another ModelParallelStrategy config) with as many processes as wrote it"
+        )
+    expected = {
+        "data_version": datamodule.manifest.version,
+        "tokenizer_fingerprint": datamodule.tokenizer.fingerprint,
+        "topology": datamodule.topology_for(trainer.world_size),
+    }
+    check_fits(resume.path, resume.sidecar, expected, parameter_shapes(model.state_dict()), allow)
+
+
+def log_hyperparameters(trainer: Trainer, lineage: Lineage) -> None:
+    """The config and the lineage (without the config again), to every logger."""
+    config = cast(dict[str, Any], lineage.record["config"])
+    summary = {key: value for key, value in lineage.record.items() if key != "config"}
+    for logger in trainer.loggers:  # not the configured ones: fast_dev_run swaps in a dummy
+        logger.log_hyperparams({**config, "lineage": summary})
+
+
+def fit(
+    trainer: Trainer, model: Any, datamodule: ShardDataModule, validate_first: bool, resume: Resume | None
+) -> dict[str, float]:
+    """Validate the untrained model (with `validate_first`: the start of the learning curve), fit (continuing
+    from `resume`, if any), and validate the final weights unless the last step was validated
+    or a signal stopped training; the final metrics. W&B's run is closed on the way out, so that the next
+    job of a multirun starts its own."""
+    try:
+        if validate_first:
+            trainer.validate(model, datamodule=datamodule)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=resume.path if resume else None)
+        metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+        if not signal_status(trainer) and model.last_validated_step != trainer.global_step:
+            metrics |= trainer.validate(model, datamodule=datamodule)[0]
+    finally:
+        finish_wandb()
+    return metrics
+
+
+def finish_wandb() -> None:
+    import wandb  # loaded by the W&B logger already, if one is configured
+
+    if wandb.run is not None:
+        wandb.finish()
+
+
+def signal_status(trainer: Trainer) -> int:
+    """0, or 128 + the signal that stopped training (as the shell reports it), as `Preemption` saw it."""
+    preemption = [c for c in trainer.callbacks if isinstance(c, Preemption)]  # type: ignore[attr-defined]
+    return preemption[0].exit_code if preemption else 0
+
+
+def report(trainer: Trainer, metrics: dict[str, float]) -> None:
+    """Where the run is, its last checkpoint and how to evaluate it, its final metrics and how to upload
+    an offline W&B run; then, if a signal stopped it, exit with 128 + the signal's number (after saving)."""
+    lines = [f"run directory: {Path(trainer.default_root_dir)}"]
+    last = getattr(trainer.checkpoint_callback, "last_model_path", "")
+    if last and Path(last).exists():
+        lines += [f"last checkpoint: {last}", f"evaluate it: make eval CKPT={last}"]
+    lines += [f"{name} = {value:.4f}" for name, value in sorted(metrics.items())]
+    hint = wandb_sync_hint(trainer.loggers)
+    if hint:
+        lines.append(f"W&B logged offline (no credentials, or WANDB_MODE=offline); upload the run with: {hint}")
+    rank_zero_info("\n".join(lines))
+    status = signal_status(trainer)
+    if status:
+        rank_zero_info(f"stopped by a signal at step {trainer.global_step}; run the same command to continue")
+        raise SystemExit(status)

@@ -1,0 +1,52 @@
+"""The top-level keys of the entry points' configs, which `pretraining.schema` checks them against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pretraining.ranges import Range
+from pretraining.resume import Change, ResumeMode
+
+
+@dataclass
+class TrainSettings:
+    """The keys of configs/train.yaml that train.py reads; each group is a node (or, for callbacks and
+    logger, a mapping of nodes) checked against the class its `_target_` names."""
+
+    data: dict[str, Any]
+    tokenizer: dict[str, Any]
+    model: dict[str, Any]
+    trainer: dict[str, Any]
+    callbacks: dict[str, dict[str, Any]] | None
+    logger: dict[str, dict[str, Any]] | None
+    paths: dict[str, str]
+    task_name: str
+    run_name: str
+    tags: list[str]
+    seed: int
+    matmul_precision: Literal["highest", "high", "medium"]  # torch.set_float32_matmul_precision
+    resume: ResumeMode
+    ckpt_path: str | None
+    resume_allow: list[Change]
+    validate_before_training: bool
+    optimized_metric: str | None
+
+
+@dataclass
+class EvalSettings:
+    """The keys of configs/eval.yaml that evaluate.py reads."""
+
+    paths: dict[str, str]
+    task_name: str
+    run_name: str
+    ckpt_path: str
+    data_dir: str | None
+    tokenizer_path: str | None
+    val_size: Annotated[int, Range(ge=1)] | None
+    accelerator: str
+    prompt: str | None
+    max_new_tokens: Annotated[int, Range(ge=1)]
+    temperature: Annotated[float, Range(gt=0)]
+    top_k: Annotated[int, Range(ge=1)] | None
+    seed: int

@@ -1,0 +1,110 @@
+"""The package's import floors follow the data path (README, "The map"): a module imports only from its
+own floor and the floors below, never upward, without cycles, and never from inside a function."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from pretraining.config import PROJECT_ROOT
+
+PACKAGE = PROJECT_ROOT / "src" / "pretraining"
+# Lowest first. A module is on the floor of the longest prefix of its name listed here.
+FLOORS = [
+    ("ground", ["errors", "ranges", "files", "distributed", "instantiate", "checkpoint"]),
+    ("data", ["data"]),
+    ("models", ["models"]),
+    ("plugins", ["plugins"]),
+    ("objectives", ["objectives"]),
+    ("callbacks", ["callbacks", "loggers"]),
+    ("run set-up", ["config", "schema", "settings", "resume", "run", "launch"]),
+    ("entry points", ["train", "evaluate", "info", "plots", "sweeps", "data.cli"]),
+]
+# What the floors without Lightning may import from outside the standard library.
+NO_LIGHTNING = ("ground", "models")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def floor_of(module: str) -> int:
+    matches = [
+        (len(prefix), index)
+        for index, (_, prefixes) in enumerate(FLOORS)
+        for prefix in prefixes
+        if module == prefix or module.startswith(prefix + ".")
+    ]
+    assert matches, f"pretraining.{module} is on no floor: add it to FLOORS (and to the README's map)"
+    return max(matches)[1]
+
+
+def imports(path: Path) -> list[tuple[str, bool]]:
+    """The absolute names `path` imports, and whether each import is inside a function."""
+    tree = ast.parse(path.read_text())
+    inside = {
+        id(node)
+        for function in ast.walk(tree)
+        if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef)
+        for node in ast.walk(function)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, id(node) in inside) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, id(node) in inside))
+    return found
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py")) if module_name(path)}
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_a_module_imports_only_its_own_floor_and_those_below(module: str) -> None:
+    floor = floor_of(module)
+    for name, in_function in imports(MODULES[module]):
+        top = name.split(".")[0]
+        if top == "pretraining":
+            imported = name.removeprefix("pretraining").lstrip(".")
+            assert not in_function, f"pretraining.{module} imports {name} inside a function"
+            assert floor_of(imported) <= floor, (
+                f"pretraining.{module} ({FLOORS[floor][0]}) imports {name} ({FLOORS[floor_of(imported)][0]}), "
+                "a floor above it"
+            )
+        elif FLOORS[floor][0] in NO_LIGHTNING:
+            assert top != "lightning", f"pretraining.{module} ({FLOORS[floor][0]}) imports {name}"
+
+
+def test_the_backbone_imports_only_torch_and_the_ranges_of_its_settings() -> None:
+    for name, _ in imports(MODULES["models.transformer"]):
+        assert name.split(".")[0] in {"__future__", "math", "typing", "torch"} or name == "pretraining.ranges", name
+
+
+def test_no_import_cycles() -> None:
+    graph = {
+        module: {
+            target
+            for name, _ in imports(path)
+            if name.startswith("pretraining.")
+            for target in [name.removeprefix("pretraining.")]
+            if target in MODULES
+        }
+        for module, path in MODULES.items()
+    }
+    state: dict[str, str] = {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(graph[module]):
+            assert state.get(target) != "open", "import cycle: " + " -> ".join([*path, module, target])
+            if target not in state:
+                visit(target, [*path, module])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
