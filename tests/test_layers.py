@@ -20,7 +20,7 @@ FLOORS = [
     ("objectives", ["objectives"]),
     ("callbacks", ["callbacks", "loggers"]),
     ("run set-up", ["config", "schema", "settings", "resume", "run", "launch"]),
-    ("entry points", ["train", "evaluate", "info", "plots", "sweeps", "data.cli"]),
+    ("entry points", ["train", "evaluate", "info", "plots", "run_logs", "sweeps", "data.cli"]),
 ]
 # What the floors without Lightning may import from outside the standard library.
 NO_LIGHTNING = ("ground", "models")

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pretraining.plots import Series, main, panels, plot, plot_overlay, read_metrics, run_labels
+from pretraining.plots import main, panels, plot, plot_overlay
+from pretraining.run_logs import Series, read_metrics, run_labels
 from pretraining.train import train
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -38,7 +38,8 @@ from omegaconf import DictConfig, OmegaConf
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.files import write_atomically
 from pretraining.launch import is_rank_zero_process
-from pretraining.plots import METRICS_FILE, PlotError, Series, natural_key, plot_overlay, read_metrics, read_overrides
+from pretraining.plots import plot_overlay
+from pretraining.run_logs import METRICS_FILE, PlotError, Series, natural_key, read_metrics, read_overrides
 
 log = logging.getLogger(__name__)
 
