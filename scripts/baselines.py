@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from pretraining.data.shards import Manifest
+from pretraining.data.manifest import Manifest
 from pretraining.data.stream import PackedBlocks, SampleReader, encode_document, validation_examples
 from pretraining.data.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 from pretraining.objectives.masked_lm import IGNORE, mask_tokens

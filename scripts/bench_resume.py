@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from pretraining.checkpoint import saved_checkpoints
-from pretraining.data.shards import Manifest
+from pretraining.data.manifest import Manifest
 from pretraining.models import Transformer
 from pretraining.plugins import AtomicCheckpointIO
 

@@ -23,7 +23,8 @@ from conftest import ComposeTrain, tiny_run
 from pretraining.checkpoint import saved_checkpoints, verify
 from pretraining.data.corpus import TEXT_FIELDS, Document, stdlib_root
 from pretraining.data.datamodule import BlockDataModule
-from pretraining.data.shards import MANIFEST, BuildSettings, Manifest, ShardError, build_shards
+from pretraining.data.manifest import MANIFEST, Manifest
+from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.stream import (
     Cursor,
     PackedBlocks,
@@ -34,6 +35,7 @@ from pretraining.data.stream import (
     stream_shard,
 )
 from pretraining.data.tokenizer import ByteTokenizer
+from pretraining.errors import ShardError
 from pretraining.files import sha256_of
 from pretraining.train import train
 from test_resume import RESUMABLE, kill_twice_and_compare, run_dir

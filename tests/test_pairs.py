@@ -14,9 +14,11 @@ import pytest
 from pretraining.data.cli import main as data_cli
 from pretraining.data.corpus import PAIR_FIELDS, CorpusError, Document, PairCounts, docstring_pairs, read_source
 from pretraining.data.datamodule import BlockDataModule, PairDataModule
-from pretraining.data.shards import BuildSettings, Manifest, ShardError, build_shards
+from pretraining.data.manifest import Manifest
+from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.stream import Cursor, ShardStream, TokenizedPairs, read_shard
 from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
+from pretraining.errors import ShardError
 
 SOURCE = textwrap.dedent(
     '''\

@@ -21,7 +21,8 @@ from pretraining.callbacks.probe import fit_linear_probe
 from pretraining.data import BlockDataModule, ByteTokenizer
 from pretraining.data.corpus import PAIR_FIELDS, docstring_pairs, read_text_files
 from pretraining.data.labels import LabelledExample, LabelledJsonl, PythonDefinitions, is_test, package_of, probe_set
-from pretraining.data.shards import BuildSettings, Manifest, build_shards
+from pretraining.data.manifest import Manifest
+from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.tokenizer import CLS_ID, PAD_ID
 from pretraining.errors import ConfigError
 from pretraining.models import Transformer

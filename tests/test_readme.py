@@ -27,7 +27,7 @@ from hydra.core.override_parser.types import IntervalSweep
 from conftest import TINY_RUN
 from pretraining.config import CONFIG_DIR, PROJECT_ROOT, check_config
 from pretraining.data.cli import parser as data_parser
-from pretraining.data.shards import Manifest
+from pretraining.data.manifest import Manifest
 
 README = (PROJECT_ROOT / "README.md").read_text()
 ENVIRONMENT_ASSIGNMENT = re.compile(r"^[A-Z_]+=")

@@ -24,7 +24,7 @@ from conftest import tiny_run
 from pretraining.callbacks.batch_log import batch_log_differences, read_batch_log
 from pretraining.checkpoint import CheckpointError, saved_checkpoints
 from pretraining.config import CONFIG_DIR, default_run_name
-from pretraining.data.shards import Manifest
+from pretraining.data.manifest import Manifest
 from pretraining.data.stream import stream_shard
 from pretraining.errors import ConfigError
 from pretraining.evaluate import load_checkpoint

@@ -20,8 +20,10 @@ import webdataset
 
 from pretraining.data.cli import main as cli_main
 from pretraining.data.corpus import CorpusError, Document, normalize, read_jsonl, read_source
-from pretraining.data.shards import MANIFEST, SPLITS, BuildSettings, Manifest, ShardError, build_shards, split_of
+from pretraining.data.manifest import MANIFEST, SPLITS, Manifest
+from pretraining.data.shards import BuildSettings, build_shards, split_of
 from pretraining.data.stream import read_shard
+from pretraining.errors import ShardError
 
 VALIDATION_FRACTION = 0.3
 SETTINGS = BuildSettings(validation_fraction=VALIDATION_FRACTION, max_shard_samples=4, max_shard_bytes=4096)

@@ -17,7 +17,8 @@ from torch.utils.data import DataLoader
 
 from pretraining.data.corpus import read_source
 from pretraining.data.datamodule import BlockDataModule
-from pretraining.data.shards import BuildSettings, Manifest, build_shards
+from pretraining.data.manifest import Manifest
+from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.stream import (
     BatchPlan,
     BatchStream,

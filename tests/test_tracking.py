@@ -13,7 +13,7 @@ import pytest
 from wandb.proto import wandb_internal_pb2
 
 from pretraining.config import REDACTED, redact_secrets
-from pretraining.data.shards import Manifest
+from pretraining.data.manifest import Manifest
 from pretraining.loggers import ResumableCSVLogger
 from pretraining.train import train
 

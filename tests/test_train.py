@@ -18,8 +18,7 @@ from hydra import compose, initialize_config_dir
 
 from conftest import TINY_RUN
 from pretraining.config import CONFIG_DIR
-from pretraining.data.shards import ShardError
-from pretraining.errors import CheckpointError, ConfigError
+from pretraining.errors import CheckpointError, ConfigError, ShardError
 from pretraining.evaluate import evaluate, load_checkpoint
 from pretraining.info import main as info_main
 from pretraining.objectives import CausalLM

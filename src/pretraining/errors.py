@@ -12,3 +12,7 @@ class ConfigError(ValueError, CompactHydraException):
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is incomplete, corrupt or does not fit the run; the message says which and what to do."""
+
+
+class ShardError(ValueError):
+    """Shards that cannot be used as they are; the message names the fix."""

@@ -19,9 +19,11 @@ from pretraining.data.corpus import (
     is_jsonl_source,
     read_source,
 )
-from pretraining.data.shards import TOKENIZER, BuildSettings, Manifest, ShardError, build_shards
+from pretraining.data.manifest import TOKENIZER, Manifest
+from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.stream import SampleReader
 from pretraining.data.tokenizer import train_bpe
+from pretraining.errors import ShardError
 
 
 def read_documents(source: str, args: argparse.Namespace, counts: PairCounts) -> Iterator[Document]:

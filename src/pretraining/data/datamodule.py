@@ -38,7 +38,7 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
-from pretraining.data.shards import Manifest, ShardError
+from pretraining.data.manifest import Manifest
 from pretraining.data.stream import (
     BatchPlan,
     BatchStream,
@@ -53,6 +53,7 @@ from pretraining.data.stream import (
 )
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.distributed import gather
+from pretraining.errors import ShardError
 from pretraining.ranges import Range, checked_ranges
 
 

@@ -31,7 +31,7 @@ from pathlib import Path, PurePosixPath
 from typing import Protocol
 
 from pretraining.data.corpus import PAIR_FIELDS, SourceBytes, definitions, jsonl_records
-from pretraining.data.shards import Manifest
+from pretraining.data.manifest import Manifest
 from pretraining.data.stream import read_shard, stable_hash
 from pretraining.errors import ConfigError
 

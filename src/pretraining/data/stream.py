@@ -53,8 +53,8 @@ import webdataset as wds
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from pretraining.data.corpus import PAIR_FIELDS, TEXT_FIELDS
-from pretraining.data.shards import ShardError
 from pretraining.data.tokenizer import CLS_ID, EOS_ID, PAD_ID, Tokenizer
+from pretraining.errors import ShardError
 
 T = TypeVar("T")
 Example = TypeVar("Example")
