@@ -35,6 +35,8 @@ def wandb_records(run_file: Path) -> Iterator[wandb_internal_pb2.Record]:
         if kind == 0:  # zeros: the writer padded the rest of this block
             offset += room
             continue
+        if offset + CHUNK_HEADER_BYTES + length > len(data):
+            return  # a chunk still being written: the caller reads the file again until it is whole
         chunk = data[offset + CHUNK_HEADER_BYTES : offset + CHUNK_HEADER_BYTES + length]
         offset += CHUNK_HEADER_BYTES + length
         pending = chunk if kind in (1, 2) else pending + chunk

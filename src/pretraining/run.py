@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -24,6 +24,7 @@ from pretraining.errors import ConfigError
 from pretraining.instantiate import build
 from pretraining.launch import check_devices
 from pretraining.loggers import wandb_sync_hint
+from pretraining.objectives import PretrainingObjective
 from pretraining.resume import Resume, check_fits
 
 
@@ -64,11 +65,13 @@ def plugins(cfg: DictConfig) -> list[Any]:
     """The configured plugins, plus, under SLURM, its environment with Lightning's auto-requeue off:
     that saves inside the signal handler; `Preemption` saves at the step boundary instead."""
     configured = [build(plugin) for plugin in cfg.trainer.get("plugins") or []]
-    return configured + [SLURMEnvironment(auto_requeue=False)] * SLURMEnvironment.detect()
+    if SLURMEnvironment.detect():
+        configured.append(SLURMEnvironment(auto_requeue=False))
+    return configured
 
 
 def check_resume(
-    trainer: Trainer, datamodule: ShardDataModule, model: LightningModule, resume: Resume, allow: list[str]
+    trainer: Trainer, datamodule: ShardDataModule, model: PretrainingObjective, resume: Resume, allow: list[str]
 ) -> None:
     """Refuse, before any work, a checkpoint this strategy cannot read or that does not fit this run."""
     if resume.path.is_dir() and not isinstance(trainer.strategy, ModelParallelStrategy):
@@ -93,7 +96,11 @@ def log_hyperparameters(trainer: Trainer, lineage: Lineage) -> None:
 
 
 def fit(
-    trainer: Trainer, model: Any, datamodule: ShardDataModule, validate_first: bool, resume: Resume | None
+    trainer: Trainer,
+    model: PretrainingObjective,
+    datamodule: ShardDataModule,
+    validate_first: bool,
+    resume: Resume | None,
 ) -> dict[str, float]:
     """Validate the untrained model (with `validate_first`: the start of the learning curve), fit (continuing
     from `resume`, if any), and validate the final weights unless the last step was validated
@@ -102,7 +109,7 @@ def fit(
     try:
         if validate_first:
             trainer.validate(model, datamodule=datamodule)
-        trainer.fit(model, datamodule=datamodule, ckpt_path=resume.path if resume else None)
+        trainer.fit(model, datamodule=datamodule, ckpt_path=str(resume.path) if resume else None)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         if not signal_status(trainer) and model.last_validated_step != trainer.global_step:
             metrics |= trainer.validate(model, datamodule=datamodule)[0]
