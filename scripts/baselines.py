@@ -19,8 +19,10 @@ import math
 import numpy as np
 import torch
 
+from pretraining.data.formats import PackedBlocks, encode_document
 from pretraining.data.manifest import Manifest
-from pretraining.data.stream import PackedBlocks, SampleReader, encode_document, validation_examples
+from pretraining.data.reader import SampleReader
+from pretraining.data.stream import validation_examples
 from pretraining.data.tokenizer import SPECIAL_TOKENS, ByteTokenizer
 from pretraining.objectives.masked_lm import IGNORE, mask_tokens
 
@@ -85,7 +87,7 @@ def main() -> None:
         commands[name].add_argument("--val-size", type=int, default=val_size, help="data.val_size of the run")
         commands[name].set_defaults(run=run)
     for name in ("clm", "mlm"):
-        commands[name].add_argument("--block-size", type=int, default=256, help="data.block_size of the run")
+        commands[name].add_argument("--block-size", type=int, default=256, help="data.format.block_size of the run")
     commands["mlm"].add_argument("--rate", type=float, default=0.15, help="model.eval_mask_rate of the run")
     commands["mlm"].add_argument("--seed", type=int, default=0, help="model.eval_seed of the run")
     args = parser.parse_args()

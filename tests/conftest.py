@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,9 @@ from omegaconf import DictConfig
 from pretraining.config import CONFIG_DIR
 from pretraining.data.cli import train_texts
 from pretraining.data.corpus import PAIR_FIELDS, Document, docstring_pairs, read_text_files, stdlib_root
+from pretraining.data.formats import PackedBlocks, TokenizedPairs
 from pretraining.data.shards import BuildSettings, build_shards
-from pretraining.data.tokenizer import train_bpe
+from pretraining.data.tokenizer import Tokenizer, train_bpe
 from pretraining.objectives import PretrainingObjective
 
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -41,7 +43,7 @@ TINY = [
     "callbacks.text_sample.max_new_tokens=16",
     "~callbacks.probe",  # some test shards hold no Python; tests/test_probe.py runs it
 ]
-TINY_PAIRS = ["data.query_len=24", "data.passage_len=64", "data.val_batch_size=4"]
+TINY_PAIRS = ["data.format.query_len=24", "data.format.passage_len=64", "data.val_batch_size=4"]
 
 
 def tiny_run(experiment: str = "clm_tiny") -> list[str]:
@@ -86,6 +88,16 @@ def small_shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def packed_blocks(block_size: int) -> Callable[[Tokenizer], PackedBlocks]:
+    """`data.format` for packed blocks, as the config gives it to `ShardDataModule`."""
+    return partial(PackedBlocks, block_size=block_size)
+
+
+def tokenized_pairs(query_len: int, passage_len: int) -> Callable[[Tokenizer], TokenizedPairs]:
+    """`data.format` for (query, passage) pairs, as the config gives it to `ShardDataModule`."""
+    return partial(TokenizedPairs, query_len=query_len, passage_len=passage_len)
+
+
 def fit_batch(model: PretrainingObjective, batch: dict[str, torch.Tensor], steps: int, lr: float) -> float:
     """Train `model` on one fixed batch with AdamW; the last training loss."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -121,7 +133,7 @@ def compose_train(tmp_path: Path, shard_dir: Path, request: pytest.FixtureReques
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose("train", overrides=[*base, *(tiny_run(experiment) if tiny else []), *overrides])
         if not any(override.startswith("data.dir=") for override in overrides):
-            pairs = cfg.data._target_.endswith("PairDataModule")
+            pairs = cfg.data.format._target_.endswith("TokenizedPairs")
             cfg.data.dir = str(request.getfixturevalue("pair_dir") if pairs else shard_dir)
         return cfg
 

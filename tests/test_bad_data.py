@@ -19,21 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ComposeTrain, tiny_run
+from conftest import ComposeTrain, packed_blocks, tiny_run
 from pretraining.checkpoint import saved_checkpoints, verify
 from pretraining.data.corpus import TEXT_FIELDS, Document, stdlib_root
-from pretraining.data.datamodule import BlockDataModule
+from pretraining.data.datamodule import ShardDataModule
+from pretraining.data.formats import PackedBlocks
 from pretraining.data.manifest import MANIFEST, Manifest
+from pretraining.data.reader import SampleReader, ShardReadError, read_shard
 from pretraining.data.shards import BuildSettings, build_shards
-from pretraining.data.stream import (
-    Cursor,
-    PackedBlocks,
-    SampleReader,
-    ShardReadError,
-    ShardStream,
-    read_shard,
-    stream_shard,
-)
+from pretraining.data.stream import Cursor, ShardStream, stream_shard
 from pretraining.data.tokenizer import ByteTokenizer
 from pretraining.errors import ShardError
 from pretraining.files import sha256_of
@@ -228,7 +222,7 @@ def test_fuzz_the_shard_reader_longer(tmp_path: Path) -> None:
 
 def final_data_state(run: Path) -> dict:
     (_, newest), *_ = saved_checkpoints(run / "checkpoints")
-    return torch.load(newest, weights_only=True)["BlockDataModule"]
+    return torch.load(newest, weights_only=True)["ShardDataModule"]
 
 
 def test_a_run_skips_counts_and_logs_bad_samples(compose_train: ComposeTrain, tmp_path: Path, bad_shards: Path) -> None:
@@ -295,13 +289,13 @@ def test_fewer_shards_than_sub_streams_warns_and_trains(compose_train: ComposeTr
 
 
 def test_the_counts_travel_in_the_data_position(bad_shards: Path) -> None:
-    data = BlockDataModule(str(bad_shards), ByteTokenizer(), block_size=32, global_batch_size=4, streams=2)
+    data = ShardDataModule(str(bad_shards), ByteTokenizer(), format=packed_blocks(32), global_batch_size=4, streams=2)
     batch = {"positions": torch.tensor([[0, 1, 3]]), "read": torch.tensor(9), "skipped": torch.tensor(2)}
     assert data.on_before_batch_transfer(dict(batch), 0).keys() == set()  # the objective sees none of it
     data.on_before_batch_transfer(dict(batch, read=torch.tensor(4), skipped=torch.tensor(0)), 0)
     state = data.state_dict()
     assert (state["samples_read"], state["samples_skipped"]) == (13, 2)
-    again = BlockDataModule(str(bad_shards), ByteTokenizer(), block_size=32, global_batch_size=4, streams=2)
+    again = ShardDataModule(str(bad_shards), ByteTokenizer(), format=packed_blocks(32), global_batch_size=4, streams=2)
     again.load_state_dict(state)
     assert (again.samples_read, again.samples_skipped) == (13, 2)
     with pytest.raises(ShardError, match=r"3 of \d+ training samples were skipped"):
@@ -318,7 +312,7 @@ def test_skipping_keeps_the_exact_resume(tmp_path: Path, bad_shards: Path) -> No
     counts = {}
     for run in ("reference", "killed"):
         checkpoints = dict(saved_checkpoints(run_dir(tmp_path, run) / "checkpoints"))
-        states = [torch.load(checkpoints[step], weights_only=True)["BlockDataModule"] for step in (8, 12)]
+        states = [torch.load(checkpoints[step], weights_only=True)["ShardDataModule"] for step in (8, 12)]
         counts[run] = [(state["samples_read"], state["samples_skipped"]) for state in states]
     assert counts["killed"] == counts["reference"]
     (read_8, skipped_8), (read_12, skipped_12) = counts["reference"]

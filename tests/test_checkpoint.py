@@ -21,9 +21,9 @@ from lightning.pytorch import Callback, Trainer
 
 import pretraining.checkpoint.store as checkpoint_store
 import pretraining.data.stream as stream_module
-from conftest import tiny_run
+from conftest import packed_blocks, tiny_run
 from pretraining.checkpoint import CheckpointError, newest_verified, prune, saved_checkpoints, sidecar_path, verify
-from pretraining.data.datamodule import BlockDataModule
+from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.stream import Cursor
 from pretraining.data.tokenizer import ByteTokenizer
 from pretraining.files import sha256_of
@@ -137,12 +137,14 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_and_no_unverifiable
 # --- the data position ------------------------------------------------------------------------------
 
 
-def datamodule(directory: Path, workers: int) -> BlockDataModule:
+def datamodule(directory: Path, workers: int) -> ShardDataModule:
     # 64-byte blocks: an epoch of the small shards is about 17 batches.
-    return BlockDataModule(str(directory), ByteTokenizer(), block_size=64, global_batch_size=4, num_workers=workers)
+    return ShardDataModule(
+        str(directory), ByteTokenizer(), format=packed_blocks(64), global_batch_size=4, num_workers=workers
+    )
 
 
-def consume(module: BlockDataModule, batches: int) -> list[list[int]]:
+def consume(module: ShardDataModule, batches: int) -> list[list[int]]:
     """The sample ids of the next `batches` training batches, each passed through the module's hook
     as the training loop does."""
     loader = iter(module.train_dataloader())

@@ -37,7 +37,7 @@ def on_test_data(cfg: DictConfig, bpe_path: Path) -> DictConfig:
     """`cfg` (composed by `compose_train`, so on the test shards) made to run on this machine: the test
     BPE where a BPE is read from the text shards (the pair shards hold their own), and the CPU for a
     GPU trainer when there is no GPU (the rest of the trainer preset is still instantiated)."""
-    if cfg.tokenizer._target_.endswith("BPETokenizer") and cfg.data._target_.endswith("BlockDataModule"):
+    if cfg.tokenizer._target_.endswith("BPETokenizer") and cfg.data.format._target_.endswith("PackedBlocks"):
         cfg.tokenizer.path = str(bpe_path)
     if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
         cfg.trainer.accelerator = "cpu"
@@ -55,9 +55,7 @@ def test_option_composes_and_instantiates(group: str, option: str, compose_train
     trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers)
     assert isinstance(model, PretrainingObjective)
     assert isinstance(trainer, Trainer)
-    lengths = [
-        getattr(datamodule, key) for key in ("block_size", "query_len", "passage_len") if hasattr(datamodule, key)
-    ]
+    lengths = datamodule.format.lengths.values()
     assert lengths and max(lengths) <= model.backbone.max_seq_len
     assert model.backbone.vocab_size == tokenizer.vocab_size
 

@@ -11,12 +11,15 @@ from pathlib import Path
 
 import pytest
 
+from conftest import packed_blocks, tokenized_pairs
 from pretraining.data.cli import main as data_cli
 from pretraining.data.corpus import PAIR_FIELDS, CorpusError, Document, PairCounts, docstring_pairs, read_source
-from pretraining.data.datamodule import BlockDataModule, PairDataModule
+from pretraining.data.datamodule import ShardDataModule
+from pretraining.data.formats import TokenizedPairs
 from pretraining.data.manifest import Manifest
+from pretraining.data.reader import read_shard
 from pretraining.data.shards import BuildSettings, build_shards
-from pretraining.data.stream import Cursor, ShardStream, TokenizedPairs, read_shard
+from pretraining.data.stream import Cursor, ShardStream
 from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
 from pretraining.errors import ShardError
 
@@ -198,10 +201,10 @@ def test_build_pair_shards_split_by_file_and_dedup(tmp_path: Path) -> None:
 
 
 def test_pair_datamodule_batches(pair_dir: Path) -> None:
-    dm = PairDataModule(
-        str(pair_dir), ByteTokenizer(), query_len=16, passage_len=48, global_batch_size=5, num_workers=0
+    dm = ShardDataModule(
+        str(pair_dir), ByteTokenizer(), format=tokenized_pairs(16, 48), global_batch_size=5, num_workers=0
     )
-    assert dm.kind == "pairs"
+    assert dm.format.kind == "pairs"
     batch = next(iter(dm.train_dataloader()))
     assert batch["query"].shape == (5, 16) and batch["passage"].shape == (5, 48)
     assert (batch["query"][:, 0] == CLS_ID).all() and (batch["passage"][:, 0] == CLS_ID).all()
@@ -217,12 +220,14 @@ def test_pair_datamodule_batches(pair_dir: Path) -> None:
 
 
 def test_data_and_shards_must_match(pair_dir: Path, shard_dir: Path) -> None:
-    with pytest.raises(ShardError, match=r"fields \['query.txt', 'passage.txt'\].*BlockDataModule.*--pairs"):
-        BlockDataModule(str(pair_dir), ByteTokenizer(), block_size=32, global_batch_size=2)
-    with pytest.raises(ShardError, match=r"fields \['txt'\].*PairDataModule"):
-        PairDataModule(str(shard_dir), ByteTokenizer(), query_len=8, passage_len=8, global_batch_size=2)
-    with pytest.raises(ValueError, match=r"data\.query_len=1 must be at least 2"):
-        PairDataModule(str(pair_dir), ByteTokenizer(), query_len=1, passage_len=8, global_batch_size=2)
+    with pytest.raises(
+        ShardError, match=r"fields \['query.txt', 'passage.txt'\].*data\.format \(PackedBlocks\).*--pairs"
+    ):
+        ShardDataModule(str(pair_dir), ByteTokenizer(), format=packed_blocks(32), global_batch_size=2)
+    with pytest.raises(ShardError, match=r"fields \['txt'\].*data\.format \(TokenizedPairs\)"):
+        ShardDataModule(str(shard_dir), ByteTokenizer(), format=tokenized_pairs(8, 8), global_batch_size=2)
+    with pytest.raises(ValueError, match=r"data\.format\.query_len=1 must be at least 2"):
+        ShardDataModule(str(pair_dir), ByteTokenizer(), format=tokenized_pairs(1, 8), global_batch_size=2)
 
 
 def write_tar(path: Path, samples: list[dict[str, bytes]]) -> str:

@@ -15,10 +15,10 @@ import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
-from conftest import tiny_run
+from conftest import packed_blocks, tiny_run
 from pretraining.callbacks import LinearProbe
 from pretraining.callbacks.probe import fit_linear_probe
-from pretraining.data import BlockDataModule, ByteTokenizer
+from pretraining.data import ByteTokenizer, ShardDataModule
 from pretraining.data.corpus import PAIR_FIELDS, docstring_pairs, read_text_files
 from pretraining.data.labels import LabelledExample, LabelledJsonl, PythonDefinitions, is_test, package_of, probe_set
 from pretraining.data.manifest import Manifest
@@ -245,8 +245,8 @@ def metric_rows(run_dir: Path) -> list[dict[str, str]]:
 
 def test_the_probe_callback_logs_accuracy_above_chance_on_a_toy_set(tmp_path: Path, shard_dir: Path) -> None:
     tokenizer = ByteTokenizer()
-    datamodule = BlockDataModule(
-        str(shard_dir), tokenizer, block_size=32, global_batch_size=2, streams=1, num_workers=0, val_size=2
+    datamodule = ShardDataModule(
+        str(shard_dir), tokenizer, format=packed_blocks(32), global_batch_size=2, streams=1, num_workers=0, val_size=2
     )
     torch.manual_seed(0)
     backbone = Transformer(tokenizer.vocab_size, max_seq_len=32, d_model=32, n_layer=1, n_head=2)

@@ -107,7 +107,7 @@ def test_next_token_with_two_workers_across_shards_and_epochs(tmp_path: Path, sm
     num_shards = len(Manifest.load(small_shards).urls("train"))
     epochs = []
     for _, path in reversed(checkpoints):
-        cursors = torch.load(path, weights_only=True)["BlockDataModule"]["cursors"]
+        cursors = torch.load(path, weights_only=True)["ShardDataModule"]["cursors"]
         assert len(cursors) == 4 and any(block > 0 for _, _, block in cursors)  # 2 streams x 2 workers
         epochs.append(max(stream_shard(shard, sub, 4, num_shards, 1234)[0] for sub, shard, _ in cursors))
     assert epochs[0] == 0 and epochs[-1] >= 1
@@ -137,7 +137,7 @@ def test_ddp_on_two_processes_with_two_workers(tmp_path: Path, small_shards: Pat
     # Rank zero's checkpoint holds every rank's data position (each rank reads one of the 2 streams,
     # in 2 sub-streams, one per worker) and, for inspection, RNG states.
     checkpoint = torch.load(run_dir(tmp_path, "killed") / "checkpoints" / "last.ckpt", weights_only=True)
-    position = checkpoint["BlockDataModule"]
+    position = checkpoint["ShardDataModule"]
     assert position["steps"] == 14 and [sub for sub, _, _ in position["cursors"]] == [0, 1, 2, 3]
     rng_states = checkpoint["callbacks"]["StepSeed"]["rng_states_by_rank"]
     assert len(rng_states) == 2 and not torch.equal(rng_states[0]["torch"], rng_states[1]["torch"])

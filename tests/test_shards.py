@@ -21,8 +21,8 @@ import webdataset
 from pretraining.data.cli import main as cli_main
 from pretraining.data.corpus import CorpusError, Document, normalize, read_jsonl, read_source
 from pretraining.data.manifest import MANIFEST, SPLITS, Manifest
+from pretraining.data.reader import read_shard
 from pretraining.data.shards import BuildSettings, build_shards, split_of
-from pretraining.data.stream import read_shard
 from pretraining.errors import ShardError
 
 VALIDATION_FRACTION = 0.3

@@ -15,23 +15,20 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from conftest import packed_blocks, tokenized_pairs
 from pretraining.data.corpus import read_source
-from pretraining.data.datamodule import BlockDataModule
+from pretraining.data.datamodule import ShardDataModule
+from pretraining.data.formats import Block, PackedBlocks, block_tensors, encode_document, pack_blocks
 from pretraining.data.manifest import Manifest
+from pretraining.data.reader import read_shard
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.stream import (
     BatchPlan,
     BatchStream,
-    Block,
     Cursor,
-    PackedBlocks,
     ShardStream,
     batch_plan,
-    block_tensors,
     buffer_shuffled,
-    encode_document,
-    pack_blocks,
-    read_shard,
     seeded_rng,
     shard_order,
     stream_shard,
@@ -554,12 +551,14 @@ def test_batch_stream_resumes_exactly_on_any_number_of_devices(train_urls, worke
 def test_no_whole_block_raises(train_urls, shard_dir):
     biggest = max(map(shard_size, train_urls))
     dataset = stream(train_urls, block_size=biggest)  # a block needs biggest + 1 tokens
-    with pytest.raises(ValueError, match=r"data\.block_size"):
+    with pytest.raises(ValueError, match=r"make the examples shorter \(data\.format\)"):
         next(dataset.examples(0, 1, Cursor()))
-    with pytest.raises(ValueError, match=r"data\.block_size"):
+    with pytest.raises(ValueError, match=r"make the examples shorter \(data\.format\)"):
         next(blocks(dataset, 2, 3, Cursor(7, 0)))
-    dm = BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=biggest, global_batch_size=2, num_workers=0)
-    with pytest.raises(ValueError, match=r"data\.block_size"):
+    dm = ShardDataModule(
+        str(shard_dir), ByteTokenizer(), format=packed_blocks(biggest), global_batch_size=2, num_workers=0
+    )
+    with pytest.raises(ValueError, match=r"make the examples shorter \(data\.format\)"):
         next(iter(dm.train_dataloader()))
     # One token fewer, and the biggest shard holds exactly one block: all of it.
     (first,) = take_examples(stream(train_urls, block_size=biggest - 1), 1)
@@ -621,11 +620,11 @@ def test_validation_blocks_pack_across_shards_in_manifest_order(train_urls):
     assert unpack([b["tokens"].tolist() for b in blocks]) == flat[: 1 + 16 * len(blocks)]
 
 
-# --- BlockDataModule -----------------------------------------------------------------------------------
+# --- ShardDataModule -----------------------------------------------------------------------------------
 
 
 def test_datamodule_train_batches(shard_dir):
-    dm = BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=32, global_batch_size=4, num_workers=0)
+    dm = ShardDataModule(str(shard_dir), ByteTokenizer(), format=packed_blocks(32), global_batch_size=4, num_workers=0)
     loader = dm.train_dataloader()
     assert loader.dataset.source.shuffle_buffer == 4096
     batch = next(iter(loader))
@@ -638,20 +637,32 @@ def test_datamodule_train_batches(shard_dir):
 
 
 def test_global_batch_in_tokens(shard_dir):
-    dm = BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=32, global_batch_tokens=128, num_workers=0)
+    dm = ShardDataModule(
+        str(shard_dir), ByteTokenizer(), format=packed_blocks(32), global_batch_tokens=128, num_workers=0
+    )
     assert dm.global_batch_size == 4 and dm.plan_for(1) == BatchPlan(4, 4, 1, 1)
-    with pytest.raises(ValueError, match=r"data\.global_batch_tokens=100 must be a multiple of data\.block_size=32"):
-        BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=32, global_batch_tokens=100)
+    with pytest.raises(
+        ValueError, match=r"data\.global_batch_tokens=100 must be a multiple of the 32 tokens of one example"
+    ):
+        ShardDataModule(str(shard_dir), ByteTokenizer(), format=packed_blocks(32), global_batch_tokens=100)
     with pytest.raises(ValueError, match=r"exactly one of data\.global_batch_size"):
-        BlockDataModule(str(shard_dir), ByteTokenizer(), block_size=32, global_batch_size=4, global_batch_tokens=128)
+        ShardDataModule(
+            str(shard_dir), ByteTokenizer(), format=packed_blocks(32), global_batch_size=4, global_batch_tokens=128
+        )
 
 
 def test_datamodule_validation_is_split_across_ranks(shard_dir):
     blocks = validation_blocks(Manifest.load(shard_dir).urls("validation"), ByteTokenizer(), 32, 7)
     rows = []
     for rank in (0, 1):
-        dm = BlockDataModule(
-            str(shard_dir), ByteTokenizer(), block_size=32, global_batch_size=2, streams=2, num_workers=0, val_size=7
+        dm = ShardDataModule(
+            str(shard_dir),
+            ByteTokenizer(),
+            format=packed_blocks(32),
+            global_batch_size=2,
+            streams=2,
+            num_workers=0,
+            val_size=7,
         )
         dm.trainer = SimpleNamespace(global_rank=rank, world_size=2)
         mine = [tuple(row) for batch in dm.val_dataloader() for row in batch["tokens"].tolist()]
@@ -662,8 +673,14 @@ def test_datamodule_validation_is_split_across_ranks(shard_dir):
 
 
 def test_datamodule_validation_needs_a_block_per_rank(shard_dir):
-    dm = BlockDataModule(
-        str(shard_dir), ByteTokenizer(), block_size=32, global_batch_size=2, streams=2, num_workers=0, val_size=1
+    dm = ShardDataModule(
+        str(shard_dir),
+        ByteTokenizer(),
+        format=packed_blocks(32),
+        global_batch_size=2,
+        streams=2,
+        num_workers=0,
+        val_size=1,
     )
     dm.trainer = SimpleNamespace(global_rank=0, world_size=2)
     with pytest.raises(ValueError, match="fewer than 2 ranks"):
@@ -673,7 +690,6 @@ def test_datamodule_validation_needs_a_block_per_rank(shard_dir):
 @pytest.mark.parametrize(
     ("key", "value"),
     [
-        ("block_size", 0),
         ("global_batch_size", 0),
         ("micro_batch_size", 0),
         ("streams", 0),
@@ -683,11 +699,19 @@ def test_datamodule_validation_needs_a_block_per_rank(shard_dir):
     ],
 )
 def test_datamodule_rejects_invalid_values(shard_dir, key, value):
-    kwargs = {"block_size": 32, "global_batch_size": 4, "num_workers": 0, key: value}
+    kwargs = {"format": packed_blocks(32), "global_batch_size": 4, "num_workers": 0, key: value}
     with pytest.raises(ValueError, match=rf"data\.{key}={value}"):
-        BlockDataModule(str(shard_dir), ByteTokenizer(), **kwargs)
+        ShardDataModule(str(shard_dir), ByteTokenizer(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("format", "message"), [(packed_blocks(0), "block_size=0"), (tokenized_pairs(1, 8), "query_len=1")]
+)
+def test_formats_reject_invalid_lengths(format, message):
+    with pytest.raises(ValueError, match=rf"data\.format\.{message} must be at least"):
+        format(ByteTokenizer())
 
 
 def test_datamodule_missing_dir(tmp_path):
     with pytest.raises(ValueError, match="pretrain-data build"):
-        BlockDataModule(str(tmp_path), ByteTokenizer(), block_size=32, global_batch_size=4)
+        ShardDataModule(str(tmp_path), ByteTokenizer(), format=packed_blocks(32), global_batch_size=4)

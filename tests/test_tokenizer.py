@@ -12,8 +12,8 @@ import pytest
 from pretraining.data.cli import main as cli_main
 from pretraining.data.corpus import read_source
 from pretraining.data.manifest import Manifest
+from pretraining.data.reader import read_shard
 from pretraining.data.shards import BuildSettings, build_shards
-from pretraining.data.stream import read_shard
 from pretraining.data.tokenizer import (
     CLS_ID,
     EOS_ID,

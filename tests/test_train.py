@@ -147,8 +147,9 @@ def test_missing_manifest_stops_before_training(compose_train, tmp_path: Path) -
 
 
 def test_block_size_above_max_positions_stops(compose_train) -> None:
-    with pytest.raises(ConfigError, match=r"data.block_size=128 exceeds model.backbone.max_seq_len=64"):
-        train(compose_train("data.block_size=128"))
+    message = r"data\.format\.block_size=128 exceeds model\.backbone\.max_seq_len=64: lower data\.format\.block_size"
+    with pytest.raises(ConfigError, match=message):
+        train(compose_train("data.format.block_size=128"))
 
 
 def test_warmup_longer_than_run_stops(compose_train, tmp_path: Path) -> None:

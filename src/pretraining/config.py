@@ -119,11 +119,3 @@ def check_config(cfg: DictConfig) -> None:
             "trainer.accumulate_grad_batches is derived, not set: the accumulation is data.global_batch_size / "
             "(devices x data.micro_batch_size); set data.micro_batch_size to what fits on one device instead"
         )
-    max_seq_len = cfg.model.backbone.max_seq_len
-    for key in ("block_size", "query_len", "passage_len"):  # the sequence lengths a data config can set
-        length = cfg.data.get(key)
-        if length is not None and length > max_seq_len:
-            raise ConfigError(
-                f"data.{key}={length} exceeds model.backbone.max_seq_len={max_seq_len}: "
-                f"lower data.{key} or raise model.backbone.max_seq_len"
-            )

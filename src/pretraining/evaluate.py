@@ -73,7 +73,7 @@ def build_from_checkpoint(
             f"checkpoint was trained with ({lineage['tokenizer_fingerprint']}); restore that tokenizer file"
         )
     datamodule = build(run.data, tokenizer=tokenizer, **data_overrides)
-    model = build_objective(run.model, tokenizer, datamodule.kind)
+    model = build_objective(run.model, datamodule.format)
     model.load_state_dict(checkpoint["state_dict"])
     return model, datamodule
 

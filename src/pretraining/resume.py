@@ -21,6 +21,7 @@ from typing import Any, Literal, NamedTuple, get_args
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
+from pretraining.callbacks.lineage import LINEAGE_FORMAT
 from pretraining.checkpoint import newest_verified, verify
 from pretraining.errors import CheckpointError, ConfigError
 
@@ -97,6 +98,13 @@ def check_fits(
             f"resume_allow={allow}: {unknown} unknown; the allowable changes are {list(ALLOWABLE_CHANGES)}"
         )
     lineage = sidecar["lineage"]
+    if lineage.get("format") != LINEAGE_FORMAT:
+        raise CheckpointError(
+            f"{checkpoint} was written by another version of this code (lineage format {lineage.get('format')}, "
+            f"this code writes {LINEAGE_FORMAT}), whose data position this code cannot restore: continue it with the "
+            f"code revision that wrote it ({(lineage.get('code') or {}).get('commit')}), or start a separate run "
+            f"(run_name=<new name> or resume=never)"
+        )
     changed = [what for what, (key, _) in FIT_CHECKS.items() if what not in allow and lineage.get(key) != expected[key]]
     if changed:
         problems = []

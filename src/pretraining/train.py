@@ -40,7 +40,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     resume = checkpoint_to_resume(cfg.resume, cfg.ckpt_path, Path(cfg.paths.output_dir), Path(cfg.paths.checkpoint_dir))
     tokenizer = build(cfg.tokenizer)
     datamodule = build(cfg.data, tokenizer=tokenizer)
-    model = build_objective(cfg.model, tokenizer, datamodule.kind)
+    model = build_objective(cfg.model, datamodule.format)
     lineage = run_lineage(cfg, datamodule, resume)
     # SkippedSamples enforces the data config's bad-data policy: every run has it.
     trainer = build_trainer(cfg, datamodule, callbacks=[lineage, SkippedSamples()])

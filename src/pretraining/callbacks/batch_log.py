@@ -9,6 +9,8 @@ from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from pretraining.data.contract import training_data
+
 
 class BatchLog(Callback):
     """Append one JSON line per training micro-batch to `<dir>/rank<N>.jsonl`: the step, its slot in
@@ -27,9 +29,10 @@ class BatchLog(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        step, slot = trainer.datamodule.batch_slot  # type: ignore[attr-defined]
+        data = training_data(trainer, "callbacks.batch_log")
+        step, slot = data.batch_slot
         record = {
-            "batch": trainer.datamodule.batches_consumed,  # type: ignore[attr-defined]
+            "batch": data.batches_consumed,
             "step": step,
             "slot": slot,
             "ranks": trainer.world_size,

@@ -9,9 +9,12 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
-# 3: adds step, topology, parent and wandb_run_id (2 is still read: it differs only by lacking them).
-LINEAGE_FORMAT = 3
-READABLE_LINEAGE_FORMATS = (2, 3)
+from pretraining.data.contract import training_data
+
+# 4: the data config names its example format (data.format) and one ShardDataModule, which saves the data
+# position under its own name; the configs of earlier checkpoints name classes that are gone.
+LINEAGE_FORMAT = 4
+READABLE_LINEAGE_FORMATS = (4,)
 
 
 def code_revision(directory: Path) -> dict[str, Any]:
@@ -50,6 +53,6 @@ class Lineage(Callback):
         checkpoint["lineage"] = {
             **self.record,
             "step": trainer.global_step,
-            "topology": trainer.datamodule.topology,  # type: ignore[attr-defined]
+            "topology": training_data(trainer, "lineage").topology,
             "wandb_run_id": wandb_ids[0] if wandb_ids else None,
         }

@@ -17,15 +17,16 @@ every rank must take part in every forward. The loggers are rank zero's.
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from pretraining.data.contract import TrainingData, training_data
 from pretraining.data.labels import KEY, LabelSource, ProbeSet, label_source, probe_set
-from pretraining.data.tokenizer import CLS_ID, PAD_ID
+from pretraining.data.tokenizer import PAD_ID
 from pretraining.errors import ConfigError
 
 
@@ -89,9 +90,9 @@ class LinearProbe(Callback):
     `labels` names the labelled examples: `kind` or `package` (`PythonDefinitions`), a `.jsonl`
     file (`LabelledJsonl`) or any `LabelSource`; `probe_set`
     keeps `max_classes`, `min_per_class` (on each side), `max_examples` and the `test_fraction`.
-    Each text is cut to `max_tokens` and to the length the model trains on (`data.block_size`, or
-    `data.passage_len` for pairs, which are CLS-prefixed as in training; None: that length). `every_n_validations`
-    counts the validations of this process, the first included. A set with fewer than two labels
+    Each text is encoded as the model reads its training texts (the example format's special tokens)
+    and cut to `max_tokens` and to the length the model trains on (`data.format`; None: that length).
+    `every_n_validations` counts the validations of this process, the first included. A set with fewer than two labels
     stops the run at setup, before any step, naming the keys to change."""
 
     def __init__(
@@ -131,31 +132,20 @@ class LinearProbe(Callback):
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.inputs is None:  # once, however many validate and fit calls follow
-            self.inputs = self.prepare(trainer.datamodule, pl_module)  # type: ignore[attr-defined]
+            self.inputs = self.prepare(training_data(trainer, KEY), pl_module)
 
-    def prepare(self, datamodule: Any, pl_module: LightningModule) -> ProbeInputs:
-        """The probe set of `datamodule`'s shards, tokenised as the model reads its training texts."""
-        if not all(hasattr(datamodule, name) for name in ("manifest", "tokenizer", "format")):
-            raise ConfigError(
-                f"{KEY} reads its examples through the data module's shards and tokenizer, and "
-                f"{type(datamodule).__name__} has none: train with a pretraining.data data module or remove it (~{KEY})"
-            )
-        examples = self.source(datamodule.manifest)
+    def prepare(self, data: TrainingData, pl_module: LightningModule) -> ProbeInputs:
+        """The probe set of the run's shards, each text encoded as the model reads its training texts
+        (`ExampleFormat.encode_text`), cut to the length it trains on."""
+        examples = self.source(data.manifest)
         probe = probe_set(examples, self.max_classes, self.min_per_class, self.max_examples, self.test_fraction)
-        pairs = datamodule.kind == "pairs"
-        lengths = datamodule.format.lengths
-        trained = min(lengths.get("passage_len") or lengths["block_size"], pl_module.backbone.max_seq_len)  # type: ignore[union-attr]
+        trained = min(data.format.trained_length, int(pl_module.backbone.max_seq_len))  # type: ignore[union-attr,arg-type]
         length = min(self.max_tokens or trained, trained)
-        prefix = [CLS_ID] if pairs else []
-
-        def ids(text: str) -> list[int]:
-            return [*prefix, *datamodule.tokenizer.encode(text)][:length]
-
         index = {label: i for i, label in enumerate(probe.classes)}
         inputs = ProbeInputs(
-            [ids(example.text) for example in probe.train],
+            [data.format.encode_text(example.text, length) for example in probe.train],
             torch.tensor([index[example.label] for example in probe.train]),
-            [ids(example.text) for example in probe.test],
+            [data.format.encode_text(example.text, length) for example in probe.test],
             torch.tensor([index[example.label] for example in probe.test]),
         )
         rank_zero_info(f"linear probe: {self.source.describe()}; {describe(probe)}, at most {length} tokens each")

@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from pretraining.data.contract import training_data
+
 
 class SkippedSamples(Callback):
     """Every `trainer.log_every_n_steps` optimizer steps and at the last, sum over all ranks the
@@ -27,7 +29,7 @@ class SkippedSamples(Callback):
         if step == self.checked_step or not due:  # mid-accumulation, or already checked at this step
             return
         self.checked_step = step
-        data = trainer.datamodule  # type: ignore[attr-defined]
+        data = training_data(trainer, "data.bad_data")
         counts = torch.tensor([data.samples_read, data.samples_skipped], device=pl_module.device)
         read, skipped = trainer.strategy.reduce(counts, reduce_op="sum").tolist()
         pl_module.log_dict({"data/samples_read": float(read), "data/skipped_samples": float(skipped)})

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from pretraining.data.contract import training_data
 from pretraining.data.stream import stable_hash
 from pretraining.distributed import gather
 
@@ -51,7 +52,7 @@ class StepSeed(Callback):
         self.seed = seed
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        step, slot = trainer.datamodule.batch_slot  # type: ignore[attr-defined]
+        step, slot = training_data(trainer, "callbacks.step_seed").batch_slot
         seed_all(stable_hash("batch", self.seed, step, slot))
 
     def state_dict(self) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
+from pretraining.data.contract import training_data
 from pretraining.objectives.causal_lm import CausalLM
 
 
@@ -26,7 +27,7 @@ class TextSample(Callback):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.seed)
             text = pl_module.complete(
-                trainer.datamodule.tokenizer,  # type: ignore[attr-defined]
+                training_data(trainer, "callbacks.text_sample").tokenizer,
                 self.prompt,
                 self.max_new_tokens,
                 temperature=self.temperature,

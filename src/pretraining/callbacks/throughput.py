@@ -22,7 +22,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from pretraining.data import WaitTimedLoader
+from pretraining.data.loader import WaitTimedLoader
 from pretraining.plugins import FSDP2Strategy
 
 # Dense (no 2:4 sparsity) peaks per device name fragment, checked before Lightning's table, whose H200

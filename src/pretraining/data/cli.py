@@ -20,8 +20,8 @@ from pretraining.data.corpus import (
     read_source,
 )
 from pretraining.data.manifest import TOKENIZER, Manifest
+from pretraining.data.reader import SampleReader
 from pretraining.data.shards import BuildSettings, build_shards
-from pretraining.data.stream import SampleReader
 from pretraining.data.tokenizer import train_bpe
 from pretraining.errors import ShardError
 

@@ -1,7 +1,8 @@
-"""LightningDataModules over a shard directory with a manifest: packed text blocks or text pairs.
+"""The LightningDataModule over a shard directory with a manifest, whatever its examples: the example
+format that `data.format` names (`pretraining.data.formats`) makes them.
 
-The batch is configured globally: `global_batch_size` examples per optimizer
-step over all devices, run in micro-batches of `micro_batch_size` per device;
+The batch is configured globally: `global_batch_size` examples (or
+`global_batch_tokens`) per optimizer step over all devices, run in micro-batches of `micro_batch_size` per device;
 the gradient accumulation follows from the number of devices (`plan`), and so
 do the examples each device reads (`pretraining.data.stream.BatchPlan`): the
 same config trains on the same examples, step by step, on any number of
@@ -27,52 +28,29 @@ whole. `check_skips` stops the run once too much was skipped
 from __future__ import annotations
 
 import os
-import signal
-import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
-import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import DataLoader
 
+from pretraining.data.formats import ExampleFormat, Tensors
+from pretraining.data.loader import training_loader, validation_loader
 from pretraining.data.manifest import Manifest
-from pretraining.data.stream import (
-    BatchPlan,
-    BatchStream,
-    Cursor,
-    ExampleFormat,
-    PackedBlocks,
-    ShardStream,
-    Tensors,
-    TokenizedPairs,
-    batch_plan,
-    validation_examples,
-)
+from pretraining.data.stream import BatchPlan, BatchStream, Cursor, ShardStream, batch_plan, validation_examples
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.distributed import gather
 from pretraining.errors import ShardError
 from pretraining.ranges import Range, checked_ranges
 
-
-def leave_stop_signals_to_the_main_process(worker_id: int) -> None:
-    """In a DataLoader worker, ignore SIGTERM, SIGUSR1 and SIGINT. A scheduler (or Ctrl-C) signals
-    every process of the job; a worker that died of it would crash the run before the main process
-    reaches the step boundary where it saves (`Preemption`). The main process shuts its workers down
-    afterwards, and a worker still exits if the main process dies."""
-    for name in ("SIGTERM", "SIGUSR1", "SIGINT"):
-        if hasattr(signal, name):
-            signal.signal(getattr(signal, name), signal.SIG_IGN)
-
-
 Positive = Annotated[int, Range(ge=1)]
-SideLength = Annotated[int, Range(ge=2)]  # two tokens at least: CLS and one of the text
 
 
 class ShardDataModule(LightningDataModule):
-    """Examples streamed from WebDataset shards; subclasses say which (`format`).
+    """Examples streamed from WebDataset shards, made by the example format that `format` builds
+    with the tokenizer (`pretraining.data.formats`: `data.format` in the config).
 
     Training is an infinite `BatchStream` per rank (train with `max_steps`).
     Validation is the first `val_size` examples of the validation shards, dealt
@@ -86,8 +64,9 @@ class ShardDataModule(LightningDataModule):
         self,
         dir: str,
         tokenizer: Tokenizer,
-        format: ExampleFormat[Any],
-        global_batch_size: Positive,
+        format: Callable[[Tokenizer], ExampleFormat[Any]],
+        global_batch_size: Positive | None = None,
+        global_batch_tokens: Positive | None = None,
         micro_batch_size: Positive | None = None,
         streams: Positive = 1,
         seed: int = 0,
@@ -101,17 +80,18 @@ class ShardDataModule(LightningDataModule):
         max_skip_fraction: Annotated[float, Range(ge=0, le=1)] = 0.01,
     ) -> None:
         super().__init__()
+        self.tokenizer, self.format = tokenizer, format(tokenizer)
+        global_batch_size = global_batch_examples(global_batch_size, global_batch_tokens, self.format.example_tokens)
         batch_plan(global_batch_size, micro_batch_size, streams, 1)  # a config error shows before any work
         self.bad_data, self.max_skip_fraction = bad_data, max_skip_fraction
         self.manifest = Manifest.load(dir, check=bad_data == "raise", verify_checksums=verify_checksums)
         self.refused = self.manifest.problems(verify_checksums) if bad_data == "skip" else {}
-        if self.manifest.fields != format.fields:
+        if self.manifest.fields != self.format.fields:
             raise ShardError(
-                f"{dir} holds samples with fields {list(self.manifest.fields)}, but {type(self).__name__} reads "
-                f"{list(format.fields)}: point data.dir at shards built for it (`pretrain-data build --pairs` "
-                f"makes pairs) or choose the data config that matches these shards"
+                f"{dir} holds samples with fields {list(self.manifest.fields)}, but data.format "
+                f"({type(self.format).__name__}) reads {list(self.format.fields)}: point data.dir at shards built for "
+                f"it (`pretrain-data build --pairs` makes pairs) or choose the data config that matches these shards"
             )
-        self.tokenizer, self.format = tokenizer, format
         self.global_batch_size, self.micro_batch_size, self.streams = global_batch_size, micro_batch_size, streams
         self.seed, self.num_workers = seed, num_workers
         self.shuffle_buffer, self.pin_memory = shuffle_buffer, pin_memory
@@ -179,11 +159,6 @@ class ShardDataModule(LightningDataModule):
         return self.topology_for(self.rank_and_world[1])
 
     @property
-    def kind(self) -> str:
-        """What the examples are ("blocks" or "pairs"); objectives declare which they need."""
-        return self.format.kind
-
-    @property
     def rank_and_world(self) -> tuple[int, int]:
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
@@ -212,7 +187,7 @@ class ShardDataModule(LightningDataModule):
                 stacklevel=2,
             )
         stream = BatchStream(examples, self.plan, rank, self.cursors, self.batches_consumed)
-        return self._loader(stream, None, self.num_workers, leave_stop_signals_to_the_main_process, WaitTimedLoader)
+        return training_loader(stream, self.num_workers, self.pin_memory)
 
     def on_before_batch_transfer(self, batch: Tensors, dataloader_idx: int) -> Tensors:
         if "positions" in batch:  # a training batch (validation has none): it advances the position
@@ -287,88 +262,27 @@ class ShardDataModule(LightningDataModule):
         examples = self.validation_set
         per_rank = len(examples) // world_size
         if per_rank == 0:
-            fix = "lower data.block_size or " if self.kind == "blocks" else ""
             raise ValueError(
-                f"the validation shards give {len(examples)} {self.kind}, fewer than {world_size} ranks; "
-                f"{fix}build the shards with a larger --validation-fraction"
+                f"the validation shards give {len(examples)} {self.format.kind}, fewer than {world_size} ranks; "
+                f"build the shards with a larger --validation-fraction (or make examples shorter: data.format)"
             )
         # Equal counts on every rank: unequal ones deadlock the metric reduction.
         batch_size = self.val_batch_size or self.plan.micro_batch
-        return self._loader(examples[rank::world_size][:per_rank], batch_size, 0)
-
-    def _loader(
-        self, dataset, batch_size: int | None, num_workers: int, worker_init_fn=None, loader=DataLoader
-    ) -> DataLoader:
-        return loader(
-            dataset,
-            batch_size=batch_size,
-            num_workers=num_workers,
-            # Pinned host memory lets the copy to the GPU overlap compute (Lightning copies non-blocking).
-            pin_memory=torch.cuda.is_available() if self.pin_memory is None else self.pin_memory,
-            persistent_workers=num_workers > 0,
-            worker_init_fn=worker_init_fn,
-        )
+        return validation_loader(examples[rank::world_size][:per_rank], batch_size, self.pin_memory)
 
 
-class WaitTimedLoader(DataLoader):
-    """A DataLoader that adds up, in `waited`, the seconds its consumer spends blocked on the next batch:
-    the training loop's data wait (`pretraining.callbacks.Throughput` reports its share of step time).
-    Only the host clock is read, so timing costs no device sync."""
-
-    waited = 0.0
-
-    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # consumers only call next()
-        return self._timed(super().__iter__())
-
-    def _timed(self, batches: Iterator[Any]) -> Iterator[Any]:
-        while True:
-            start = time.perf_counter()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            self.waited += time.perf_counter() - start
-            yield batch
-
-
-def global_batch_blocks(blocks: int | None, tokens: int | None, block_size: int) -> int:
-    """The global batch in blocks, from exactly one of its size in blocks and in tokens."""
-    if blocks is not None and tokens is None:
-        return blocks
-    if tokens is not None and blocks is None:
-        if tokens % block_size:
-            raise ValueError(f"data.global_batch_tokens={tokens} must be a multiple of data.block_size={block_size}")
-        return tokens // block_size
+def global_batch_examples(examples: int | None, tokens: int | None, example_tokens: int) -> int:
+    """The global batch in examples, from exactly one of its size in examples and in tokens."""
+    if examples is not None and tokens is None:
+        return examples
+    if tokens is not None and examples is None:
+        if tokens % example_tokens:
+            raise ValueError(
+                f"data.global_batch_tokens={tokens} must be a multiple of the {example_tokens} tokens of one example "
+                f"(data.format's lengths)"
+            )
+        return tokens // example_tokens
     raise ValueError(
-        f"set exactly one of data.global_batch_size (blocks) and data.global_batch_tokens; got {blocks} and {tokens} "
-        f"(set the other to null)"
+        f"set exactly one of data.global_batch_size (examples) and data.global_batch_tokens; got {examples} and "
+        f"{tokens} (set the other to null)"
     )
-
-
-class BlockDataModule(ShardDataModule):
-    """Packed blocks of `block_size + 1` tokens from text shards (next-token and masked-LM)."""
-
-    @checked_ranges("data")
-    def __init__(
-        self,
-        dir: str,
-        tokenizer: Tokenizer,
-        block_size: Positive,
-        global_batch_size: Positive | None = None,
-        global_batch_tokens: Positive | None = None,
-        **options: Any,
-    ) -> None:
-        blocks = global_batch_blocks(global_batch_size, global_batch_tokens, block_size)
-        super().__init__(dir, tokenizer, PackedBlocks(tokenizer, block_size), blocks, **options)
-        self.block_size = block_size
-
-
-class PairDataModule(ShardDataModule):
-    """(query, passage) pairs from pair shards, each side truncated to its own length (contrastive)."""
-
-    @checked_ranges("data")
-    def __init__(
-        self, dir: str, tokenizer: Tokenizer, query_len: SideLength, passage_len: SideLength, **options: Any
-    ) -> None:
-        super().__init__(dir, tokenizer, TokenizedPairs(tokenizer, query_len, passage_len), **options)
-        self.query_len, self.passage_len = query_len, passage_len

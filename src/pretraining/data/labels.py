@@ -32,7 +32,8 @@ from typing import Protocol
 
 from pretraining.data.corpus import PAIR_FIELDS, SourceBytes, definitions, jsonl_records
 from pretraining.data.manifest import Manifest
-from pretraining.data.stream import read_shard, stable_hash
+from pretraining.data.reader import SampleReader
+from pretraining.data.stream import stable_hash
 from pretraining.errors import ConfigError
 
 # Where the probe callback sits in configs/callbacks/default.yaml: errors name its keys.
@@ -84,23 +85,24 @@ class PythonDefinitions:
     def __call__(self, manifest: Manifest) -> list[LabelledExample]:
         self.counts = DefinitionCounts()
         pairs = manifest.fields == PAIR_FIELDS
+        # Through the reader training uses: the sample's metadata, and its last field (a text's whole file,
+        # a pair's passage: code, as the probe's texts are).
+        reader = SampleReader(("json", manifest.fields[-1]))
         examples: list[LabelledExample] = []
-        for url in manifest.urls(self.split):
-            for sample in read_shard(url):
-                self.counts.samples += 1
-                meta = json.loads(sample["json"])
-                source_id = meta["source_id"]
-                if not source_id.endswith(".py"):
-                    continue
-                if pairs:
-                    kind = meta.get("kind")
-                    if kind is None and self.label == "kind":
-                        continue  # pairs from jsonl carry no kind
-                    text = sample["passage.txt"].decode("utf-8", errors="replace")
-                    examples.append(LabelledExample(text, self._label(source_id, kind), source_id))
-                    self.counts.definitions += 1
-                else:
-                    examples += self._file_definitions(source_id, sample["txt"].decode("utf-8", errors="replace"))
+        for metadata, text in reader.all_texts(manifest.urls(self.split)):
+            self.counts.samples += 1
+            meta = json.loads(metadata)
+            source_id = meta["source_id"]
+            if not source_id.endswith(".py"):
+                continue
+            if pairs:
+                kind = meta.get("kind")
+                if kind is None and self.label == "kind":
+                    continue  # pairs from jsonl carry no kind
+                examples.append(LabelledExample(text, self._label(source_id, kind), source_id))
+                self.counts.definitions += 1
+            else:
+                examples += self._file_definitions(source_id, text)
         return examples
 
     def _file_definitions(self, source_id: str, source: str) -> list[LabelledExample]:

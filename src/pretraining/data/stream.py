@@ -6,12 +6,11 @@ round-robin to the streams. No stream ever runs dry, the epoch is only a
 counter, and the k-th shard of a stream is a pure function of (seed, k,
 stream, number of streams).
 
-Inside a shard, an `ExampleFormat` turns the decoded samples into examples:
-`PackedBlocks` tokenises documents and packs them into fixed-size blocks,
-`TokenizedPairs` tokenises (query, passage) pairs. The examples go through a
-shuffle buffer seeded by (seed, epoch, shard) that starts afresh at every
-shard. So the examples of a shard, and their order, are a pure function of the
-shard, and a batch mixes many documents instead of consecutive pieces of one.
+Inside a shard, an `ExampleFormat` (`pretraining.data.formats`) turns the
+decoded samples into examples. The examples go through a shuffle buffer
+seeded by (seed, epoch, shard) that starts afresh at every shard. So the
+examples of a shard, and their order, are a pure function of the shard, and a
+batch mixes many documents instead of consecutive pieces of one.
 
 A step's global batch takes the next `global_batch / streams` examples of each
 of `data.streams` streams, in stream order (`BatchPlan`); each device runs a
@@ -30,7 +29,7 @@ there, skipping whole shards by arithmetic and reading only the current one.
 Samples that cannot be used (a missing field, text that is not UTF-8 or is
 empty) and shards that cannot be read (truncated, corrupt, missing) are
 skipped with a warning naming the shard, the byte offset and the sample, or
-stop the run, as the bad-data policy says (`SampleReader`); each micro-batch
+stop the run, as the bad-data policy says (`pretraining.data.reader`); each micro-batch
 says how many samples were read and skipped while it was made (`read`,
 `skipped`). Skipping is deterministic, so the exact resume holds.
 """
@@ -41,24 +40,18 @@ import collections
 import hashlib
 import itertools
 import random
-import tarfile
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
-import numpy as np
 import torch
-import webdataset as wds
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
-from pretraining.data.corpus import PAIR_FIELDS, TEXT_FIELDS
-from pretraining.data.tokenizer import CLS_ID, EOS_ID, PAD_ID, Tokenizer
+from pretraining.data.formats import ExampleFormat, Tensors
+from pretraining.data.reader import SampleReader
 from pretraining.errors import ShardError
 
 T = TypeVar("T")
-Example = TypeVar("Example")
-Tensors = dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -106,236 +99,6 @@ def buffer_shuffled(items: Iterable[T], buffer_size: int, rng: random.Random) ->
     yield from buffer
 
 
-BAD_DATA_POLICIES = ("skip", "raise")
-NAMED_SKIPS = 20  # bad samples or shards a reader names in a warning; the rest are only counted
-
-
-def read_shard(url: str) -> Iterator[dict[str, Any]]:
-    """The samples of one tar shard (local path, URL or `pipe:` command), undecoded: the tar members
-    grouped by key as WebDataset groups them (`<key>.<field>`), plus `__key__` and `__offset__` (the
-    byte offset of the sample's first header, to find it in the file). A shard that cannot be read on
-    (truncated, a corrupt header, gone) raises `ShardReadError` after its last whole sample."""
-    sample: dict[str, Any] = {}
-    offset = 0
-    try:
-        with wds.gopen(url) as file, tarfile.open(fileobj=file, mode="r|*") as tar:
-            for member in tar:
-                offset = member.offset
-                if not member.isreg():
-                    continue
-                directory, _, name = member.name.rpartition("/")
-                stem, dot, field = name.partition(".")
-                key = f"{directory}/{stem}" if directory else stem
-                if sample and sample["__key__"] != key:
-                    yield sample
-                    sample = {}
-                sample = sample or {"__key__": key, "__offset__": member.offset}
-                sample[field if dot else ""] = tar.extractfile(member).read()  # type: ignore[union-attr]
-    except Exception as error:  # anything raised while parsing these bytes means they cannot be trusted
-        raise ShardReadError(url, offset, error) from error
-    if sample:
-        yield sample
-
-
-class ShardReadError(Exception):
-    """A shard that cannot be read past `offset`: truncated, a corrupt tar header, or unreadable."""
-
-    def __init__(self, url: str, offset: int, cause: BaseException) -> None:
-        super().__init__(f"{url} cannot be read past byte {offset}: {type(cause).__name__}: {cause}")
-        self.url, self.offset = url, offset
-
-
-def sample_texts(sample: dict[str, Any], fields: Sequence[str]) -> tuple[str, ...] | str:
-    """The sample's texts for `fields`, or the reason it cannot be used."""
-    texts = []
-    for name in fields:
-        if name not in sample:
-            return f"no {name!r} field"
-        try:
-            text = sample[name].decode("utf-8")
-        except UnicodeDecodeError:
-            return f"{name!r} is not UTF-8"
-        if not text.strip():
-            return f"{name!r} is empty"
-        texts.append(text)
-    return tuple(texts)
-
-
-class SampleReader:
-    """Reads the texts of `fields` from shards under a bad-data policy, counting samples as it goes.
-
-    A sample that cannot be used (a missing field, text that is not UTF-8 or is empty) and the rest of
-    a shard that cannot be read on (truncated, corrupt, gone, or refused at start-up) are, with policy
-    `skip`, dropped with a warning naming the shard, the byte offset and the sample, and counted; with
-    `raise`, they stop the run with that message. A shard's lost samples are counted from its manifest
-    entry (`samples`), or as one where that is unknown.
-    """
-
-    def __init__(self, fields: Sequence[str], policy: str = "skip") -> None:
-        if policy not in BAD_DATA_POLICIES:
-            raise ValueError(f"data.bad_data={policy!r} must be one of {', '.join(BAD_DATA_POLICIES)}")
-        self.fields, self.policy = tuple(fields), policy
-        self.read = self.skipped = 0  # since the last `take`
-        self.named = 0  # warnings given
-
-    def texts(self, url: str, samples: int | None = None) -> Iterator[tuple[str, ...]]:
-        """The usable texts of one shard, which holds `samples` samples (None: unknown)."""
-        seen = 0
-        try:
-            for sample in read_shard(url):
-                seen += 1
-                self.read += 1
-                texts = sample_texts(sample, self.fields)
-                if isinstance(texts, str):
-                    self.bad(f"sample {sample['__key__']!r} of {url} at byte {sample['__offset__']}: {texts}", 1)
-                    continue
-                yield texts
-        except ShardReadError as error:
-            lost = max(1, (samples or 0) - seen)
-            self.read += lost
-            self.bad(f"{error} (about {lost} samples lost)", lost)
-
-    def skip_shard(self, url: str, samples: int, reason: str) -> None:
-        """Count a whole shard refused before reading (see `pretraining.data.shards.Manifest.problems`)."""
-        self.read += samples
-        self.bad(f"shard {url}: {reason} ({samples} samples)", samples)
-
-    def bad(self, problem: str, samples: int) -> None:
-        if self.policy == "raise":
-            raise ShardError(
-                f"bad data: {problem}. data.bad_data=raise stops on it: set data.bad_data=skip to skip and count "
-                f"such samples (data/skipped_samples, stopping above data.max_skip_fraction), or rebuild the shards"
-            )
-        self.skipped += samples
-        self.named += 1
-        if self.named <= NAMED_SKIPS:
-            last = (
-                "; further ones of this stream are only counted (data/skipped_samples)"
-                if self.named == NAMED_SKIPS
-                else ""
-            )
-            warnings.warn(f"skipped {problem}{last}", stacklevel=2)
-
-    def take(self) -> tuple[int, int]:
-        """(samples read, samples skipped) since the last call."""
-        counts = self.read, self.skipped
-        self.read = self.skipped = 0
-        return counts
-
-    def all_texts(self, urls: Iterable[str]) -> Iterator[tuple[str, ...]]:
-        for url in urls:
-            yield from self.texts(url)
-
-
-class ExampleFormat(Protocol[Example]):
-    """How a shard's decoded samples become training examples."""
-
-    fields: tuple[str, ...]  # the sample fields it reads, as the manifest records them
-    kind: ClassVar[str]  # what the objectives consume: "blocks" or "pairs"
-    lengths: dict[str, int]  # the lengths (config keys) that decide how samples become examples
-
-    def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Example]: ...
-
-    def tensors(self, example: Example) -> Tensors: ...
-
-
-# --- packed blocks of text ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Block:
-    """`block_size + 1` tokens (one extra so next-token targets stay inside the
-    block; consecutive blocks of a document stream share that token, so no
-    transition is lost) and the index of each token's document within the block."""
-
-    tokens: list[int]
-    doc_ids: list[int]
-
-
-def encode_document(tokenizer: Tokenizer, text: str) -> list[int]:
-    """A document's tokens followed by the EOS separator."""
-    return [*tokenizer.encode(text), EOS_ID]
-
-
-def pack_blocks(documents: Iterable[list[int]], block_size: int) -> Iterator[Block]:
-    """Concatenate documents (each already ending in EOS) into overlapping blocks;
-    the tokens left over at the end, too few for a block, are dropped."""
-    tokens: list[int] = []
-    doc_ids: list[int] = []
-    for number, document in enumerate(documents):
-        tokens.extend(document)
-        doc_ids.extend([number] * len(document))
-        while len(tokens) > block_size:
-            first_doc = doc_ids[0]
-            yield Block(tokens[: block_size + 1], [d - first_doc for d in doc_ids[: block_size + 1]])
-            del tokens[:block_size], doc_ids[:block_size]
-
-
-def block_tensors(block: Block, token_bytes: np.ndarray) -> Tensors:
-    """The tensors of one block, as the objectives receive them (after batching)."""
-    tokens = np.asarray(block.tokens, dtype=np.int64)
-    return {
-        "tokens": torch.from_numpy(tokens),
-        "doc_ids": torch.tensor(block.doc_ids, dtype=torch.int64),
-        # UTF-8 bytes behind the next-token targets: the denominator of bits per byte.
-        "target_bytes": torch.tensor(int(token_bytes[tokens[1:]].sum())),
-    }
-
-
-class PackedBlocks:
-    """Documents tokenised, separated by EOS and packed into `block_size + 1`-token blocks."""
-
-    fields = TEXT_FIELDS
-    kind: ClassVar[str] = "blocks"
-
-    def __init__(self, tokenizer: Tokenizer, block_size: int) -> None:
-        self.tokenizer, self.block_size = tokenizer, block_size
-        self.lengths = {"block_size": block_size}
-
-    def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Block]:
-        return pack_blocks((encode_document(self.tokenizer, text) for (text,) in samples), self.block_size)
-
-    def tensors(self, example: Block) -> Tensors:
-        return block_tensors(example, self.tokenizer.token_bytes)
-
-
-# --- (query, passage) pairs --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pair:
-    """The token ids of a query and its passage, each starting with CLS and truncated to its length."""
-
-    query: list[int]
-    passage: list[int]
-
-
-def padded(ids: list[int], length: int) -> torch.Tensor:
-    return torch.tensor(ids + [PAD_ID] * (length - len(ids)), dtype=torch.int64)
-
-
-class TokenizedPairs:
-    """(query, passage) text pairs, each side tokenised, CLS-prefixed, truncated and padded
-    to its own fixed length (PAD marks the padding, so the towers can mask it)."""
-
-    fields = PAIR_FIELDS
-    kind: ClassVar[str] = "pairs"
-
-    def __init__(self, tokenizer: Tokenizer, query_len: int, passage_len: int) -> None:
-        self.tokenizer, self.query_len, self.passage_len = tokenizer, query_len, passage_len
-        self.lengths = {"query_len": query_len, "passage_len": passage_len}
-
-    def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Pair]:
-        for query, passage in samples:
-            yield Pair(self._ids(query, self.query_len), self._ids(passage, self.passage_len))
-
-    def _ids(self, text: str, length: int) -> list[int]:
-        return [CLS_ID, *self.tokenizer.encode(text)[: length - 1]]
-
-    def tensors(self, example: Pair) -> Tensors:
-        return {"query": padded(example.query, self.query_len), "passage": padded(example.passage, self.passage_len)}
-
-
 # --- the streams ------------------------------------------------------------------------------------
 
 
@@ -380,7 +143,7 @@ class ShardStream:
             if len(empty) == len(self.urls):
                 raise ShardError(
                     "no shard yields a whole example (too few tokens for a block, or no usable samples: see the "
-                    "warnings); lower data.block_size or rebuild the shards"
+                    "warnings); make the examples shorter (data.format) or rebuild the shards"
                 )
             epoch, shard = stream_shard(ordinal, stream, streams, len(self.urls), self.seed)
             samples = self.shard_texts(reader, shard)

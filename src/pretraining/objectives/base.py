@@ -4,10 +4,11 @@ metrics computed from states reduced over all ranks (sums, never averages of
 averages; or concatenations, for metrics over the whole validation set).
 
 A new objective subclasses `PretrainingObjective` and supplies:
-`input_kind` (the examples it trains on: "blocks" or "pairs"), the validation
-states it keeps (passed to `__init__`), `training_loss`, `validation_update`
-(what to add to those states per validation batch) and `validation_metrics`
-(what to report from the reduced states). It may override `pooled_features`,
+`example_format` (the format of the examples it trains on, `PackedBlocks` by
+default), its own settings (the shared ones pass through as `**settings`), the
+validation states it keeps (passed to `__init__`), `training_loss`,
+`validation_update` (what to add to those states per validation batch) and
+`validation_metrics` (what to report from the reduced states). It may override `pooled_features`,
 what a probe reads (`pretraining.callbacks.LinearProbe`).
 """
 
@@ -29,6 +30,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.utils.checkpoint import checkpoint
 from torchmetrics import Metric, SumMetric
 
+from pretraining.data.formats import ExampleFormat, PackedBlocks
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.instantiate import build
@@ -58,7 +60,7 @@ def sums(*names: str) -> dict[str, Metric]:
 class PretrainingObjective(LightningModule):
     """Base LightningModule: subclasses add only their loss and their metrics."""
 
-    input_kind: ClassVar[str] = "blocks"
+    example_format: ClassVar[type] = PackedBlocks  # the examples it trains on (pretraining.data.formats)
 
     @checked_ranges("model")
     def __init__(
@@ -229,14 +231,24 @@ def _summed_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, targets: tor
     return F.cross_entropy(F.linear(hidden, head).float(), targets, ignore_index=ignore, reduction="sum")
 
 
-def build_objective(node: Any, tokenizer: Tokenizer, data_kind: str) -> PretrainingObjective:
-    """Instantiate the `model` config for this tokenizer and data, refusing mismatches before any work."""
-    objective = build(node, backbone={"vocab_size": tokenizer.vocab_size})
-    if objective.input_kind != data_kind:
+def build_objective(node: Any, examples: ExampleFormat[Any]) -> PretrainingObjective:
+    """Instantiate the `model` config for the data's example format (and its tokenizer), refusing
+    mismatches before any work."""
+    objective = build(node, backbone={"vocab_size": examples.tokenizer.vocab_size})
+    wanted = objective.example_format
+    if not isinstance(examples, wanted):
         raise ConfigError(
-            f"{type(objective).__name__} trains on {objective.input_kind} but the data config gives {data_kind}: "
-            f"pick a matching data config (data=stdlib for blocks, data=stdlib_pairs for pairs) or an experiment "
-            f"preset (experiment=clm_tiny, mlm_tiny or contrastive_tiny)"
+            f"{type(objective).__name__} trains on {wanted.__name__} examples but the data config makes "
+            f"{type(examples).__name__}: choose a data config whose data.format._target_ is "
+            f"{wanted.__module__}.{wanted.__qualname__}, or an experiment preset (experiment=clm_tiny, mlm_tiny or "
+            f"contrastive_tiny)"
         )
-    objective.check_tokenizer(tokenizer)
+    max_seq_len = objective.backbone.max_seq_len
+    for key, length in examples.lengths.items():
+        if length > max_seq_len:
+            raise ConfigError(
+                f"data.format.{key}={length} exceeds model.backbone.max_seq_len={max_seq_len}: "
+                f"lower data.format.{key} or raise model.backbone.max_seq_len"
+            )
+    objective.check_tokenizer(examples.tokenizer)
     return objective

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchmetrics import CatMetric
 
+from pretraining.data.formats import TokenizedPairs
 from pretraining.data.tokenizer import PAD_ID
 from pretraining.models.transformer import Transformer
 from pretraining.objectives.base import BatchWork, PretrainingObjective, masked_mean
@@ -106,7 +107,7 @@ class Contrastive(PretrainingObjective):
     L2-normalised; a learnable log-temperature, clamped to [0, log 100] after every
     optimizer step (and, being a scalar, never weight-decayed)."""
 
-    input_kind = "pairs"
+    example_format = TokenizedPairs
 
     @checked_ranges("model")
     def __init__(

@@ -1,0 +1,50 @@
+"""What callbacks may rely on in a run's DataModule, as a named Protocol (`ShardDataModule` fits it)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from lightning.pytorch import Trainer
+
+from pretraining.data.formats import ExampleFormat
+from pretraining.data.manifest import Manifest
+from pretraining.data.tokenizer import Tokenizer
+from pretraining.errors import ConfigError
+
+
+@runtime_checkable
+class TrainingData(Protocol):
+    """The data side of a run, as the callbacks see it."""
+
+    tokenizer: Tokenizer
+    manifest: Manifest
+    format: ExampleFormat[Any]
+    batches_consumed: int  # training micro-batches this rank has consumed
+    samples_read: int  # training samples this rank's consumed batches read ...
+    samples_skipped: int  # ... and skipped as unusable
+
+    @property
+    def batch_slot(self) -> tuple[int, int]:
+        """(step, slot in the step's global batch) of the micro-batch consumed last."""
+        ...
+
+    @property
+    def topology(self) -> dict[str, int]:
+        """What decides which examples each step trains on, besides the data position."""
+        ...
+
+    def check_skips(self, skipped: int, read: int) -> None:
+        """Stop the run if too many of the training samples read were skipped."""
+        ...
+
+
+def training_data(trainer: Trainer, key: str) -> TrainingData:
+    """The trainer's DataModule, refused (naming the callback's config `key`) unless it is `TrainingData`."""
+    datamodule = getattr(trainer, "datamodule", None)
+    if not isinstance(datamodule, TrainingData):
+        raise ConfigError(
+            f"{key} needs a DataModule with the data position and shards of pretraining.data.ShardDataModule "
+            f"(pretraining.data.contract.TrainingData), and {type(datamodule).__name__} is not one: train with "
+            f"a pretraining data config, or remove it (~{key})"
+        )
+    return datamodule

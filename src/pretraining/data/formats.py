@@ -1,0 +1,179 @@
+"""Example formats: the one place that knows a kind of example.
+
+A format says which sample fields it reads, how their texts become examples (tokenised, with which
+special tokens, cut or packed to which lengths), the tensors of one example, how many tokens one
+example holds, and how a probe's text is encoded the way the model reads its training texts. The
+DataModule builds the format its config names (`data.format`) with the run's tokenizer, and an
+objective declares the format it trains on (`PretrainingObjective.example_format`). A new kind of
+example is a new format here, an objective that reads it, and their configs.
+
+- `PackedBlocks`: documents tokenised, separated by EOS and packed into fixed-size blocks
+  (next-token and masked-LM).
+- `TokenizedPairs`: (query, passage) pairs, each side CLS-prefixed, cut and PAD-padded to its own
+  length (contrastive).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Annotated, ClassVar, Protocol, TypeVar
+
+import numpy as np
+import torch
+
+from pretraining.data.corpus import PAIR_FIELDS, TEXT_FIELDS
+from pretraining.data.tokenizer import CLS_ID, EOS_ID, PAD_ID, Tokenizer
+from pretraining.ranges import Range, checked_ranges
+
+Example = TypeVar("Example")
+Tensors = dict[str, torch.Tensor]
+Positive = Annotated[int, Range(ge=1)]
+SideLength = Annotated[int, Range(ge=2)]  # two tokens at least: CLS and one of the text
+
+
+class ExampleFormat(Protocol[Example]):
+    """How a shard's decoded samples become examples, and what an example is."""
+
+    fields: tuple[str, ...]  # the sample fields it reads, as the manifest records them
+    kind: ClassVar[str]  # its examples in a word, for messages: "blocks", "pairs"
+    lengths: dict[str, int]  # the lengths (keys of data.format) that decide how samples become examples
+    tokenizer: Tokenizer
+
+    def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Example]: ...
+
+    def tensors(self, example: Example) -> Tensors: ...
+
+    @property
+    def example_tokens(self) -> int:
+        """The tokens of one example (what `data.global_batch_tokens` counts)."""
+        ...
+
+    @property
+    def trained_length(self) -> int:
+        """The longest text, in tokens, that the model reads in training (a probe's text is cut to it)."""
+        ...
+
+    def encode_text(self, text: str, length: int) -> list[int]:
+        """One text (a probe's) as the model reads a training text, cut to `length` tokens."""
+        ...
+
+
+# --- packed blocks of text ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Block:
+    """`block_size + 1` tokens (one extra so next-token targets stay inside the
+    block; consecutive blocks of a document stream share that token, so no
+    transition is lost) and the index of each token's document within the block."""
+
+    tokens: list[int]
+    doc_ids: list[int]
+
+
+def encode_document(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A document's tokens followed by the EOS separator."""
+    return [*tokenizer.encode(text), EOS_ID]
+
+
+def pack_blocks(documents: Iterable[list[int]], block_size: int) -> Iterator[Block]:
+    """Concatenate documents (each already ending in EOS) into overlapping blocks;
+    the tokens left over at the end, too few for a block, are dropped."""
+    tokens: list[int] = []
+    doc_ids: list[int] = []
+    for number, document in enumerate(documents):
+        tokens.extend(document)
+        doc_ids.extend([number] * len(document))
+        while len(tokens) > block_size:
+            first_doc = doc_ids[0]
+            yield Block(tokens[: block_size + 1], [d - first_doc for d in doc_ids[: block_size + 1]])
+            del tokens[:block_size], doc_ids[:block_size]
+
+
+def block_tensors(block: Block, token_bytes: np.ndarray) -> Tensors:
+    """The tensors of one block, as the objectives receive them (after batching)."""
+    tokens = np.asarray(block.tokens, dtype=np.int64)
+    return {
+        "tokens": torch.from_numpy(tokens),
+        "doc_ids": torch.tensor(block.doc_ids, dtype=torch.int64),
+        # UTF-8 bytes behind the next-token targets: the denominator of bits per byte.
+        "target_bytes": torch.tensor(int(token_bytes[tokens[1:]].sum())),
+    }
+
+
+class PackedBlocks:
+    """Documents tokenised, separated by EOS and packed into `block_size + 1`-token blocks."""
+
+    fields = TEXT_FIELDS
+    kind: ClassVar[str] = "blocks"
+
+    @checked_ranges("data.format")
+    def __init__(self, tokenizer: Tokenizer, block_size: Positive) -> None:
+        self.tokenizer, self.block_size = tokenizer, block_size
+        self.lengths = {"block_size": block_size}
+
+    def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Block]:
+        return pack_blocks((encode_document(self.tokenizer, text) for (text,) in samples), self.block_size)
+
+    def tensors(self, example: Block) -> Tensors:
+        return block_tensors(example, self.tokenizer.token_bytes)
+
+    @property
+    def example_tokens(self) -> int:
+        return self.block_size
+
+    @property
+    def trained_length(self) -> int:
+        return self.block_size
+
+    def encode_text(self, text: str, length: int) -> list[int]:
+        return self.tokenizer.encode(text)[:length]
+
+
+# --- (query, passage) pairs --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pair:
+    """The token ids of a query and its passage, each starting with CLS and truncated to its length."""
+
+    query: list[int]
+    passage: list[int]
+
+
+def padded(ids: list[int], length: int) -> torch.Tensor:
+    return torch.tensor(ids + [PAD_ID] * (length - len(ids)), dtype=torch.int64)
+
+
+class TokenizedPairs:
+    """(query, passage) text pairs, each side tokenised, CLS-prefixed, truncated and padded
+    to its own fixed length (PAD marks the padding, so the towers can mask it)."""
+
+    fields = PAIR_FIELDS
+    kind: ClassVar[str] = "pairs"
+
+    @checked_ranges("data.format")
+    def __init__(self, tokenizer: Tokenizer, query_len: SideLength, passage_len: SideLength) -> None:
+        self.tokenizer, self.query_len, self.passage_len = tokenizer, query_len, passage_len
+        self.lengths = {"query_len": query_len, "passage_len": passage_len}
+
+    def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Pair]:
+        for query, passage in samples:
+            yield Pair(self.encode_text(query, self.query_len), self.encode_text(passage, self.passage_len))
+
+    def tensors(self, example: Pair) -> Tensors:
+        return {"query": padded(example.query, self.query_len), "passage": padded(example.passage, self.passage_len)}
+
+    @property
+    def example_tokens(self) -> int:
+        return self.query_len + self.passage_len
+
+    @property
+    def trained_length(self) -> int:
+        """A passage's: probe texts are code, as passages are."""
+        return self.passage_len
+
+    def encode_text(self, text: str, length: int) -> list[int]:
+        """One side's ids: CLS, then the text's tokens, `length` in all at most."""
+        return [CLS_ID, *self.tokenizer.encode(text)[: length - 1]]

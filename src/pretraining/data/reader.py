@@ -1,0 +1,140 @@
+"""Reading the samples of tar shards under a bad-data policy.
+
+`read_shard` groups a shard's tar members by key, as WebDataset does, and gives each sample its byte
+offset; `SampleReader` decodes the fields it is asked for and skips (with a warning naming the
+shard, the byte offset and the sample) or stops on what cannot be used: a missing field, text that
+is not UTF-8 or is empty, a shard truncated, corrupt, missing or refused at start-up. It counts the
+samples read and skipped as it goes. Training, validation, tokenizer training and probes all read
+through it.
+"""
+
+from __future__ import annotations
+
+import tarfile
+import warnings
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import webdataset as wds
+
+from pretraining.errors import ShardError
+
+BAD_DATA_POLICIES = ("skip", "raise")
+NAMED_SKIPS = 20  # bad samples or shards a reader names in a warning; the rest are only counted
+
+
+def read_shard(url: str) -> Iterator[dict[str, Any]]:
+    """The samples of one tar shard (local path, URL or `pipe:` command), undecoded: the tar members
+    grouped by key as WebDataset groups them (`<key>.<field>`), plus `__key__` and `__offset__` (the
+    byte offset of the sample's first header, to find it in the file). A shard that cannot be read on
+    (truncated, a corrupt header, gone) raises `ShardReadError` after its last whole sample."""
+    sample: dict[str, Any] = {}
+    offset = 0
+    try:
+        with wds.gopen(url) as file, tarfile.open(fileobj=file, mode="r|*") as tar:
+            for member in tar:
+                offset = member.offset
+                if not member.isreg():
+                    continue
+                directory, _, name = member.name.rpartition("/")
+                stem, dot, field = name.partition(".")
+                key = f"{directory}/{stem}" if directory else stem
+                if sample and sample["__key__"] != key:
+                    yield sample
+                    sample = {}
+                sample = sample or {"__key__": key, "__offset__": member.offset}
+                sample[field if dot else ""] = tar.extractfile(member).read()  # type: ignore[union-attr]
+    except Exception as error:  # anything raised while parsing these bytes means they cannot be trusted
+        raise ShardReadError(url, offset, error) from error
+    if sample:
+        yield sample
+
+
+class ShardReadError(Exception):
+    """A shard that cannot be read past `offset`: truncated, a corrupt tar header, or unreadable."""
+
+    def __init__(self, url: str, offset: int, cause: BaseException) -> None:
+        super().__init__(f"{url} cannot be read past byte {offset}: {type(cause).__name__}: {cause}")
+        self.url, self.offset = url, offset
+
+
+def sample_texts(sample: dict[str, Any], fields: Sequence[str]) -> tuple[str, ...] | str:
+    """The sample's texts for `fields`, or the reason it cannot be used."""
+    texts = []
+    for name in fields:
+        if name not in sample:
+            return f"no {name!r} field"
+        try:
+            text = sample[name].decode("utf-8")
+        except UnicodeDecodeError:
+            return f"{name!r} is not UTF-8"
+        if not text.strip():
+            return f"{name!r} is empty"
+        texts.append(text)
+    return tuple(texts)
+
+
+class SampleReader:
+    """Reads the texts of `fields` from shards under a bad-data policy, counting samples as it goes.
+
+    A sample that cannot be used (a missing field, text that is not UTF-8 or is empty) and the rest of
+    a shard that cannot be read on (truncated, corrupt, gone, or refused at start-up) are, with policy
+    `skip`, dropped with a warning naming the shard, the byte offset and the sample, and counted; with
+    `raise`, they stop the run with that message. A shard's lost samples are counted from its manifest
+    entry (`samples`), or as one where that is unknown.
+    """
+
+    def __init__(self, fields: Sequence[str], policy: str = "skip") -> None:
+        if policy not in BAD_DATA_POLICIES:
+            raise ValueError(f"data.bad_data={policy!r} must be one of {', '.join(BAD_DATA_POLICIES)}")
+        self.fields, self.policy = tuple(fields), policy
+        self.read = self.skipped = 0  # since the last `take`
+        self.named = 0  # warnings given
+
+    def texts(self, url: str, samples: int | None = None) -> Iterator[tuple[str, ...]]:
+        """The usable texts of one shard, which holds `samples` samples (None: unknown)."""
+        seen = 0
+        try:
+            for sample in read_shard(url):
+                seen += 1
+                self.read += 1
+                texts = sample_texts(sample, self.fields)
+                if isinstance(texts, str):
+                    self.bad(f"sample {sample['__key__']!r} of {url} at byte {sample['__offset__']}: {texts}", 1)
+                    continue
+                yield texts
+        except ShardReadError as error:
+            lost = max(1, (samples or 0) - seen)
+            self.read += lost
+            self.bad(f"{error} (about {lost} samples lost)", lost)
+
+    def skip_shard(self, url: str, samples: int, reason: str) -> None:
+        """Count a whole shard refused before reading (see `pretraining.data.shards.Manifest.problems`)."""
+        self.read += samples
+        self.bad(f"shard {url}: {reason} ({samples} samples)", samples)
+
+    def bad(self, problem: str, samples: int) -> None:
+        if self.policy == "raise":
+            raise ShardError(
+                f"bad data: {problem}. data.bad_data=raise stops on it: set data.bad_data=skip to skip and count "
+                f"such samples (data/skipped_samples, stopping above data.max_skip_fraction), or rebuild the shards"
+            )
+        self.skipped += samples
+        self.named += 1
+        if self.named <= NAMED_SKIPS:
+            last = (
+                "; further ones of this stream are only counted (data/skipped_samples)"
+                if self.named == NAMED_SKIPS
+                else ""
+            )
+            warnings.warn(f"skipped {problem}{last}", stacklevel=2)
+
+    def take(self) -> tuple[int, int]:
+        """(samples read, samples skipped) since the last call."""
+        counts = self.read, self.skipped
+        self.read = self.skipped = 0
+        return counts
+
+    def all_texts(self, urls: Iterable[str]) -> Iterator[tuple[str, ...]]:
+        for url in urls:
+            yield from self.texts(url)
