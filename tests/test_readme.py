@@ -5,7 +5,7 @@ placeholder, is checked here: `pretrain` lines are composed by Hydra and pass th
 checks (sweep values: the first of each), `pretrain-*` lines are parsed by their real argument
 parsers, `make` lines name existing targets and their `ARGS` compose, scripts exist and parse. A
 command no rule covers fails the test, so a new command cannot go unchecked. The Python examples
-(your own reader, the z-loss objective) are run, and `make help` is run as written.
+(your own reader, the z-loss objective, a new kind of example) are run, and `make help` is run as written.
 """
 
 from __future__ import annotations
@@ -144,11 +144,14 @@ def check(command: str, config_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def example_config_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The README's example model config (configs/model/clm_zloss.yaml) in a config directory of its own."""
-    (yaml_block,) = code_blocks("yaml")
+    """The README's example configs, each named by its first line (`# configs/<group>/<name>.yaml: ...`),
+    in a config directory of their own."""
     directory = tmp_path_factory.mktemp("configs")
-    (directory / "model").mkdir()
-    (directory / "model" / "clm_zloss.yaml").write_text(yaml_block)
+    for block in code_blocks("yaml"):
+        path = re.match(r"# configs/(\S+\.yaml):", block)
+        assert path, f"a README config block must start with '# configs/<group>/<name>.yaml: ...': {block[:80]}"
+        (directory / path[1]).parent.mkdir(parents=True, exist_ok=True)
+        (directory / path[1]).write_text(block)
     return directory
 
 
@@ -193,19 +196,43 @@ def test_your_own_reader_example_builds_shards(tmp_path: Path) -> None:
     assert documents == 60 and manifest.shards("validation")
 
 
-def test_the_worked_objective_example_trains(tmp_path: Path, small_shards: Path, example_config_dir: Path) -> None:
-    (module,) = [block for block in code_blocks("python") if "my_objectives.py" in block]
-    (tmp_path / "my_objectives.py").write_text(module)
+def run_example(
+    module: str, overrides: list[str], tmp_path: Path, data: Path, config_dir: Path
+) -> subprocess.CompletedProcess:
+    """Train a tiny run with the README's example module `module` importable and its configs found."""
+    (code,) = [block for block in code_blocks("python") if f"# {module}" in block]
+    (tmp_path / module).write_text(code)
     command = [
-        sys.executable, "-m", "pretraining.train", "experiment=clm_tiny", "model=clm_zloss", *TINY_RUN,
+        sys.executable, "-m", "pretraining.train", "experiment=clm_tiny", *overrides, *TINY_RUN,
         "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
-        f"data.dir={small_shards}", f"paths.log_dir={tmp_path / 'logs'}", "run_name=zloss",
-        f"hydra.searchpath=[file://{example_config_dir}]",
+        f"data.dir={data}", f"paths.log_dir={tmp_path / 'logs'}", "run_name=example",
+        f"hydra.searchpath=[file://{config_dir}]",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
-    with (tmp_path / "logs" / "train" / "runs" / "zloss" / "csv" / "metrics.csv").open() as file:
-        z_losses = [float(row["train/z_loss"]) for row in csv.DictReader(file) if row.get("train/z_loss")]
+
+def logged(tmp_path: Path, metric: str) -> list[float]:
+    with (tmp_path / "logs" / "train" / "runs" / "example" / "csv" / "metrics.csv").open() as file:
+        return [float(row[metric]) for row in csv.DictReader(file) if row.get(metric)]
+
+
+def test_the_worked_objective_example_trains(tmp_path: Path, small_shards: Path, example_config_dir: Path) -> None:
+    result = run_example("my_objectives.py", ["model=clm_zloss"], tmp_path, small_shards, example_config_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    z_losses = logged(tmp_path, "train/z_loss")
     assert z_losses and all(value > 0 for value in z_losses)
+
+
+def test_the_new_kind_of_example_trains_and_other_data_is_refused(
+    tmp_path: Path, small_shards: Path, example_config_dir: Path
+) -> None:
+    overrides = ["data=stdlib_documents", "model=document_lm"]
+    result = run_example("my_documents.py", overrides, tmp_path, small_shards, example_config_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = logged(tmp_path, "val/loss")
+    assert len(losses) == 3 and all(0 < loss < 10 for loss in losses) and losses[-1] < losses[0]
+
+    packed = run_example("my_documents.py", ["model=document_lm"], tmp_path, small_shards, example_config_dir)
+    assert packed.returncode == 1
+    assert "DocumentLM trains on PaddedDocuments examples but the data config makes PackedBlocks" in packed.stderr
