@@ -38,7 +38,7 @@ from torch.utils.data import DataLoader
 
 from pretraining.callbacks import Throughput
 from pretraining.config import CONFIG_DIR  # registers the config resolvers
-from pretraining.data import WaitTimedLoader
+from pretraining.data.loader import WaitTimedLoader
 from pretraining.objectives import PretrainingObjective
 
 Batch = dict[str, torch.Tensor]

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 from pretraining.callbacks import Throughput
 from pretraining.callbacks.throughput import peak_flops
 from pretraining.config import PROJECT_ROOT
-from pretraining.data import WaitTimedLoader
+from pretraining.data.loader import WaitTimedLoader
 from pretraining.errors import ConfigError
 from pretraining.models.transformer import Transformer
 from pretraining.objectives import CausalLM, Contrastive, MaskedLM
