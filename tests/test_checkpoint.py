@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch import Callback, Trainer
 
 import pretraining.checkpoint.store as checkpoint_store
-import pretraining.data.stream as stream_module
+import pretraining.data.reader as reader_module
 from conftest import packed_blocks, tiny_run
 from pretraining.checkpoint import CheckpointError, newest_verified, prune, saved_checkpoints, sidecar_path, verify
 from pretraining.data.datamodule import ShardDataModule
@@ -189,8 +189,8 @@ def test_restoring_reads_at_most_the_current_shard_again(small_shards: Path, mon
     first = datamodule(small_shards, 0)
     consume(first, 60)  # several epochs in
     opened: list[str] = []
-    read_shard = stream_module.read_shard
-    monkeypatch.setattr(stream_module, "read_shard", lambda url: opened.append(url) or read_shard(url))
+    read_shard = reader_module.read_shard
+    monkeypatch.setattr(reader_module, "read_shard", lambda url: opened.append(url) or read_shard(url))
     restored = datamodule(small_shards, 0)
     restored.load_state_dict(first.state_dict())
     consume(restored, 1)

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from conftest import fit_batch
+from pretraining.data.formats import PackedBlocks, TokenizedPairs
 from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
 from pretraining.errors import ConfigError
 from pretraining.models import Transformer
@@ -235,11 +236,13 @@ def test_refuses_bad_settings_and_a_single_pair() -> None:
 
 def test_objective_and_data_must_match(compose_train) -> None:
     contrastive = compose_train(experiment="contrastive_tiny")
-    with pytest.raises(ConfigError, match="Contrastive trains on pairs but the data config gives blocks"):
-        build_objective(contrastive.model, ByteTokenizer(), "blocks")
+    blocks, pairs = PackedBlocks(ByteTokenizer(), 64), TokenizedPairs(ByteTokenizer(), 16, 64)
+    message = "Contrastive trains on TokenizedPairs examples but the data config makes PackedBlocks: .*TokenizedPairs"
+    with pytest.raises(ConfigError, match=message):
+        build_objective(contrastive.model, blocks)
     mlm = compose_train(experiment="mlm_tiny")
-    with pytest.raises(ConfigError, match="MaskedLM trains on blocks but the data config gives pairs"):
-        build_objective(mlm.model, ByteTokenizer(), "pairs")
+    with pytest.raises(ConfigError, match="MaskedLM trains on PackedBlocks examples but the data config makes Tok"):
+        build_objective(mlm.model, pairs)
 
 
 # --- two processes: gradients equal those of one process on the whole batch -----------------------

@@ -200,5 +200,5 @@ class NoMaskTokenizer(ByteTokenizer):
 def test_tokenizer_without_mask_token_is_refused(compose_train) -> None:
     cfg = compose_train(experiment="mlm_tiny")
     with pytest.raises(ConfigError, match="MaskedLM needs a tokenizer with the mask token"):
-        build_objective(cfg.model, NoMaskTokenizer(), "blocks")
-    assert isinstance(build_objective(cfg.model, ByteTokenizer(), "blocks"), MaskedLM)
+        build_objective(cfg.model, PackedBlocks(NoMaskTokenizer(), 64))
+    assert isinstance(build_objective(cfg.model, PackedBlocks(ByteTokenizer(), 64)), MaskedLM)

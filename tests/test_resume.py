@@ -293,6 +293,17 @@ def test_other_data_or_accumulation_is_refused_unless_allowed(
     assert (tmp_path / "checkpoints" / "step-000012.ckpt").is_file()
 
 
+def test_a_checkpoint_of_another_lineage_format_is_not_resumed(compose_train, tmp_path: Path) -> None:
+    train(compose_train("trainer.max_steps=6"))
+    sidecar = tmp_path / "checkpoints" / "step-000006.ckpt.json"
+    record = json.loads(sidecar.read_text())
+    record["lineage"]["format"] = 3  # as the layout before data.format wrote it
+    sidecar.write_text(json.dumps(record))
+    with pytest.raises(CheckpointError, match=r"lineage format 3, this code writes 4.*code revision that wrote it"):
+        train(compose_train("trainer.max_steps=12"))
+    assert not (tmp_path / "checkpoints" / "step-000012.ckpt").exists()
+
+
 def test_run_names_are_stable_for_a_command_and_ignore_how_it_resumes() -> None:
     def name(*overrides: str) -> str:
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

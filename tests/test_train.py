@@ -164,7 +164,7 @@ def test_evaluate_refuses_a_checkpoint_of_another_lineage_format(compose_train, 
     checkpoint = torch.load(path, weights_only=True)
     checkpoint["lineage"]["format"] = 1
     torch.save(checkpoint, tmp_path / "old.ckpt")  # a checkpoint copied without its sidecar still loads
-    with pytest.raises(ConfigError, match=r"lineage format 1, this code reads \(2, 3\): evaluate it with the code"):
+    with pytest.raises(ConfigError, match=r"lineage format 1, this code reads \(4,\): evaluate it with the code"):
         load_checkpoint(tmp_path / "old.ckpt")
     torch.save(checkpoint, path)  # one that no longer matches its sidecar does not
     with pytest.raises(CheckpointError, match=r"its sidecar says \d+: it is truncated or altered"):
