@@ -651,19 +651,24 @@ def test_global_batch_in_tokens(shard_dir):
         )
 
 
+def two_stream_datamodule(shard_dir: Path, val_size: int) -> ShardDataModule:
+    """Blocks of 32 bytes, two per step from two streams, read in the main process."""
+    return ShardDataModule(
+        str(shard_dir),
+        ByteTokenizer(),
+        packed_blocks(32),
+        global_batch_size=2,
+        streams=2,
+        num_workers=0,
+        val_size=val_size,
+    )
+
+
 def test_datamodule_validation_is_split_across_ranks(shard_dir):
     blocks = validation_blocks(Manifest.load(shard_dir).urls("validation"), ByteTokenizer(), 32, 7)
     rows = []
     for rank in (0, 1):
-        dm = ShardDataModule(
-            str(shard_dir),
-            ByteTokenizer(),
-            format=packed_blocks(32),
-            global_batch_size=2,
-            streams=2,
-            num_workers=0,
-            val_size=7,
-        )
+        dm = two_stream_datamodule(shard_dir, val_size=7)
         dm.trainer = SimpleNamespace(global_rank=rank, world_size=2)
         mine = [tuple(row) for batch in dm.val_dataloader() for row in batch["tokens"].tolist()]
         assert mine == [tuple(b["tokens"].tolist()) for b in blocks[rank::2][:3]]
@@ -673,15 +678,7 @@ def test_datamodule_validation_is_split_across_ranks(shard_dir):
 
 
 def test_datamodule_validation_needs_a_block_per_rank(shard_dir):
-    dm = ShardDataModule(
-        str(shard_dir),
-        ByteTokenizer(),
-        format=packed_blocks(32),
-        global_batch_size=2,
-        streams=2,
-        num_workers=0,
-        val_size=1,
-    )
+    dm = two_stream_datamodule(shard_dir, val_size=1)
     dm.trainer = SimpleNamespace(global_rank=0, world_size=2)
     with pytest.raises(ValueError, match="fewer than 2 ranks"):
         dm.val_dataloader()
