@@ -81,12 +81,13 @@ def resume_startup(data: Path, repeats: int) -> None:
     (_, base), *_ = saved_checkpoints(log_dir / "train" / "runs" / "base" / "checkpoints")
     checkpoint = torch.load(base, weights_only=True)
     num_shards = len(Manifest.load(data).urls("train"))
-    workers = len(checkpoint["ShardDataModule"]["ranks"][0]["cursors"])
+    cursors = checkpoint["ShardDataModule"]["cursors"]  # [sub-stream, shard ordinal, examples taken]
+    workers = len(cursors)
     print(f"1. resume start-up ({num_shards} shards, {workers} workers; process start to first trained batch)")
     times = {}
     for fraction in (0.1, 0.9):
         ordinal = round(fraction * num_shards / workers)  # each worker reads every `workers`-th shard
-        checkpoint["ShardDataModule"]["ranks"][0]["cursors"] = [[ordinal, 500]] * workers
+        checkpoint["ShardDataModule"]["cursors"] = [[sub, ordinal, 500] for sub, *_ in cursors]
         run = f"at{round(fraction * 100)}"
         AtomicCheckpointIO().save_checkpoint(checkpoint, log_dir / "train" / "runs" / run / "checkpoints" / base.name)
         times[fraction] = statistics.median(

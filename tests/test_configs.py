@@ -14,9 +14,10 @@ from hydra.utils import instantiate
 from lightning.pytorch import Trainer
 from omegaconf import DictConfig
 
-from pretraining.config import CONFIG_DIR, check_config
+from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError
 from pretraining.objectives import PretrainingObjective
+from pretraining.run import check_config
 
 GROUPS = ("data", "tokenizer", "model", "trainer", "callbacks", "logger", "experiment", "hparams_search", "debug")
 GPU_ONLY = {("trainer", "fsdp1")}  # Lightning's classic FSDP needs CUDA to build: tests/test_launch.py composes it

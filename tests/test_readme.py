@@ -25,9 +25,10 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import IntervalSweep
 
 from conftest import TINY_RUN
-from pretraining.config import CONFIG_DIR, PROJECT_ROOT, check_config
+from pretraining.config import CONFIG_DIR, PROJECT_ROOT
 from pretraining.data.cli import parser as data_parser
 from pretraining.data.manifest import Manifest
+from pretraining.run import check_config
 
 README = (PROJECT_ROOT / "README.md").read_text()
 ENVIRONMENT_ASSIGNMENT = re.compile(r"^[A-Z_]+=")

@@ -146,10 +146,13 @@ def test_missing_manifest_stops_before_training(compose_train, tmp_path: Path) -
         train(compose_train(f"data.dir={empty}"))
 
 
-def test_block_size_above_max_positions_stops(compose_train) -> None:
+def test_block_size_above_max_positions_stops(compose_train, tmp_path: Path) -> None:
     message = r"data\.format\.block_size=128 exceeds model\.backbone\.max_seq_len=64: lower data\.format\.block_size"
     with pytest.raises(ConfigError, match=message):
         train(compose_train("data.format.block_size=128"))
+    # before the shards are read (their checksums can take minutes): here there are none
+    with pytest.raises(ConfigError, match=message):
+        train(compose_train("data.format.block_size=128", f"data.dir={tmp_path / 'nowhere'}"))
 
 
 def test_warmup_longer_than_run_stops(compose_train, tmp_path: Path) -> None:

@@ -1,7 +1,7 @@
-"""Where configs live, the resolvers they use, and checks across config groups.
+"""Where configs live, the resolvers they use, and the redaction of credentials from a config.
 
 Checks that belong to one value live where that value enters (the class that
-takes it); the ones here relate values from different groups.
+takes it); those relating values of different groups are `pretraining.run.check_config`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
-
-from pretraining.errors import ConfigError
-from pretraining.schema import check_schema
-from pretraining.settings import TrainSettings
+from omegaconf import OmegaConf
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PROJECT_ROOT / "configs"
@@ -92,30 +88,3 @@ def redact_secrets(config: Any, environment: Mapping[str, str] | None = None) ->
         return value
 
     return redact(config)
-
-
-def check_config(cfg: DictConfig) -> None:
-    """Stop before any work if a value does not fit the schema (`pretraining.schema`), or values from
-    different groups contradict each other."""
-    # data=text and data=pairs (and the large presets) leave it to you; other groups interpolate it
-    # (tokenizer.path), so OmegaConf alone would name the wrong key.
-    if OmegaConf.is_missing(cfg.data, "dir"):
-        raise ConfigError(
-            "data.dir is not set: pass data.dir=<shard directory> (built with `pretrain-data build --out <dir>`, "
-            "plus `pretrain-data tokenizer --data <dir>` for tokenizer=bpe)"
-        )
-    check_schema(cfg, TrainSettings, "configs/train.yaml")
-    max_steps, warmup_steps = cfg.trainer.max_steps, cfg.model.warmup_steps
-    if max_steps <= 0:
-        raise ConfigError(
-            f"trainer.max_steps={max_steps}: set it > 0 (the LR schedule and the infinite stream need it)"
-        )
-    if warmup_steps >= max_steps:
-        raise ConfigError(
-            f"model.warmup_steps={warmup_steps} is not below trainer.max_steps={max_steps}: lower the warmup"
-        )
-    if "accumulate_grad_batches" in cfg.trainer:
-        raise ConfigError(
-            "trainer.accumulate_grad_batches is derived, not set: the accumulation is data.global_batch_size / "
-            "(devices x data.micro_batch_size); set data.micro_batch_size to what fits on one device instead"
-        )

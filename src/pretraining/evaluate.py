@@ -18,8 +18,7 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from omegaconf import DictConfig, OmegaConf
 
-from pretraining.callbacks.lineage import READABLE_LINEAGE_FORMATS
-from pretraining.checkpoint import load_sharded, sidecar_path, verify
+from pretraining.checkpoint import READABLE_LINEAGE_FORMATS, load_sharded, sidecar_path, verify
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError
 from pretraining.instantiate import build

@@ -48,6 +48,9 @@ class Range:
         return "any number"
 
 
+Positive = Annotated[int, Range(ge=1)]
+
+
 def checked_ranges(prefix: str) -> Callable[[Function], Function]:
     """Decorate a constructor so that each argument outside the `Range` its annotation declares raises
     a ConfigError naming it `<prefix>.<parameter>`: Python callers get the checks a config gets at startup."""

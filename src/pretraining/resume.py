@@ -17,18 +17,15 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, NamedTuple, get_args
 
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
-from pretraining.callbacks.lineage import LINEAGE_FORMAT
-from pretraining.checkpoint import newest_verified, verify
+from pretraining.checkpoint import LINEAGE_FORMAT, newest_verified, verify
 from pretraining.errors import CheckpointError, ConfigError
+from pretraining.settings import Change, ResumeMode
 
-ResumeMode = Literal["auto", "never"]
 RESUME_MODES = get_args(ResumeMode)
-# A deliberate change a resume accepts when `resume_allow` names it.
-Change = Literal["data", "tokenizer", "topology"]
 # What a resume compares (the lineage key, and the fix for a difference); each may be named in
 # `resume_allow` to accept a deliberate change. Parameter shapes are compared too and never accepted.
 FIT_CHECKS: dict[Change, tuple[str, str]] = {

@@ -1,6 +1,7 @@
-"""The set-up and end of one training run, for `pretraining.train.train`: the process, the run's lineage,
-the Trainer with its batch plan, whether the checkpoint it continues from fits, the validations around
-fit, and the report. Which checkpoint a run continues from is `pretraining.resume`'s."""
+"""The set-up and end of one training run, for `pretraining.train.train`: the checks across config
+groups, the process, the run's lineage, the Trainer with its batch plan, whether the checkpoint it
+continues from fits, the validations around fit, and the report. Which checkpoint a run continues from
+is `pretraining.resume`'s."""
 
 from __future__ import annotations
 
@@ -20,12 +21,43 @@ from pretraining.callbacks.lineage import code_revision
 from pretraining.checkpoint import parameter_shapes
 from pretraining.config import PROJECT_ROOT, redact_secrets
 from pretraining.data import ShardDataModule
+from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.instantiate import build
 from pretraining.launch import check_devices
 from pretraining.loggers import wandb_sync_hint
 from pretraining.objectives import PretrainingObjective
+from pretraining.objectives.base import check_lengths
 from pretraining.resume import Resume, check_fits
+from pretraining.schema import check_schema
+from pretraining.settings import TrainSettings
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Stop before any work if a value does not fit the schema (`pretraining.schema`), or values from
+    different groups contradict each other."""
+    # data=text and data=pairs (and the large presets) leave it to you; other groups interpolate it
+    # (tokenizer.path), so OmegaConf alone would name the wrong key.
+    if OmegaConf.is_missing(cfg.data, "dir"):
+        raise ConfigError(
+            "data.dir is not set: pass data.dir=<shard directory> (built with `pretrain-data build --out <dir>`, "
+            "plus `pretrain-data tokenizer --data <dir>` for tokenizer=bpe)"
+        )
+    check_schema(cfg, TrainSettings, "configs/train.yaml")
+    max_steps, warmup_steps = cfg.trainer.max_steps, cfg.model.warmup_steps
+    if max_steps <= 0:
+        raise ConfigError(
+            f"trainer.max_steps={max_steps}: set it > 0 (the LR schedule and the infinite stream need it)"
+        )
+    if warmup_steps >= max_steps:
+        raise ConfigError(
+            f"model.warmup_steps={warmup_steps} is not below trainer.max_steps={max_steps}: lower the warmup"
+        )
+    if "accumulate_grad_batches" in cfg.trainer:
+        raise ConfigError(
+            "trainer.accumulate_grad_batches is derived, not set: the accumulation is data.global_batch_size / "
+            "(devices x data.micro_batch_size); set data.micro_batch_size to what fits on one device instead"
+        )
 
 
 def prepare_process(cfg: DictConfig) -> None:
@@ -33,6 +65,12 @@ def prepare_process(cfg: DictConfig) -> None:
     check_devices(cfg.trainer)
     torch.set_float32_matmul_precision(cfg.matmul_precision)
     seed_everything(cfg.seed, workers=True)
+
+
+def check_example_lengths(cfg: DictConfig, tokenizer: Tokenizer) -> None:
+    """Refuse examples longer than the model's positions before the data is read (its checksums can take
+    minutes): the example format alone, built here, knows its lengths."""
+    check_lengths(build(cfg.data.format)(tokenizer), cfg.model.backbone.max_seq_len)
 
 
 def run_lineage(cfg: DictConfig, datamodule: ShardDataModule, resume: Resume | None) -> Lineage:

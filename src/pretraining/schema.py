@@ -6,7 +6,7 @@ declared as `Annotated[float, Range(gt=0)]` metadata on them (for classes this p
 in `EXTRA_ANNOTATIONS`). A class of your own is thus checked as soon as its constructor has type hints.
 The top-level keys of train.yaml and eval.yaml are checked the same way, against `TrainSettings` and
 `EvalSettings` (`pretraining.settings`). Relations between groups are checked by
-`pretraining.config.check_config`.
+`pretraining.run.check_config`.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from pretraining.errors import ConfigError
 from pretraining.ranges import Range, describe, fits, item_annotation, mapping, out_of_range, range_problem, type_hints
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
+# Keys of earlier layouts, and where they are now (for a preset or command written before the move).
+MOVED_KEYS = {f"data.{length}": f"data.format.{length}" for length in ("block_size", "query_len", "passage_len")}
 
 
 Beta = Annotated[float, Range(ge=0, lt=1)]
@@ -185,7 +187,9 @@ def unknown_key(key: str, value: Any, what: str, known: list[str]) -> ConfigErro
     """The error for a key that is not `what` it should be: the closest known key, or all of them."""
     parent, _, name = key.rpartition(".")
     close = difflib.get_close_matches(name, known, n=1)
-    if close:
+    if key in MOVED_KEYS:
+        fix = f"it moved to {MOVED_KEYS[key]}: write {MOVED_KEYS[key]}={value!r} instead"
+    elif close:
         suggestion = f"{parent}.{close[0]}" if parent else close[0]
         fix = f"did you mean {suggestion}? Write {suggestion}={value!r} instead"
     else:

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pretraining.ranges import Range
-from pretraining.resume import Change, ResumeMode
+
+ResumeMode = Literal["auto", "never"]
+# A deliberate change a resume accepts when `resume_allow` names it (`pretraining.resume.FIT_CHECKS`).
+Change = Literal["data", "tokenizer", "topology"]
 
 
 @dataclass

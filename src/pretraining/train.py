@@ -14,13 +14,15 @@ import hydra
 from omegaconf import DictConfig
 
 from pretraining.callbacks import SkippedSamples
-from pretraining.config import CONFIG_DIR, check_config
+from pretraining.config import CONFIG_DIR
 from pretraining.instantiate import build
 from pretraining.launch import distributed_job
 from pretraining.objectives import build_objective
 from pretraining.resume import checkpoint_to_resume
 from pretraining.run import (
     build_trainer,
+    check_config,
+    check_example_lengths,
     check_resume,
     fit,
     log_hyperparameters,
@@ -39,6 +41,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     prepare_process(cfg)
     resume = checkpoint_to_resume(cfg.resume, cfg.ckpt_path, Path(cfg.paths.output_dir), Path(cfg.paths.checkpoint_dir))
     tokenizer = build(cfg.tokenizer)
+    check_example_lengths(cfg, tokenizer)
     datamodule = build(cfg.data, tokenizer=tokenizer)
     model = build_objective(cfg.model, datamodule.format)
     lineage = run_lineage(cfg, datamodule, resume)

@@ -9,12 +9,8 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
+from pretraining.checkpoint import LINEAGE_FORMAT
 from pretraining.data.contract import training_data
-
-# 4: the data config names its example format (data.format) and one ShardDataModule, which saves the data
-# position under its own name; the configs of earlier checkpoints name classes that are gone.
-LINEAGE_FORMAT = 4
-READABLE_LINEAGE_FORMATS = (4,)
 
 
 def code_revision(directory: Path) -> dict[str, Any]:

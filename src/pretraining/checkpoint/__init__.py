@@ -16,7 +16,13 @@ file's size and SHA-256) last, with the same guarantees.
 """
 
 from pretraining.checkpoint.sharded import SHARDED_META, load_sharded, load_sharded_into, publish_sharded
-from pretraining.checkpoint.sidecar import parameter_shapes, sidecar_path, verify
+from pretraining.checkpoint.sidecar import (
+    LINEAGE_FORMAT,
+    READABLE_LINEAGE_FORMATS,
+    parameter_shapes,
+    sidecar_path,
+    verify,
+)
 from pretraining.checkpoint.store import (
     LAST_LINK,
     link_last,
@@ -32,6 +38,8 @@ from pretraining.errors import CheckpointError
 
 __all__ = [
     "LAST_LINK",
+    "LINEAGE_FORMAT",
+    "READABLE_LINEAGE_FORMATS",
     "SHARDED_META",
     "CheckpointError",
     "link_last",

@@ -14,6 +14,11 @@ from pretraining.errors import CheckpointError
 from pretraining.files import sha256_of, write_durably
 
 SIDECAR_FORMAT = 1
+# The lineage record every checkpoint carries (`pretraining.callbacks.Lineage`).
+# 4: the data config names its example format (data.format) and one ShardDataModule, which saves the data
+# position under its own name; the configs of earlier checkpoints name classes that are gone.
+LINEAGE_FORMAT = 4
+READABLE_LINEAGE_FORMATS = (4,)
 
 
 def sidecar_path(path: Path) -> Path:

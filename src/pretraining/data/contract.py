@@ -42,9 +42,10 @@ def training_data(trainer: Trainer, key: str) -> TrainingData:
     """The trainer's DataModule, refused (naming the callback's config `key`) unless it is `TrainingData`."""
     datamodule = getattr(trainer, "datamodule", None)
     if not isinstance(datamodule, TrainingData):
+        removable = f", or remove {key} (~{key})" if key.startswith("callbacks.") else ""
         raise ConfigError(
             f"{key} needs a DataModule with the data position and shards of pretraining.data.ShardDataModule "
             f"(pretraining.data.contract.TrainingData), and {type(datamodule).__name__} is not one: train with "
-            f"a pretraining data config, or remove it (~{key})"
+            f"a data config of configs/data/{removable}"
         )
     return datamodule

@@ -43,9 +43,7 @@ from pretraining.data.stream import BatchPlan, BatchStream, Cursor, ShardStream,
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.distributed import gather
 from pretraining.errors import ShardError
-from pretraining.ranges import Range, checked_ranges
-
-Positive = Annotated[int, Range(ge=1)]
+from pretraining.ranges import Positive, Range, checked_ranges
 
 
 class ShardDataModule(LightningDataModule):
@@ -264,7 +262,7 @@ class ShardDataModule(LightningDataModule):
         if per_rank == 0:
             raise ValueError(
                 f"the validation shards give {len(examples)} {self.format.kind}, fewer than {world_size} ranks; "
-                f"build the shards with a larger --validation-fraction (or make examples shorter: data.format)"
+                f"build the shards with a larger --validation-fraction"
             )
         # Equal counts on every rank: unequal ones deadlock the metric reduction.
         batch_size = self.val_batch_size or self.plan.micro_batch

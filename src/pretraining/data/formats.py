@@ -24,11 +24,10 @@ import torch
 
 from pretraining.data.corpus import PAIR_FIELDS, TEXT_FIELDS
 from pretraining.data.tokenizer import CLS_ID, EOS_ID, PAD_ID, Tokenizer
-from pretraining.ranges import Range, checked_ranges
+from pretraining.ranges import Positive, Range, checked_ranges
 
 Example = TypeVar("Example")
 Tensors = dict[str, torch.Tensor]
-Positive = Annotated[int, Range(ge=1)]
 SideLength = Annotated[int, Range(ge=2)]  # two tokens at least: CLS and one of the text
 
 

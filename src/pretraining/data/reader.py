@@ -109,7 +109,7 @@ class SampleReader:
             self.bad(f"{error} (about {lost} samples lost)", lost)
 
     def skip_shard(self, url: str, samples: int, reason: str) -> None:
-        """Count a whole shard refused before reading (see `pretraining.data.shards.Manifest.problems`)."""
+        """Count a whole shard refused before reading (see `pretraining.data.manifest.Manifest.problems`)."""
         self.read += samples
         self.bad(f"shard {url}: {reason} ({samples} samples)", samples)
 

@@ -85,6 +85,11 @@ def stream_shard(ordinal: int, stream: int, streams: int, num_shards: int, seed:
     return epoch, shard_order(num_shards, seed, epoch)[index]
 
 
+def lengths(format: ExampleFormat[Any]) -> str:
+    """The format's lengths as the config keys that set them: `data.format.block_size=256`."""
+    return ", ".join(f"data.format.{key}={value}" for key, value in format.lengths.items())
+
+
 def buffer_shuffled(items: Iterable[T], buffer_size: int, rng: random.Random) -> Iterator[T]:
     """Shuffle a stream through a buffer of `buffer_size` items."""
     buffer: list[T] = []
@@ -142,8 +147,8 @@ class ShardStream:
         for ordinal in itertools.count(start.shard):
             if len(empty) == len(self.urls):
                 raise ShardError(
-                    "no shard yields a whole example (too few tokens for a block, or no usable samples: see the "
-                    "warnings); make the examples shorter (data.format) or rebuild the shards"
+                    f"no shard yields a whole example (texts too short for one, or no usable samples: see the "
+                    f"warnings); make the examples shorter ({lengths(self.format)}) or rebuild the shards"
                 )
             epoch, shard = stream_shard(ordinal, stream, streams, len(self.urls), self.seed)
             samples = self.shard_texts(reader, shard)

@@ -16,9 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from pretraining.ranges import Range, checked_ranges
-
-Positive = Annotated[int, Range(ge=1)]
+from pretraining.ranges import Positive, Range, checked_ranges
 
 
 class SelfAttention(nn.Module):
@@ -68,7 +66,7 @@ class Block(nn.Module):
         self.mlp_norm = nn.LayerNorm(d_model, bias=bias)
         self.mlp = MLP(d_model, dropout, bias)
         self.residual_dropout = nn.Dropout(dropout)
-        # Set by the FSDP policy (pretraining.parallel): keep only the block's input for backward and
+        # Set by the FSDP policy (pretraining.plugins.fsdp): keep only the block's input for backward and
         # recompute the rest, trading a second forward for activation memory.
         self.checkpoint_activations = False
 

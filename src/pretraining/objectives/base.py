@@ -83,7 +83,7 @@ class PretrainingObjective(LightningModule):
 
     def configure_model(self) -> None:
         """Under FSDP2 (Lightning's `ModelParallelStrategy`), shard the model by the strategy's policy
-        (`pretraining.parallel.shard`); then, with `compile`, compile each transformer block in place
+        (`pretraining.plugins.shard`); then, with `compile`, compile each transformer block in place
         (`nn.Module.compile`: no wrapper, so checkpoint keys stay as they are). Lightning calls this
         for every `validate` and `fit`, so it acts only once."""
         if self.model_configured:
@@ -151,7 +151,7 @@ class PretrainingObjective(LightningModule):
         self.last_validated_step = self.global_step
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        total_steps = self.trainer.max_steps  # checked against warmup_steps by config.check_config
+        total_steps = self.trainer.max_steps  # checked against warmup_steps by run.check_config
         parameters = [p for p in self.parameters() if p.requires_grad]
         # Weight decay on matrices only: not on biases, norms or scalars (such as a temperature).
         groups = [
@@ -243,12 +243,16 @@ def build_objective(node: Any, examples: ExampleFormat[Any]) -> PretrainingObjec
             f"{wanted.__module__}.{wanted.__qualname__}, or an experiment preset (experiment=clm_tiny, mlm_tiny or "
             f"contrastive_tiny)"
         )
-    max_seq_len = objective.backbone.max_seq_len
+    check_lengths(examples, objective.backbone.max_seq_len)
+    objective.check_tokenizer(examples.tokenizer)
+    return objective
+
+
+def check_lengths(examples: ExampleFormat[Any], max_seq_len: int) -> None:
+    """Refuse examples longer than the backbone's positions, naming the `data.format` key."""
     for key, length in examples.lengths.items():
         if length > max_seq_len:
             raise ConfigError(
                 f"data.format.{key}={length} exceeds model.backbone.max_seq_len={max_seq_len}: "
                 f"lower data.format.{key} or raise model.backbone.max_seq_len"
             )
-    objective.check_tokenizer(examples.tokenizer)
-    return objective
