@@ -56,9 +56,11 @@ def checked_ranges(prefix: str) -> Callable[[Function], Function]:
     a ConfigError naming it `<prefix>.<parameter>`: Python callers get the checks a config gets at startup."""
 
     def decorate(function: Function) -> Function:
+        parameters = inspect.signature(function)
+
         @functools.wraps(function)
         def checked(*args: Any, **kwargs: Any) -> Any:
-            arguments = inspect.signature(function).bind(*args, **kwargs)
+            arguments = parameters.bind(*args, **kwargs)
             arguments.apply_defaults()
             for name, annotation in type_hints(function).items():
                 if name in arguments.arguments:

@@ -2,11 +2,11 @@
 format that `data.format` names (`pretraining.data.formats`) makes them.
 
 The batch is configured globally: `global_batch_size` examples (or
-`global_batch_tokens`) per optimizer step over all devices, run in micro-batches of `micro_batch_size` per device;
-the gradient accumulation follows from the number of devices (`plan`), and so
-do the examples each device reads (`pretraining.data.stream.BatchPlan`): the
-same config trains on the same examples, step by step, on any number of
-devices.
+`global_batch_tokens`) per optimizer step over all devices, run in
+micro-batches of `micro_batch_size` per device; the gradient accumulation
+follows from the number of devices (`plan`), and so do the examples each
+device reads (`pretraining.data.stream.BatchPlan`): the same config trains on
+the same examples, step by step, on any number of devices.
 
 The DataModule also owns the training data position. It sees every batch the
 training loop consumes (`on_before_batch_transfer`, which runs on consumed
