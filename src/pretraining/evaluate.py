@@ -5,11 +5,15 @@
 The model, tokenizer and data come from the config stored in the checkpoint
 (its lineage), so a checkpoint is evaluated the way it was trained. A sharded
 checkpoint (a directory, from FSDP2) is evaluated the same way, on one process.
+Nothing in the checkpoint can run code: its tensors load weights-only, and its
+config may build only classes of this package (`pretraining.instantiate`) and
+those you trust: `trusted_targets=[my_project.objectives]`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +22,10 @@ import torch
 from lightning.pytorch import LightningModule, Trainer
 from omegaconf import DictConfig, OmegaConf
 
-from pretraining.checkpoint import READABLE_LINEAGE_FORMATS, load_sharded, sidecar_path, verify
+from pretraining.checkpoint import READABLE_LINEAGE_FORMATS, load_sharded, load_weights_only, sidecar_path, verify
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError
-from pretraining.instantiate import build
+from pretraining.instantiate import build, check_targets
 from pretraining.objectives import CausalLM, build_objective
 from pretraining.schema import check_schema
 from pretraining.settings import EvalSettings
@@ -34,7 +38,7 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     path = existing_checkpoint(path)
     if sidecar_path(path.resolve()).is_file():
         verify(path)
-    checkpoint = load_sharded(path) if path.is_dir() else torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint = load_sharded(path) if path.is_dir() else load_weights_only(path)
     written = lineage_of(checkpoint, path).get("format")
     if written not in READABLE_LINEAGE_FORMATS:
         raise ConfigError(
@@ -60,11 +64,18 @@ def lineage_of(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
 
 
 def build_from_checkpoint(
-    checkpoint: dict[str, Any], data_overrides: dict[str, Any], tokenizer_path: str | None = None
+    checkpoint: dict[str, Any],
+    source: str,
+    data_overrides: dict[str, Any],
+    tokenizer_path: str | None = None,
+    trusted_targets: Sequence[str] = (),
 ) -> tuple[LightningModule, Any]:
-    """The objective (with the checkpoint's weights) and the DataModule the checkpoint was trained with."""
+    """The objective (with the checkpoint's weights) and the DataModule the checkpoint was trained with,
+    read from `source`: built only if its config names nothing but trusted classes."""
     lineage = checkpoint["lineage"]
     run = OmegaConf.create(lineage["config"])
+    for group in ("tokenizer", "data", "model"):
+        check_targets(run.get(group), group, trusted_targets, f"the config stored in {source}")
     tokenizer = build(run.tokenizer, **({"path": tokenizer_path} if tokenizer_path else {}))
     if tokenizer.fingerprint != lineage["tokenizer_fingerprint"]:
         raise ConfigError(
@@ -82,7 +93,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     check_schema(cfg, EvalSettings, "configs/eval.yaml")
     checkpoint = load_checkpoint(cfg.ckpt_path)
     overrides = {key: value for key, value in (("dir", cfg.data_dir), ("val_size", cfg.val_size)) if value is not None}
-    model, datamodule = build_from_checkpoint(checkpoint, overrides, cfg.tokenizer_path)
+    trusted = list(cfg.trusted_targets)
+    model, datamodule = build_from_checkpoint(checkpoint, str(cfg.ckpt_path), overrides, cfg.tokenizer_path, trusted)
     trainer = Trainer(accelerator=cfg.accelerator, devices=1, logger=False, enable_checkpointing=False)
     (metrics,) = trainer.validate(model, datamodule=datamodule, verbose=False)
     result: dict[str, Any] = {"checkpoint": str(cfg.ckpt_path), "step": checkpoint["global_step"], **metrics}

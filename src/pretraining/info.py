@@ -14,10 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
 from omegaconf import OmegaConf
 
-from pretraining.checkpoint import SHARDED_META, CheckpointError, verify
+from pretraining.checkpoint import SHARDED_META, CheckpointError, load_weights_only, verify
 from pretraining.errors import ConfigError
 from pretraining.evaluate import existing_checkpoint, lineage_of
 
@@ -27,7 +26,7 @@ def read_lineage(path: Path) -> dict[str, Any]:
     path = existing_checkpoint(path)
     sharded = path.is_dir()  # its meta.pt holds the lineage; the shards are not read
     source = path / SHARDED_META if sharded else path
-    return lineage_of(torch.load(source, map_location="cpu", weights_only=True, mmap=not sharded), path)
+    return lineage_of(load_weights_only(source, mmap=not sharded), path)
 
 
 def ancestry(path: Path) -> list[dict[str, Any]]:

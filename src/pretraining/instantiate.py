@@ -1,12 +1,28 @@
-"""Objects built from config nodes."""
+"""Objects built from config nodes, and the rule for configs that came from a file.
+
+The config of a `pretrain` command is the user's own: it may name any class. A config read back from a
+file (a checkpoint's lineage, for `pretrain-eval`; any later route that rebuilds a stored run) is not:
+whoever wrote the file chose its `_target_`s, and Hydra calls whatever they name (`builtins.exec`,
+`torch.load` with `weights_only=False`, ...). Such a config may build only classes of this package,
+the optimizers of `torch.optim`, and the classes a user explicitly trusts (`trusted_targets`);
+`check_targets` refuses anything else before a single target is imported.
+"""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
-from omegaconf import DictConfig
+from hydra.utils import get_object, instantiate
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from pretraining.errors import ConfigError
+
+PACKAGE = "pretraining"
+OPTIMIZERS = "torch.optim"
 
 
 def build(node: DictConfig, **kwargs: Any) -> Any:
@@ -20,3 +36,52 @@ def build(node: DictConfig, **kwargs: Any) -> Any:
         if isinstance(cause, ValueError | FileNotFoundError):
             raise cause from None
         raise
+
+
+def check_targets(node: Any, key: str, trusted: Sequence[str], source: str) -> None:
+    """Refuse a config from `source` (a file) that would build anything but a trusted class: every
+    `_target_` under `node` (at `key`), in nested dicts and lists too, must name a class of this package,
+    a `torch.optim` optimizer, or a class under one of the `trusted` modules or class paths."""
+    if isinstance(node, DictConfig | ListConfig):
+        node = OmegaConf.to_container(node, resolve=False)
+    if isinstance(node, dict):
+        if "_target_" in node:
+            check_target(node["_target_"], f"{key}._target_", trusted, source)
+        for name, value in node.items():
+            check_targets(value, f"{key}.{name}", trusted, source)
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            check_targets(value, f"{key}[{index}]", trusted, source)
+
+
+def check_target(target: Any, key: str, trusted: Sequence[str], source: str) -> None:
+    """One `_target_`: its name is checked before anything is imported (importing a module runs it),
+    then what the name resolves to (`pretraining.evaluate.torch.load` starts like a class of ours)."""
+    if not isinstance(target, str) or not any(within(target, root) for root in (PACKAGE, OPTIMIZERS, *trusted)):
+        raise untrusted(target, key, source)
+    try:
+        located = get_object(target)
+    except Exception:  # any failure to import it: it cannot be built either
+        raise ConfigError(f"{key}={target!r} in {source} cannot be imported: nothing by that name exists") from None
+    if not (inspect.isclass(located) and is_trusted_class(located, trusted)):
+        raise untrusted(target, key, source)
+
+
+def is_trusted_class(cls: type, trusted: Sequence[str]) -> bool:
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    optimizer = issubclass(cls, torch.optim.Optimizer) and within(name, OPTIMIZERS)
+    return optimizer or any(within(name, root) for root in (PACKAGE, *trusted))
+
+
+def within(name: str, root: str) -> bool:
+    """Whether the dotted `name` is `root` or lies under it (`pretraining.x`, not `pretraining_evil`)."""
+    return name == root or name.startswith(f"{root}.")
+
+
+def untrusted(target: Any, key: str, source: str) -> ConfigError:
+    module = str(target).rpartition(".")[0] or str(target)
+    return ConfigError(
+        f"{key}={target!r} in {source} is not a class of this package: a config read from a file may build "
+        f"only `{PACKAGE}` classes and `{OPTIMIZERS}` optimizers, since whoever wrote the file chose what it "
+        f"calls. If you wrote it and trust that code, pass trusted_targets=[{module}] to pretrain-eval"
+    )

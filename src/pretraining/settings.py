@@ -48,6 +48,7 @@ class EvalSettings:
     tokenizer_path: str | None
     val_size: Annotated[int, Range(ge=1)] | None
     accelerator: str
+    trusted_targets: list[str]
     prompt: str | None
     max_new_tokens: Annotated[int, Range(ge=1)]
     temperature: Annotated[float, Range(gt=0)]

@@ -34,6 +34,7 @@ from pretraining.checkpoint.store import (
     saved_checkpoints,
     storage_fault,
 )
+from pretraining.checkpoint.weights_only import load_weights_only, refusing_code
 from pretraining.errors import CheckpointError
 
 __all__ = [
@@ -45,11 +46,13 @@ __all__ = [
     "link_last",
     "load_sharded",
     "load_sharded_into",
+    "load_weights_only",
     "newest_saved",
     "newest_verified",
     "parameter_shapes",
     "prune",
     "publish_sharded",
+    "refusing_code",
     "remove",
     "save_file",
     "saved_checkpoints",

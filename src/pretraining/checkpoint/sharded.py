@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from pretraining.checkpoint.sidecar import SIDECAR_FORMAT, files_under, summary
 from pretraining.checkpoint.store import remove, vouch_for
+from pretraining.checkpoint.weights_only import load_weights_only
 from pretraining.errors import CheckpointError
 from pretraining.files import fsync_directory, sha256_of
 
@@ -58,7 +59,7 @@ def publish_sharded(temporary: Path, path: Path) -> None:
 
 
 def sharded_summary(directory: Path) -> dict[str, Any]:
-    meta = torch.load(directory / SHARDED_META, map_location="cpu", weights_only=True)
+    meta = load_weights_only(directory / SHARDED_META)
     index = WeightsOnlyReader(directory).read_metadata()
     shapes = {name: list(tensor.size) for name, tensor in model_tensors(index).items()}
     return {**summary(meta), "parameters": shapes}
@@ -86,7 +87,7 @@ def load_sharded(directory: Path) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # one process is the intent
         dcp.load(state, storage_reader=reader, no_dist=True)
-    return {**torch.load(directory / SHARDED_META, map_location="cpu", weights_only=True), **state}
+    return {**load_weights_only(directory / SHARDED_META), **state}
 
 
 def load_sharded_into(module: nn.Module, optimizers: list[Optimizer], directory: Path, strict: bool) -> dict[str, Any]:
@@ -103,7 +104,7 @@ def load_sharded_into(module: nn.Module, optimizers: list[Optimizer], directory:
         dcp.load(optimizer_state, storage_reader=WeightsOnlyReader(directory))
         options = StateDictOptions(cpu_offload=True)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key], options=options)
-    return torch.load(directory / SHARDED_META, map_location="cpu", weights_only=True)
+    return load_weights_only(directory / SHARDED_META)
 
 
 class WeightsOnlyReader(dcp.FileSystemReader):

@@ -7,7 +7,7 @@ from typing import Any
 
 from lightning.fabric.plugins import TorchCheckpointIO
 
-from pretraining.checkpoint import remove, save_file, verify
+from pretraining.checkpoint import refusing_code, remove, save_file, verify
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -20,7 +20,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         verify(Path(path))
         # Tensors and plain data only: a checkpoint from elsewhere cannot run code. Onto the CPU unless
         # told otherwise: every rank loads the file, and a GPU's copy would land on the saver's device.
-        return super().load_checkpoint(path, map_location=map_location or on_cpu, weights_only=True)
+        with refusing_code(path):
+            return super().load_checkpoint(path, map_location=map_location or on_cpu, weights_only=True)
 
     def remove_checkpoint(self, path: Any) -> None:
         remove(Path(path))

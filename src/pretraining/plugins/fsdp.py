@@ -31,7 +31,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor
 
-from pretraining.checkpoint import load_sharded_into
+from pretraining.checkpoint import load_sharded_into, refusing_code
 from pretraining.errors import ConfigError
 from pretraining.models.transformer import Block
 
@@ -123,7 +123,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         and a sharded directory through `load_sharded_into`."""
         path = Path(self.broadcast(checkpoint_path))
         if not path.is_dir():
-            return super().load_checkpoint(path, weights_only=True)
+            with refusing_code(path):
+                return super().load_checkpoint(path, weights_only=True)
         assert self.model is not None and self.lightning_module is not None
         return load_sharded_into(self.model, self.optimizers, path, self.lightning_module.strict_loading)
 

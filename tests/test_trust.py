@@ -1,0 +1,108 @@
+"""Nothing read from a checkpoint runs code: a stored config builds only trusted classes, and a
+pickled payload is refused by every route that loads a checkpoint; the payloads provably never ran."""
+
+from __future__ import annotations
+
+import builtins
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from pretraining.checkpoint import save_file
+from pretraining.config import CONFIG_DIR
+from pretraining.errors import CheckpointError, ConfigError
+from pretraining.evaluate import evaluate
+from pretraining.info import main as info_main
+from pretraining.train import train
+
+
+def evaluate_checkpoint(path: Path, out: Path, *overrides: str) -> dict[str, Any]:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("eval", overrides=[f"ckpt_path={path}", f"paths.output_dir={out}", "prompt=null", *overrides])
+    return evaluate(cfg)
+
+
+def opens(marker: Path, target: str = "builtins.open") -> dict[str, Any]:
+    """A config node that, built, creates `marker`."""
+    return {"_target_": target, "_args_": [str(marker), "w"]}
+
+
+class Payload:
+    """A pickled object that, unpickled without the weights-only guard, creates a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (builtins.open, (str(self.marker), "w"))
+
+
+def crafted_configs(marker: Path) -> dict[str, Any]:
+    """Edits of a stored config, each one building something outside the package, by key."""
+
+    def edit(path: str, node: Any) -> Any:
+        def apply(config: dict[str, Any]) -> None:
+            *parents, last = path.split(".")
+            for key in parents:
+                config = config[key]
+            config[last] = node
+
+        return apply
+
+    return {
+        "tokenizer._target_": edit("tokenizer", opens(marker)),
+        r"model.backbone.extra\[1\]._target_": edit("model.backbone.extra", [1, opens(marker)]),
+        "data.format.extra._target_": edit("data.format.extra", opens(marker)),
+        "model.optimizer._target_": edit("model.optimizer", {**opens(marker, "os.system"), "_partial_": True}),
+        # starts like a class of ours, but is an attribute chain to a function of the standard library
+        "model.backbone._target_": edit("model.backbone", opens(marker, "pretraining.evaluate.json.dump")),
+        "data._target_": edit("data", opens(marker, "pretraining_evil.Module")),
+    }
+
+
+def test_a_stored_config_builds_only_trusted_classes(compose_train, tmp_path: Path) -> None:
+    train(compose_train("trainer.max_steps=6"))
+    trained = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    marker = tmp_path / "marker"
+    for key, edit in crafted_configs(marker).items():
+        checkpoint = copy.deepcopy(trained)
+        edit(checkpoint["lineage"]["config"])
+        path = tmp_path / "crafted" / "step-000006.ckpt"
+        save_file(checkpoint, path)  # with a sidecar that vouches for it
+        with pytest.raises(ConfigError, match=rf"{key}=.* in the config stored in {path} is not a class"):
+            evaluate_checkpoint(path, tmp_path)
+        assert not marker.exists(), key
+
+
+def test_trusted_targets_let_your_own_classes_through(compose_train, tmp_path: Path) -> None:
+    train(compose_train("trainer.max_steps=6", "model._target_=test_train.CausalLMWithZLoss", "+model.z_loss=0.01"))
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    with pytest.raises(
+        ConfigError, match=r"model._target_='test_train.CausalLMWithZLoss' .* trusted_targets=\[test_train\]"
+    ):
+        evaluate_checkpoint(path, tmp_path)
+    assert "val/loss" in evaluate_checkpoint(path, tmp_path, "trusted_targets=[test_train]")
+
+
+def test_a_pickled_payload_is_refused_by_every_route(compose_train, tmp_path: Path) -> None:
+    train(compose_train("trainer.max_steps=6"))
+    marker = tmp_path / "marker"
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    checkpoint["loops"]["payload"] = Payload(marker)
+    path = tmp_path / "checkpoints" / "step-000006.ckpt"
+    save_file(checkpoint, path)  # the run's own checkpoint, replaced, with a sidecar that vouches for it
+    refusal = rf"{path} holds objects other than tensors and plain data \(it refers to io.open\).* will not be loaded"
+    with pytest.raises(CheckpointError, match=refusal):
+        evaluate_checkpoint(path, tmp_path)
+    with pytest.raises(SystemExit, match=refusal):
+        info_main([str(path)])
+    with pytest.raises(CheckpointError, match=refusal):  # resuming the run (Lightning's loader)
+        train(compose_train("trainer.max_steps=12"))
+    with pytest.raises(CheckpointError, match=r"holds objects other than tensors") as refused:
+        train(compose_train("trainer.max_steps=12", f"ckpt_path={path}", "run_name=another"))
+    assert "weights_only=False" not in str(refused.value)
+    assert not marker.exists()
