@@ -1,5 +1,6 @@
 """The errors the template raises for input it cannot use. Each message names the problem and the fix;
-a Hydra application prints a `ConfigError` alone, without a traceback (HYDRA_FULL_ERROR=1 shows one)."""
+a Hydra application prints a `ConfigError` or a `RunLockedError` alone, without a traceback
+(HYDRA_FULL_ERROR=1 shows one)."""
 
 from __future__ import annotations
 
@@ -16,3 +17,7 @@ class CheckpointError(RuntimeError):
 
 class ShardError(ValueError):
     """Shards that cannot be used as they are; the message names the fix."""
+
+
+class RunLockedError(RuntimeError, CompactHydraException):
+    """A run directory that another job holds; the message names the holder and the way out."""

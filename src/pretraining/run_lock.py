@@ -1,0 +1,144 @@
+"""One job at a time in a run directory: an OS-level lock on `<run dir>/.lock`.
+
+`own_run_directory(run_dir)` takes `flock(LOCK_EX | LOCK_NB)` on the file and writes the holder's record
+(pid, host, start time) into it. The kernel releases the lock when the holder's process ends, even by
+SIGKILL, so the file left by a dead process never blocks: the next job just takes the lock and rewrites
+the record. A second job refused the lock stops with `RunLockedError`, naming the holder and the way out.
+On a shared filesystem the lock is as good as its `flock` (NFS: yes; Lustre: mounted with `flock`).
+
+Within one process the lock is re-entrant: Hydra's job-status callback takes it before it writes
+`status.json`, and `pretrain`'s `main` takes it again around training (a second `flock` on another open
+file would refuse the process its own lock).
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import os
+import shutil
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from pretraining.errors import CheckpointError, ConfigError, RunLockedError, ShardError
+
+LOCK_FILE = ".lock"
+# What a job's directory holds before its training writes anything: Hydra's config copies, its log file
+# (`<task_name>.log`), the lock, and the job-status record (sweeps.RecordJobStatus), which counts only
+# when the directory held none of the others' files before this process locked it.
+HYDRA_OUTPUT = frozenset({".hydra", LOCK_FILE})
+STATUS_FILE = "status.json"
+# The errors that refuse a command before it trains: such a command leaves no run directory behind.
+REFUSALS = (ConfigError, CheckpointError, ShardError)
+# A refused job waits this long for the holder to finish writing its record.
+RECORD_WAIT_S = 1.0
+
+
+@dataclass
+class RunLock:
+    """The lock this process holds on one run directory."""
+
+    run_dir: Path
+    fd: int
+    fresh: bool  # the directory held only Hydra's files when this process locked it: this command made it
+    depth: int = 1
+
+
+HELD: dict[Path, RunLock] = {}  # by resolved run directory
+
+
+@contextmanager
+def own_run_directory(run_dir: Path, *, remove_if_refused: bool = True) -> Iterator[RunLock]:
+    """Hold the lock on `run_dir` (made if missing) for the block, or raise `RunLockedError`.
+
+    If the block stops with one of `REFUSALS`, `remove_if_refused` and the directory was made by this
+    command and holds nothing but Hydra's files, the directory is removed (under the lock, so that no
+    other job's files can be in it): a refused command leaves no run directory behind. (A multirun's job
+    keeps its directory: its status record is the sweep report's row for the failed job.)
+    """
+    lock = acquire(run_dir)
+    try:
+        yield lock
+    except REFUSALS:
+        if remove_if_refused:
+            remove_if_untouched(lock)
+        raise
+    finally:
+        release(lock)
+
+
+def acquire(run_dir: Path) -> RunLock:
+    key = run_dir.resolve()
+    if key in HELD:
+        HELD[key].depth += 1
+        return HELD[key]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fresh = only_hydra_output(run_dir, with_status=False)
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunLockedError(refusal(run_dir)) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    started = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid={os.getpid()}\nhost={socket.gethostname()}\nstarted={started}\n".encode(), 0)
+    os.fsync(fd)
+    HELD[key] = lock = RunLock(key, fd, fresh)
+    return lock
+
+
+def release(lock: RunLock) -> None:
+    lock.depth -= 1
+    if lock.depth:
+        return
+    del HELD[lock.run_dir]
+    fcntl.flock(lock.fd, fcntl.LOCK_UN)
+    os.close(lock.fd)  # the file stays: a lock file nobody holds blocks nobody
+
+
+def holder(run_dir: Path) -> dict[str, str]:
+    """The record the holder of `run_dir`'s lock wrote (pid, host, started); empty if there is none yet."""
+    try:
+        text = (run_dir / LOCK_FILE).read_text()
+    except OSError:
+        return {}
+    return dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+
+
+def refusal(run_dir: Path) -> str:
+    deadline = time.monotonic() + RECORD_WAIT_S
+    record = holder(run_dir)
+    while not record.keys() >= {"pid", "host", "started"} and time.monotonic() < deadline:
+        time.sleep(0.05)  # the holder has the lock but has not written its record yet
+        record = holder(run_dir)
+    who = (
+        f"process {record['pid']} on {record['host']}, started {record['started']}"
+        if record.keys() >= {"pid", "host", "started"}
+        else "another process"
+    )
+    return (
+        f"The run directory {run_dir} is in use by {who}: one job at a time writes a run. "
+        "Wait for it to finish (running the same command then continues the run), "
+        "or pass run_name=<another name> to start a separate run."
+    )
+
+
+def only_hydra_output(run_dir: Path, *, with_status: bool) -> bool:
+    """Whether `run_dir` holds nothing but what Hydra writes for a command (and `status.json` if `with_status`)."""
+    allowed = HYDRA_OUTPUT | ({STATUS_FILE} if with_status else set())
+    return all(entry.name in allowed or (entry.suffix == ".log" and entry.is_file()) for entry in run_dir.iterdir())
+
+
+def remove_if_untouched(lock: RunLock) -> None:
+    # Only a directory this command made, and only while it holds nothing of a run: a checkpoint, a metric,
+    # an earlier run's status record or log all keep it.
+    if lock.fresh and lock.run_dir.is_dir() and only_hydra_output(lock.run_dir, with_status=True):
+        shutil.rmtree(lock.run_dir, ignore_errors=True)
