@@ -36,14 +36,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pretraining.checkpoint import saved_checkpoints
+from pretraining.errors import RunLockedError
 from pretraining.files import write_atomically
 from pretraining.launch import is_rank_zero_process
 from pretraining.plots import plot_overlay
+from pretraining.run_lock import STATUS_FILE, RunLock, acquire, release
 from pretraining.run_logs import METRICS_FILE, PlotError, Series, natural_key, read_metrics, read_overrides
 
 log = logging.getLogger(__name__)
 
-STATUS_FILE = "status.json"
 CONFIG_FILE = Path(".hydra") / "config.yaml"
 FINAL_PREFIXES = ("val/", "probe/")  # the metrics a row reports at their last logged value
 
@@ -55,13 +56,32 @@ class SweepError(ValueError):
 class RecordJobStatus(Callback):
     """Record each job's outcome in `<job>/status.json` (rank zero only) and keep a multirun's report current."""
 
+    # The record is the run directory's, so it is written under the job's lock on it (`pretraining.run_lock`,
+    # which `pretrain` holds too): a second job started on a directory in use neither marks it `running`
+    # nor `failed` with its refusal, and a refused command's removed directory is not made again.
+    lock: RunLock | None = None
+
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        if is_rank_zero_process():
-            write_status(Path(config.hydra.runtime.output_dir), {"status": "running", **this_process()})
+        if not is_rank_zero_process():
+            return
+        job_dir = Path(config.hydra.runtime.output_dir)
+        try:
+            self.lock = acquire(job_dir)
+        except RunLockedError:  # the job itself stops with it
+            return
+        write_status(job_dir, {"status": "running", **this_process()})
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if not is_rank_zero_process():
             return
+        lock, self.lock = self.lock, None
+        try:
+            self.record_outcome(config, job_return, owned=lock is not None)
+        finally:
+            if lock is not None:
+                release(lock)
+
+    def record_outcome(self, config: DictConfig, job_return: JobReturn, owned: bool) -> None:
         if job_return.status == JobStatus.COMPLETED:
             value = job_return.return_value
             outcome = {"status": "completed", "value": float(value) if isinstance(value, int | float) else None}
@@ -69,7 +89,8 @@ class RecordJobStatus(Callback):
             error = job_return._return_value  # the exception: `return_value` would raise it again
             outcome = {"status": "failed", "error": f"{type(error).__name__}: {error}"}
         job_dir = Path(config.hydra.runtime.output_dir)
-        write_status(job_dir, {**read_status(job_dir), **outcome, "finished": time.time()})
+        if owned and job_dir.is_dir():
+            write_status(job_dir, {**read_status(job_dir), **outcome, "finished": time.time()})
         if config.hydra.mode == RunMode.MULTIRUN:
             sweep_dir = Path(config.hydra.sweep.dir)
             try:

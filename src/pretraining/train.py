@@ -8,15 +8,18 @@ checkpoint (see `pretraining.resume`); the steps between are `pretraining.run`'s
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from pretraining.callbacks import SkippedSamples
 from pretraining.config import CONFIG_DIR
 from pretraining.instantiate import build
-from pretraining.launch import distributed_job
+from pretraining.launch import distributed_job, is_rank_zero_process
 from pretraining.objectives import build_objective
 from pretraining.resume import checkpoint_to_resume
 from pretraining.run import (
@@ -30,6 +33,7 @@ from pretraining.run import (
     report,
     run_lineage,
 )
+from pretraining.run_lock import own_run_directory
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -57,10 +61,23 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    with distributed_job():  # each job of a multirun is a distributed job of its own
+    # The job owns its directory (a multirun's job: its own) before anything is written; each job of a
+    # multirun is a distributed job of its own.
+    with job_lock(cfg), distributed_job():
         metrics = train(cfg)
     # A sweeper optimises the value returned here.
     return metrics.get(cfg.get("optimized_metric") or "", None)
+
+
+def job_lock(cfg: DictConfig) -> AbstractContextManager[object]:
+    """The lock on the job's run directory, held by the process of global rank zero: a DDP or FSDP job's
+    other ranks (started by Lightning in the same directory, or by torchrun or SLURM on any node) are
+    that job, not a second one. A single run refused at start-up leaves no directory; a multirun's job
+    leaves its status record for the sweep report."""
+    if not is_rank_zero_process():
+        return nullcontext()
+    single = HydraConfig.get().mode != RunMode.MULTIRUN
+    return own_run_directory(Path(cfg.paths.output_dir), remove_if_refused=single)
 
 
 if __name__ == "__main__":
