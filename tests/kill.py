@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import signal
+import time
+from pathlib import Path
 from typing import Any
 
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 
 
 class KillAt(Callback):
@@ -29,3 +32,45 @@ class SignalAt(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.datamodule.batches_consumed == self.batch:  # type: ignore[attr-defined]
             os.kill(os.getpid(), self.signum)
+
+
+class SignalInEveryPhase(Callback):
+    """Send SIGTERM to this process once in each phase of a run (across its restarts: a file in
+    `markers` records each phase signalled, with the time): the set-up before the validation before
+    training, that validation, training, a checkpoint save, a validation inside training, the final
+    validation and the final report (after the last stage's teardown)."""
+
+    def __init__(self, markers: str, max_steps: int) -> None:
+        self.markers, self.max_steps = Path(markers), max_steps
+        self.markers.mkdir(parents=True, exist_ok=True)
+
+    def signal_once(self, phase: str) -> None:
+        marker = self.markers / phase
+        if not marker.exists():
+            marker.write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def final(self, trainer: Trainer) -> bool:
+        return trainer.state.fn == TrainerFn.VALIDATING and trainer.global_step == self.max_steps
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self.signal_once("setup")
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING and trainer.global_step == 0:
+            self.signal_once("validation_before_training")
+        elif trainer.state.fn == TrainerFn.FITTING and trainer.global_step > 0:
+            self.signal_once("validation_in_training")
+        elif self.final(trainer):
+            self.signal_once("final_validation")
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.global_step == 6:  # after the first save, and its validation
+            self.signal_once("training")
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self.signal_once("save")
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.final(trainer):
+            self.signal_once("report")

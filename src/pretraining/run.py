@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pretraining.callbacks import Lineage, Preemption
 from pretraining.callbacks.lineage import code_revision
+from pretraining.callbacks.preemption import Preempted
 from pretraining.checkpoint import parameter_shapes
 from pretraining.config import PROJECT_ROOT, redact_secrets
 from pretraining.data import ShardDataModule
@@ -142,8 +143,10 @@ def fit(
 ) -> dict[str, float]:
     """Validate the untrained model (with `validate_first`: the start of the learning curve), fit (continuing
     from `resume`, if any), and validate the final weights unless the last step was validated
-    or a signal stopped training; the final metrics. W&B's run is closed on the way out, so that the next
-    job of a multirun starts its own."""
+    or a signal stopped training; the final metrics. A signal during a validation ends it (`Preempted`);
+    `report` then exits as after one during training. W&B's run is closed on the way out, so that the
+    next job of a multirun starts its own."""
+    metrics: dict[str, float] = {}
     try:
         if validate_first:
             trainer.validate(model, datamodule=datamodule)
@@ -151,9 +154,23 @@ def fit(
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         if not signal_status(trainer) and model.last_validated_step != trainer.global_step:
             metrics |= trainer.validate(model, datamodule=datamodule)[0]
+    except Preempted:
+        pass  # Preemption knows the signal, for `report`
     finally:
         finish_wandb()
     return metrics
+
+
+def finished(resume: Resume | None, max_steps: int) -> dict[str, float] | None:
+    """The final validation metrics if the run is complete: its checkpoint is at `max_steps` and was
+    validated. Running a finished run again then starts nothing (no validation row twice, no W&B run)."""
+    if resume is None or resume.sidecar.get("step", -1) < max_steps or "validation" not in resume.sidecar:
+        return None
+    rank_zero_info(
+        f"the run is complete: {resume.path} is its step {max_steps} (trainer.max_steps), validated. "
+        "Raise trainer.max_steps to train further, or pass resume=never to start over"
+    )
+    return dict(resume.sidecar["validation"])
 
 
 def finish_wandb() -> None:

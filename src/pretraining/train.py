@@ -27,6 +27,7 @@ from pretraining.run import (
     check_config,
     check_example_lengths,
     check_resume,
+    finished,
     fit,
     log_hyperparameters,
     prepare_process,
@@ -44,6 +45,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     check_config(cfg)
     prepare_process(cfg)
     resume = checkpoint_to_resume(cfg.resume, cfg.ckpt_path, Path(cfg.paths.output_dir), Path(cfg.paths.checkpoint_dir))
+    final_metrics = finished(resume, cfg.trainer.max_steps)
+    if final_metrics is not None:
+        return final_metrics
     tokenizer = build(cfg.tokenizer)
     check_example_lengths(cfg, tokenizer)
     datamodule = build(cfg.data, tokenizer=tokenizer)

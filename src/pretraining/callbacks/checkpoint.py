@@ -3,6 +3,7 @@ sharded checkpoints, written by every rank and published by rank zero (`pretrain
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from pretraining.checkpoint import (
     newest_saved,
     prune,
     publish_sharded,
+    record_validation,
     sidecar_path,
     storage_fault,
 )
@@ -29,7 +31,11 @@ class StepCheckpoint(Checkpoint):
     checkpoint writer (`AtomicCheckpointIO`), or as a sharded directory when the strategy saves
     shards (`save_sharded`). Keep the newest `keep_last` and, permanently, every step divisible by
     `keep_every`. Older ones are pruned only after the new one is complete. At least 2 are kept, so
-    that a newest one damaged later (a disk fault, a bad copy) still leaves a fallback."""
+    that a newest one damaged later (a disk fault, a bad copy) still leaves a fallback.
+
+    A checkpoint is saved before the validation of its step; once that validation finishes, its metrics
+    are added to the sidecar (`record_validation`). A run resumed from a checkpoint whose validation a
+    kill or a signal cut short validates that step first, so the learning curve has no hole."""
 
     def __init__(
         self, dirpath: str, every_n_steps: int = 200, keep_last: int = 2, keep_every: int | None = None
@@ -44,8 +50,33 @@ class StepCheckpoint(Checkpoint):
         self.saved_step = -1
         self.last_model_path = ""
 
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # A resumed run does not save again the step it resumed from, and records its validation there.
+        resumed = Path(str(trainer.ckpt_path)).resolve()
+        if resumed.parent == self.dirpath.resolve():
+            self.saved_step, self.last_model_path = checkpoint["global_step"], str(resumed)
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.saved_step = trainer.global_step  # a resumed run does not save again the step it resumed from
+        self.saved_step = trainer.global_step
+        if self.last_model_path and validation_owed(trainer, Path(self.last_model_path)):
+            validate_in_fit(trainer)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning counts the step it logs at one short after restoring a checkpoint saved at a step
+        # boundary, until the loop advances: resumed at its last step, it never does, and the final
+        # validation would be logged a step early.
+        epoch_loop = trainer.fit_loop.epoch_loop
+        epoch_loop._batches_that_stepped = max(epoch_loop._batches_that_stepped, trainer.global_step)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Record the validation of the step just saved in its sidecar: see `record_validation`."""
+        if trainer.sanity_checking or trainer.global_step != self.saved_step or not self.last_model_path:
+            return
+        if trainer.is_global_zero:
+            metrics = {
+                name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith("val/")
+            }
+            record_validation(Path(self.last_model_path), metrics)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         step = trainer.global_step
@@ -86,6 +117,26 @@ class StepCheckpoint(Checkpoint):
             prune(self.dirpath, self.keep_last, self.keep_every, keep=path)
             for logger in trainer.loggers:  # as ModelCheckpoint does: a logger may keep it (W&B artifacts)
                 logger.after_save_checkpoint(self)  # type: ignore[arg-type]  # loggers read last_model_path only
+
+
+def validation_owed(trainer: Trainer, resumed: Path) -> bool:
+    """Whether the step of the checkpoint resumed from is one the loop validates after, but its
+    validation did not finish (a kill or a signal came first). The last step is validated after `fit`."""
+    step, batches = trainer.global_step, trainer.global_step * trainer.accumulate_grad_batches
+    validates = trainer.val_check_batch not in (None, float("inf")) and batches % trainer.val_check_batch == 0
+    sidecar = json.loads(sidecar_path(resumed).read_text())
+    return validates and 0 < step < (trainer.max_steps or 0) and "validation" not in sidecar
+
+
+def validate_in_fit(trainer: Trainer) -> None:
+    """Run the validation loop inside `fit`, as Lightning's training loop does after a step (logged at
+    the same step): Lightning itself resumes from a checkpoint saved at a step boundary as if the
+    validation after that step had finished."""
+    trainer.validating = True
+    first_loop_iter = trainer._logger_connector._first_loop_iter
+    trainer.fit_loop.epoch_loop.val_loop.run()
+    trainer.training = True
+    trainer._logger_connector._first_loop_iter = first_loop_iter
 
 
 def saves_sharded(trainer: Trainer) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from pretraining.callbacks.checkpoint import StepCheckpoint
@@ -18,17 +19,25 @@ from pretraining.callbacks.checkpoint import StepCheckpoint
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
 
 
+class Preempted(Exception):
+    """Ends a validation that a signal interrupted: Lightning has no other way out of one."""
+
+
 class Preemption(Callback):
     """On a signal, only set a flag; at the next step boundary the ranks agree on it (all-reduce of
     the flag), save a checkpoint, stop, and `train` exits with status 128 + signal number, which a
-    scheduler can requeue on. With `requeue` and under SLURM, rank zero also runs
-    `scontrol requeue` after a SIGTERM or SIGUSR1 (not after Ctrl-C). Nothing is saved inside the
-    handler: the state is always that of a completed optimizer step. A second Ctrl-C stops at once,
-    without saving. (Lightning may still run one validation before the loop ends.)
+    scheduler can requeue on. A validation (before training, in the loop, or after it) checks the
+    flag after every batch instead and stops by raising `Preempted`: the checkpoint of its step is
+    saved already, and the run validates that step again when it continues. With `requeue` and
+    under SLURM, rank zero also runs `scontrol requeue` after a SIGTERM or SIGUSR1 (not after
+    Ctrl-C). Nothing is saved inside the handler: the state is always that of a completed optimizer
+    step. A second Ctrl-C stops at once, without saving.
 
     The handlers replace Lightning's (whose SIGTERM path runs a collective inside the handler and
-    can hang a DDP job) from the start of training to its end; outside the training loop
-    (validation before and after) Lightning's apply. DataLoader workers ignore these signals
+    can hang a DDP job, and which lets a validation run to its end) once a stage runs: from the start
+    of training, or of a validation, to its end. Before (building the data, verifying its checksums,
+    setting up the strategy) and between stages, a signal's default action ends the process at once:
+    nothing has been written there that a restart would miss. DataLoader workers ignore these signals
     (`leave_stop_signals_to_the_main_process`).
     """
 
@@ -44,9 +53,31 @@ class Preemption(Callback):
             raise KeyboardInterrupt  # a second Ctrl-C: the person means now
         self.received = self.received or signum  # the first signal decides (a SIGTERM is not undone)
 
+    def install_handlers(self) -> None:
+        if not self.previous:  # not ours already (a validation inside training)
+            self.previous = {signum: signal.signal(signum, self.handle) for signum in SIGNALS}
+
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.boundary_step = trainer.global_step
-        self.previous = {signum: signal.signal(signum, self.handle) for signum in SIGNALS}
+        self.install_handlers()
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.install_handlers()
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        agreed = self.agreed_signal(trainer)  # every rank validates the same number of batches
+        if agreed is None:
+            return
+        name = signal.Signals(agreed).name
+        rank_zero_info(f"{name} received: stopping the validation at step {trainer.global_step}, which runs again")
+        if self.stopped_by is None:  # not stopped at a step boundary (and requeued) already
+            self.stopped_by = agreed
+            self.requeue_job(trainer)
+        raise Preempted(name)
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.state.fn == TrainerFn.VALIDATING:  # a validation of its own, not one inside training
+            self.restore_handlers()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step == self.boundary_step:
@@ -67,7 +98,11 @@ class Preemption(Callback):
         for checkpoint in checkpoints:
             checkpoint.save(trainer)
         trainer.should_stop = True
-        requeueable = agreed != signal.SIGINT
+        self.requeue_job(trainer)
+
+    def requeue_job(self, trainer: Trainer) -> None:
+        """Under SLURM, with `requeue`, put the job back in the queue (not after Ctrl-C: a person stopped it)."""
+        requeueable = self.stopped_by != signal.SIGINT
         if trainer.is_global_zero and self.requeue and requeueable and "SLURM_JOB_ID" in os.environ:
             requeue_slurm_job(os.environ["SLURM_JOB_ID"])
 
@@ -80,7 +115,7 @@ class Preemption(Callback):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag) or None
 
-    # Restored at the end of training, before Lightning's teardown puts back the handlers it found.
+    # Restored at the end of the stage, before Lightning's teardown puts back the handlers it found.
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.restore_handlers()
 

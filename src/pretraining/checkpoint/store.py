@@ -47,6 +47,15 @@ def vouch_for(path: Path, record: dict[str, Any]) -> None:
         raise
 
 
+def record_validation(path: Path, metrics: dict[str, float]) -> None:
+    """Add the metrics of the validation at a checkpoint's step to its sidecar (rewritten whole, like
+    every file here). A checkpoint is saved before its step's validation: without this record a resume
+    cannot tell a validation that finished from one a kill interrupted, nor a finished run from one
+    killed in its final validation."""
+    record = json.loads(sidecar_path(path).read_text())
+    write_sidecar(path, {**record, "validation": metrics})
+
+
 def remove(path: Path) -> None:
     """Delete a checkpoint, its sidecar first, so that no moment leaves a sidecar vouching for nothing.
     A directory is renamed to a temporary name first: a crash while deleting it leaves a leftover for
