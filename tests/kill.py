@@ -38,15 +38,17 @@ class SignalInEveryPhase(Callback):
     """Send SIGTERM to this process once in each phase of a run (across its restarts: a file in
     `markers` records each phase signalled, with the time): the set-up before the validation before
     training, that validation, training, a checkpoint save, a validation inside training, the final
-    validation and the final report (after the last stage's teardown)."""
+    validation and the final report (after the last stage's teardown). Only the `phases` listed, if
+    given, and only on rank `rank`, if given."""
 
-    def __init__(self, markers: str, max_steps: int) -> None:
-        self.markers, self.max_steps = Path(markers), max_steps
+    def __init__(self, markers: str, max_steps: int, phases: list[str] | None = None, rank: int | None = None) -> None:
+        self.markers, self.max_steps, self.phases, self.rank = Path(markers), max_steps, phases, rank
         self.markers.mkdir(parents=True, exist_ok=True)
 
-    def signal_once(self, phase: str) -> None:
+    def signal_once(self, trainer: Trainer, phase: str) -> None:
         marker = self.markers / phase
-        if not marker.exists():
+        chosen = self.phases is None or phase in self.phases
+        if chosen and trainer.global_rank == (self.rank or 0) and not marker.exists():
             marker.write_text(str(time.time()))
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -54,23 +56,23 @@ class SignalInEveryPhase(Callback):
         return trainer.state.fn == TrainerFn.VALIDATING and trainer.global_step == self.max_steps
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self.signal_once("setup")
+        self.signal_once(trainer, "setup")
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.state.fn == TrainerFn.VALIDATING and trainer.global_step == 0:
-            self.signal_once("validation_before_training")
+            self.signal_once(trainer, "validation_before_training")
         elif trainer.state.fn == TrainerFn.FITTING and trainer.global_step > 0:
-            self.signal_once("validation_in_training")
+            self.signal_once(trainer, "validation_in_training")
         elif self.final(trainer):
-            self.signal_once("final_validation")
+            self.signal_once(trainer, "final_validation")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step == 6:  # after the first save, and its validation
-            self.signal_once("training")
+            self.signal_once(trainer, "training")
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        self.signal_once("save")
+        self.signal_once(trainer, "save")
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.final(trainer):
-            self.signal_once("report")
+            self.signal_once(trainer, "report")

@@ -12,8 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import tiny_run
-from test_resume import RESUMABLE, TESTS, assert_same_training, pretrain, run_dir
+from test_resume import DDP, RESUMABLE, TESTS, assert_same_training, pretrain, run_dir
 
 PHASES = [
     "setup",
@@ -64,3 +66,26 @@ def test_a_sigterm_in_every_phase_ends_the_run_and_it_continues_exactly(tmp_path
     assert_same_training(tmp_path, "reference", "signalled", 10)
     assert validation_rows(tmp_path, "signalled") == validation_rows(tmp_path, "reference")
     assert len(validation_rows(tmp_path, "reference")) == 4  # before training, after steps 4, 8 and 10
+
+
+@pytest.mark.slow  # about a minute: two processes per run
+def test_a_sigterm_to_one_rank_in_training_or_validation_stops_every_rank(tmp_path: Path, shard_dir: Path) -> None:
+    overrides = [*tiny_run("clm_tiny"), *OVERRIDES, *DDP, f"data.dir={shard_dir}"]
+    markers = tmp_path / "signalled"
+    signalled = [
+        *overrides,
+        "+callbacks.signal._target_=kill.SignalInEveryPhase",
+        f"+callbacks.signal.markers={markers}",
+        "+callbacks.signal.max_steps=10",
+        "+callbacks.signal.phases=[validation_in_training,training]",
+        "+callbacks.signal.rank=1",
+    ]
+    for phase in ("validation_in_training", "training"):
+        status, ended, output = run_until_signalled(tmp_path, "signalled", signalled)
+        assert (markers / phase).exists(), f"no signal in {phase}; the run ended with {status}:\n{output[-3000:]}"
+        assert status == 128 + signal.SIGTERM, f"{phase}: exit {status}\n{output[-3000:]}"
+        assert ended - float((markers / phase).read_text()) < 10, phase
+    assert run_until_signalled(tmp_path, "signalled", signalled)[0] == 0
+    assert pretrain(tmp_path, "reference", overrides) == 0
+    assert_same_training(tmp_path, "reference", "signalled", 10)
+    assert validation_rows(tmp_path, "signalled") == validation_rows(tmp_path, "reference")
