@@ -1,23 +1,39 @@
-"""The errors the template raises for input it cannot use. Each message names the problem and the fix;
-a Hydra application prints a `ConfigError` or a `RunLockedError` alone, without a traceback
-(HYDRA_FULL_ERROR=1 shows one)."""
+"""The errors the template raises for input it cannot use. Each message names the problem and the fix.
+
+Every one is a `PretrainingError`, which Hydra prints alone at the command line, without a traceback
+(it is one of Hydra's compact exceptions; HYDRA_FULL_ERROR=1 shows the traceback). Each also keeps the
+builtin base a caller may already catch: a `ConfigError` is a `ValueError`, a `MissingFileError` a
+`FileNotFoundError`, a `CheckpointError` a `RuntimeError`.
+"""
 
 from __future__ import annotations
 
-from hydra.errors import CompactHydraException
+from hydra.errors import CompactHydraException, ConfigCompositionException
 
 
-class ConfigError(ValueError, CompactHydraException):
+class PretrainingError(CompactHydraException):
+    """Input the template cannot use; the message alone says what and the fix (no traceback needed)."""
+
+
+class ConfigError(ValueError, PretrainingError):
     """A config value that cannot work; the message names the key and the fix."""
 
 
-class CheckpointError(RuntimeError):
+class OverrideError(ConfigError, ConfigCompositionException):
+    """A command-line override Hydra cannot apply; the message names the key meant."""
+
+
+class MissingFileError(FileNotFoundError, ConfigError):
+    """A file or directory a config value names is not there; the message names the key and the fix."""
+
+
+class CheckpointError(RuntimeError, PretrainingError):
     """A checkpoint that is incomplete, corrupt or does not fit the run; the message says which and what to do."""
 
 
-class ShardError(ValueError):
+class ShardError(ValueError, PretrainingError):
     """Shards that cannot be used as they are; the message names the fix."""
 
 
-class RunLockedError(RuntimeError, CompactHydraException):
+class RunLockedError(RuntimeError, PretrainingError):
     """A run directory that another job holds; the message names the holder and the way out."""

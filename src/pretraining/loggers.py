@@ -18,6 +18,7 @@ from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
 from pretraining.checkpoint import sidecar_path
+from pretraining.errors import ConfigError
 from pretraining.files import write_atomically
 
 
@@ -49,7 +50,7 @@ class WandbRunLogger(WandbLogger):
         **kwargs: Any,
     ) -> None:
         if checkpoint_artifacts not in CHECKPOINT_ARTIFACTS:
-            raise ValueError(
+            raise ConfigError(
                 f"logger.wandb.checkpoint_artifacts={checkpoint_artifacts!r} must be one of {CHECKPOINT_ARTIFACTS}"
             )
         if offline is None:

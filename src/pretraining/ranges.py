@@ -21,12 +21,14 @@ Function = TypeVar("Function", bound=Callable[..., Any])
 
 @dataclass(frozen=True)
 class Range:
-    """Bounds of a number, as `Annotated` metadata: `Annotated[float, Range(gt=0, lt=1)]`."""
+    """Bounds of a number, as `Annotated` metadata: `Annotated[float, Range(gt=0, lt=1)]`; `why`, if
+    the bound is not obvious, says what it is for (it is part of the message)."""
 
     gt: float | None = None
     ge: float | None = None
     lt: float | None = None
     le: float | None = None
+    why: str | None = None
 
     def admits(self, value: float) -> bool:
         return not (
@@ -37,6 +39,9 @@ class Range:
         )
 
     def __str__(self) -> str:
+        return f"{self.bounds()} ({self.why})" if self.why else self.bounds()
+
+    def bounds(self) -> str:
         low, high = (self.gt, self.ge), (self.lt, self.le)
         if any(bound is not None for bound in low) and any(bound is not None for bound in high):
             opening = f"({self.gt}" if self.gt is not None else f"[{self.ge}"

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, get_args
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from pretraining.checkpoint import LINEAGE_FORMAT, newest_verified, verify
-from pretraining.errors import CheckpointError, ConfigError
+from pretraining.errors import CheckpointError, ConfigError, MissingFileError
 from pretraining.settings import Change, ResumeMode
 
 RESUME_MODES = get_args(ResumeMode)
@@ -61,7 +61,7 @@ def checkpoint_to_resume(resume: str, ckpt_path: str | None, run_dir: Path, chec
     if ckpt_path:
         path = Path(ckpt_path).resolve()
         if not path.exists():
-            raise FileNotFoundError(f"ckpt_path={ckpt_path} not found; runs keep checkpoints in <run>/checkpoints/")
+            raise MissingFileError(f"ckpt_path={ckpt_path} not found; runs keep checkpoints in <run>/checkpoints/")
         return Resume(path, verify(path))
     return None
 

@@ -195,3 +195,25 @@ def unknown_key(key: str, value: Any, what: str, known: list[str]) -> ConfigErro
     else:
         fix = f"the keys there are {', '.join(known)}; remove it (~{key})"
     return ConfigError(f"{key}={value!r}: {key} is not {what}: {fix}")
+
+
+def override_error(key: str, value: Any, cfg: DictConfig) -> ConfigError | None:
+    """The error for a command-line override of `key`, which the composed `cfg` does not have
+    (`data.globl_batch_size=4`, without the `+` that adds a key): the key it moved to, or the closest key of
+    its node and of the parameters of the node's `_target_`; None if there is neither."""
+    parent, _, name = key.rpartition(".")
+    node = OmegaConf.select(cfg, parent, throw_on_missing=False) if parent else cfg
+    if not isinstance(node, DictConfig):
+        return None
+    known = {str(item) for item in node} - HYDRA_KEYS
+    what = f"a key of {parent or 'the config'}"
+    target = node.get("_target_")
+    if isinstance(target, str):
+        try:
+            known |= set(signature(locate(target, parent))[0])
+            what = f"a parameter of {target}"
+        except ConfigError:  # the check at startup names a target that cannot be imported
+            pass
+    if key not in MOVED_KEYS and not difflib.get_close_matches(name, sorted(known), n=1):
+        return None
+    return unknown_key(key, value, what, sorted(known))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
@@ -23,6 +23,7 @@ from pretraining.checkpoint import (
     storage_fault,
 )
 from pretraining.files import temporary_path
+from pretraining.ranges import Positive, Range, checked_ranges
 
 
 class StepCheckpoint(Checkpoint):
@@ -37,14 +38,14 @@ class StepCheckpoint(Checkpoint):
     are added to the sidecar (`record_validation`). A run resumed from a checkpoint whose validation a
     kill or a signal cut short validates that step first, so the learning curve has no hole."""
 
+    @checked_ranges("callbacks.checkpoint")
     def __init__(
-        self, dirpath: str, every_n_steps: int = 200, keep_last: int = 2, keep_every: int | None = None
+        self,
+        dirpath: str,
+        every_n_steps: Positive = 200,
+        keep_last: Annotated[int, Range(ge=2, why="a newest checkpoint damaged later then leaves a fallback")] = 2,
+        keep_every: Positive | None = None,
     ) -> None:
-        if every_n_steps < 1 or keep_last < 2 or (keep_every is not None and keep_every < 1):
-            raise ValueError(
-                f"callbacks.checkpoint: every_n_steps={every_n_steps} must be >= 1, keep_last={keep_last} >= 2 and "
-                f"keep_every={keep_every} null or >= 1"
-            )
         self.dirpath, self.every_n_steps = Path(dirpath), every_n_steps
         self.keep_last, self.keep_every = keep_last, keep_every
         self.saved_step = -1

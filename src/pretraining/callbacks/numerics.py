@@ -18,10 +18,11 @@ from torch.optim import Optimizer
 
 from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.checkpoint import saved_checkpoints
+from pretraining.errors import PretrainingError
 from pretraining.ranges import Range, checked_ranges
 
 
-class NumericalError(RuntimeError):
+class NumericalError(RuntimeError, PretrainingError):
     """Training stopped on consecutive non-finite steps; the message names the steps, the newest
     checkpoint and what to change."""
 

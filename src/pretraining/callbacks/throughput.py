@@ -23,6 +23,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from pretraining.data.loader import WaitTimedLoader
+from pretraining.errors import ConfigError
 from pretraining.plugins import FSDP2Strategy
 
 # Dense (no 2:4 sparsity) peaks per device name fragment, checked before Lightning's table, whose H200
@@ -114,7 +115,7 @@ class Throughput(Callback):
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ValueError(f"callbacks.throughput.log_every_n_steps={log_every_n_steps} must be positive or null")
+            raise ConfigError(f"callbacks.throughput.log_every_n_steps={log_every_n_steps} must be positive or null")
         self.every, self.peak, self.clock = log_every_n_steps, peak_flops, clock
         self.started: float | None = None
         self.paused: float | None = None

@@ -42,7 +42,7 @@ from pretraining.data.manifest import Manifest
 from pretraining.data.stream import BatchPlan, BatchStream, Cursor, ShardStream, batch_plan, validation_examples
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.distributed import gather
-from pretraining.errors import ShardError
+from pretraining.errors import CheckpointError, ConfigError, ShardError
 from pretraining.ranges import Positive, Range, checked_ranges
 
 
@@ -82,7 +82,7 @@ class ShardDataModule(LightningDataModule):
         global_batch_size = global_batch_examples(global_batch_size, global_batch_tokens, self.format.example_tokens)
         batch_plan(global_batch_size, micro_batch_size, streams, 1)  # a config error shows before any work
         self.bad_data, self.max_skip_fraction = bad_data, max_skip_fraction
-        self.manifest = Manifest.load(dir, check=bad_data == "raise", verify_checksums=verify_checksums)
+        self.manifest = Manifest.load(dir, check=bad_data == "raise", verify_checksums=verify_checksums, key="data.dir")
         self.refused = self.manifest.problems(verify_checksums) if bad_data == "skip" else {}
         if self.manifest.fields != self.format.fields:
             raise ShardError(
@@ -127,7 +127,7 @@ class ShardDataModule(LightningDataModule):
             )
 
     def plan_for(self, world_size: int) -> BatchPlan:
-        """How the global batch is split over `world_size` devices (a ValueError if it cannot be)."""
+        """How the global batch is split over `world_size` devices (a ConfigError if it cannot be)."""
         return batch_plan(self.global_batch_size, self.micro_batch_size, self.streams, world_size)
 
     @property
@@ -214,7 +214,7 @@ class ShardDataModule(LightningDataModule):
         """Continue from a saved position: exactly if the topology is unchanged, else approximately
         (the caller decides whether a change is allowed: see `pretraining.resume`)."""
         if state.get("format") != self.STATE_FORMAT:
-            raise ValueError(
+            raise CheckpointError(
                 f"the checkpoint's data position has format {state.get('format')}, this code reads "
                 f"{self.STATE_FORMAT}: resume it with the code revision that wrote it"
             )
@@ -260,7 +260,7 @@ class ShardDataModule(LightningDataModule):
         examples = self.validation_set
         per_rank = len(examples) // world_size
         if per_rank == 0:
-            raise ValueError(
+            raise ShardError(
                 f"the validation shards give {len(examples)} {self.format.kind}, fewer than {world_size} ranks; "
                 f"build the shards with a larger --validation-fraction"
             )
@@ -275,12 +275,12 @@ def global_batch_examples(examples: int | None, tokens: int | None, example_toke
         return examples
     if tokens is not None and examples is None:
         if tokens % example_tokens:
-            raise ValueError(
+            raise ConfigError(
                 f"data.global_batch_tokens={tokens} must be a multiple of the {example_tokens} tokens of one example "
                 f"(data.format's lengths)"
             )
         return tokens // example_tokens
-    raise ValueError(
+    raise ConfigError(
         f"set exactly one of data.global_batch_size (examples) and data.global_batch_tokens; got {examples} and "
         f"{tokens} (set the other to null)"
     )

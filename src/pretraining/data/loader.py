@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from pretraining.errors import PretrainingError
+
 
 def leave_stop_signals_to_the_main_process(worker_id: int) -> None:
     """In a DataLoader worker, ignore SIGTERM, SIGUSR1 and SIGINT. A scheduler (or Ctrl-C) signals
@@ -39,8 +41,23 @@ class WaitTimedLoader(DataLoader):
                 batch = next(batches)
             except StopIteration:
                 return
+            except PretrainingError as error:
+                message = worker_message(error)
+                if message is None:
+                    raise
+                raise type(error)(message) from error
             self.waited += time.perf_counter() - start
             yield batch
+
+
+def worker_message(error: PretrainingError) -> str | None:
+    """The message of our `error` as a DataLoader worker raised it, or None if no worker did: torch raises
+    it again in the main process with the worker's traceback in its message, but our messages stand
+    alone (HYDRA_FULL_ERROR=1 shows that traceback, chained)."""
+    text, raised = str(error), f"{type(error).__module__}.{type(error).__qualname__}: "
+    if not text.startswith("Caught ") or raised not in text:
+        return None
+    return text.rpartition(raised)[2].strip()
 
 
 def training_loader(stream: Dataset, num_workers: int, pin_memory: bool | None) -> WaitTimedLoader:

@@ -38,16 +38,14 @@ class Manifest:
     fields: tuple[str, ...] = TEXT_FIELDS
 
     @classmethod
-    def load(cls, directory: str | Path, verify_checksums: bool = True, check: bool = True) -> Manifest:
-        """The manifest of `directory`; with `check`, refusing shards that are missing or altered (their
-        checksums are read with `verify_checksums`, sizes always)."""
+    def load(cls, directory: str | Path, verify_checksums: bool = True, check: bool = True, key: str = "") -> Manifest:
+        """The manifest of `directory` (named by the config key or option `key`, if any); with `check`,
+        refusing shards that are missing or altered (their checksums are read with `verify_checksums`,
+        sizes always)."""
         directory = Path(directory)
         path = directory / MANIFEST
         if not path.is_file():
-            raise ShardError(
-                f"no {MANIFEST} in {directory}: build the shards with "
-                f"`pretrain-data build --out {directory}` (or `make data` for the default corpus)"
-            )
+            raise ShardError(no_manifest(directory, key))
         try:
             raw = json.loads(path.read_text())
             splits = {name: [ShardInfo(**s) for s in split["shards"]] for name, split in raw["splits"].items()}
@@ -93,3 +91,21 @@ class Manifest:
                 f"(or a larger --validation-fraction)"
             )
         return shards
+
+
+def no_manifest(directory: Path, key: str = "") -> str:
+    """Why `directory` (named by `key`, if any) is not a shard directory, and the two ways out."""
+    named = f"{key}={directory}" if key else str(directory)
+    elsewhere = f"point {key} at" if key else "use"
+    build = f"`pretrain-data build --out {directory}` (or `make data` for the default corpus)"
+    if not directory.exists():
+        return (
+            f"{named}: the directory does not exist: {elsewhere} a directory of shards (one holding {MANIFEST}), "
+            f"or build the shards there with {build}"
+        )
+    if not directory.is_dir():
+        return f"{named} is a file, not a directory: {elsewhere} a directory of shards (one holding {MANIFEST})"
+    return (
+        f"{named} holds no {MANIFEST}, so it holds no shards (or their build did not finish): build them into it "
+        f"with {build}, or {elsewhere} a directory that holds them"
+    )

@@ -17,7 +17,7 @@ from typing import Any
 
 import webdataset as wds
 
-from pretraining.errors import ShardError
+from pretraining.errors import ConfigError, ShardError
 
 BAD_DATA_POLICIES = ("skip", "raise")
 NAMED_SKIPS = 20  # bad samples or shards a reader names in a warning; the rest are only counted
@@ -27,11 +27,14 @@ def read_shard(url: str) -> Iterator[dict[str, Any]]:
     """The samples of one tar shard (local path, URL or `pipe:` command), undecoded: the tar members
     grouped by key as WebDataset groups them (`<key>.<field>`), plus `__key__` and `__offset__` (the
     byte offset of the sample's first header, to find it in the file). A shard that cannot be read on
-    (truncated, a corrupt header, gone) raises `ShardReadError` after its last whole sample."""
+    (truncated, a corrupt header, gone) raises `ShardReadError` after its last whole sample: also where
+    Python's tarfile would end the archive there silently (a header cut short, corrupt or zeroed after
+    the first one), as the end of the archive must be its zero blocks and nothing after them."""
     sample: dict[str, Any] = {}
     offset = 0
+    problem: Exception | None = None
     try:
-        with wds.gopen(url) as file, tarfile.open(fileobj=file, mode="r|*") as tar:
+        with wds.gopen(url) as raw, tarfile.open(fileobj=(file := TailKeeper(raw)), mode="r|*") as tar:  # type: ignore[call-overload]
             for member in tar:
                 offset = member.offset
                 if not member.isreg():
@@ -44,10 +47,41 @@ def read_shard(url: str) -> Iterator[dict[str, Any]]:
                     sample = {}
                 sample = sample or {"__key__": key, "__offset__": member.offset}
                 sample[field if dot else ""] = tar.extractfile(member).read()  # type: ignore[union-attr]
+            offset = tar.offset
+            if getattr(tar.fileobj, "comptype", "tar") == "tar":  # offsets are the file's (not compressed)
+                problem = file.early_end(tar.offset)
     except Exception as error:  # anything raised while parsing these bytes means they cannot be trusted
         raise ShardReadError(url, offset, error) from error
-    if sample:
+    if sample:  # its members were read whole (a damaged header after them ends the shard)
         yield sample
+    if problem:
+        raise ShardReadError(url, offset, problem)
+
+
+class TailKeeper:
+    """A binary stream read through, keeping its last bytes: where a tar archive ends, what follows."""
+
+    KEEP = 1 << 16  # more than tarfile reads ahead (a record, 10 KiB, beyond the header it reads)
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.position, self.tail = file, 0, b""
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.file.read(size)
+        self.position += len(data)
+        self.tail = (self.tail + data)[-self.KEEP :]
+        return data
+
+    def early_end(self, end: int) -> Exception | None:
+        """Why the archive tarfile ended at byte `end` was cut short or damaged there, or None if what
+        follows is its end: zero blocks, and nothing else."""
+        after = self.position - end
+        rest = (self.tail[-after:] if after > 0 else b"") + self.file.read()
+        if len(rest) < tarfile.BLOCKSIZE:
+            return EOFError(f"the file ends at byte {end + len(rest)}, inside or before a tar header (cut short)")
+        if rest.strip(b"\0"):
+            return tarfile.HeaderError(f"the tar header at byte {end} is damaged (not a member, not the end)")
+        return None
 
 
 class ShardReadError(Exception):
@@ -86,7 +120,7 @@ class SampleReader:
 
     def __init__(self, fields: Sequence[str], policy: str = "skip") -> None:
         if policy not in BAD_DATA_POLICIES:
-            raise ValueError(f"data.bad_data={policy!r} must be one of {', '.join(BAD_DATA_POLICIES)}")
+            raise ConfigError(f"data.bad_data={policy!r} must be one of {', '.join(BAD_DATA_POLICIES)}")
         self.fields, self.policy = tuple(fields), policy
         self.read = self.skipped = 0  # since the last `take`
         self.named = 0  # warnings given

@@ -49,7 +49,7 @@ from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
 from pretraining.data.formats import ExampleFormat, Tensors
 from pretraining.data.reader import SampleReader
-from pretraining.errors import ShardError
+from pretraining.errors import ConfigError, ShardError
 
 T = TypeVar("T")
 
@@ -211,29 +211,37 @@ class BatchPlan:
 
 
 def batch_plan(global_batch: int, micro_batch: int | None, streams: int, world_size: int) -> BatchPlan:
-    """The plan for `world_size` devices, or a ValueError naming the `data.` key to change.
+    """The plan for `world_size` devices, or a ConfigError naming the one `data.` key to change (and the
+    devices only where their number is what breaks it: with one device, the checks that hold on any).
 
     `micro_batch` None means no accumulation: each device takes its whole share in one forward.
     """
+    devices = f"the {world_size} devices" if world_size > 1 else "1 device"
     if global_batch % world_size:
-        raise ValueError(
-            f"data.global_batch_size={global_batch} is not divisible by the {world_size} devices: make it a "
-            f"multiple of {world_size} or run on a number of devices that divides it"
+        raise ConfigError(
+            f"data.global_batch_size={global_batch} is not divisible by {devices}: make it a multiple of "
+            f"{world_size} or run on a number of devices that divides it"
         )
     per_device = global_batch // world_size
     micro = micro_batch or per_device
     if per_device % micro:
-        raise ValueError(
-            f"data.global_batch_size={global_batch} over {world_size} devices is {per_device} per device, not a "
-            f"multiple of data.micro_batch_size={micro}: choose a micro-batch that divides {per_device}"
+        share = f"over {devices} is {per_device} per device, " if world_size > 1 else ""
+        raise ConfigError(
+            f"data.global_batch_size={global_batch} {share}not a multiple of data.micro_batch_size={micro}: "
+            f"choose a micro-batch that divides {per_device}"
         )
-    if global_batch % streams or streams % world_size:
-        raise ValueError(
-            f"data.streams={streams} must divide data.global_batch_size={global_batch} and be a multiple of the "
-            f"{world_size} devices (each device reads its own streams): change data.streams"
+    if global_batch % streams:
+        raise ConfigError(
+            f"data.streams={streams} does not divide data.global_batch_size={global_batch} (each stream gives a step "
+            f"the same number of examples): change data.streams or the global batch"
+        )
+    if streams % world_size:
+        raise ConfigError(
+            f"data.streams={streams} is not a multiple of {devices} (each device reads its own streams): "
+            f"change data.streams to a multiple of {world_size} that divides data.global_batch_size={global_batch}"
         )
     if micro % (global_batch // streams):
-        raise ValueError(
+        raise ConfigError(
             f"data.micro_batch_size={micro} must be a multiple of the {global_batch // streams} examples each of "
             f"the data.streams={streams} streams gives a step: raise data.streams or the micro-batch"
         )

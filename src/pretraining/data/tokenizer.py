@@ -15,6 +15,7 @@ from typing import Protocol
 
 import numpy as np
 
+from pretraining.errors import ConfigError, MissingFileError
 from pretraining.files import write_atomically
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<mask>", "<cls>")
@@ -60,7 +61,7 @@ class BPETokenizer:
 
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"tokenizer file {path} not found: train one with "
                 f"`pretrain-data tokenizer --data <shard dir> --out {path}`, or use tokenizer=bytes"
             )
@@ -69,7 +70,7 @@ class BPETokenizer:
         self._tokenizer.encode_special_tokens = True
         for expected_id, token in enumerate(SPECIAL_TOKENS):
             if self._tokenizer.token_to_id(token) != expected_id:
-                raise ValueError(
+                raise ConfigError(
                     f"{path}: special token {token} must have id {expected_id}; "
                     "retrain it with `pretrain-data tokenizer`"
                 )
@@ -104,7 +105,7 @@ def train_bpe(
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     if vocab_size <= 256 + len(SPECIAL_TOKENS):
-        raise ValueError(f"vocab_size={vocab_size} must exceed 256 bytes + {len(SPECIAL_TOKENS)} special tokens")
+        raise ConfigError(f"vocab_size={vocab_size} must exceed 256 bytes + {len(SPECIAL_TOKENS)} special tokens")
     tokenizer = HFTokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

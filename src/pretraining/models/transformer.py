@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from pretraining.errors import ConfigError
 from pretraining.ranges import Positive, Range, checked_ranges
 
 
@@ -23,7 +24,10 @@ class SelfAttention(nn.Module):
     def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, causal: bool) -> None:
         super().__init__()
         if d_model % n_head:
-            raise ValueError(f"model.backbone.d_model={d_model} must be divisible by n_head={n_head}")
+            raise ConfigError(
+                f"model.backbone.d_model={d_model} must be divisible by model.backbone.n_head={n_head}: change "
+                f"either, so that each of the n_head attention heads gets d_model / n_head dimensions"
+            )
         self.n_head, self.dropout, self.causal = n_head, dropout, causal
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)

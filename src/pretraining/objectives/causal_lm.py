@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from pretraining.data.tokenizer import EOS_ID, Tokenizer
+from pretraining.errors import ConfigError
 from pretraining.models.transformer import Transformer
 from pretraining.objectives.base import ChunkTokens, PretrainingObjective, lm_cross_entropy, sums
 from pretraining.ranges import checked_ranges
@@ -24,7 +25,7 @@ class CausalLM(PretrainingObjective):
     def __init__(self, backbone: Transformer, *, loss_chunk_tokens: ChunkTokens = None, **settings: Any) -> None:
         """`settings`: what every objective takes (`PretrainingObjective`: optimizer, warmup, ...)."""
         if not backbone.causal:
-            raise ValueError("CausalLM needs a causal backbone: set model.backbone.causal=true")
+            raise ConfigError("CausalLM needs a causal backbone: set model.backbone.causal=true")
         super().__init__(backbone, validation_state=sums("nll", "tokens", "bytes"), **settings)
         self.loss_chunk_tokens = loss_chunk_tokens
 

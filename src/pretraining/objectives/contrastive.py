@@ -26,6 +26,7 @@ from torchmetrics import CatMetric
 
 from pretraining.data.formats import TokenizedPairs
 from pretraining.data.tokenizer import PAD_ID
+from pretraining.errors import ConfigError
 from pretraining.models.transformer import Transformer
 from pretraining.objectives.base import BatchWork, PretrainingObjective, masked_mean
 from pretraining.ranges import Range, checked_ranges
@@ -126,11 +127,11 @@ class Contrastive(PretrainingObjective):
     ) -> None:
         """`settings`: what every objective takes (`PretrainingObjective`: optimizer, warmup, ...)."""
         if backbone.causal:
-            raise ValueError("Contrastive needs a bidirectional backbone: set model.backbone.causal=false")
+            raise ConfigError("Contrastive needs a bidirectional backbone: set model.backbone.causal=false")
         if pooling not in get_args(Pooling):
-            raise ValueError(f"model.pooling={pooling!r} must be 'mean' or 'first' (the CLS token)")
+            raise ConfigError(f"model.pooling={pooling!r} must be 'mean' or 'first' (the CLS token)")
         if loss not in get_args(Loss):
-            raise ValueError(f"model.loss={loss!r} must be 'clip' (InfoNCE) or 'sigmoid' (SigLIP)")
+            raise ConfigError(f"model.loss={loss!r} must be 'clip' (InfoNCE) or 'sigmoid' (SigLIP)")
         # NaN embeddings must reach the metrics (not be dropped, which breaks the rows' alignment),
         # and sample ids stay exact in float64.
         state = {
@@ -181,7 +182,7 @@ class Contrastive(PretrainingObjective):
         gather = gather_with_grad if distributed else (lambda x: x)
         all_passages = gather(passages)
         if len(all_passages) < 2:
-            raise ValueError(
+            raise ConfigError(
                 f"contrastive learning needs at least 2 pairs (each is the others' negative): raise {size_key}"
             )
         offset, scale = rank * len(queries), self.logit_scale.exp()

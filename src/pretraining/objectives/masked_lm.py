@@ -111,9 +111,9 @@ class MaskedLM(PretrainingObjective):
     ) -> None:
         """`settings`: what every objective takes (`PretrainingObjective`: optimizer, warmup, ...)."""
         if backbone.causal:
-            raise ValueError("MaskedLM needs a bidirectional backbone: set model.backbone.causal=false")
+            raise ConfigError("MaskedLM needs a bidirectional backbone: set model.backbone.causal=false")
         if mask_prob + random_prob > 1:
-            raise ValueError(
+            raise ConfigError(
                 f"model.mask_prob={mask_prob} and model.random_prob={random_prob} must have a sum of at most 1 "
                 f"(the rest of the selected tokens stay unchanged)"
             )

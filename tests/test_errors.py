@@ -1,0 +1,227 @@
+"""Errors a user reads: a config, shard, checkpoint or numerical error of ours prints its message alone at the
+command line (HYDRA_FULL_ERROR=1 shows the traceback), names the one constraint it breaks with the real
+number of devices, and a key mistyped on the command line gets the key meant, with or without `+`."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException
+
+from conftest import TINY, ComposeTrain
+from pretraining.callbacks.numerics import NumericalError
+from pretraining.config import CONFIG_DIR
+from pretraining.data.loader import worker_message
+from pretraining.data.manifest import Manifest
+from pretraining.data.reader import ShardReadError, read_shard
+from pretraining.errors import (
+    CheckpointError,
+    ConfigError,
+    MissingFileError,
+    OverrideError,
+    PretrainingError,
+    ShardError,
+)
+from pretraining.train import train
+from test_bad_data import replace_shard
+
+# (command-line overrides, what the one message says); each run stops before training.
+BAD_COMMANDS = [
+    (
+        ["trainer=ddp_cpu", "data.global_batch_size=7"],
+        "data.streams=2 does not divide data.global_batch_size=7 (each stream gives a step the same number",
+    ),
+    (
+        ["trainer=ddp_cpu", "data.streams=3", "data.global_batch_size=9"],
+        "data.global_batch_size=9 is not divisible by the 2 devices",
+    ),
+    (
+        ["trainer=ddp_cpu", "data.streams=3", "data.global_batch_size=6"],
+        "data.streams=3 is not a multiple of the 2 devices",
+    ),
+    (["data.dir={tmp}/nonexistent"], "data.dir={tmp}/nonexistent: the directory does not exist: point data.dir at"),
+    (["data.dir={tmp}"], "holds no manifest.json, so it holds no shards"),
+    (["model.backbone.n_head=3"], "model.backbone.d_model=32 must be divisible by model.backbone.n_head=3"),
+    (
+        ["callbacks.checkpoint.keep_last=1"],
+        "callbacks.checkpoint.keep_last=1 must be at least 2 (a newest checkpoint damaged later",
+    ),
+    (["callbacks.checkpoint.every_n_steps=0"], "callbacks.checkpoint.every_n_steps=0 must be at least 1: set"),
+    (["data.globl_batch_size=4"], "did you mean data.global_batch_size? Write data.global_batch_size=4 instead"),
+    (["+data.globl_batch_size=4"], "did you mean data.global_batch_size? Write data.global_batch_size=4 instead"),
+    (["data.block_size=4"], "it moved to data.format.block_size: write data.format.block_size=4 instead"),
+]
+
+
+def start(module: str, overrides: list[str], cwd: Path, **env: str) -> subprocess.Popen[str]:
+    command = [sys.executable, "-m", module, *overrides]
+    environment = {key: value for key, value in os.environ.items() if key != "HYDRA_FULL_ERROR"} | env
+    return subprocess.Popen(
+        command, cwd=cwd, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def finish(process: subprocess.Popen[str]) -> tuple[int, str]:
+    _, stderr = process.communicate(timeout=300)
+    return process.returncode, stderr
+
+
+def test_bad_commands_print_one_message_without_a_traceback(tmp_path: Path, shard_dir: Path) -> None:
+    """The issue's six bad configs (and their neighbours) under the real entry point, all at once."""
+    base = [*TINY, "data.streams=2", f"data.dir={shard_dir}", f"paths.log_dir={tmp_path}/logs"]
+    runs = []
+    for overrides, message in BAD_COMMANDS:
+        filled = [override.format(tmp=tmp_path) for override in overrides]
+        runs.append((filled, message.format(tmp=tmp_path), start("pretraining.train", [*base, *filled], tmp_path)))
+    runs.append(
+        (
+            ["max_new_token=3"],
+            "did you mean max_new_tokens?",
+            start("pretraining.evaluate", ["max_new_token=3"], tmp_path),
+        )
+    )
+    for overrides, message, process in runs:
+        returncode, stderr = finish(process)
+        assert returncode == 1, (overrides, stderr)
+        assert message in stderr, (overrides, stderr)
+        assert "Traceback" not in stderr and "1 devices" not in stderr, (overrides, stderr)
+        said = next(line for line in stderr.splitlines() if message in line)
+        if overrides == ["callbacks.checkpoint.keep_last=1"]:  # the one constraint it breaks
+            assert "every_n_steps" not in said and "keep_every" not in said, said
+
+
+def test_hydra_full_error_still_shows_the_traceback(tmp_path: Path) -> None:
+    run = start(
+        "pretraining.train",
+        ["callbacks.checkpoint.keep_last=1", f"paths.log_dir={tmp_path}"],
+        tmp_path,
+        HYDRA_FULL_ERROR="1",
+    )
+    returncode, stderr = finish(run)
+    assert returncode == 1 and "Traceback" in stderr and "keep_last=1 must be at least 2" in stderr
+
+
+def test_our_errors_are_hydras_compact_ones_and_keep_their_builtin_bases() -> None:
+    for error in (ConfigError, MissingFileError, OverrideError, CheckpointError, ShardError, NumericalError):
+        assert issubclass(error, PretrainingError), error
+    assert issubclass(ConfigError, ValueError) and issubclass(ShardError, ValueError)
+    assert issubclass(MissingFileError, FileNotFoundError) and issubclass(CheckpointError, RuntimeError)
+    assert issubclass(NumericalError, RuntimeError) and issubclass(OverrideError, ConfigCompositionException)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (
+            "data.globl_batch_size=4",
+            r"not a parameter of pretraining\.data\.ShardDataModule: did you mean data\.global_batch_size\?",
+        ),
+        ("data.format.blok_size=8", r"did you mean data\.format\.block_size\? Write data\.format\.block_size=8"),
+        ("data.query_len=8", r"it moved to data\.format\.query_len"),
+        ("trainer.max_step=3", r"did you mean trainer\.max_steps\?"),
+        ("sed=3", r"sed=3: sed is not a key of the config: did you mean seed\?"),
+    ],
+)
+def test_a_mistyped_override_without_plus_names_the_key_meant(override: str, message: str) -> None:
+    experiment = "experiment=contrastive_tiny" if "query_len" in override else "experiment=clm_tiny"
+    with (
+        initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"),
+        pytest.raises(OverrideError, match=message),
+    ):
+        compose("train", overrides=[experiment, override])
+
+
+def test_an_override_with_nothing_close_keeps_hydras_message() -> None:
+    with (
+        initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"),
+        pytest.raises(ConfigCompositionException, match=r"Could not override 'data\.zzzzzzzz'") as error,
+    ):
+        compose("train", overrides=["data.zzzzzzzz=1"])
+    assert not isinstance(error.value, OverrideError)
+
+
+def test_a_shard_directory_that_is_missing_or_not_built_says_which(tmp_path: Path) -> None:
+    with pytest.raises(ShardError, match=r"data\.dir=\S+/gone: the directory does not exist"):
+        Manifest.load(tmp_path / "gone", key="data.dir")
+    with pytest.raises(ShardError, match=r"holds no manifest\.json.*pretrain-data build --out"):
+        Manifest.load(tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ShardError, match="is a file, not a directory"):
+        Manifest.load(tmp_path / "file")
+
+
+def damaged(shard: bytes, how: str) -> bytes:
+    """`shard` damaged at its third member's header (if it has one), where Python's tarfile would end the
+    archive silently."""
+    with tarfile.open(fileobj=io.BytesIO(shard)) as tar:
+        members = tar.getmembers()
+    if len(members) < 3:
+        return shard
+    at = members[2].offset
+    if how == "cut":
+        return shard[:at]
+    fill = b"\x07" if how == "garbage" else b"\0"
+    return shard[:at] + fill * 1024 + shard[at + 1024 :]
+
+
+@pytest.mark.parametrize("how", ["cut", "garbage", "zeroed"])
+def test_a_shard_damaged_at_a_header_is_not_ended_silently(tmp_path: Path, shard_dir: Path, how: str) -> None:
+    url = Manifest.load(shard_dir).urls("train")[0]
+    path = tmp_path / "shard.tar"
+    path.write_bytes(damaged(Path(url).read_bytes(), how))
+    seen: list[dict[str, object]] = []
+    with pytest.raises(ShardReadError, match=rf"{path} cannot be read past byte \d+"):
+        seen.extend(read_shard(str(path)))
+    assert len(seen) == 1  # the first sample (two members: txt and json), whole
+    assert len(list(read_shard(url))) > 1  # an intact shard ends at its zero blocks
+
+
+def test_a_worker_error_reads_as_the_worker_raised_it() -> None:
+    raised = ShardError(
+        "Caught ShardError in DataLoader worker process 0.\nOriginal Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in f\npretraining.errors.ShardError: bad data: the fix\n'
+    )
+    assert worker_message(raised) == "bad data: the fix"
+    assert worker_message(ShardError("bad data: the fix")) is None
+
+
+@pytest.mark.slow
+def test_bad_data_raise_on_a_damaged_shard_exits_non_zero(tmp_path: Path, shard_dir: Path) -> None:
+    """A shard damaged after its manifest was written (checksums not verified at start): the run stops
+    on it with one message, whether the DataLoader reads in the main process or in a worker."""
+    data = tmp_path / "data"
+    data.mkdir()
+    for path in shard_dir.iterdir():
+        (data / path.name).write_bytes(path.read_bytes())
+    for url in Manifest.load(data).urls("train"):
+        replace_shard(data, Path(url).name, damaged(Path(url).read_bytes(), "zeroed"))
+    base = [*TINY, f"data.dir={data}", "data.bad_data=raise", "validate_before_training=false"]
+    runs = [
+        start("pretraining.train", [*base, f"data.num_workers={n}", f"paths.log_dir={tmp_path}/{n}"], tmp_path)
+        for n in (0, 1)
+    ]
+    for run in runs:
+        returncode, stderr = finish(run)
+        assert returncode == 1, stderr
+        assert "bad data: " in stderr and "data.bad_data=raise stops on it" in stderr, stderr
+        assert "Traceback" not in stderr, stderr
+
+
+def test_bad_data_raise_stops_the_run_on_a_damaged_shard(
+    compose_train: ComposeTrain, tmp_path: Path, shard_dir: Path
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    for path in shard_dir.iterdir():
+        (data / path.name).write_bytes(path.read_bytes())
+    for url in Manifest.load(data).urls("train"):
+        replace_shard(data, Path(url).name, damaged(Path(url).read_bytes(), "garbage"))
+    with pytest.raises(ShardError, match=r"the tar header at byte \d+ is damaged.*data\.bad_data=raise stops on it"):
+        train(compose_train(f"data.dir={data}", "data.bad_data=raise", "validate_before_training=false"))
