@@ -19,7 +19,7 @@ from hydra.errors import InstantiationException
 from hydra.utils import get_object, instantiate
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from pretraining.errors import ConfigError
+from pretraining.errors import ConfigError, PretrainingError
 
 PACKAGE = "pretraining"
 OPTIMIZERS = "torch.optim"
@@ -33,7 +33,7 @@ def build(node: DictConfig, **kwargs: Any) -> Any:
         cause = error.__cause__
         while isinstance(cause, InstantiationException):
             cause = cause.__cause__
-        if isinstance(cause, ValueError | FileNotFoundError):
+        if isinstance(cause, PretrainingError | ValueError | FileNotFoundError):
             raise cause from None
         raise
 
