@@ -15,11 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from hydra.core.override_parser.types import Override
-from hydra.errors import ConfigCompositionException
-from omegaconf import DictConfig, OmegaConf
-
-from pretraining.errors import OverrideError
+from omegaconf import OmegaConf
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PROJECT_ROOT / "configs"
@@ -56,39 +52,6 @@ OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=Tr
 # Hydra copies the sweep config's resolver cache into every job's config, where the overrides are the job's
 # own (`seed=1`), so that all jobs agree on the sweep directory.
 OmegaConf.register_new_resolver("sweep_name", run_name, use_cache=True, replace=True)
-
-
-def suggest_overridden_keys() -> None:
-    """Make Hydra's refusal of an override of a key the config lacks (`data.globl_batch_size=4`, or the
-    moved `data.block_size=...`, without the `+` that adds a key) name the key meant, as the schema
-    check does for added keys (`pretraining.schema.override_error`). Composition happens before any
-    code of an entry point runs and Hydra offers no hook for its errors, so the step of its config
-    loader that applies the overrides is wrapped, here only: for every Hydra app and `compose` call
-    of this package, as importing this module (which every entry point does) registers the resolvers."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-
-    apply = ConfigLoaderImpl._apply_overrides_to_config
-    if getattr(apply, "suggests_keys", False):
-        return
-
-    def apply_overrides(overrides: list[Override], cfg: DictConfig) -> None:
-        try:
-            apply(overrides, cfg)
-        except ConfigCompositionException as error:
-            from pretraining.schema import override_error
-
-            key = getattr(error.__cause__, "full_key", None)
-            refused = [o for o in overrides if o.key_or_group == key and not o.is_add() and not o.is_delete()]
-            better = override_error(refused[0].key_or_group, refused[0].value(), cfg) if refused else None
-            if better is None:
-                raise
-            raise OverrideError(str(better)) from None
-
-    apply_overrides.suggests_keys = True  # type: ignore[attr-defined]
-    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_overrides)  # type: ignore[method-assign]
-
-
-suggest_overridden_keys()
 
 
 # Names of keys and environment variables that hold credentials: `api_key`, `HF_TOKEN`, `db_password`,

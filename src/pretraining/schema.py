@@ -20,11 +20,14 @@ from collections.abc import Callable
 from typing import Annotated, Any, Union, get_args, get_origin
 
 import torch
+from hydra._internal.config_loader_impl import ConfigLoaderImpl
+from hydra.core.override_parser.types import Override
+from hydra.errors import ConfigCompositionException
 from lightning.pytorch import Trainer
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pretraining.errors import ConfigError
+from pretraining.errors import ConfigError, OverrideError
 from pretraining.ranges import Range, describe, fits, item_annotation, mapping, out_of_range, range_problem, type_hints
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
@@ -217,3 +220,32 @@ def override_error(key: str, value: Any, cfg: DictConfig) -> ConfigError | None:
     if key not in MOVED_KEYS and not difflib.get_close_matches(name, sorted(known), n=1):
         return None
     return unknown_key(key, value, what, sorted(known))
+
+
+def suggest_overridden_keys() -> None:
+    """Make Hydra's refusal of an override of a key the config lacks (`data.globl_batch_size=4`, or the
+    moved `data.block_size=...`, without the `+` that adds a key) name the key meant, as the schema
+    check does for added keys (`override_error`). Composition happens before any
+    code of an entry point runs and Hydra offers no hook for its errors, so the step of its config
+    loader that applies the overrides is wrapped, here only: for every Hydra app and `compose` call
+    of this package, as importing this module does (every entry point imports it to check its config)."""
+    apply = ConfigLoaderImpl._apply_overrides_to_config
+    if getattr(apply, "suggests_keys", False):
+        return
+
+    def apply_overrides(overrides: list[Override], cfg: DictConfig) -> None:
+        try:
+            apply(overrides, cfg)
+        except ConfigCompositionException as error:
+            key = getattr(error.__cause__, "full_key", None)
+            refused = [o for o in overrides if o.key_or_group == key and not o.is_add() and not o.is_delete()]
+            better = override_error(refused[0].key_or_group, refused[0].value(), cfg) if refused else None
+            if better is None:
+                raise
+            raise OverrideError(str(better)) from None
+
+    apply_overrides.suggests_keys = True  # type: ignore[attr-defined]
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_overrides)  # type: ignore[method-assign]
+
+
+suggest_overridden_keys()
