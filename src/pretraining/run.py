@@ -161,16 +161,16 @@ def fit(
     return metrics
 
 
-def finished(resume: Resume | None, max_steps: int) -> dict[str, float] | None:
-    """The final validation metrics if the run is complete: its checkpoint is at `max_steps` and was
-    validated. Running a finished run again then starts nothing (no validation row twice, no W&B run)."""
-    if resume is None or resume.sidecar.get("step", -1) < max_steps or "validation" not in resume.sidecar:
-        return None
+def finished(resume: Resume, max_steps: int) -> bool:
+    """Whether the run is complete: the checkpoint it continues from is at `max_steps` and was validated.
+    Running a finished run again then starts nothing (no validation row twice, no second W&B run)."""
+    if resume.sidecar.get("step", -1) < max_steps or "validation" not in resume.sidecar:
+        return False
     rank_zero_info(
         f"the run is complete: {resume.path} is its step {max_steps} (trainer.max_steps), validated. "
         "Raise trainer.max_steps to train further, or pass resume=never to start over"
     )
-    return dict(resume.sidecar["validation"])
+    return True
 
 
 def finish_wandb() -> None:

@@ -45,9 +45,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
     check_config(cfg)
     prepare_process(cfg)
     resume = checkpoint_to_resume(cfg.resume, cfg.ckpt_path, Path(cfg.paths.output_dir), Path(cfg.paths.checkpoint_dir))
-    final_metrics = finished(resume, cfg.trainer.max_steps)
-    if final_metrics is not None:
-        return final_metrics
     tokenizer = build(cfg.tokenizer)
     check_example_lengths(cfg, tokenizer)
     datamodule = build(cfg.data, tokenizer=tokenizer)
@@ -57,6 +54,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     trainer = build_trainer(cfg, datamodule, callbacks=[lineage, SkippedSamples()])
     if resume:
         check_resume(trainer, datamodule, model, resume, list(cfg.resume_allow))
+        if finished(resume, cfg.trainer.max_steps):  # before any logger starts a run
+            return dict(resume.sidecar["validation"])
     log_hyperparameters(trainer, lineage)
     metrics = fit(trainer, model, datamodule, cfg.validate_before_training and not resume, resume)
     report(trainer, metrics)
