@@ -192,16 +192,21 @@ def test_a_worker_error_reads_as_the_worker_raised_it() -> None:
     assert worker_message(ShardError("bad data: the fix")) is None
 
 
+def damaged_copy(shards: Path, data: Path, how: str) -> Path:
+    """A copy of `shards` whose training shards have a tar header damaged `how` mid-shard."""
+    data.mkdir()
+    for path in shards.iterdir():
+        (data / path.name).write_bytes(path.read_bytes())
+    for url in Manifest.load(data).urls("train"):
+        replace_shard(data, Path(url).name, damaged(Path(url).read_bytes(), how))
+    return data
+
+
 @pytest.mark.slow
 def test_bad_data_raise_on_a_damaged_shard_exits_non_zero(tmp_path: Path, shard_dir: Path) -> None:
     """A shard damaged after its manifest was written (checksums not verified at start): the run stops
     on it with one message, whether the DataLoader reads in the main process or in a worker."""
-    data = tmp_path / "data"
-    data.mkdir()
-    for path in shard_dir.iterdir():
-        (data / path.name).write_bytes(path.read_bytes())
-    for url in Manifest.load(data).urls("train"):
-        replace_shard(data, Path(url).name, damaged(Path(url).read_bytes(), "zeroed"))
+    data = damaged_copy(shard_dir, tmp_path / "data", "zeroed")
     base = [*TINY, f"data.dir={data}", "data.bad_data=raise", "validate_before_training=false"]
     runs = [
         start("pretraining.train", [*base, f"data.num_workers={n}", f"paths.log_dir={tmp_path}/{n}"], tmp_path)
@@ -217,11 +222,6 @@ def test_bad_data_raise_on_a_damaged_shard_exits_non_zero(tmp_path: Path, shard_
 def test_bad_data_raise_stops_the_run_on_a_damaged_shard(
     compose_train: ComposeTrain, tmp_path: Path, shard_dir: Path
 ) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
-    for path in shard_dir.iterdir():
-        (data / path.name).write_bytes(path.read_bytes())
-    for url in Manifest.load(data).urls("train"):
-        replace_shard(data, Path(url).name, damaged(Path(url).read_bytes(), "garbage"))
+    data = damaged_copy(shard_dir, tmp_path / "data", "garbage")
     with pytest.raises(ShardError, match=r"the tar header at byte \d+ is damaged.*data\.bad_data=raise stops on it"):
         train(compose_train(f"data.dir={data}", "data.bad_data=raise", "validate_before_training=false"))
