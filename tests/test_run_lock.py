@@ -22,6 +22,7 @@ from conftest import tiny_run
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.errors import ConfigError, RunLockedError
 from pretraining.evaluate import load_checkpoint
+from pretraining.resume import start_over
 from pretraining.run_lock import HELD, LOCK_FILE, holder, own_run_directory
 
 TESTS = Path(__file__).parent
@@ -105,6 +106,29 @@ def test_a_second_process_is_refused_naming_the_holder_and_a_killed_holder_block
         assert take_elsewhere(run_dir) == 3
     assert take_elsewhere(run_dir) == 0  # released on the way out
     assert not HELD
+
+
+def test_a_forked_child_of_a_killed_holder_blocks_no_one(tmp_path: Path) -> None:
+    """A DataLoader worker (forked) can outlive its SIGKILLed main process for a few seconds."""
+    forking = HOLD.replace(
+        "    print('held'", "    child = __import__('os').fork()\n    if not child: time.sleep(60)\n    print('held'"
+    )
+    process = subprocess.Popen([sys.executable, "-c", forking, str(tmp_path)], stdout=PIPE, text=True)
+    assert process.stdout is not None and process.stdout.readline().strip() == "held"
+    assert take_elsewhere(tmp_path) == 3
+    kill(process)
+    try:
+        assert take_elsewhere(tmp_path) == 0  # the child still lives
+    finally:
+        subprocess.run(["pkill", "-KILL", "-f", forking.splitlines()[0]], check=False)
+
+
+def test_starting_over_keeps_the_lock_in_place(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints").mkdir()
+    with own_run_directory(tmp_path):
+        start_over(tmp_path)  # resume=never moves the earlier outputs aside, not the lock this job holds
+        assert not (tmp_path / "checkpoints").exists() and (tmp_path / LOCK_FILE).is_file()
+        assert take_elsewhere(tmp_path) == 3
 
 
 def test_the_lock_is_reentrant_within_a_process(tmp_path: Path) -> None:

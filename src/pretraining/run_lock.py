@@ -51,6 +51,18 @@ class RunLock:
 HELD: dict[Path, RunLock] = {}  # by resolved run directory
 
 
+def forget_held_locks() -> None:
+    """In a forked child (a DataLoader worker), close its copies of the lock files: a flock belongs to
+    the open file, which the child shares, so a worker outliving a SIGKILLed holder for a few seconds
+    would hold the lock for it. Closing (not unlocking) leaves the parent's lock as it was."""
+    for lock in HELD.values():
+        os.close(lock.fd)
+    HELD.clear()
+
+
+os.register_at_fork(after_in_child=forget_held_locks)
+
+
 @contextmanager
 def own_run_directory(run_dir: Path, *, remove_if_refused: bool = True) -> Iterator[RunLock]:
     """Hold the lock on `run_dir` (made if missing) for the block, or raise `RunLockedError`.
