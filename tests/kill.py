@@ -11,6 +11,8 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
+from pretraining.data import ShardDataModule
+
 
 class KillAt(Callback):
     """The whole process group dies by SIGKILL after a given training batch (no handler, no cleanup)."""
@@ -76,3 +78,12 @@ class SignalInEveryPhase(Callback):
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.final(trainer):
             self.signal_once(trainer, "report")
+
+
+class SignalingDataModule(ShardDataModule):
+    """Sends SIGTERM to this process as the trainer asks for the training loader: after Lightning would
+    have installed its signal handlers, before training starts."""
+
+    def train_dataloader(self) -> Any:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return super().train_dataloader()

@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_run
+from pretraining.checkpoint import saved_checkpoints
+from pretraining.train import train
 from test_resume import DDP, RESUMABLE, TESTS, assert_same_training, pretrain, run_dir
 
 PHASES = [
@@ -38,6 +40,17 @@ def run_until_signalled(log_dir: Path, run: str, overrides: list[str]) -> tuple[
     return process.returncode, time.time(), process.stdout + process.stderr
 
 
+def signal_in(markers: Path, phases: str) -> list[str]:
+    """Overrides that send SIGTERM once in each of `phases` (all when empty), see `kill.SignalInEveryPhase`."""
+    chosen = [f"+callbacks.signal.phases={phases}"] if phases else []
+    return [
+        "+callbacks.signal._target_=kill.SignalInEveryPhase",
+        f"+callbacks.signal.markers={markers}",
+        "+callbacks.signal.max_steps=10",
+        *chosen,
+    ]
+
+
 def validation_rows(log_dir: Path, run: str) -> list[tuple[str, str]]:
     with (run_dir(log_dir, run) / "csv" / "metrics.csv").open() as file:
         return [(row["step"], row["val/loss"]) for row in csv.DictReader(file) if row.get("val/loss")]
@@ -46,12 +59,7 @@ def validation_rows(log_dir: Path, run: str) -> list[tuple[str, str]]:
 def test_a_sigterm_in_every_phase_ends_the_run_and_it_continues_exactly(tmp_path: Path, shard_dir: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *OVERRIDES, f"data.dir={shard_dir}"]
     markers = tmp_path / "signalled"
-    signalled = [
-        *overrides,
-        "+callbacks.signal._target_=kill.SignalInEveryPhase",
-        f"+callbacks.signal.markers={markers}",
-        "+callbacks.signal.max_steps=10",
-    ]
+    signalled = [*overrides, *signal_in(markers, "")]
     for phase in PHASES:
         status, ended, output = run_until_signalled(tmp_path, "signalled", signalled)
         assert (markers / phase).exists(), f"no signal in {phase}; the run ended with {status}:\n{output[-3000:]}"
@@ -68,18 +76,32 @@ def test_a_sigterm_in_every_phase_ends_the_run_and_it_continues_exactly(tmp_path
     assert len(validation_rows(tmp_path, "reference")) == 4  # before training, after steps 4, 8 and 10
 
 
+def test_a_validation_at_a_step_not_saved_yet_saves_it_before_stopping(tmp_path: Path, shard_dir: Path) -> None:
+    overrides = [*tiny_run("clm_tiny"), *OVERRIDES, "callbacks.checkpoint.every_n_steps=8", f"data.dir={shard_dir}"]
+    signalled = [*overrides, *signal_in(tmp_path / "signalled", "[validation_in_training]")]
+    status, _, output = run_until_signalled(tmp_path, "signalled", signalled)
+    assert status == 128 + signal.SIGTERM, output[-3000:]
+    assert [step for step, _ in saved_checkpoints(run_dir(tmp_path, "signalled") / "checkpoints")] == [4]
+    assert run_until_signalled(tmp_path, "signalled", signalled)[0] == 0
+    assert pretrain(tmp_path, "reference", overrides) == 0
+    assert_same_training(tmp_path, "reference", "signalled", 10)
+    assert validation_rows(tmp_path, "signalled") == validation_rows(tmp_path, "reference")
+
+
+def test_a_signal_while_the_trainer_makes_its_loaders_is_obeyed(compose_train, tmp_path: Path) -> None:
+    """Lightning installs its handlers just before a stage runs; its SIGTERM path ended such a run with
+    status 0 and nothing saved."""
+    with pytest.raises(SystemExit) as stopped:
+        train(compose_train("data._target_=kill.SignalingDataModule", "validate_before_training=false"))
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert [step for step, _ in saved_checkpoints(tmp_path / "checkpoints")] == [1]
+
+
 @pytest.mark.slow  # about a minute: two processes per run
 def test_a_sigterm_to_one_rank_in_training_or_validation_stops_every_rank(tmp_path: Path, shard_dir: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *OVERRIDES, *DDP, f"data.dir={shard_dir}"]
     markers = tmp_path / "signalled"
-    signalled = [
-        *overrides,
-        "+callbacks.signal._target_=kill.SignalInEveryPhase",
-        f"+callbacks.signal.markers={markers}",
-        "+callbacks.signal.max_steps=10",
-        "+callbacks.signal.phases=[validation_in_training,training]",
-        "+callbacks.signal.rank=1",
-    ]
+    signalled = [*overrides, *signal_in(markers, "[validation_in_training,training]"), "+callbacks.signal.rank=1"]
     for phase in ("validation_in_training", "training"):
         status, ended, output = run_until_signalled(tmp_path, "signalled", signalled)
         assert (markers / phase).exists(), f"no signal in {phase}; the run ended with {status}:\n{output[-3000:]}"

@@ -135,7 +135,9 @@ def validate_in_fit(trainer: Trainer) -> None:
     validation after that step had finished."""
     trainer.validating = True
     first_loop_iter = trainer._logger_connector._first_loop_iter
-    trainer.fit_loop.epoch_loop.val_loop.run()
+    val_loop = trainer.fit_loop.epoch_loop.val_loop
+    val_loop.restarting = False  # from its first batch (a save inside a validation restores its progress)
+    val_loop.run()
     trainer.training = True
     trainer._logger_connector._first_loop_iter = first_loop_iter
 

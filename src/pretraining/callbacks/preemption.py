@@ -27,17 +27,18 @@ class Preemption(Callback):
     """On a signal, only set a flag; at the next step boundary the ranks agree on it (all-reduce of
     the flag), save a checkpoint, stop, and `train` exits with status 128 + signal number, which a
     scheduler can requeue on. A validation (before training, in the loop, or after it) checks the
-    flag after every batch instead and stops by raising `Preempted`: the checkpoint of its step is
-    saved already, and the run validates that step again when it continues. With `requeue` and
+    flag after every batch instead and stops by raising `Preempted`, after saving its step if that
+    was not saved yet; the run validates that step again when it continues. With `requeue` and
     under SLURM, rank zero also runs `scontrol requeue` after a SIGTERM or SIGUSR1 (not after
     Ctrl-C). Nothing is saved inside the handler: the state is always that of a completed optimizer
     step. A second Ctrl-C stops at once, without saving.
 
-    The handlers replace Lightning's (whose SIGTERM path runs a collective inside the handler and
-    can hang a DDP job, and which lets a validation run to its end) once a stage runs: from the start
-    of training, or of a validation, to its end. Before (building the data, verifying its checksums,
-    setting up the strategy) and between stages, a signal's default action ends the process at once:
-    nothing has been written there that a restart would miss. DataLoader workers ignore these signals
+    The handlers stand in for Lightning's (whose SIGTERM path runs a collective inside the handler and
+    can hang a DDP job, lets a validation run to its end, and can end the run with status 0 unsaved)
+    for the whole of each stage, from its `setup` to its teardown: Lightning's are never installed.
+    Before the trainer runs (building the data, verifying its checksums) and between its stages, a
+    signal's default action ends the process at once: nothing has been written there that a restart
+    would miss. DataLoader workers ignore these signals
     (`leave_stop_signals_to_the_main_process`).
     """
 
@@ -53,51 +54,56 @@ class Preemption(Callback):
             raise KeyboardInterrupt  # a second Ctrl-C: the person means now
         self.received = self.received or signum  # the first signal decides (a SIGTERM is not undone)
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Lightning registers its own handlers just before the stage runs (after this hook, and after the
+        # restore of a checkpoint); here it installs ours instead, so that its handler is never active.
+        trainer._signal_connector.register_signal_handlers = self.install_handlers  # type: ignore[method-assign]
+        self.install_handlers()
+
     def install_handlers(self) -> None:
-        if not self.previous:  # not ours already (a validation inside training)
+        if not self.previous:  # not ours already
             self.previous = {signum: signal.signal(signum, self.handle) for signum in SIGNALS}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.boundary_step = trainer.global_step
-        self.install_handlers()
-
-    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.install_handlers()
-
-    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        agreed = self.agreed_signal(trainer)  # every rank validates the same number of batches
-        if agreed is None:
-            return
-        name = signal.Signals(agreed).name
-        rank_zero_info(f"{name} received: stopping the validation at step {trainer.global_step}, which runs again")
-        if self.stopped_by is None:  # not stopped at a step boundary (and requeued) already
-            self.stopped_by = agreed
-            self.requeue_job(trainer)
-        raise Preempted(name)
-
-    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.state.fn == TrainerFn.VALIDATING:  # a validation of its own, not one inside training
-            self.restore_handlers()
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step == self.boundary_step:
             return  # inside a gradient accumulation: not a step boundary
         self.boundary_step = trainer.global_step
         agreed = self.agreed_signal(trainer)
+        if agreed is not None:
+            self.save_and_stop(trainer, agreed)
+            trainer.should_stop = True
+
+    def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        agreed = self.agreed_signal(trainer)  # every rank validates the same number of batches
         if agreed is None:
             return
+        if self.stopped_by is None:  # not stopped (saved, requeued) at the step boundary before already
+            self.save_and_stop(trainer, agreed)
+        rank_zero_info(
+            f"stopping the validation at step {trainer.global_step}, which runs again when the run continues"
+        )
+        raise Preempted(signal.Signals(agreed).name)
+
+    def save_and_stop(self, trainer: Trainer, agreed: int) -> None:
+        """Save the step just completed (a validation inside training may come before its save), once,
+        and requeue the job if asked to."""
         self.stopped_by = agreed
-        checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, StepCheckpoint)]
         name = signal.Signals(agreed).name
-        if checkpoints:
-            rank_zero_info(f"{name} received: saving at step {trainer.global_step} and stopping")
+        if trainer.state.fn != TrainerFn.FITTING:  # a validation of its own: the weights are saved already
+            rank_zero_info(f"{name} received")
         else:
-            rank_zero_warn(
-                f"{name} received: stopping at step {trainer.global_step} WITHOUT saving (no StepCheckpoint)"
-            )
-        for checkpoint in checkpoints:
-            checkpoint.save(trainer)
-        trainer.should_stop = True
+            checkpoints = [c for c in trainer.checkpoint_callbacks if isinstance(c, StepCheckpoint)]
+            if checkpoints:
+                rank_zero_info(f"{name} received: saving at step {trainer.global_step} and stopping")
+            else:
+                rank_zero_warn(
+                    f"{name} received: stopping at step {trainer.global_step} WITHOUT saving (no StepCheckpoint)"
+                )
+            for checkpoint in checkpoints:
+                checkpoint.save(trainer)
         self.requeue_job(trainer)
 
     def requeue_job(self, trainer: Trainer) -> None:
@@ -115,12 +121,16 @@ class Preemption(Callback):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag) or None
 
-    # Restored at the end of the stage, before Lightning's teardown puts back the handlers it found.
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    # Restored when the stage ends (normally, or by an exception, where the teardown hook is not called).
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.restore_handlers()
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.restore_handlers()
+        if isinstance(exception, Preempted):
+            # Lightning's teardown ends only the active loop, here a validation inside training: the training
+            # loader's workers, which ignore SIGTERM, would outlive it and hang the interpreter's exit.
+            trainer.fit_loop.teardown()
 
     def restore_handlers(self) -> None:
         for signum, handler in self.previous.items():
