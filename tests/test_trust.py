@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import builtins
 import copy
+import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
 
 from pretraining.checkpoint import save_file
+from pretraining.checkpoint.sharded import load_shards
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import CheckpointError, ConfigError
 from pretraining.evaluate import evaluate
@@ -105,4 +109,25 @@ def test_a_pickled_payload_is_refused_by_every_route(compose_train, tmp_path: Pa
     with pytest.raises(CheckpointError, match=r"holds objects other than tensors") as refused:
         train(compose_train("trainer.max_steps=12", f"ckpt_path={path}", "run_name=another"))
     assert "weights_only=False" not in str(refused.value)
+    assert not marker.exists()
+
+
+def test_the_objects_beside_a_sharded_checkpoints_tensors_load_weights_only(tmp_path: Path) -> None:
+    """DCP unpickles what it saved beside the tensors (an optimizer's param groups) with
+    `weights_only=False`; the loaders here refuse anything but plain data there too."""
+    marker, directory = tmp_path / "marker", tmp_path / "sharded"
+
+    def load(saved: Any) -> dict[str, Any]:
+        shutil.rmtree(directory, ignore_errors=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.distributed is not initialised: one process is the intent
+            dcp.save({"optimizer_0": {"param_groups": [saved]}}, checkpoint_id=directory, no_dist=True)
+            state = {"optimizer_0": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0)}]}}
+            load_shards(state, directory, no_dist=True)
+        return state
+
+    plain = {"lr": 0.1, "betas": (0.9, 0.95)}
+    assert load(plain)["optimizer_0"]["param_groups"] == [plain]
+    with pytest.raises(CheckpointError, match=rf"{directory} holds objects other than tensors and plain data"):
+        load({"lr": Payload(marker), "betas": (0.9, 0.95)})
     assert not marker.exists()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import io
 import os
 import pickle
 import warnings
@@ -15,7 +16,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -26,7 +30,7 @@ from torch.optim import Optimizer
 
 from pretraining.checkpoint.sidecar import SIDECAR_FORMAT, files_under, summary
 from pretraining.checkpoint.store import remove, vouch_for
-from pretraining.checkpoint.weights_only import load_weights_only
+from pretraining.checkpoint.weights_only import load_weights_only, refusing_code
 from pretraining.errors import CheckpointError
 from pretraining.files import fsync_directory, sha256_of
 
@@ -79,14 +83,13 @@ def load_sharded(directory: Path) -> dict[str, Any]:
     """A sharded checkpoint as one checkpoint dict, in this process (no process group): meta.pt's state
     and the model's full weights, gathered from every rank's shards (not the optimizer's state). Nothing
     in it can run code: meta.pt loads weights-only, and the shard index through `MetadataUnpickler`."""
-    reader = WeightsOnlyReader(directory)
-    tensors = model_tensors(reader.read_metadata())
+    tensors = model_tensors(WeightsOnlyReader(directory).read_metadata())
     state = {
         MODEL_KEY: {name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in tensors.items()}
     }
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)  # one process is the intent
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        load_shards(state, directory, no_dist=True)
     return {**load_weights_only(directory / SHARDED_META), **state}
 
 
@@ -96,15 +99,27 @@ def load_sharded_into(module: nn.Module, optimizers: list[Optimizer], directory:
     unpickles the shard index; here nothing in the checkpoint can run code."""
     WeightsOnlyReader(directory).read_metadata()  # an unsafe index refused in our words, before DCP wraps them
     model_state = {MODEL_KEY: get_model_state_dict(module)}
-    dcp.load(model_state, storage_reader=WeightsOnlyReader(directory))
+    load_shards(model_state, directory)
     module.load_state_dict(model_state[MODEL_KEY], strict=strict)
     for index, optimizer in enumerate(optimizers):
         key = f"optimizer_{index}"  # as Lightning saves them
         optimizer_state = {key: get_optimizer_state_dict(module, optimizer)}
-        dcp.load(optimizer_state, storage_reader=WeightsOnlyReader(directory))
+        load_shards(optimizer_state, directory)
         options = StateDictOptions(cpu_offload=True)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optimizer_state[key], options=options)
     return load_weights_only(directory / SHARDED_META)
+
+
+def load_shards(state: dict[str, Any], directory: Path, **kwargs: Any) -> None:
+    """`dcp.load` of `state` from `directory` with the weights-only reader and planner; a refusal of
+    ours, which DCP wraps in its own exception (with every rank's traceback), comes out as raised."""
+    try:
+        dcp.load(state, storage_reader=WeightsOnlyReader(directory), planner=WeightsOnlyPlanner(directory), **kwargs)
+    except CheckpointException as error:
+        ours = [failure for failure, _ in error.failures.values() if isinstance(failure, CheckpointError)]
+        if ours:
+            raise ours[0] from None
+        raise
 
 
 class WeightsOnlyReader(dcp.FileSystemReader):
@@ -120,6 +135,22 @@ class WeightsOnlyReader(dcp.FileSystemReader):
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as the base class does
         return metadata
+
+
+class WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that the objects saved beside the tensors (an optimizer's param groups:
+    numbers, tuples, strings), which DCP unpickles with `weights_only=False`, are refused unless the
+    weights-only unpickler accepts them: then DCP's own load of the same bytes calls nothing else."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory = directory
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        with refusing_code(self.directory):
+            torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+        value.seek(0)
+        super().load_bytes(read_item, value)
 
 
 # What a DCP index is made of: its dataclasses, tensor sizes, dtypes and layouts, and the path it was saved to.
