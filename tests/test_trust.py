@@ -15,7 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
 
-from pretraining.checkpoint import save_file
+from pretraining.checkpoint import load_weights_only, save_file
 from pretraining.checkpoint.sharded import load_shards
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import CheckpointError, ConfigError
@@ -65,6 +65,8 @@ def crafted_configs(marker: Path) -> dict[str, Any]:
         # starts like a class of ours, but is an attribute chain to a function of the standard library
         "model.backbone._target_": edit("model.backbone", opens(marker, "pretraining.evaluate.json.dump")),
         "data._target_": edit("data", opens(marker, "pretraining_evil.Module")),
+        # a node outside the groups checked, brought in by an interpolation
+        "tokenizer.unused": edit("tokenizer.unused", "${pwn}"),
     }
 
 
@@ -74,10 +76,11 @@ def test_a_stored_config_builds_only_trusted_classes(compose_train, tmp_path: Pa
     marker = tmp_path / "marker"
     for key, edit in crafted_configs(marker).items():
         checkpoint = copy.deepcopy(trained)
+        checkpoint["lineage"]["config"]["pwn"] = opens(marker, "pathlib.Path.touch")
         edit(checkpoint["lineage"]["config"])
         path = tmp_path / "crafted" / "step-000006.ckpt"
         save_file(checkpoint, path)  # with a sidecar that vouches for it
-        with pytest.raises(ConfigError, match=rf"{key}=.* in the config stored in {path} is not a class"):
+        with pytest.raises(ConfigError, match=rf"{key}=.* in the config stored in {path} (is|names)"):
             evaluate_checkpoint(path, tmp_path)
         assert not marker.exists(), key
 
@@ -131,3 +134,11 @@ def test_the_objects_beside_a_sharded_checkpoints_tensors_load_weights_only(tmp_
     with pytest.raises(CheckpointError, match=rf"{directory} holds objects other than tensors and plain data"):
         load({"lr": Payload(marker), "betas": (0.9, 0.95)})
     assert not marker.exists()
+
+
+def test_a_file_that_is_no_checkpoint_is_called_damaged_not_dangerous(tmp_path: Path) -> None:
+    path = tmp_path / "garbage.ckpt"
+    path.write_bytes(b"\x80\x02garbage" * 10)
+    with pytest.raises(CheckpointError, match="cannot be read as a checkpoint: it is damaged") as refused:
+        load_weights_only(path)
+    assert "weights_only" not in str(refused.value)

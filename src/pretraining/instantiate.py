@@ -52,6 +52,11 @@ def check_targets(node: Any, key: str, trusted: Sequence[str], source: str) -> N
     elif isinstance(node, list):
         for index, value in enumerate(node):
             check_targets(value, f"{key}[{index}]", trusted, source)
+    elif isinstance(node, str) and "${" in node:  # it could bring in a node from anywhere in the file
+        raise ConfigError(
+            f"{key}={node!r} in {source} is an interpolation: a run's config is stored resolved, so this file "
+            "was edited after it was written; use a checkpoint as `pretrain` wrote it"
+        )
 
 
 def check_target(target: Any, key: str, trusted: Sequence[str], source: str) -> None:
@@ -63,7 +68,12 @@ def check_target(target: Any, key: str, trusted: Sequence[str], source: str) -> 
         located = get_object(target)
     except Exception:  # any failure to import it: it cannot be built either
         raise ConfigError(f"{key}={target!r} in {source} cannot be imported: nothing by that name exists") from None
-    if not (inspect.isclass(located) and is_trusted_class(located, trusted)):
+    if not inspect.isclass(located):
+        raise ConfigError(
+            f"{key}={target!r} in {source} names {type(located).__name__} {located!r}, not a class: a config read "
+            "from a file may build only classes"
+        )
+    if not is_trusted_class(located, trusted):
         raise untrusted(target, key, source)
 
 

@@ -161,13 +161,16 @@ def fit(
     return metrics
 
 
-def finished(resume: Resume, max_steps: int) -> bool:
-    """Whether the run is complete: the checkpoint it continues from is at `max_steps` and was validated.
-    Running a finished run again then starts nothing (no validation row twice, no second W&B run)."""
-    if resume.sidecar.get("step", -1) < max_steps or "validation" not in resume.sidecar:
+def finished(resume: Resume, checkpoint_dir: Path, max_steps: int) -> bool:
+    """Whether this run is complete: it continues from its own checkpoint (not one passed as `ckpt_path`)
+    at `max_steps` or later, and that step was validated. Running a finished run again then starts
+    nothing (no validation row twice, no second W&B run)."""
+    step = resume.sidecar.get("step", -1)
+    own = resume.path.resolve().parent == checkpoint_dir.resolve()
+    if not own or step < max_steps or "validation" not in resume.sidecar:
         return False
     rank_zero_info(
-        f"the run is complete: {resume.path} is its step {max_steps} (trainer.max_steps), validated. "
+        f"the run is complete: {resume.path} is its step {step} (trainer.max_steps={max_steps}), validated. "
         "Raise trainer.max_steps to train further, or pass resume=never to start over"
     )
     return True

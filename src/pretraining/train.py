@@ -54,7 +54,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     trainer = build_trainer(cfg, datamodule, callbacks=[lineage, SkippedSamples()])
     if resume:
         check_resume(trainer, datamodule, model, resume, list(cfg.resume_allow))
-        if finished(resume, cfg.trainer.max_steps):  # before any logger starts a run
+        if finished(resume, Path(cfg.paths.checkpoint_dir), cfg.trainer.max_steps):  # before a logger starts a run
             return dict(resume.sidecar["validation"])
     log_hyperparameters(trainer, lineage)
     metrics = fit(trainer, model, datamodule, cfg.validate_before_training and not resume, resume)

@@ -74,9 +74,8 @@ class StepCheckpoint(Checkpoint):
         if trainer.sanity_checking or trainer.global_step != self.saved_step or not self.last_model_path:
             return
         if trainer.is_global_zero:
-            metrics = {
-                name: float(value) for name, value in trainer.callback_metrics.items() if name.startswith("val/")
-            }
+            # All of them (train/, probe/ too): what `fit` returns, for a finished run run again.
+            metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
             record_validation(Path(self.last_model_path), metrics)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:

@@ -48,10 +48,10 @@ def vouch_for(path: Path, record: dict[str, Any]) -> None:
 
 
 def record_validation(path: Path, metrics: dict[str, float]) -> None:
-    """Add the metrics of the validation at a checkpoint's step to its sidecar (rewritten whole, like
-    every file here). A checkpoint is saved before its step's validation: without this record a resume
-    cannot tell a validation that finished from one a kill interrupted, nor a finished run from one
-    killed in its final validation."""
+    """Add the metrics at the end of the validation of a checkpoint's step to its sidecar (rewritten
+    whole, like every file here). A checkpoint is saved before its step's validation: without this
+    record a resume cannot tell a validation that finished from one a kill interrupted, nor a finished
+    run from one killed in its final validation."""
     record = json.loads(sidecar_path(path).read_text())
     write_sidecar(path, {**record, "validation": metrics})
 

@@ -33,9 +33,13 @@ def refusing_code(path: Path) -> Iterator[None]:
         yield
     except pickle.UnpicklingError as error:
         found = re.search(r"GLOBAL (\S+)", str(error))
-        what = f" (it refers to {found[1]})" if found else ""
+        if found is None:  # not a refusal: the bytes are no pickle torch wrote
+            raise CheckpointError(
+                f"{path} cannot be read as a checkpoint: it is damaged or was not written by torch.save; "
+                "use another checkpoint"
+            ) from None
         raise CheckpointError(
-            f"{path} holds objects other than tensors and plain data{what}, which could run code when loaded: "
-            "it will not be loaded. Use a checkpoint written by `pretrain`; a file of your own must hold "
-            "only tensors, numbers, strings, lists and dicts (save a state_dict, not a module or an object)"
+            f"{path} holds objects other than tensors and plain data (it refers to {found[1]}), which could run "
+            "code when loaded: it will not be loaded. Use a checkpoint written by `pretrain`; a file of your own "
+            "must hold only tensors, numbers, strings, lists and dicts (save a state_dict, not a module or an object)"
         ) from None
