@@ -82,9 +82,8 @@ class Preemption(Callback):
             return
         if self.stopped_by is None:  # not stopped (saved, requeued) at the step boundary before already
             self.save_and_stop(trainer, agreed)
-        rank_zero_info(
-            f"stopping the validation at step {trainer.global_step}, which runs again when the run continues"
-        )
+        # Run again on resume where it is owed (`StepCheckpoint`); the one Lightning adds after a stop is not.
+        rank_zero_info(f"stopping the validation at step {trainer.global_step}")
         raise Preempted(signal.Signals(agreed).name)
 
     def save_and_stop(self, trainer: Trainer, agreed: int) -> None:
