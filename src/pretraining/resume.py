@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from pretraining.checkpoint import LINEAGE_FORMAT, newest_verified, verify
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
-from pretraining.run_lock import LOCK_FILE, STATUS_FILE
+from pretraining.run_lock import is_job_file
 from pretraining.settings import Change, ResumeMode
 
 RESUME_MODES = get_args(ResumeMode)
@@ -72,8 +72,7 @@ def start_over(run_dir: Path) -> None:
     """Move an earlier run's outputs in `run_dir` aside: checkpoints, metrics, W&B files (Hydra has
     already written this start's `.hydra/` config over the earlier one's). This job's own files stay:
     the lock it holds (moved, a second job could take a new one) and its status record."""
-    kept = {".hydra", LOCK_FILE, STATUS_FILE}
-    earlier = [p for p in run_dir.iterdir() if p.name not in kept and p.suffix != ".log"] if run_dir.is_dir() else []
+    earlier = [p for p in run_dir.iterdir() if not is_job_file(p)] if run_dir.is_dir() else []
     earlier = [p for p in earlier if not p.name.startswith("replaced-")]
     if not earlier:
         return

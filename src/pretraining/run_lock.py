@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pretraining.errors import CheckpointError, ConfigError, RunLockedError, ShardError
+from pretraining.errors import PretrainingError, RunLockedError
 
 LOCK_FILE = ".lock"
 # What a job's directory holds before its training writes anything: Hydra's config copies, its log file
@@ -32,8 +32,8 @@ LOCK_FILE = ".lock"
 # when the directory held none of the others' files before this process locked it.
 HYDRA_OUTPUT = frozenset({".hydra", LOCK_FILE})
 STATUS_FILE = "status.json"
-# The errors that refuse a command before it trains: such a command leaves no run directory behind.
-REFUSALS = (ConfigError, CheckpointError, ShardError)
+# The errors that refuse a command (ours): one refused before it trains leaves no run directory behind.
+REFUSALS = PretrainingError
 # A refused job waits this long for the holder to finish writing its record.
 RECORD_WAIT_S = 1.0
 
@@ -67,10 +67,10 @@ os.register_at_fork(after_in_child=forget_held_locks)
 def own_run_directory(run_dir: Path, *, remove_if_refused: bool = True) -> Iterator[RunLock]:
     """Hold the lock on `run_dir` (made if missing) for the block, or raise `RunLockedError`.
 
-    If the block stops with one of `REFUSALS`, `remove_if_refused` and the directory was made by this
-    command and holds nothing but Hydra's files, the directory is removed (under the lock, so that no
-    other job's files can be in it): a refused command leaves no run directory behind. (A multirun's job
-    keeps its directory: its status record is the sweep report's row for the failed job.)
+    If the block stops with an error of ours (`REFUSALS`), `remove_if_refused` and the directory was made
+    by this command and holds nothing but Hydra's files, the directory is removed (under the lock, so that
+    no other job's files can be in it): a refused command leaves no run directory behind. (A multirun's
+    job keeps its directory: its status record is the sweep report's row for the failed job.)
     """
     lock = acquire(run_dir)
     try:
@@ -145,8 +145,14 @@ def refusal(run_dir: Path) -> str:
 
 def only_hydra_output(run_dir: Path, *, with_status: bool) -> bool:
     """Whether `run_dir` holds nothing but what Hydra writes for a command (and `status.json` if `with_status`)."""
+    return all(is_job_file(entry, with_status=with_status) for entry in run_dir.iterdir())
+
+
+def is_job_file(entry: Path, *, with_status: bool = True) -> bool:
+    """Whether `entry` of a run directory is the current job's own: Hydra's config copies and log file, the
+    lock, and (`with_status`) the job-status record; anything else is the run's output."""
     allowed = HYDRA_OUTPUT | ({STATUS_FILE} if with_status else set())
-    return all(entry.name in allowed or (entry.suffix == ".log" and entry.is_file()) for entry in run_dir.iterdir())
+    return entry.name in allowed or (entry.suffix == ".log" and entry.is_file())
 
 
 def remove_if_untouched(lock: RunLock) -> None:
