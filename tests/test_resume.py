@@ -37,13 +37,20 @@ DDP = ["trainer=ddp_cpu"]
 FSDP = ["trainer=fsdp_cpu"]
 
 
+def pretrain_command(log_dir: Path, run: str, overrides: list[str]) -> list[str]:
+    """The `pretrain` command of run `run` under `log_dir`, to run with `TEST_ENV` (tests/ importable)."""
+    return [sys.executable, "-m", "pretraining.train", *overrides, f"paths.log_dir={log_dir}", f"run_name={run}"]
+
+
+TEST_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+
+
 def pretrain(log_dir: Path, run: str, overrides: list[str], kill_after: int | None = None) -> int:
     """Run `pretrain` in its own process group; its exit status (-9 if `kill_after` killed it)."""
-    command = [sys.executable, "-m", "pretraining.train", *overrides, f"paths.log_dir={log_dir}", f"run_name={run}"]
+    command = pretrain_command(log_dir, run, overrides)
     if kill_after is not None:
         command += ["+callbacks.kill._target_=kill.KillAt", f"+callbacks.kill.batch={kill_after}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen(command, env=env, start_new_session=True, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, env=TEST_ENV, start_new_session=True, stderr=subprocess.PIPE, text=True)
     try:
         _, stderr = process.communicate(timeout=180)
     except subprocess.TimeoutExpired:
@@ -164,7 +171,7 @@ def test_without_reseeding_the_losses_differ(tmp_path: Path, small_shards: Path)
 def stop_with_sigterm(log_dir: Path, overrides: list[str], send: Callable[[subprocess.Popen], None]) -> int:
     """Start the run "term", `send` it SIGTERM once rank 1 (or 0) has trained 5 batches, check that it
     exits with 143 and all its processes end; the step it saved."""
-    command = [sys.executable, "-m", "pretraining.train", *overrides, f"paths.log_dir={log_dir}", "run_name=term"]
+    command = pretrain_command(log_dir, "term", overrides)
     stderr = (log_dir / "stderr.txt").open("w")  # a file, not a pipe nobody reads while we wait
     process = subprocess.Popen(command, start_new_session=True, stderr=stderr, text=True)
     logs = run_dir(log_dir, "term") / "batches"

@@ -5,10 +5,8 @@ same learning curve (no validation missing, none twice)."""
 from __future__ import annotations
 
 import csv
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import pytest
 from conftest import tiny_run
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.train import train
-from test_resume import DDP, RESUMABLE, TESTS, assert_same_training, pretrain, run_dir
+from test_resume import DDP, RESUMABLE, TEST_ENV, assert_same_training, pretrain, pretrain_command, run_dir
 
 PHASES = [
     "setup",
@@ -34,9 +32,8 @@ OVERRIDES = [*RESUMABLE, "trainer.max_steps=10", "trainer.val_check_interval=4",
 
 def run_until_signalled(log_dir: Path, run: str, overrides: list[str]) -> tuple[int, float, str]:
     """Run `pretrain` once: its exit status, the time it ended, and its output."""
-    command = [sys.executable, "-m", "pretraining.train", *overrides, f"paths.log_dir={log_dir}", f"run_name={run}"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    command = pretrain_command(log_dir, run, overrides)
+    process = subprocess.run(command, env=TEST_ENV, capture_output=True, text=True, timeout=180)
     return process.returncode, time.time(), process.stdout + process.stderr
 
 
