@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import netrc
 import os
 import secrets
@@ -17,7 +16,7 @@ from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 from lightning.pytorch.utilities import rank_zero_only
 
-from pretraining.checkpoint import sidecar_path
+from pretraining.checkpoint import read_sidecar, sidecar_path
 from pretraining.errors import ConfigError
 from pretraining.files import write_atomically
 
@@ -67,7 +66,7 @@ class WandbRunLogger(WandbLogger):
         import wandb
 
         path = Path(checkpoint_callback.last_model_path)
-        sidecar = json.loads(sidecar_path(path).read_text())
+        sidecar = read_sidecar(path)
         artifact = wandb.Artifact(
             f"checkpoints-{self.version}", type="model", metadata={"step": sidecar["step"], **sidecar["lineage"]}
         )

@@ -3,7 +3,6 @@ sharded checkpoints, written by every rank and published by rank zero (`pretrain
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,6 +17,7 @@ from pretraining.checkpoint import (
     newest_saved,
     prune,
     publish_sharded,
+    read_sidecar,
     record_validation,
     sidecar_path,
     storage_fault,
@@ -124,7 +124,7 @@ def validation_owed(trainer: Trainer, resumed: Path) -> bool:
     validation did not finish (a kill or a signal came first). The last step is validated after `fit`."""
     step, batches = trainer.global_step, trainer.global_step * trainer.accumulate_grad_batches
     validates = trainer.val_check_batch not in (None, float("inf")) and batches % trainer.val_check_batch == 0
-    sidecar = json.loads(sidecar_path(resumed).read_text())
+    sidecar = read_sidecar(resumed)
     return validates and 0 < step < (trainer.max_steps or 0) and "validation" not in sidecar
 
 

@@ -20,6 +20,7 @@ from pretraining.checkpoint.sidecar import (
     LINEAGE_FORMAT,
     READABLE_LINEAGE_FORMATS,
     parameter_shapes,
+    read_sidecar,
     sidecar_path,
     verify,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "parameter_shapes",
     "prune",
     "publish_sharded",
+    "read_sidecar",
     "record_validation",
     "refusing_code",
     "remove",

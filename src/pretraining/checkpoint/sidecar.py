@@ -25,6 +25,11 @@ def sidecar_path(path: Path) -> Path:
     return path.with_name(path.name + ".json")
 
 
+def read_sidecar(path: Path) -> Any:
+    """The record of a checkpoint's sidecar, parsed (not verified: see `verify`)."""
+    return json.loads(sidecar_path(path).read_text())
+
+
 def write_sidecar(path: Path, record: dict[str, Any]) -> None:
     write_durably(sidecar_path(path), lambda file: file.write(json.dumps(record, indent=1).encode()))
 

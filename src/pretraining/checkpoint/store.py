@@ -4,7 +4,6 @@ for nothing."""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import shutil
@@ -18,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 from pretraining.checkpoint.sidecar import (
     SIDECAR_FORMAT,
     checkpoint_bytes,
+    read_sidecar,
     sidecar_path,
     summary,
     verify,
@@ -52,8 +52,7 @@ def record_validation(path: Path, metrics: dict[str, float]) -> None:
     whole, like every file here). A checkpoint is saved before its step's validation: without this
     record a resume cannot tell a validation that finished from one a kill interrupted, nor a finished
     run from one killed in its final validation."""
-    record = json.loads(sidecar_path(path).read_text())
-    write_sidecar(path, {**record, "validation": metrics})
+    write_sidecar(path, {**read_sidecar(path), "validation": metrics})
 
 
 def remove(path: Path) -> None:
@@ -77,7 +76,7 @@ def checkpoint_files(directory: Path) -> list[Path]:
 def sidecar_step(path: Path) -> tuple[int | None, Any]:
     """The step and size a checkpoint's sidecar records (None, None without a readable sidecar)."""
     try:
-        record = json.loads(sidecar_path(path).read_text())
+        record = read_sidecar(path)
     except (OSError, ValueError):
         return None, None
     step = record.get("step") if isinstance(record, dict) else None
