@@ -131,8 +131,9 @@ def test_raise_stops_on_the_first_bad_sample_with_the_fix(bad_shards: Path) -> N
 def test_a_shard_refused_at_start_keeps_its_place_and_is_skipped_whole(tmp_path: Path) -> None:
     manifest = build_text_shards(tmp_path / "shards")
     urls, format = manifest.urls("train"), PackedBlocks(ByteTokenizer(), 32)
-    full = ShardStream(urls, format, seed=3, samples=[5] * len(urls))
-    refused = ShardStream(urls, format, seed=3, samples=[5] * len(urls), refused={2: "missing"})
+    samples = [shard.samples for shard in manifest.shards("train")]
+    full = ShardStream(urls, format, seed=3, samples=samples)
+    refused = ShardStream(urls, format, seed=3, samples=samples, refused={2: "missing"})
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing else is skipped
         reference = list(take(full.examples(0, 1, Cursor()), 200))

@@ -141,6 +141,11 @@ class SampleReader:
             lost = max(1, (samples or 0) - seen)
             self.read += lost
             self.bad(f"{error} (about {lost} samples lost)", lost)
+            return
+        if samples is not None and seen != samples:  # a whole tar, but not the one the manifest lists
+            lost = max(0, samples - seen)
+            self.read += lost
+            self.bad(f"shard {url} holds {seen} samples, its manifest entry {samples}: cut short or altered", lost)
 
     def skip_shard(self, url: str, samples: int, reason: str) -> None:
         """Count a whole shard refused before reading (see `pretraining.data.manifest.Manifest.problems`)."""
