@@ -1,12 +1,14 @@
 """Bad data: corrupt, truncated and missing shards, unusable samples, too few shards. With
 `data.bad_data=skip` (the default) they are skipped, named in a warning and counted, the run
 stops once more than `data.max_skip_fraction` was skipped, and the exact resume holds; with
-`raise` the first one stops the run. A fuzz test mutates shards at random."""
+`raise` the first one stops the run. A fuzz test mutates shards at random, another damages every
+tar header of a shard in turn."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import json
 import random
 import signal
@@ -74,10 +76,14 @@ def build_text_shards(out: Path, documents: int = 50, shard_samples: int = SHARD
     return Manifest.load(out)
 
 
+def tar_members(tar: bytes) -> list[tarfile.TarInfo]:
+    with tarfile.open(fileobj=io.BytesIO(tar)) as opened:
+        return opened.getmembers()
+
+
 def member_offset(tar: bytes, prefix: str) -> int:
     """The offset of the header of the first member of `tar` whose name starts with `prefix`."""
-    with tarfile.open(fileobj=io.BytesIO(tar)) as opened:
-        return next(member.offset for member in opened.getmembers() if member.name.startswith(prefix))
+    return next(member.offset for member in tar_members(tar) if member.name.startswith(prefix))
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +222,128 @@ def test_fuzz_the_shard_reader(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_fuzz_the_shard_reader_longer(tmp_path: Path) -> None:
     fuzz_shard_reader(tmp_path, mutations=20_000, seed=1)
+
+
+# --- header damage at every member boundary --------------------------------------------------------------
+
+
+def overwritten(data: bytes, at: int, block: bytes) -> bytes:
+    return data[:at] + block + data[at + len(block) :]
+
+
+def flipped(data: bytes, at: int) -> bytes:
+    """`data` with the lowest bit of byte `at` flipped (an octal digit stays one, a letter a letter)."""
+    return overwritten(data, at, bytes([data[at] ^ 1]))
+
+
+def closed_at(data: bytes, at: int) -> bytes:
+    """`data` cut at byte `at` and closed as a tar ends (two zero blocks, padded to a record): a valid tar."""
+    cut = data[:at] + bytes(2 * tarfile.BLOCKSIZE)
+    return cut + bytes(-len(cut) % tarfile.RECORDSIZE)
+
+
+CLOSED = "cut and closed"  # only the sample count against the manifest entry can tell it from a whole shard
+HEADER_DAMAGE = {  # a tar header at byte `at` damaged: Python's tarfile stops at it, silently after the first
+    "truncated at it": lambda data, at: data[:at],
+    "truncated into it": lambda data, at: data[: at + 7],
+    "zeroed": lambda data, at: overwritten(data, at, bytes(tarfile.BLOCKSIZE)),  # what tarfile takes for the end
+    "checksum flipped": lambda data, at: flipped(data, at + 148),  # the chksum field's first octal digit
+    "name flipped": lambda data, at: flipped(data, at),  # the checksum no longer matches
+    "random bytes": lambda data, at: overwritten(data, at, random.Random(at).randbytes(tarfile.BLOCKSIZE)),
+    CLOSED: closed_at,
+}
+
+
+def read_under(policy: str, path: Path) -> tuple[list[tuple[str, ...]], tuple[int, int], list[str], str | None]:
+    """What `SampleReader` makes of shard `path` (of `SHARD_SAMPLES` samples) under `policy`: its texts,
+    (read, skipped), its warnings, and the message of the `ShardError` that stopped it, if one did."""
+    reader, texts, stopped = SampleReader(TEXT_FIELDS, policy), [], None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            texts.extend(reader.texts(str(path), SHARD_SAMPLES))
+        except ShardError as error:
+            stopped = str(error)
+    return texts, reader.take(), [str(warning.message) for warning in caught], stopped
+
+
+@pytest.fixture(scope="module")
+def text_shard(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A real shard of `SHARD_SAMPLES` samples, each a `.txt` and a `.json` member."""
+    manifest = build_text_shards(tmp_path_factory.mktemp("data") / "text", documents=10)
+    assert manifest.shards("train")[0].samples == SHARD_SAMPLES
+    return (manifest.directory / manifest.shards("train")[0].name).read_bytes()
+
+
+@pytest.mark.parametrize("damage", HEADER_DAMAGE)
+def test_header_damage_at_every_member_boundary_is_skipped_and_counted_or_stops(
+    text_shard: bytes, tmp_path: Path, damage: str
+) -> None:
+    """A shard damaged at the tar header of any of its members (the file cut there, the header zeroed,
+    corrupt or random, or the tar cut there and closed) never ends silently: under `skip` it gives the
+    texts read before the damage and counts the rest as skipped, naming the shard and where it failed;
+    under `raise` it gives the same texts, then stops naming the shard and `data.bad_data=skip`."""
+    path = tmp_path / "train-000000.tar"
+    path.write_bytes(text_shard)
+    reference, counts, messages, _ = read_under("skip", path)
+    assert len(reference) == SHARD_SAMPLES and counts == (SHARD_SAMPLES, 0) and not messages  # the control
+    members = tar_members(text_shard)
+    assert [member.name.partition(".")[2] for member in members] == ["txt", "json"] * SHARD_SAMPLES
+    with deadline(30):
+        for index, member in enumerate(members):
+            case = f"{damage} at the header of {member.name} (byte {member.offset})"
+            key = member.name.partition(".")[0]
+            seen = {m.name.partition(".")[0] for m in members[:index]}  # the samples with a member read
+            whole = len(seen - {key})  # the samples whose members all lie before the damage
+            # Damage at the header of a sample's `.json` (its second member) comes after its `.txt` was read
+            # whole: `read_shard` yields that partial sample (the members it read), counted as read, and as
+            # `TEXT_FIELDS` asks only for `txt`, `SampleReader` uses its text like any other.
+            partial = key in seen
+            expected = reference[: whole + partial]
+            path.write_bytes(HEADER_DAMAGE[damage](text_shard, member.offset))
+            texts, (read, skipped), messages, stopped = read_under("skip", path)
+            assert stopped is None and texts == expected and read - skipped == len(texts), case
+            strict, _, _, stopped = read_under("raise", path)
+            assert strict == expected, case
+            if damage == CLOSED:  # the tar ends cleanly: its sample count is short of the manifest entry's
+                lost = SHARD_SAMPLES - len(seen)
+                named = f"shard {path} holds {len(seen)} samples, its manifest entry {SHARD_SAMPLES}: cut short"
+                if not lost:  # cut after the last sample's `.txt`: every sample there, no text lost
+                    assert partial and index == len(members) - 1, case
+                    continue
+            else:  # tarfile ends at the damaged header, which the reader notices (a read error or `early_end`)
+                lost = max(1, SHARD_SAMPLES - len(seen))  # the samples not seen, or one where all were
+                named = f"{path} cannot be read past byte {member.offset}: "
+                assert f"(about {lost} samples lost)" in messages[0], case
+            assert skipped == lost and len(messages) == 1 and named in messages[0], case
+            assert stopped is not None and named in stopped and "data.bad_data=skip" in stopped, case
+
+
+def test_a_valid_shorter_tar_in_place_of_a_shard_is_caught_in_the_stream_by_its_sample_count(tmp_path: Path) -> None:
+    """A shard replaced by a valid tar of fewer samples under its name (its size and sha256 rewritten in
+    the manifest, so the start-up check passes it) is caught by its manifest entry's sample count as the
+    stream reads it: `raise` stops naming both counts, `skip` counts the missing samples as skipped."""
+    manifest = build_text_shards(tmp_path / "shards", documents=10)
+    urls, samples = manifest.urls("train"), [shard.samples for shard in manifest.shards("train")]
+    fourth = [sample["__offset__"] for sample in read_shard(urls[0])][3]
+    replace_shard(manifest.directory, Path(urls[0]).name, closed_at(Path(urls[0]).read_bytes(), fourth))
+    manifest = Manifest.load(manifest.directory)
+    assert manifest.problems() == {} and samples == [SHARD_SAMPLES] * 2
+
+    def stream(policy: str) -> Iterator:
+        stream = ShardStream(urls, PackedBlocks(ByteTokenizer(), 32), seed=0, samples=samples, policy=policy)
+        return stream.examples(0, 1, Cursor())
+
+    short = rf"shard {urls[0]} holds 3 samples, its manifest entry 5: cut short or altered"
+    with deadline(30):
+        with pytest.raises(ShardError, match=rf"{short}.*set data\.bad_data=skip"):
+            list(take(stream("raise"), 200))
+        counts = dict.fromkeys(range(len(urls)), (0, 0))  # (read, skipped) of each shard's first epoch
+        with pytest.warns(UserWarning, match=short):
+            for example in itertools.takewhile(lambda e: e.cursor.shard < len(urls), stream("skip")):
+                shard = stream_shard(example.cursor.shard, 0, 1, len(urls), 0)[1]
+                counts[shard] = (counts[shard][0] + example.read, counts[shard][1] + example.skipped)
+    assert counts == {0: (5, 2), 1: (5, 0)}  # the 2 missing samples counted as read and skipped
 
 
 # --- runs ----------------------------------------------------------------------------------------------------
