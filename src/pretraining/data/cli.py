@@ -1,4 +1,4 @@
-"""`pretrain-data`: build shards from a corpus, train a BPE tokenizer on shards."""
+"""`pretrain-data`: build shards from a corpus, index shards you already have, train a BPE tokenizer on shards."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from pretraining.data.corpus import (
     is_jsonl_source,
     read_source,
 )
+from pretraining.data.index import add_command as add_index_command
 from pretraining.data.manifest import TOKENIZER, Manifest
 from pretraining.data.reader import SampleReader
 from pretraining.data.shards import BuildSettings, build_shards
@@ -60,18 +61,32 @@ def build(args: argparse.Namespace) -> None:
         print(f"docstring pairs: {asdict(counts)}")
 
 
-def train_texts(shard_dir: Path) -> Iterator[str]:
-    """Every text of every training sample (both sides of pairs)."""
+def text_fields(manifest: Manifest, named: list[str] | None = None) -> tuple[str, ...]:
+    """The fields a tokenizer trains on: those `named`, else the text of built shards (both sides of pairs)."""
+    if named:
+        manifest.require_fields([("--field", name) for name in named], "name one of those")
+        return tuple(named)
+    for fields in (TEXT_FIELDS, PAIR_FIELDS):
+        if set(fields) <= set(manifest.fields):
+            return fields
+    raise ShardError(
+        f"{manifest.directory}'s samples have no txt field (they have {', '.join(manifest.fields)}): name the "
+        f"text field(s) with --field, as in data.format.text_field"
+    )
+
+
+def train_texts(shard_dir: Path, fields: list[str] | None = None) -> Iterator[str]:
+    """Every text of `fields` (see `text_fields`) of every training sample."""
     manifest = Manifest.load(shard_dir)
-    for texts in SampleReader(manifest.fields).all_texts(manifest.urls("train")):
+    for texts in SampleReader(text_fields(manifest, fields)).all_texts(manifest.urls("train")):
         yield from texts
 
 
 def tokenizer(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else Path(args.data) / TOKENIZER
     manifest = Manifest.load(args.data)
-    texts = sum(shard.samples for shard in manifest.shards("train")) * len(manifest.fields)
-    trained = train_bpe(train_texts(Path(args.data)), args.vocab_size, out, not args.quiet, length=texts)
+    texts = sum(shard.samples for shard in manifest.shards("train")) * len(text_fields(manifest, args.field))
+    trained = train_bpe(train_texts(Path(args.data), args.field), args.vocab_size, out, not args.quiet, length=texts)
     print(f"wrote {out}: vocabulary {trained.vocab_size}, fingerprint {trained.fingerprint}")
 
 
@@ -99,8 +114,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--data", required=True, help="shard directory with manifest.json")
     t.add_argument("--vocab-size", type=int, default=4096)
     t.add_argument("--out", help="tokenizer.json path (default: <data>/tokenizer.json)")
+    t.add_argument("--field", action="append", help="a sample field to train on (default: txt, or a pair's sides)")
     t.add_argument("--quiet", action="store_true", help="no progress display")
     t.set_defaults(run=tokenizer)
+    add_index_command(commands)
     return main
 
 

@@ -84,12 +84,11 @@ class ShardDataModule(LightningDataModule):
         self.bad_data, self.max_skip_fraction = bad_data, max_skip_fraction
         self.manifest = Manifest.load(dir, check=bad_data == "raise", verify_checksums=verify_checksums, key="data.dir")
         self.refused = self.manifest.problems(verify_checksums) if bad_data == "skip" else {}
-        if self.manifest.fields != self.format.fields:
-            raise ShardError(
-                f"{dir} holds samples with fields {list(self.manifest.fields)}, but data.format "
-                f"({type(self.format).__name__}) reads {list(self.format.fields)}: point data.dir at shards built for "
-                f"it (`pretrain-data build --pairs` makes pairs) or choose the data config that matches these shards"
-            )
+        self.manifest.require_fields(
+            [(f"data.format.{key}", name) for key, name in self.format.field_keys.items()],
+            "set it to one of those (a .json key reads as json:<key>), or choose the data config that matches these "
+            "shards (data=text, data=pairs)",
+        )
         self.global_batch_size, self.micro_batch_size, self.streams = global_batch_size, micro_batch_size, streams
         self.seed, self.num_workers = seed, num_workers
         self.shuffle_buffer, self.pin_memory = shuffle_buffer, pin_memory
@@ -109,7 +108,7 @@ class ShardDataModule(LightningDataModule):
         """Warn about each shard refused at start-up (missing or altered), and stop if they hold too much
         of the training data."""
         for name, problem in self.refused.items():
-            warnings.warn(f"shard {self.manifest.directory / name}: {problem}; it is skipped", stacklevel=2)
+            warnings.warn(f"shard {self.manifest.location(name)}: {problem}; it is skipped", stacklevel=2)
         lost = sum(shard.samples for shard in self.manifest.shards("train") if shard.name in self.refused)
         self.check_skips(lost, 0)
 

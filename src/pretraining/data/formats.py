@@ -34,7 +34,8 @@ SideLength = Annotated[int, Range(ge=2)]  # two tokens at least: CLS and one of 
 class ExampleFormat(Protocol[Example]):
     """How a shard's decoded samples become examples, and what an example is."""
 
-    fields: tuple[str, ...]  # the sample fields it reads, as the manifest records them
+    fields: tuple[str, ...]  # the sample fields it reads (`pretraining.data.reader.field_text`)
+    field_keys: dict[str, str]  # the keys of data.format that name those fields, and their values
     kind: ClassVar[str]  # its examples in a word, for messages: "blocks", "pairs"
     lengths: dict[str, int]  # the lengths (keys of data.format) that decide how samples become examples
     tokenizer: Tokenizer
@@ -104,13 +105,14 @@ def block_tensors(block: Block, token_bytes: np.ndarray) -> Tensors:
 class PackedBlocks:
     """Documents tokenised, separated by EOS and packed into `block_size + 1`-token blocks."""
 
-    fields = TEXT_FIELDS
     kind: ClassVar[str] = "blocks"
 
     @checked_ranges("data.format")
-    def __init__(self, tokenizer: Tokenizer, block_size: Positive) -> None:
+    def __init__(self, tokenizer: Tokenizer, block_size: Positive, text_field: str = TEXT_FIELDS[0]) -> None:
         self.tokenizer, self.block_size = tokenizer, block_size
         self.lengths = {"block_size": block_size}
+        self.field_keys = {"text_field": text_field}
+        self.fields = (text_field,)
 
     def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Block]:
         return pack_blocks((encode_document(self.tokenizer, text) for (text,) in samples), self.block_size)
@@ -149,13 +151,21 @@ class TokenizedPairs:
     """(query, passage) text pairs, each side tokenised, CLS-prefixed, truncated and padded
     to its own fixed length (PAD marks the padding, so the towers can mask it)."""
 
-    fields = PAIR_FIELDS
     kind: ClassVar[str] = "pairs"
 
     @checked_ranges("data.format")
-    def __init__(self, tokenizer: Tokenizer, query_len: SideLength, passage_len: SideLength) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        query_len: SideLength,
+        passage_len: SideLength,
+        query_field: str = PAIR_FIELDS[0],
+        passage_field: str = PAIR_FIELDS[1],
+    ) -> None:
         self.tokenizer, self.query_len, self.passage_len = tokenizer, query_len, passage_len
         self.lengths = {"query_len": query_len, "passage_len": passage_len}
+        self.field_keys = {"query_field": query_field, "passage_field": passage_field}
+        self.fields = (query_field, passage_field)
 
     def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Pair]:
         for query, passage in samples:

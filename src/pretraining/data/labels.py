@@ -85,6 +85,8 @@ class PythonDefinitions:
     def __call__(self, manifest: Manifest) -> list[LabelledExample]:
         self.counts = DefinitionCounts()
         pairs = manifest.fields == PAIR_FIELDS
+        if manifest.field_counts and "json:source_id" not in manifest.fields:  # indexed, not built here
+            raise self.unlabelled(manifest)
         # Through the reader training uses: the sample's metadata, and its last field (a text's whole file,
         # a pair's passage: code, as the probe's texts are).
         reader = SampleReader(("json", manifest.fields[-1]))
@@ -92,7 +94,9 @@ class PythonDefinitions:
         for metadata, text in reader.all_texts(manifest.urls(self.split)):
             self.counts.samples += 1
             meta = json.loads(metadata)
-            source_id = meta["source_id"]
+            source_id = meta.get("source_id") if isinstance(meta, dict) else None
+            if not isinstance(source_id, str):
+                raise self.unlabelled(manifest)
             if not source_id.endswith(".py"):
                 continue
             if pairs:
@@ -104,6 +108,13 @@ class PythonDefinitions:
             else:
                 examples += self._file_definitions(source_id, text)
         return examples
+
+    def unlabelled(self, manifest: Manifest) -> ConfigError:
+        return ConfigError(
+            f"{KEY}.labels={self.label} labels the Python files named in the metadata of shards built by "
+            f"`pretrain-data build`, and the samples of {manifest.directory} name none: set {KEY}.labels to a "
+            f".jsonl of labelled texts for this corpus, or turn the probe off with ~{KEY}"
+        )
 
     def _file_definitions(self, source_id: str, source: str) -> list[LabelledExample]:
         self.counts.python_files += 1

@@ -1,14 +1,21 @@
 """A shard directory's `manifest.json`, read back and checked: the shards of each split, their sample
 counts, sizes and checksums, the sample fields and the dataset version (`pretraining.data.shards`
-writes it)."""
+writes it for the shards it builds, `pretraining.data.index` for shards that exist elsewhere).
+
+A shard's `name` is where it is: a path relative to the manifest's directory (built shards, and
+indexed ones under it), an absolute path, or a URL or `pipe:` command read through `webdataset.gopen`
+(remote: checked while read, and by checksum at start-up only where the index recorded one)."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import webdataset as wds
+
 from pretraining.data.corpus import TEXT_FIELDS
+from pretraining.data.reader import Digest
 from pretraining.errors import ShardError
 from pretraining.files import sha256_of
 
@@ -24,8 +31,8 @@ class ShardInfo:
     name: str
     samples: int
     bytes: int
-    sha256: str
-    text_bytes: int
+    sha256: str | None  # None: a remote shard indexed without its checksum
+    text_bytes: int | None = None  # None: indexed shards (which members are text is the config's choice)
 
 
 @dataclass(frozen=True)
@@ -35,21 +42,23 @@ class Manifest:
     directory: Path
     version: str
     splits: dict[str, list[ShardInfo]]
-    fields: tuple[str, ...] = TEXT_FIELDS
+    fields: tuple[str, ...] = TEXT_FIELDS  # the fields every sample has
+    field_counts: dict[str, int] = field(default_factory=dict)  # samples having each field, where indexed
 
     @classmethod
     def load(cls, directory: str | Path, verify_checksums: bool = True, check: bool = True, key: str = "") -> Manifest:
         """The manifest of `directory` (named by the config key or option `key`, if any); with `check`,
         refusing shards that are missing or altered (their checksums are read with `verify_checksums`,
         sizes always)."""
-        directory = Path(directory)
-        path = directory / MANIFEST
+        path = Path(directory) / MANIFEST
         if not path.is_file():
-            raise ShardError(no_manifest(directory, key))
+            raise ShardError(no_manifest(str(directory), key))
+        directory = path.parent
         try:
             raw = json.loads(path.read_text())
             splits = {name: [ShardInfo(**s) for s in split["shards"]] for name, split in raw["splits"].items()}
-            manifest = cls(directory, raw["version"], splits, tuple(raw.get("fields", TEXT_FIELDS)))
+            fields = tuple(raw.get("fields", TEXT_FIELDS))
+            manifest = cls(directory, raw["version"], splits, fields, raw.get("field_counts", {}))
         except (json.JSONDecodeError, KeyError, TypeError) as error:
             raise ShardError(f"{path} is not a valid manifest ({error}); rebuild with `pretrain-data build`") from error
         if check:
@@ -61,27 +70,45 @@ class Manifest:
         found = {}
         for shards in self.splits.values():
             for shard in shards:
-                path = self.directory / shard.name
-                if not path.is_file():
-                    found[shard.name] = "missing (listed in the manifest)"
-                elif (size := path.stat().st_size) != shard.bytes:
-                    found[shard.name] = f"truncated or altered ({size} bytes, the manifest says {shard.bytes})"
-                elif verify_checksums and sha256_of(path) != shard.sha256:
-                    found[shard.name] = "altered or corrupt (its sha256 differs from the manifest's)"
+                url = self.url(shard)
+                problem = None if is_remote(url) else file_problem(Path(url), shard)
+                if not problem and verify_checksums and shard.sha256 is not None:
+                    problem = checksum_problem(url, shard.sha256, shard.bytes)
+                if problem:
+                    found[shard.name] = problem
         return found
 
     def check(self, verify_checksums: bool = True) -> None:
         for name, problem in self.problems(verify_checksums).items():
             raise ShardError(
-                f"shard {self.directory / name}: {problem}; rebuild the shards with `pretrain-data build` "
-                f"(or train with data.bad_data=skip to skip it)"
+                f"shard {self.location(name)}: {problem}; rebuild the shards (`pretrain-data build`) or index them "
+                f"again (`pretrain-data index`), or train with data.bad_data=skip to skip it"
             )
 
     def urls(self, split: str) -> list[str]:
         return [self.url(shard) for shard in self.shards(split)]
 
     def url(self, shard: ShardInfo) -> str:
-        return str(self.directory / shard.name)
+        return self.location(shard.name)
+
+    def location(self, name: str) -> str:
+        """Where the shard the manifest names `name` is read from."""
+        return name if is_remote(name) else str(self.directory / name)
+
+    def require_fields(self, settings: list[tuple[str, str]], fix: str) -> None:
+        """Stop if a field that `settings` name (each setting as the user writes it, and the field it names)
+        is not in every sample, naming the fields the samples have, and `fix`."""
+        missing = [(setting, name) for setting, name in settings if name not in self.fields]
+        if not missing:
+            return
+        named = " and ".join(f"{setting}={name!r}" for setting, name in missing)
+        partly = "".join(
+            f"; {name} is in {self.field_counts[name]} only" for _, name in missing if name in self.field_counts
+        )
+        raise ShardError(
+            f"{named}: not a field of every sample in {self.directory}, whose samples all have "
+            f"{', '.join(self.fields) or 'no field in common'}{partly}: {fix}"
+        )
 
     def shards(self, split: str) -> list[ShardInfo]:
         shards = self.splits.get(split, [])
@@ -93,19 +120,67 @@ class Manifest:
         return shards
 
 
-def no_manifest(directory: Path, key: str = "") -> str:
-    """Why `directory` (named by `key`, if any) is not a shard directory, and the two ways out."""
-    named = f"{key}={directory}" if key else str(directory)
+def no_manifest(directory: str, key: str = "") -> str:
+    """Why `directory` (named by `key`, if any) is not a shard directory, and the ways out."""
+    named = f"{key}={directory}" if key else directory
     elsewhere = f"point {key} at" if key else "use"
     build = f"`pretrain-data build --out {directory}` (or `make data` for the default corpus)"
-    if not directory.exists():
+    path = Path(directory)
+    if names_shards(directory):
+        return (
+            f"{named} names shards, not a directory of shards: write a manifest for them with `pretrain-data index "
+            f"'{directory}' --validation-fraction 0.05 --out <dir>` and {elsewhere} <dir>"
+        )
+    if not path.exists():
         return (
             f"{named}: the directory does not exist: {elsewhere} a directory of shards (one holding {MANIFEST}), "
             f"or build the shards there with {build}"
         )
-    if not directory.is_dir():
+    if not path.is_dir():
         return f"{named} is a file, not a directory: {elsewhere} a directory of shards (one holding {MANIFEST})"
+    if tars := sorted(path.glob("*.tar")):
+        return (
+            f"{named} holds {len(tars)} .tar files but no {MANIFEST}: if they are WebDataset shards, index them "
+            f"where they are with `pretrain-data index {directory} --validation-fraction 0.05 --out {directory}`"
+        )
     return (
         f"{named} holds no {MANIFEST}, so it holds no shards (or their build did not finish): build them into it "
         f"with {build}, or {elsewhere} a directory that holds them"
     )
+
+
+def names_shards(spec: str) -> bool:
+    """A string naming shards rather than a directory: a URL, a `pipe:` command, a brace list, a glob, or a
+    tar file."""
+    return is_remote(spec) or any(c in spec for c in "{*?[") or spec.endswith((".tar", ".tar.gz", ".tgz"))
+
+
+def is_remote(name: str) -> bool:
+    """A shard named by a URL or a `pipe:` command, not a local path."""
+    return name.startswith("pipe:") or "://" in name
+
+
+def file_problem(path: Path, shard: ShardInfo) -> str | None:
+    """Why a local shard is not the one listed, as far as its size tells."""
+    if not path.is_file():
+        return "missing (listed in the manifest)"
+    if (size := path.stat().st_size) != shard.bytes:
+        return f"truncated or altered ({size} bytes, the manifest says {shard.bytes})"
+    return None
+
+
+def checksum_problem(url: str, sha256: str, size: int) -> str | None:
+    """Why a shard does not match its recorded checksum: a local file, or a remote one read through."""
+    if not is_remote(url):
+        found = sha256_of(Path(url))
+    else:
+        try:
+            with Digest(wds.gopen(url)) as digest:
+                while digest.read(1 << 20):
+                    pass
+        except Exception as error:  # a URL or command that fails is a shard that cannot be read
+            return f"cannot be read ({type(error).__name__}: {error})"
+        if digest.bytes != size:
+            return f"truncated or altered ({digest.bytes} bytes, the manifest says {size})"
+        found = digest.sha256.hexdigest()
+    return None if found == sha256 else "altered or corrupt (its sha256 differs from the manifest's)"

@@ -10,9 +10,11 @@ through it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import tarfile
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import webdataset as wds
@@ -23,8 +25,8 @@ BAD_DATA_POLICIES = ("skip", "raise")
 NAMED_SKIPS = 20  # bad samples or shards a reader names in a warning; the rest are only counted
 
 
-def read_shard(url: str) -> Iterator[dict[str, Any]]:
-    """The samples of one tar shard (local path, URL or `pipe:` command), undecoded: the tar members
+def read_shard(url: str, opener: Callable[[str], Any] = wds.gopen) -> Iterator[dict[str, Any]]:
+    """The samples of one tar shard (local path, URL or `pipe:` command, opened by `opener`), undecoded: the tar members
     grouped by key as WebDataset groups them (`<key>.<field>`), plus `__key__` and `__offset__` (the
     byte offset of the sample's first header, to find it in the file). A shard that cannot be read on
     (truncated, a corrupt header, gone) raises `ShardReadError` after its last whole sample: also where
@@ -34,7 +36,7 @@ def read_shard(url: str) -> Iterator[dict[str, Any]]:
     offset = 0
     problem: Exception | None = None
     try:
-        with wds.gopen(url) as raw, tarfile.open(fileobj=(file := TailKeeper(raw)), mode="r|*") as tar:  # type: ignore[call-overload]
+        with opener(url) as raw, tarfile.open(fileobj=(file := TailKeeper(raw)), mode="r|*") as tar:  # type: ignore[call-overload]
             for member in tar:
                 offset = member.offset
                 if not member.isreg():
@@ -84,6 +86,28 @@ class TailKeeper:
         return None
 
 
+class Digest:
+    """A binary stream read through, hashing and counting its bytes (a shard's sha256 and size in the
+    same pass that reads its samples)."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.sha256, self.bytes = file, hashlib.sha256(), 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.file.read(size)
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return data
+
+    def __enter__(self) -> Digest:
+        return self
+
+    def __exit__(self, error: type[BaseException] | None, *_: object) -> None:
+        while error is None and self.read(1 << 20):  # all of it, whatever its reader left (a gzip trailer)
+            pass
+        self.file.close()  # a `pipe:` command's exit status is checked here
+
+
 class ShardReadError(Exception):
     """A shard that cannot be read past `offset`: truncated, a corrupt tar header, or unreadable."""
 
@@ -92,20 +116,41 @@ class ShardReadError(Exception):
         self.url, self.offset = url, offset
 
 
-def sample_texts(sample: dict[str, Any], fields: Sequence[str]) -> tuple[str, ...] | str:
-    """The sample's texts for `fields`, or the reason it cannot be used."""
-    texts = []
-    for name in fields:
-        if name not in sample:
-            return f"no {name!r} field"
+def field_text(sample: dict[str, Any], field: str) -> str:
+    """The text of one sample field: a member (`txt`, `query.txt`, any extension), or a key of a JSON
+    member (`json:text`: the `text` value of the `<key>.json` member). `Unusable` says why there is none."""
+    member, _, key = field.partition(":")
+    if member not in sample:
+        raise Unusable(f"no {member!r} field")
+    try:
+        text = sample[member].decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise Unusable(f"{member!r} is not UTF-8") from error
+    if key:
         try:
-            text = sample[name].decode("utf-8")
-        except UnicodeDecodeError:
-            return f"{name!r} is not UTF-8"
-        if not text.strip():
-            return f"{name!r} is empty"
-        texts.append(text)
-    return tuple(texts)
+            record = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise Unusable(f"{member!r} is not JSON") from error
+        if not isinstance(record, dict) or key not in record:
+            raise Unusable(f"{member!r} has no {key!r} key")
+        text = record[key]
+        if not isinstance(text, str):
+            raise Unusable(f"{field!r} is a {type(text).__name__}, not a string")
+    if not text.strip():
+        raise Unusable(f"{field!r} is empty")
+    return text
+
+
+class Unusable(Exception):
+    """Why a sample gives no text for a field."""
+
+
+def sample_texts(sample: dict[str, Any], fields: Sequence[str]) -> tuple[str, ...] | str:
+    """The sample's texts for `fields` (see `field_text`), or the reason it cannot be used."""
+    try:
+        return tuple(field_text(sample, field) for field in fields)
+    except Unusable as reason:
+        return str(reason)
 
 
 class SampleReader:

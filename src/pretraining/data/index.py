@@ -1,0 +1,258 @@
+"""`pretrain-data index`: a manifest for WebDataset shards that already exist, left where they are.
+
+Shards are named as WebDataset names them: a local directory (its `.tar`, `.tar.gz` and `.tgz` files),
+a glob, a brace list (`train-{000000..000099}.tar`), a URL or a `pipe:` command (read through
+`webdataset.gopen`, brace lists expanded). Each shard is read once, whole: its samples are counted
+(a damaged shard is refused, naming it), the fields of every sample are recorded (tar member
+extensions, and `json:<key>` for each string value of a `.json` member), and so are its size and
+sha256 (for remote shards only with `remote_checksums`: checking them means reading them again).
+
+The manifest names each shard by where it is (relative to the manifest when under its directory, so
+the two move together), and its version is a hash of the fields and the shards' names, sample counts,
+sizes and checksums: an unchanged set indexed again has the same version, so a run resumes on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import webdataset as wds
+from braceexpand import braceexpand
+from rich.progress import Progress
+
+from pretraining.data.manifest import MANIFEST, SPLITS, ShardInfo, is_remote
+from pretraining.data.reader import Digest, ShardReadError, read_shard
+from pretraining.errors import ShardError
+from pretraining.files import write_atomically
+
+FORMAT = "pretraining-shards/2"  # the format `pretraining.data.shards` writes: the same reader reads both
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+SPLIT_RULE = "the shards named by --validation, or the fraction of shards with the lowest stable hash of their name"
+
+
+@dataclass
+class IndexedShard:
+    """What reading one shard found."""
+
+    url: str
+    samples: int
+    bytes: int
+    sha256: str | None
+    fields: Counter[str] = field(default_factory=Counter)  # samples having each field
+
+
+def expand(spec: str) -> list[str]:
+    """The shards `spec` names, in order: a URL or `pipe:` command (brace lists expanded), or local
+    paths: a directory's shard files (sorted), a glob's matches (sorted), a brace list or a file."""
+    if is_remote(spec):
+        return list(braceexpand(spec))
+    found: list[str] = []
+    for name in braceexpand(spec):
+        path = Path(name)
+        if path.is_dir():
+            matches = sorted(str(p) for p in path.iterdir() if p.name.endswith(SHARD_SUFFIXES) and p.is_file())
+        elif glob.has_magic(name):
+            matches = sorted(glob.glob(name))
+        else:
+            matches = [name] if path.is_file() else []
+        if not matches:
+            what = (
+                "holds no .tar files"
+                if path.is_dir()
+                else "matches no file"
+                if glob.has_magic(name)
+                else "does not exist"
+            )
+            raise ShardError(f"{name} {what}: name shard files, a directory of them, a glob, a brace list or a URL")
+        found += [str(Path(match).resolve()) for match in matches]
+    return found
+
+
+def read_shard_index(url: str, checksum: bool) -> IndexedShard:
+    """Read a shard whole: its samples and fields, its size, and (with `checksum`) its sha256."""
+    digest: Digest | None = None
+
+    def opened(url: str) -> Digest:
+        nonlocal digest
+        digest = Digest(wds.gopen(url))
+        return digest
+
+    fields: Counter[str] = Counter()
+    samples = 0
+    try:
+        for sample in read_shard(url, opened):
+            samples += 1
+            fields.update(sample_fields(sample))
+    except ShardReadError as error:
+        raise ShardError(f"{error}: it cannot be indexed; repair it or leave it out") from error
+    assert digest is not None
+    return IndexedShard(url, samples, digest.bytes, digest.sha256.hexdigest() if checksum else None, fields)
+
+
+def sample_fields(sample: dict[str, Any]) -> set[str]:
+    """The fields a text format can read from a sample: its members, and the string values of its
+    `.json` member as `json:<key>`."""
+    fields = {name for name in sample if not name.startswith("__")}
+    if "json" in sample:
+        try:
+            record = json.loads(sample["json"])
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            record = None
+        if isinstance(record, dict):
+            fields |= {f"json:{key}" for key, value in record.items() if isinstance(value, str)}
+    return fields
+
+
+def split_shards(
+    train: Sequence[str], validation: Sequence[str], validation_fraction: float | None
+) -> dict[str, list[str]]:
+    """The shard URLs of each split: those named, or a fraction of the training ones for validation."""
+    repeated = [url for url, count in Counter([*train, *validation]).items() if count > 1]
+    if repeated:
+        raise ShardError(f"{repeated[0]} is named twice ({len(repeated)} shards are): name each shard once")
+    if validation_fraction is None:
+        return {"train": list(train), "validation": list(validation)}
+    if not 0 <= validation_fraction < 1:
+        raise ShardError(f"--validation-fraction={validation_fraction} must be in [0, 1)")
+    count = max(1, round(validation_fraction * len(train))) if validation_fraction else 0
+    if count >= len(train):
+        raise ShardError(
+            f"--validation-fraction={validation_fraction} of {len(train)} shards leaves none for training: name "
+            f"validation shards with --validation, or index more shards"
+        )
+    # By a hash of the shard's file name, so that the split does not depend on where the shards are.
+    held_out = set(sorted(train, key=lambda url: hashlib.sha256(url.rsplit("/", 1)[-1].encode()).digest())[:count])
+    return {
+        "train": [url for url in train if url not in held_out],
+        "validation": [url for url in train if url in held_out],
+    }
+
+
+def index_shards(
+    train: Sequence[str],
+    out: Path,
+    validation: Sequence[str] = (),
+    validation_fraction: float | None = None,
+    remote_checksums: bool = False,
+    workers: int = 8,
+    show_progress: bool = True,
+) -> dict:
+    """Index the shards that the specs `train` and `validation` name (see `expand`) and write the
+    manifest into `out` (atomically); return it."""
+    if validation and validation_fraction is not None:
+        raise ShardError("give --validation or --validation-fraction, not both")
+    out = out.resolve()
+    urls = split_shards(
+        [url for spec in train for url in expand(spec)],
+        [url for spec in validation for url in expand(spec)],
+        validation_fraction,
+    )
+    everything = [url for split in SPLITS for url in urls[split]]
+    with Progress(disable=not show_progress, transient=True) as progress, ThreadPoolExecutor(workers) as pool:
+        task = progress.add_task("indexing shards", total=len(everything))
+        found = {}
+        for shard in pool.map(lambda url: read_shard_index(url, remote_checksums or not is_remote(url)), everything):
+            found[shard.url] = shard
+            progress.advance(task)
+    manifest = index_manifest({split: [found[url] for url in urls[split]] for split in SPLITS}, out)
+    manifest["sources"] = {"train": list(train), "validation": list(validation)}
+    manifest["validation_fraction"] = validation_fraction
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomically(out / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    return manifest
+
+
+def index_manifest(splits: dict[str, list[IndexedShard]], out: Path) -> dict:
+    """The manifest of indexed shards, their names relative to `out` where under it."""
+    every = [shard for shards in splits.values() for shard in shards]
+    if not splits["train"]:
+        raise ShardError("no training shards to index: name some")
+    counts = sum((shard.fields for shard in every), Counter())
+    total = sum(shard.samples for shard in every)
+    fields = sorted(name for name, count in counts.items() if count == total)
+    body = {
+        "fields": fields,
+        "splits": {
+            split: {
+                "documents": sum(shard.samples for shard in shards),
+                "shards": [asdict(ShardInfo(shard_name(s.url, out), s.samples, s.bytes, s.sha256)) for s in shards],
+            }
+            for split, shards in splits.items()
+        },
+    }
+    version = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
+    return {
+        "version": version,
+        "format": FORMAT,
+        "indexed": True,
+        **body,
+        "field_counts": dict(sorted(counts.items())),
+        "split_rule": SPLIT_RULE,
+    }
+
+
+def shard_name(url: str, out: Path) -> str:
+    """How the manifest names a shard: relative to its directory where under it, else as given."""
+    if is_remote(url):
+        return url
+    path = Path(url)
+    return path.relative_to(out).as_posix() if path.is_relative_to(out) else path.as_posix()
+
+
+def summary(manifest: dict, out: Path) -> Iterable[str]:
+    """What `pretrain-data index` prints: what it wrote, the fields found and how to train on it."""
+    splits = manifest["splits"]
+    yield f"wrote {out / MANIFEST}: version {manifest['version']}, " + ", ".join(
+        f"{name} {s['documents']} samples in {len(s['shards'])} shards" for name, s in splits.items()
+    )
+    counts = manifest["field_counts"]
+    partly = [f"{name} ({count})" for name, count in counts.items() if name not in manifest["fields"]]
+    yield f"fields of every sample: {', '.join(manifest['fields']) or 'none'}" + (
+        f"; of some: {', '.join(partly)}" if partly else ""
+    )
+    if not splits["validation"]["shards"]:
+        yield "warning: no validation shards, which training validates on: index with --validation(-fraction)"
+    text = "" if "txt" in manifest["fields"] else " data.format.text_field=<one of the fields above>"
+    # The default probe labels Python definitions by the file names that built shards' metadata holds.
+    probe = "" if "json:source_id" in manifest["fields"] else " ~callbacks.probe"
+    yield f"train on it: pretrain data.dir={out}{text}{probe}"
+
+
+def index(args: argparse.Namespace) -> None:
+    if not args.validation and args.validation_fraction is None:
+        raise ShardError(
+            "name the validation shards with --validation, or hold out a fraction of the training shards with "
+            "--validation-fraction (0 for none)"
+        )
+    out = Path(args.out)
+    manifest = index_shards(
+        args.shards, out, args.validation, args.validation_fraction, args.remote_checksums, args.workers, not args.quiet
+    )
+    print("\n".join(summary(manifest, out.resolve())))
+
+
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """`pretrain-data index`, for `pretraining.data.cli`."""
+    i = commands.add_parser(
+        "index",
+        help="write a manifest for WebDataset shards you already have (they stay where they are)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    i.add_argument("shards", nargs="+", help="training shards: files, directories, globs, brace lists, URLs, pipe:")
+    i.add_argument("--validation", nargs="+", default=[], metavar="SHARDS", help="validation shards, named alike")
+    i.add_argument("--validation-fraction", type=float, help="or hold out this fraction of the training shards")
+    i.add_argument("--out", required=True, help="directory for manifest.json (may be the shards' own directory)")
+    i.add_argument("--remote-checksums", action="store_true", help="record sha256 of remote shards too")
+    i.add_argument("--workers", type=int, default=8, help="shards read at once")
+    i.add_argument("--quiet", action="store_true", help="no progress display")
+    i.set_defaults(run=index)
