@@ -21,13 +21,13 @@ SEARCH ?= $(firstword $(subst _, ,$(EXPERIMENT)))
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-install: $(VENV)/.installed ## Create .venv: torch pinned first, then the package with dev tools
+install: $(VENV)/.installed ## Create .venv: torch pinned first, then the package with dev tools and pyarrow
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e ".[dev,formats]"
 	touch $@
 
 data: install $(DATA_DIR)/manifest.json $(PAIRS_DIR)/tokenizer.json ## Build the default shards: stdlib source text, and its (docstring, code) pairs

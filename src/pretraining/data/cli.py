@@ -16,7 +16,7 @@ from pretraining.data.corpus import (
     Document,
     PairCounts,
     docstring_pairs,
-    is_jsonl_source,
+    is_record_source,
     read_source,
 )
 from pretraining.data.index import add_command as add_index_command
@@ -28,17 +28,20 @@ from pretraining.errors import ShardError
 
 
 def read_documents(source: str, args: argparse.Namespace, counts: PairCounts) -> Iterator[Document]:
-    """Text documents, or with --pairs: pairs from jsonl fields, or docstring pairs from Python source."""
+    """Text documents, or with --pairs: pairs from two fields of records (jsonl, tables), or docstring
+    pairs from Python source."""
     if not args.pairs:
-        return read_source(source, {"txt": args.text_field})
-    documents = read_source(source, {"query.txt": args.query_field, "passage.txt": args.passage_field})
-    return documents if is_jsonl_source(source) else docstring_pairs(documents, counts)
+        return read_source(source, {"txt": args.text_field}, args.id_field)
+    fields = {"query.txt": args.query_field, "passage.txt": args.passage_field}
+    documents = read_source(source, fields, args.id_field)
+    return documents if is_record_source(source) else docstring_pairs(documents, counts)
 
 
 def build(args: argparse.Namespace) -> None:
     settings = BuildSettings(args.validation_fraction, args.shard_samples, args.shard_bytes)
     counts = PairCounts()
-    documents = itertools.chain.from_iterable(read_documents(s, args, counts) for s in args.source)
+    # Every source is opened (and checked) before the first shard is written.
+    documents = itertools.chain.from_iterable([read_documents(s, args, counts) for s in args.source])
     manifest = build_shards(
         documents,
         Path(args.out),
@@ -94,17 +97,31 @@ def parser() -> argparse.ArgumentParser:
     main = argparse.ArgumentParser(prog="pretrain-data", description=__doc__)
     commands = main.add_subparsers(dest="command", required=True)
     b = commands.add_parser("build", help="build WebDataset shards and manifest.json from a corpus")
-    b.add_argument("--source", action="append", default=None, help="'stdlib', a text directory or a .jsonl file")
+    b.add_argument(
+        "--source",
+        action="append",
+        default=None,
+        help="'stdlib' (default), a directory of text files, a .jsonl or .parquet file (or a directory of them), "
+        "or a dataset saved by Hugging Face datasets' save_to_disk (one split); repeat to combine sources",
+    )
     b.add_argument("--out", required=True, help="shard directory (replaced only when the build completes)")
-    b.add_argument("--text-field", default="text", help="jsonl field holding the text")
+    b.add_argument("--text-field", default="text", help="jsonl field or Parquet/dataset column holding the text")
+    b.add_argument(
+        "--id-field",
+        default=None,
+        help="jsonl field or column holding a stable document id, which decides its split "
+        "(default: file name and line or row number; for a saved dataset, its directory name and row number)",
+    )
     b.add_argument(
         "--pairs",
         action="store_true",
         help="build (query, passage) pairs for contrastive training: (docstring, code) from Python "
-        "sources, or two jsonl fields",
+        "sources, or two jsonl fields or table columns",
     )
-    b.add_argument("--query-field", default="query", help="jsonl field holding the query (with --pairs)")
-    b.add_argument("--passage-field", default="passage", help="jsonl field holding the passage (with --pairs)")
+    b.add_argument("--query-field", default="query", help="jsonl field or column holding the query (with --pairs)")
+    b.add_argument(
+        "--passage-field", default="passage", help="jsonl field or column holding the passage (with --pairs)"
+    )
     b.add_argument("--validation-fraction", type=float, default=BuildSettings.validation_fraction)
     b.add_argument("--shard-samples", type=int, default=BuildSettings.max_shard_samples)
     b.add_argument("--shard-bytes", type=int, default=BuildSettings.max_shard_bytes)

@@ -1,15 +1,21 @@
 """Corpus readers: each turns a source into `Document`s with a stable source id.
 
 A source is named by a string: `stdlib` (the Python standard library's own
-source, present wherever Python is), a directory of text files, or a `.jsonl`
-file (or a directory of them) with a text field. Adding a corpus means adding
-one reader here and registering it in `read_source`.
+source, present wherever Python is), a directory of text files, a `.jsonl`
+file (or a directory of them) with a text field, or a table with a text column:
+a `.parquet` file (or a directory of them) or a dataset saved by Hugging Face
+`datasets` (`save_to_disk`), both read in `tables`. Adding a corpus means adding
+one reader (here, or in a module of its own) and registering it in `read_source`.
+
+A text directory holding binary files (a NUL byte or a known signature in a file's
+first 8 KiB: archives, images, PDFs, WebDataset shards) is refused before anything
+is read, naming them; text that is merely not UTF-8 is read, counted and dropped.
 
 A document is one or more named texts. Plain text has one field, `txt`; a pair
 for contrastive training has two, `query.txt` and `passage.txt`. Pairs come
-from jsonl (two fields) or from Python source, where `docstring_pairs` turns
-each documented function or class into (first docstring paragraph, code
-without its docstring).
+from records (two jsonl fields or table columns) or from Python source, where
+`docstring_pairs` turns each documented function or class into (first
+docstring paragraph, code without its docstring).
 """
 
 from __future__ import annotations
@@ -21,33 +27,32 @@ import sysconfig
 import textwrap
 import unicodedata
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, cast
+
+from pretraining.data.documents import CorpusError, Document
+from pretraining.data.tables import is_table_source, read_table_source
 
 TEXT_FIELDS: tuple[str, ...] = ("txt",)
 # WebDataset splits a member name at its first dot: key "train-000000001", field "query.txt".
 PAIR_FIELDS: tuple[str, ...] = ("query.txt", "passage.txt")
 
 
-@dataclass(frozen=True)
-class Document:
-    """One sample. `source_id` is stable across builds and decides the split;
-    every pair taken from one file shares the file's id, so a file never spans
-    two splits.
-
-    `texts` maps field names to texts; it is None for a file that is not valid
-    UTF-8 (the builder counts and drops it). `meta` is extra provenance stored
-    with the sample.
-    """
-
-    source_id: str
-    texts: dict[str, str] | None
-    meta: dict[str, str] = field(default_factory=dict)
-
-
-class CorpusError(ValueError):
-    """A corpus source that cannot be read; the message names the fix."""
+# Where a binary file gives itself away, in its first SNIFF_BYTES: a NUL byte, or one of these signatures.
+SNIFF_BYTES = 8192
+SIGNATURES = {  # at the start of the file; tar's is at offset 257 (see binary_kind)
+    "gzip": rb"\x1f\x8b",
+    "bzip2": rb"BZh[1-9](1AY&SY|\x17rE8P\x90)",  # a block, or the end of an empty stream
+    "xz": rb"\xfd7zXZ\x00",
+    "zstd": rb"\x28\xb5\x2f\xfd",
+    "zip": rb"PK(\x03\x04|\x05\x06)",
+    "PNG": rb"\x89PNG\r\n\x1a\n",
+    "JPEG": rb"\xff\xd8\xff",
+    "GIF": rb"GIF8[79]a",
+    "PDF": rb"%PDF-",
+}
+TAR_NAMES = (".tar", ".tar.gz", ".tgz")
 
 
 def normalize(text: str) -> str:
@@ -77,6 +82,33 @@ def read_text_files(root: Path, pattern: str = "**/*") -> Iterator[Document]:
         yield _read_text_file(path, f"{root.name}:{path.relative_to(root).as_posix()}")
 
 
+def binary_kind(path: Path) -> str | None:
+    """What binary `path` is ("tar", "gzip", ..., or "NUL bytes"), by its first SNIFF_BYTES; None for text."""
+    with path.open("rb") as file:
+        head = file.read(SNIFF_BYTES)
+    if head[257:262] == b"ustar":
+        return "tar"
+    kind = next((kind for kind, magic in SIGNATURES.items() if re.match(magic, head)), None)
+    return kind or ("NUL bytes" if b"\0" in head else None)
+
+
+def refuse_binary_files(paths: Iterable[Path]) -> None:
+    """Raise a CorpusError naming the binary files among `paths` (which are all read first): a text
+    source holding archives or images is a mistake, better said before a build than found in its shards."""
+    binary = [(path, kind) for path in paths if (kind := binary_kind(path))]
+    if not binary:
+        return
+    named = ", ".join(f"{path} ({kind})" for path, kind in binary[:5])
+    more = f" and {len(binary) - 5} more" if len(binary) > 5 else ""
+    message = f"{len(binary)} binary file(s) where text was expected: {named}{more}; remove them from the source"
+    if any(kind == "tar" or path.name.endswith(TAR_NAMES) for path, kind in binary):
+        message += (
+            ". Tar archives look like WebDataset shards: to train on shards you already have, "
+            "write their manifest in place with `pretrain-data index` instead of building"
+        )
+    raise CorpusError(message)
+
+
 def read_jsonl(
     path: Path, text_fields: dict[str, str] | None = None, id_field: str | None = None
 ) -> Iterator[Document]:
@@ -95,6 +127,8 @@ def read_jsonl(
                     f"{file}:{number} is not a JSON object with string {keys} fields; fix the line "
                     f"or name the right fields (--text-field, or --query-field/--passage-field with --pairs)"
                 )
+            if id_field and record.get(id_field) is None:
+                raise CorpusError(f"{file}:{number} has no {id_field!r} field; fix the line or drop --id-field")
             source_id = str(record[id_field]) if id_field else f"{file.name}:{number}"
             yield Document(source_id, cast(dict[str, str], texts))
 
@@ -112,21 +146,35 @@ def jsonl_records(file: Path) -> Iterator[tuple[int, Any]]:
                 yield number, None
 
 
-def read_source(source: str, text_fields: dict[str, str] | None = None) -> Iterator[Document]:
-    """Dispatch a source string to its reader (`text_fields` is for jsonl)."""
+def read_source(
+    source: str, text_fields: dict[str, str] | None = None, id_field: str | None = None
+) -> Iterator[Document]:
+    """Dispatch a source string to its reader. `text_fields` (document field -> key or column) and
+    `id_field` are for records: jsonl and tables. What can be checked before the first document is
+    (the source exists; a table's columns; a text directory holds no binary files), so that a build
+    stops before it writes anything."""
     if source == "stdlib":
         return read_stdlib()
     path = Path(source)
     if not path.exists():
         raise CorpusError(
-            f"corpus source {source!r} does not exist; pass an existing directory, a .jsonl file, "
-            f"or 'stdlib' for the built-in Python standard library corpus"
+            f"corpus source {source!r} does not exist; pass an existing directory, a .jsonl or .parquet file, "
+            f"a dataset saved by datasets' save_to_disk, or 'stdlib' for the Python standard library corpus"
         )
+    if is_table_source(path):
+        return read_table_source(path, text_fields or {"txt": "text"}, id_field)
     if is_jsonl_source(source):
-        return read_jsonl(path, text_fields)
+        return read_jsonl(path, text_fields, id_field)
     if path.is_dir():
+        refuse_binary_files(sorted(p for p in path.glob("**/*") if p.is_file()))
         return read_text_files(path)
-    raise CorpusError(f"corpus source {source!r} is a file but not .jsonl; pass its directory instead")
+    refuse_binary_files([path])
+    raise CorpusError(f"corpus source {source!r} is a file but not .jsonl or .parquet; pass its directory instead")
+
+
+def is_record_source(source: str) -> bool:
+    """A source of records with named fields (jsonl or a table): pairs are two of its fields."""
+    return source != "stdlib" and (is_table_source(Path(source)) or is_jsonl_source(source))
 
 
 def is_jsonl_source(source: str) -> bool:
