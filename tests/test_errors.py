@@ -56,7 +56,11 @@ BAD_COMMANDS = [
     (["callbacks.checkpoint.every_n_steps=0"], "callbacks.checkpoint.every_n_steps=0 must be at least 1: set"),
     (["data.globl_batch_size=4"], "did you mean data.global_batch_size? Write data.global_batch_size=4 instead"),
     (["+data.globl_batch_size=4"], "did you mean data.global_batch_size? Write data.global_batch_size=4 instead"),
-    (["data.block_size=4"], "it moved to data.format.block_size: write data.format.block_size=4 instead"),
+    (
+        ["data.block_size=4"],
+        "it is a key of the example format, data.format.block_size: write data.format.block_size=4",
+    ),
+    (["data.text_field=json:text"], "example format, data.format.text_field: write data.format.text_field='json:text'"),
 ]
 
 
@@ -124,7 +128,7 @@ def test_our_errors_are_hydras_compact_ones_and_keep_their_builtin_bases() -> No
             r"not a parameter of pretraining\.data\.ShardDataModule: did you mean data\.global_batch_size\?",
         ),
         ("data.format.blok_size=8", r"did you mean data\.format\.block_size\? Write data\.format\.block_size=8"),
-        ("data.query_len=8", r"it moved to data\.format\.query_len"),
+        ("data.query_len=8", r"it is a key of the example format, data\.format\.query_len"),
         ("trainer.max_step=3", r"did you mean trainer\.max_steps\?"),
         ("sed=3", r"sed=3: sed is not a key of the config: did you mean seed\?"),
     ],

@@ -46,7 +46,7 @@ BAD = [
      r"model\.optimizer\.lr\? Write model\.optimizer\.lr=1 instead"),
     (["+data.globl_batch_size=4"], r"data\.globl_batch_size=4: .*did you mean data\.global_batch_size\?"),
     (["+sed=1"], r"sed=1: sed is not a key of configs/train\.yaml: did you mean seed\?"),
-    (["+data.block_size=64"], r"data\.block_size=64: .*it moved to data\.format\.block_size: write data\.format"),
+    (["+data.block_size=64"], r"data\.block_size=64: .*of the example format, data\.format\.block_size: write"),
     (["+callbacks.checkpoint.zzz=1"], r"callbacks\.checkpoint\.zzz=1: .*the keys there are dirpath, every_n_steps"),
     # Wrong types.
     (["data.num_workers=two"], r"data\.num_workers='two' is not an integer: change data\.num_workers to such a value"),

@@ -31,8 +31,10 @@ from pretraining.errors import ConfigError, OverrideError
 from pretraining.ranges import Range, describe, fits, item_annotation, mapping, out_of_range, range_problem, type_hints
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
-# Keys of earlier layouts, and where they are now (for a preset or command written before the move).
-MOVED_KEYS = {f"data.{length}": f"data.format.{length}" for length in ("block_size", "query_len", "passage_len")}
+# Keys of the example format written one level up: the lengths, which were there in earlier layouts, and the
+# fields, which users reach for there.
+FORMAT_KEYS = ("block_size", "query_len", "passage_len", "text_field", "query_field", "passage_field")
+MOVED_KEYS = {f"data.{key}": f"data.format.{key}" for key in FORMAT_KEYS}
 
 
 Beta = Annotated[float, Range(ge=0, lt=1)]
@@ -191,7 +193,7 @@ def unknown_key(key: str, value: Any, what: str, known: list[str]) -> ConfigErro
     parent, _, name = key.rpartition(".")
     close = difflib.get_close_matches(name, known, n=1)
     if key in MOVED_KEYS:
-        fix = f"it moved to {MOVED_KEYS[key]}: write {MOVED_KEYS[key]}={value!r} instead"
+        fix = f"it is a key of the example format, {MOVED_KEYS[key]}: write {MOVED_KEYS[key]}={value!r} instead"
     elif close:
         suggestion = f"{parent}.{close[0]}" if parent else close[0]
         fix = f"did you mean {suggestion}? Write {suggestion}={value!r} instead"
