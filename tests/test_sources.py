@@ -276,3 +276,13 @@ def test_text_that_is_not_utf8_is_dropped_and_counted_not_refused(tmp_path: Path
     manifest = json.loads((tmp_path / "o/manifest.json").read_text())
     assert manifest["dedup"]["undecodable_dropped"] == 1
     assert len(stored(tmp_path / "o")) == len(TEXTS)
+
+
+def test_a_source_trees_hidden_directories_and_pycache_are_not_read(tmp_path: Path, capsys) -> None:
+    corpus = text_corpus(tmp_path / "texts")
+    for machinery in (corpus / "__pycache__" / "a.cpython-311.pyc", corpus / ".git" / "objects" / "ab" / "cdef"):
+        machinery.parent.mkdir(parents=True)
+        machinery.write_bytes(gzip.compress(b"compiled or packed, not text"))
+    build("--source", str(corpus), "--out", str(tmp_path / "o"))
+    assert "0 not UTF-8" in capsys.readouterr().out
+    assert len(stored(tmp_path / "o")) == len(TEXTS)

@@ -76,9 +76,20 @@ def read_stdlib() -> Iterator[Document]:
         yield _read_text_file(path, f"stdlib:{relative.as_posix()}")
 
 
+def text_files(root: Path, pattern: str = "**/*") -> list[Path]:
+    """The files under `root` matching `pattern`, sorted, but those in hidden directories (`.git`) or in
+    `__pycache__`: a source tree's machinery, not its text."""
+    return sorted(
+        path
+        for path in root.glob(pattern)
+        if path.is_file()
+        and not any(p.startswith(".") or p == "__pycache__" for p in path.relative_to(root).parent.parts)
+    )
+
+
 def read_text_files(root: Path, pattern: str = "**/*") -> Iterator[Document]:
-    """Every file under `root` matching `pattern`, one document per file."""
-    for path in sorted(p for p in root.glob(pattern) if p.is_file()):
+    """Every file of `text_files`, one document per file."""
+    for path in text_files(root, pattern):
         yield _read_text_file(path, f"{root.name}:{path.relative_to(root).as_posix()}")
 
 
@@ -166,7 +177,7 @@ def read_source(
     if is_jsonl_source(source):
         return read_jsonl(path, text_fields, id_field)
     if path.is_dir():
-        refuse_binary_files(sorted(p for p in path.glob("**/*") if p.is_file()))
+        refuse_binary_files(text_files(path))
         return read_text_files(path)
     refuse_binary_files([path])
     raise CorpusError(f"corpus source {source!r} is a file but not .jsonl or .parquet; pass its directory instead")
