@@ -29,7 +29,7 @@ from pretraining.objectives.masked_lm import IGNORE, mask_tokens
 
 def train_token_counts(manifest: Manifest, tokenizer: ByteTokenizer) -> np.ndarray:
     counts = np.ones(tokenizer.vocab_size)
-    for (text,) in SampleReader(manifest.fields).all_texts(manifest.urls("train")):
+    for (text,) in SampleReader(manifest.text_fields()[:1]).all_texts(manifest.urls("train")):
         counts += np.bincount(encode_document(tokenizer, text), minlength=tokenizer.vocab_size)
     return counts
 

@@ -208,3 +208,14 @@ def test_kill_and_resume_on_an_indexed_pipe_set_is_bitwise_exact(tmp_path: Path)
         "data.format.text_field=json:text",
     ]
     kill_twice_and_compare(tmp_path / "logs", overrides, kills=(10,), max_steps=12)
+
+
+def test_a_tokenizer_trains_on_the_field_named(tmp_path: Path, capsys) -> None:
+    tarwriter_shards(tmp_path / "shards")
+    index(str(tmp_path / "shards"), "--validation-fraction", "0.25", "--out", str(tmp_path / "shards"))
+    pretrain_data(["tokenizer", "--data", str(tmp_path / "shards"), "--field", "json:text", "--vocab-size", "300"])
+    assert "vocabulary 300" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        pretrain_data(["tokenizer", "--data", str(tmp_path / "shards"), "--field", "text", "--quiet"])
+    assert "--field='text': not a field of every sample" in str(refused.value.code)
+    assert "json, json:text, txt: name one of those" in str(refused.value.code)

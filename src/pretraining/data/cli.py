@@ -19,7 +19,8 @@ from pretraining.data.corpus import (
     is_record_source,
     read_source,
 )
-from pretraining.data.index import add_command as add_index_command
+from pretraining.data.index import __doc__ as index_doc
+from pretraining.data.index import index_shards, summary
 from pretraining.data.manifest import TOKENIZER, Manifest
 from pretraining.data.reader import SampleReader
 from pretraining.data.shards import BuildSettings, build_shards
@@ -64,33 +65,32 @@ def build(args: argparse.Namespace) -> None:
         print(f"docstring pairs: {asdict(counts)}")
 
 
-def text_fields(manifest: Manifest, named: list[str] | None = None) -> tuple[str, ...]:
-    """The fields a tokenizer trains on: those `named`, else the text of built shards (both sides of pairs)."""
-    if named:
-        manifest.require_fields([("--field", name) for name in named], "name one of those")
-        return tuple(named)
-    for fields in (TEXT_FIELDS, PAIR_FIELDS):
-        if set(fields) <= set(manifest.fields):
-            return fields
-    raise ShardError(
-        f"{manifest.directory}'s samples have no txt field (they have {', '.join(manifest.fields)}): name the "
-        f"text field(s) with --field, as in data.format.text_field"
-    )
-
-
 def train_texts(shard_dir: Path, fields: list[str] | None = None) -> Iterator[str]:
-    """Every text of `fields` (see `text_fields`) of every training sample."""
+    """Every text of `fields` (see `Manifest.text_fields`) of every training sample."""
     manifest = Manifest.load(shard_dir)
-    for texts in SampleReader(text_fields(manifest, fields)).all_texts(manifest.urls("train")):
+    for texts in SampleReader(manifest.text_fields(fields)).all_texts(manifest.urls("train")):
         yield from texts
 
 
 def tokenizer(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else Path(args.data) / TOKENIZER
     manifest = Manifest.load(args.data)
-    texts = sum(shard.samples for shard in manifest.shards("train")) * len(text_fields(manifest, args.field))
+    texts = sum(shard.samples for shard in manifest.shards("train")) * len(manifest.text_fields(args.field))
     trained = train_bpe(train_texts(Path(args.data), args.field), args.vocab_size, out, not args.quiet, length=texts)
     print(f"wrote {out}: vocabulary {trained.vocab_size}, fingerprint {trained.fingerprint}")
+
+
+def index(args: argparse.Namespace) -> None:
+    if not args.validation and args.validation_fraction is None:
+        raise ShardError(
+            "name the validation shards with --validation, or hold out a fraction of the training shards with "
+            "--validation-fraction (0 for none)"
+        )
+    out = Path(args.out)
+    manifest = index_shards(
+        args.shards, out, args.validation, args.validation_fraction, args.remote_checksums, args.workers, not args.quiet
+    )
+    print("\n".join(summary(manifest, out.resolve())))
 
 
 def parser() -> argparse.ArgumentParser:
@@ -134,7 +134,20 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--field", action="append", help="a sample field to train on (default: txt, or a pair's sides)")
     t.add_argument("--quiet", action="store_true", help="no progress display")
     t.set_defaults(run=tokenizer)
-    add_index_command(commands)
+    i = commands.add_parser(
+        "index",
+        help="write a manifest for WebDataset shards you already have (they stay where they are)",
+        description=index_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    i.add_argument("shards", nargs="+", help="training shards: files, directories, globs, brace lists, URLs, pipe:")
+    i.add_argument("--validation", nargs="+", default=[], metavar="SHARDS", help="validation shards, named alike")
+    i.add_argument("--validation-fraction", type=float, help="or hold out this fraction of the training shards")
+    i.add_argument("--out", required=True, help="directory for manifest.json (may be the shards' own directory)")
+    i.add_argument("--remote-checksums", action="store_true", help="record sha256 of remote shards too")
+    i.add_argument("--workers", type=int, default=8, help="shards read at once")
+    i.add_argument("--quiet", action="store_true", help="no progress display")
+    i.set_defaults(run=index)
     return main
 
 

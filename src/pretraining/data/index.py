@@ -14,7 +14,6 @@ sizes and checksums: an unchanged set indexed again has the same version, so a r
 
 from __future__ import annotations
 
-import argparse
 import glob
 import hashlib
 import json
@@ -225,34 +224,3 @@ def summary(manifest: dict, out: Path) -> Iterable[str]:
     # The default probe labels Python definitions by the file names that built shards' metadata holds.
     probe = "" if "json:source_id" in manifest["fields"] else " ~callbacks.probe"
     yield f"train on it: pretrain data.dir={out}{text}{probe}"
-
-
-def index(args: argparse.Namespace) -> None:
-    if not args.validation and args.validation_fraction is None:
-        raise ShardError(
-            "name the validation shards with --validation, or hold out a fraction of the training shards with "
-            "--validation-fraction (0 for none)"
-        )
-    out = Path(args.out)
-    manifest = index_shards(
-        args.shards, out, args.validation, args.validation_fraction, args.remote_checksums, args.workers, not args.quiet
-    )
-    print("\n".join(summary(manifest, out.resolve())))
-
-
-def add_command(commands: argparse._SubParsersAction) -> None:
-    """`pretrain-data index`, for `pretraining.data.cli`."""
-    i = commands.add_parser(
-        "index",
-        help="write a manifest for WebDataset shards you already have (they stay where they are)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    i.add_argument("shards", nargs="+", help="training shards: files, directories, globs, brace lists, URLs, pipe:")
-    i.add_argument("--validation", nargs="+", default=[], metavar="SHARDS", help="validation shards, named alike")
-    i.add_argument("--validation-fraction", type=float, help="or hold out this fraction of the training shards")
-    i.add_argument("--out", required=True, help="directory for manifest.json (may be the shards' own directory)")
-    i.add_argument("--remote-checksums", action="store_true", help="record sha256 of remote shards too")
-    i.add_argument("--workers", type=int, default=8, help="shards read at once")
-    i.add_argument("--quiet", action="store_true", help="no progress display")
-    i.set_defaults(run=index)

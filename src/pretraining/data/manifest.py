@@ -14,7 +14,7 @@ from pathlib import Path
 
 import webdataset as wds
 
-from pretraining.data.corpus import TEXT_FIELDS
+from pretraining.data.corpus import PAIR_FIELDS, TEXT_FIELDS
 from pretraining.data.reader import Digest
 from pretraining.errors import ShardError
 from pretraining.files import sha256_of
@@ -108,6 +108,20 @@ class Manifest:
         raise ShardError(
             f"{named}: not a field of every sample in {self.directory}, whose samples all have "
             f"{', '.join(self.fields) or 'no field in common'}{partly}: {fix}"
+        )
+
+    def text_fields(self, named: list[str] | None = None) -> tuple[str, ...]:
+        """The fields to read texts from: those `named` (a tokenizer's `--field`s), else those of built shards
+        (a text, or both sides of a pair)."""
+        if named:
+            self.require_fields([("--field", name) for name in named], "name one of those")
+            return tuple(named)
+        for fields in (TEXT_FIELDS, PAIR_FIELDS):
+            if set(fields) <= set(self.fields):
+                return fields
+        raise ShardError(
+            f"{self.directory}'s samples have no txt field (they have {', '.join(self.fields)}): name the text "
+            f"field(s) with --field, as in data.format.text_field"
         )
 
     def shards(self, split: str) -> list[ShardInfo]:
