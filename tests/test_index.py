@@ -5,9 +5,13 @@ input refused with a message naming it and the fix."""
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import json
+import lzma
 import re
 import subprocess
+import tarfile
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -19,6 +23,7 @@ from conftest import tiny_run
 from pretraining.data import PackedBlocks, ShardDataModule
 from pretraining.data.cli import main as pretrain_data
 from pretraining.data.corpus import stdlib_root
+from pretraining.data.labels import PythonDefinitions
 from pretraining.data.manifest import MANIFEST, Manifest
 from pretraining.data.reader import SampleReader
 from pretraining.data.tokenizer import ByteTokenizer, Tokenizer
@@ -130,12 +135,12 @@ def test_a_pipe_brace_list_is_indexed_read_and_checked_through_the_command(tmp_p
     tarwriter_shards(tmp_path / "shards")
     spec = f"pipe:cat {tmp_path}/shards/shard-{{000000..000007}}.tar"
     index(spec, "--validation-fraction", "0.25", "--out", str(tmp_path / "plain"))
-    plain = Manifest.load(tmp_path / "plain")
+    plain = Manifest.load(tmp_path / "plain", trust_pipe_commands=True)
     names = [shard.name for shard in plain.shards("train") + plain.shards("validation")]
     assert sorted(names) == [f"pipe:cat {tmp_path}/shards/shard-{n:06d}.tar" for n in range(8)]
     assert all(shard.sha256 is None for shard in plain.shards("train"))  # remote: no checksum unless asked
     index(spec, "--validation-fraction", "0.25", "--out", str(tmp_path / "summed"), "--remote-checksums")
-    summed = Manifest.load(tmp_path / "summed")
+    summed = Manifest.load(tmp_path / "summed", trust_pipe_commands=True)
     assert [s.sha256 for s in summed.shards("train")] == [
         sha256_of(Path(s.name.split()[-1])) for s in summed.shards("train")
     ]
@@ -188,7 +193,7 @@ def test_bad_index_inputs_are_refused_naming_the_fix(tmp_path: Path, capsys, arg
             "pipe:cat {tmp}/shards/shard-{{000000..000003}}.tar",
             r"names shards, not a directory of shards: .*pretrain-data index",
         ),
-        ("{tmp}/shards", r"holds 8 \.tar files but no manifest\.json: .*pretrain-data index .* --out"),
+        ("{tmp}/shards", r"holds 8 tar files but no manifest\.json: .*pretrain-data index .* --out"),
     ],
 )
 def test_data_dir_at_shards_without_a_manifest_points_to_the_index(tmp_path: Path, pointing_at, message) -> None:
@@ -206,6 +211,7 @@ def test_kill_and_resume_on_an_indexed_pipe_set_is_bitwise_exact(tmp_path: Path)
         *RESUMABLE,
         f"data.dir={tmp_path / 'index'}",
         "data.format.text_field=json:text",
+        "data.trust_pipe_commands=true",
     ]
     kill_twice_and_compare(tmp_path / "logs", overrides, kills=(10,), max_steps=12)
 
@@ -219,3 +225,66 @@ def test_a_tokenizer_trains_on_the_field_named(tmp_path: Path, capsys) -> None:
         pretrain_data(["tokenizer", "--data", str(tmp_path / "shards"), "--field", "text", "--quiet"])
     assert "--field='text': not a field of every sample" in str(refused.value.code)
     assert "json, json:text, txt: name one of those" in str(refused.value.code)
+
+
+def test_a_manifest_runs_no_command_it_names_unless_trusted(tmp_path: Path) -> None:
+    """A manifest is a file, perhaps from elsewhere: its `pipe:` shards run only when the user allows them."""
+    tarwriter_shards(tmp_path / "shards")
+    ran = tmp_path / "ran"
+    spec = f"pipe:touch {ran}; cat {tmp_path}/shards/shard-{{000000..000003}}.tar"
+    index(spec, "--validation-fraction", "0.25", "--out", str(tmp_path / "index"))
+    ran.unlink()  # the index ran it: the user typed it
+    with pytest.raises(ShardError, match=r"reads 4 shards by running shell commands .*data.trust_pipe_commands=true"):
+        datamodule(tmp_path / "index")
+    with pytest.raises(SystemExit, match="--trust-pipe-commands"):
+        pretrain_data(["tokenizer", "--data", str(tmp_path / "index"), "--quiet"])
+    assert not ran.exists()
+    blocks = partial(PackedBlocks, block_size=32)
+    trusted = ShardDataModule(str(tmp_path / "index"), ByteTokenizer(), blocks, 4, streams=1, trust_pipe_commands=True)
+    assert trusted.validation_set and ran.exists()
+
+
+def test_a_build_never_replaces_a_directory_of_indexed_shards(tmp_path: Path) -> None:
+    paths = tarwriter_shards(tmp_path / "shards")
+    index(str(tmp_path / "shards"), "--validation-fraction", "0.25", "--out", str(tmp_path / "shards"))
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text(TEXTS[0])
+    with pytest.raises(SystemExit, match=r"holds the manifest of shards indexed .* choose a new or empty --out"):
+        pretrain_data(["build", "--source", str(tmp_path / "texts"), "--out", str(tmp_path / "shards"), "--quiet"])
+    assert all(path.exists() for path in paths)
+    assert Manifest.load(tmp_path / "shards").fields == ("json", "json:text", "txt")
+
+
+@pytest.mark.parametrize("compress", [gzip.compress, bz2.compress, lzma.compress], ids=["gzip", "bzip2", "xz"])
+def test_a_compressed_shard_with_a_damaged_header_is_refused_not_cut_short(tmp_path: Path, compress) -> None:
+    """tarfile ends a compressed archive silently at a damaged header too; the reader decompresses it
+    itself, so what follows the end is checked as for a plain tar."""
+    path = tarwriter_shards(tmp_path / "shards", per_shard=len(TEXTS))[0]
+    data = bytearray(path.read_bytes())
+    with tarfile.open(path) as tar:
+        headers = [member.offset for member in tar]
+    data[headers[10] : headers[10] + 100] = b"X" * 100  # the name of the sixth sample's first member
+    (tmp_path / "bad.tar.z").write_bytes(compress(bytes(data)))
+    (tmp_path / "good.tar.z").write_bytes(compress(path.read_bytes()))
+    index(str(tmp_path / "good.tar.z"), "--validation", str(path), "--out", str(tmp_path / "x"))
+    assert Manifest.load(tmp_path / "x").shards("train")[0].samples == len(TEXTS)
+    with pytest.raises(SystemExit, match=rf"bad\.tar\.z cannot be read past byte {headers[10]}: HeaderError"):
+        index(str(tmp_path / "bad.tar.z"), "--validation", str(path), "--out", str(tmp_path / "i"))
+    reader = SampleReader(["txt"], "skip")
+    with pytest.warns(UserWarning, match=r"cannot be read past byte"):
+        assert len(list(reader.texts(str(tmp_path / "bad.tar.z"), len(TEXTS)))) == 5
+    assert reader.take() == (len(TEXTS), len(TEXTS) - 5)
+
+
+def test_changing_the_field_read_changes_the_topology_a_resume_compares(tmp_path: Path) -> None:
+    tarwriter_shards(tmp_path / "shards")
+    index(str(tmp_path / "shards"), "--validation-fraction", "0.25", "--out", str(tmp_path / "shards"))
+    txt, json_text = datamodule(tmp_path / "shards"), datamodule(tmp_path / "shards", text_field="json:text")
+    assert txt.topology != json_text.topology and txt.topology["text_field"] == "txt"
+
+
+def test_the_probe_labels_reindexed_built_shards_as_built(pair_dir: Path, tmp_path: Path) -> None:
+    index(f"{pair_dir}/train-*.tar", "--validation", f"{pair_dir}/validation-*.tar", "--out", str(tmp_path / "i"))
+    reindexed, built = Manifest.load(tmp_path / "i"), Manifest.load(pair_dir)
+    assert reindexed.fields != built.fields and reindexed.version != built.version
+    assert PythonDefinitions("kind")(reindexed) == PythonDefinitions("kind")(built) != []

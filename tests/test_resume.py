@@ -238,6 +238,7 @@ def test_running_again_continues_from_the_newest_checkpoint(compose_train, tmp_p
         "seed": 1234,
         "shuffle_buffer": 4096,
         "block_size": 64,
+        "text_field": "txt",
     }
     # The metrics file goes on from the first run's rows (Lightning's own CSV logger would delete them).
     with (tmp_path / "csv" / "metrics.csv").open() as file:

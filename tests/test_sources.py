@@ -286,3 +286,15 @@ def test_a_source_trees_hidden_directories_and_pycache_are_not_read(tmp_path: Pa
     build("--source", str(corpus), "--out", str(tmp_path / "o"))
     assert "0 not UTF-8" in capsys.readouterr().out
     assert len(stored(tmp_path / "o")) == len(TEXTS)
+
+
+def test_a_directory_mixing_parquet_and_other_files_is_refused_naming_both(tmp_path: Path) -> None:
+    corpus = text_corpus(tmp_path / "texts")
+    write_parquet(corpus / "sub" / "fixture.parquet", {"text": TEXTS[:3]})
+    message = build_error(tmp_path, "--source", str(corpus))
+    assert "1 .parquet files and" in message and "not both" in message
+    (tmp_path / "spark").mkdir()
+    write_parquet(tmp_path / "spark" / "part-0.parquet", {"text": TEXTS})
+    (tmp_path / "spark" / "_SUCCESS").write_text("")  # a writer's marker is not a document
+    build("--source", str(tmp_path / "spark"), "--out", str(tmp_path / "o"))
+    assert len(stored(tmp_path / "o")) == len(TEXTS)

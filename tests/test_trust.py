@@ -18,7 +18,9 @@ from hydra import compose, initialize_config_dir
 from pretraining.checkpoint import load_weights_only, save_file
 from pretraining.checkpoint.sharded import load_shards
 from pretraining.config import CONFIG_DIR
-from pretraining.errors import CheckpointError, ConfigError
+from pretraining.data.cli import main as pretrain_data
+from pretraining.data.manifest import SPLITS
+from pretraining.errors import CheckpointError, ConfigError, ShardError
 from pretraining.evaluate import evaluate
 from pretraining.info import main as info_main
 from pretraining.train import train
@@ -142,3 +144,24 @@ def test_a_file_that_is_no_checkpoint_is_called_damaged_not_dangerous(tmp_path: 
     with pytest.raises(CheckpointError, match="cannot be read as a checkpoint: it is damaged") as refused:
         load_weights_only(path)
     assert "weights_only" not in str(refused.value)
+
+
+def test_a_stored_config_cannot_allow_the_commands_of_a_manifest(
+    compose_train, tmp_path: Path, shard_dir: Path
+) -> None:
+    """`pretrain-eval` runs a manifest's `pipe:` commands on its own command line's word, never on the
+    checkpoint's stored `data.trust_pipe_commands`."""
+    train(compose_train("trainer.max_steps=6"))
+    marker = tmp_path / "marker"
+    commands = tmp_path / "commands"
+    train_shard, validation_shard = (f"pipe:touch {marker}; cat {shard_dir}/{split}-000000.tar" for split in SPLITS)
+    pretrain_data(["index", train_shard, "--validation", validation_shard, "--out", str(commands), "--quiet"])
+    marker.unlink()
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    checkpoint["lineage"]["config"]["data"] |= {"dir": str(commands), "trust_pipe_commands": True}
+    path = tmp_path / "crafted" / "step-000006.ckpt"
+    save_file(checkpoint, path)
+    with pytest.raises(ShardError, match=r"running shell commands .*trust_pipe_commands=true"):
+        evaluate_checkpoint(path, tmp_path)
+    assert not marker.exists()
+    assert "val/loss" in evaluate_checkpoint(path, tmp_path, "trust_pipe_commands=true") and marker.exists()

@@ -93,6 +93,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     check_schema(cfg, EvalSettings, "configs/eval.yaml")
     checkpoint = load_checkpoint(cfg.ckpt_path)
     overrides = {key: value for key, value in (("dir", cfg.data_dir), ("val_size", cfg.val_size)) if value is not None}
+    overrides["trust_pipe_commands"] = cfg.trust_pipe_commands  # the command line's word, never the stored one
     trusted = list(cfg.trusted_targets)
     model, datamodule = build_from_checkpoint(checkpoint, str(cfg.ckpt_path), overrides, cfg.tokenizer_path, trusted)
     trainer = Trainer(accelerator=cfg.accelerator, devices=1, logger=False, enable_checkpointing=False)

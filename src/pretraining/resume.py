@@ -35,7 +35,7 @@ FIT_CHECKS: dict[Change, tuple[str, str]] = {
     "topology": (
         "topology",
         "use the same data.global_batch_size, data.streams, data.num_workers, accumulation (devices x "
-        "data.micro_batch_size), data.shuffle_buffer, sequence lengths and seed",
+        "data.micro_batch_size), data.shuffle_buffer, sequence lengths, sample fields and seed",
     ),
 }
 ALLOWABLE_CHANGES = get_args(Change)

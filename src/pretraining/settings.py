@@ -49,6 +49,7 @@ class EvalSettings:
     val_size: Annotated[int, Range(ge=1)] | None
     accelerator: str
     trusted_targets: list[str]
+    trust_pipe_commands: bool
     prompt: str | None
     max_new_tokens: Annotated[int, Range(ge=1)]
     temperature: Annotated[float, Range(gt=0)]

@@ -65,18 +65,19 @@ def build(args: argparse.Namespace) -> None:
         print(f"docstring pairs: {asdict(counts)}")
 
 
-def train_texts(shard_dir: Path, fields: list[str] | None = None) -> Iterator[str]:
+def train_texts(shard_dir: Path, fields: list[str] | None = None, trust_pipe_commands: bool = False) -> Iterator[str]:
     """Every text of `fields` (see `Manifest.text_fields`) of every training sample."""
-    manifest = Manifest.load(shard_dir)
+    manifest = Manifest.load(shard_dir, trust_pipe_commands=trust_pipe_commands)
     for texts in SampleReader(manifest.text_fields(fields)).all_texts(manifest.urls("train")):
         yield from texts
 
 
 def tokenizer(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else Path(args.data) / TOKENIZER
-    manifest = Manifest.load(args.data)
+    manifest = Manifest.load(args.data, trust_pipe_commands=args.trust_pipe_commands)
     texts = sum(shard.samples for shard in manifest.shards("train")) * len(manifest.text_fields(args.field))
-    trained = train_bpe(train_texts(Path(args.data), args.field), args.vocab_size, out, not args.quiet, length=texts)
+    train = train_texts(Path(args.data), args.field, args.trust_pipe_commands)
+    trained = train_bpe(train, args.vocab_size, out, not args.quiet, length=texts)
     print(f"wrote {out}: vocabulary {trained.vocab_size}, fingerprint {trained.fingerprint}")
 
 
@@ -132,6 +133,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--vocab-size", type=int, default=4096)
     t.add_argument("--out", help="tokenizer.json path (default: <data>/tokenizer.json)")
     t.add_argument("--field", action="append", help="a sample field to train on (default: txt, or a pair's sides)")
+    t.add_argument("--trust-pipe-commands", action="store_true", help="run the pipe: commands the manifest names")
     t.add_argument("--quiet", action="store_true", help="no progress display")
     t.set_defaults(run=tokenizer)
     i = commands.add_parser(

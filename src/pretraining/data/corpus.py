@@ -52,7 +52,7 @@ SIGNATURES = {  # at the start of the file; tar's is at offset 257 (see binary_k
     "GIF": rb"GIF8[79]a",
     "PDF": rb"%PDF-",
 }
-TAR_NAMES = (".tar", ".tar.gz", ".tgz")
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # the names of tar shards
 
 
 def normalize(text: str) -> str:
@@ -112,7 +112,7 @@ def refuse_binary_files(paths: Iterable[Path]) -> None:
     named = ", ".join(f"{path} ({kind})" for path, kind in binary[:5])
     more = f" and {len(binary) - 5} more" if len(binary) > 5 else ""
     message = f"{len(binary)} binary file(s) where text was expected: {named}{more}; remove them from the source"
-    if any(kind == "tar" or path.name.endswith(TAR_NAMES) for path, kind in binary):
+    if any(kind == "tar" or path.name.endswith(SHARD_SUFFIXES) for path, kind in binary):
         message += (
             ". Tar archives look like WebDataset shards: to train on shards you already have, "
             "write their manifest in place with `pretrain-data index` instead of building"

@@ -76,13 +76,16 @@ class ShardDataModule(LightningDataModule):
         pin_memory: bool | None = None,
         bad_data: Literal["skip", "raise"] = "skip",
         max_skip_fraction: Annotated[float, Range(ge=0, le=1)] = 0.01,
+        trust_pipe_commands: bool = False,
     ) -> None:
         super().__init__()
         self.tokenizer, self.format = tokenizer, format(tokenizer)
         global_batch_size = global_batch_examples(global_batch_size, global_batch_tokens, self.format.example_tokens)
         batch_plan(global_batch_size, micro_batch_size, streams, 1)  # a config error shows before any work
         self.bad_data, self.max_skip_fraction = bad_data, max_skip_fraction
-        self.manifest = Manifest.load(dir, check=bad_data == "raise", verify_checksums=verify_checksums, key="data.dir")
+        self.manifest = Manifest.load(
+            dir, verify_checksums, check=bad_data == "raise", key="data.dir", trust_pipe_commands=trust_pipe_commands
+        )
         self.refused = self.manifest.problems(verify_checksums) if bad_data == "skip" else {}
         self.manifest.require_fields(
             [(f"data.format.{key}", name) for key, name in self.format.field_keys.items()],
@@ -138,7 +141,7 @@ class ShardDataModule(LightningDataModule):
         """DataLoader workers per rank (`num_workers=0` reads in the main process, like one worker)."""
         return max(1, self.num_workers)
 
-    def topology_for(self, world_size: int) -> dict[str, int]:
+    def topology_for(self, world_size: int) -> dict[str, int | str]:
         """What decides which examples each step trains on, besides the cursors. The number of devices
         is not part of it, only the accumulation that Lightning's loop counts batches with."""
         return {
@@ -149,10 +152,11 @@ class ShardDataModule(LightningDataModule):
             "seed": self.seed,
             "shuffle_buffer": self.shuffle_buffer,
             **self.format.lengths,
+            **self.format.field_keys,
         }
 
     @property
-    def topology(self) -> dict[str, int]:
+    def topology(self) -> dict[str, int | str]:
         return self.topology_for(self.rank_and_world[1])
 
     @property

@@ -28,13 +28,13 @@ import webdataset as wds
 from braceexpand import braceexpand
 from rich.progress import Progress
 
-from pretraining.data.manifest import MANIFEST, SPLITS, ShardInfo, is_remote
+from pretraining.data.corpus import PAIR_FIELDS, SHARD_SUFFIXES
+from pretraining.data.manifest import MANIFEST, SPLITS, ShardInfo, is_command, is_remote
 from pretraining.data.reader import Digest, ShardReadError, read_shard
+from pretraining.data.shards import FORMAT
 from pretraining.errors import ShardError
 from pretraining.files import write_atomically
 
-FORMAT = "pretraining-shards/2"  # the format `pretraining.data.shards` writes: the same reader reads both
-SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 SPLIT_RULE = "the shards named by --validation, or the fraction of shards with the lowest stable hash of their name"
 
 
@@ -93,7 +93,8 @@ def read_shard_index(url: str, checksum: bool) -> IndexedShard:
             fields.update(sample_fields(sample))
     except ShardReadError as error:
         raise ShardError(f"{error}: it cannot be indexed; repair it or leave it out") from error
-    assert digest is not None
+    if digest is None:  # read_shard raised before opening it, which it reports as a ShardReadError
+        raise ShardError(f"{url} could not be opened")
     return IndexedShard(url, samples, digest.bytes, digest.sha256.hexdigest() if checksum else None, fields)
 
 
@@ -117,7 +118,10 @@ def split_shards(
     """The shard URLs of each split: those named, or a fraction of the training ones for validation."""
     repeated = [url for url, count in Counter([*train, *validation]).items() if count > 1]
     if repeated:
-        raise ShardError(f"{repeated[0]} is named twice ({len(repeated)} shards are): name each shard once")
+        raise ShardError(
+            f"{repeated[0]} is named twice ({len(repeated)} shards are; a directory or glob names all its shards): "
+            f"name each shard once, e.g. the training shards by a glob that leaves out the validation ones"
+        )
     if validation_fraction is None:
         return {"train": list(train), "validation": list(validation)}
     if not 0 <= validation_fraction < 1:
@@ -149,7 +153,11 @@ def index_shards(
     manifest into `out` (atomically); return it."""
     if validation and validation_fraction is not None:
         raise ShardError("give --validation or --validation-fraction, not both")
+    if workers < 1:
+        raise ShardError(f"--workers={workers} must be at least 1")
     out = out.resolve()
+    if out.exists() and not out.is_dir():
+        raise ShardError(f"--out {out} is a file: name a directory (new, or the shards' own) for {MANIFEST}")
     urls = split_shards(
         [url for spec in train for url in expand(spec)],
         [url for spec in validation for url in expand(spec)],
@@ -220,7 +228,20 @@ def summary(manifest: dict, out: Path) -> Iterable[str]:
     )
     if not splits["validation"]["shards"]:
         yield "warning: no validation shards, which training validates on: index with --validation(-fraction)"
-    text = "" if "txt" in manifest["fields"] else " data.format.text_field=<one of the fields above>"
-    # The default probe labels Python definitions by the file names that built shards' metadata holds.
-    probe = "" if "json:source_id" in manifest["fields"] else " ~callbacks.probe"
-    yield f"train on it: pretrain data.dir={out}{text}{probe}"
+    yield f"train on it: pretrain data.dir={out}{' '.join(['', *training_overrides(manifest)])}"
+
+
+def training_overrides(manifest: dict) -> list[str]:
+    """What `pretrain data.dir=<out>` needs besides, for these shards."""
+    fields, overrides = set(manifest["fields"]), []
+    if set(PAIR_FIELDS) <= fields:
+        overrides.append("data=pairs")
+    elif "txt" not in fields:
+        text = next((field for field in ("text", "json:text") if field in fields), "FIELD")
+        overrides.append(f"data.format.text_field={text}")
+    if "json:source_id" not in fields:  # the default probe labels Python files by the name built shards record
+        overrides.append("~callbacks.probe")
+    names = [shard["name"] for split in manifest["splits"].values() for shard in split["shards"]]
+    if any(is_command(name) for name in names):
+        overrides.append("data.trust_pipe_commands=true")
+    return overrides

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
-from pretraining.data.corpus import PAIR_FIELDS, SourceBytes, definitions, jsonl_records
+from pretraining.data.corpus import PAIR_FIELDS, TEXT_FIELDS, SourceBytes, definitions, jsonl_records
 from pretraining.data.manifest import Manifest
 from pretraining.data.reader import SampleReader
 from pretraining.data.stream import stable_hash
@@ -84,12 +84,12 @@ class PythonDefinitions:
 
     def __call__(self, manifest: Manifest) -> list[LabelledExample]:
         self.counts = DefinitionCounts()
-        pairs = manifest.fields == PAIR_FIELDS
+        pairs = set(PAIR_FIELDS) <= set(manifest.fields)
         if manifest.field_counts and "json:source_id" not in manifest.fields:  # indexed, not built here
             raise self.unlabelled(manifest)
         # Through the reader training uses: the sample's metadata, and its last field (a text's whole file,
         # a pair's passage: code, as the probe's texts are).
-        reader = SampleReader(("json", manifest.fields[-1]))
+        reader = SampleReader(("json", PAIR_FIELDS[1] if pairs else TEXT_FIELDS[0]))
         examples: list[LabelledExample] = []
         for metadata, text in reader.all_texts(manifest.urls(self.split)):
             self.counts.samples += 1

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import webdataset as wds
 
-from pretraining.data.corpus import PAIR_FIELDS, TEXT_FIELDS
+from pretraining.data.corpus import PAIR_FIELDS, SHARD_SUFFIXES, TEXT_FIELDS
 from pretraining.data.reader import Digest
 from pretraining.errors import ShardError
 from pretraining.files import sha256_of
@@ -46,10 +46,18 @@ class Manifest:
     field_counts: dict[str, int] = field(default_factory=dict)  # samples having each field, where indexed
 
     @classmethod
-    def load(cls, directory: str | Path, verify_checksums: bool = True, check: bool = True, key: str = "") -> Manifest:
+    def load(
+        cls,
+        directory: str | Path,
+        verify_checksums: bool = True,
+        check: bool = True,
+        key: str = "",
+        trust_pipe_commands: bool = False,
+    ) -> Manifest:
         """The manifest of `directory` (named by the config key or option `key`, if any); with `check`,
         refusing shards that are missing or altered (their checksums are read with `verify_checksums`,
-        sizes always)."""
+        sizes always). Shards read by running a `pipe:` command are refused unless `trust_pipe_commands`:
+        a manifest is a file, and one from elsewhere could name any command."""
         path = Path(directory) / MANIFEST
         if not path.is_file():
             raise ShardError(no_manifest(str(directory), key))
@@ -60,7 +68,16 @@ class Manifest:
             fields = tuple(raw.get("fields", TEXT_FIELDS))
             manifest = cls(directory, raw["version"], splits, fields, raw.get("field_counts", {}))
         except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ShardError(f"{path} is not a valid manifest ({error}); rebuild with `pretrain-data build`") from error
+            raise ShardError(
+                f"{path} is not a valid manifest ({error}): write it again with `pretrain-data build` or `index`"
+            ) from error
+        commands = [shard.name for shards in manifest.splits.values() for shard in shards if is_command(shard.name)]
+        if commands and not trust_pipe_commands:
+            raise ShardError(
+                f"{path} reads {len(commands)} shards by running shell commands ({commands[0]!r}), and a manifest "
+                f"from elsewhere could name any command: if you trust these (you indexed them yourself), allow them "
+                f"with data.trust_pipe_commands=true (pretrain-data tokenizer: --trust-pipe-commands)"
+            )
         if check:
             manifest.check(verify_checksums)
         return manifest
@@ -152,9 +169,9 @@ def no_manifest(directory: str, key: str = "") -> str:
         )
     if not path.is_dir():
         return f"{named} is a file, not a directory: {elsewhere} a directory of shards (one holding {MANIFEST})"
-    if tars := sorted(path.glob("*.tar")):
+    if tars := [p for p in path.iterdir() if p.name.endswith(SHARD_SUFFIXES)]:
         return (
-            f"{named} holds {len(tars)} .tar files but no {MANIFEST}: if they are WebDataset shards, index them "
+            f"{named} holds {len(tars)} tar files but no {MANIFEST}: if they are WebDataset shards, index them "
             f"where they are with `pretrain-data index {directory} --validation-fraction 0.05 --out {directory}`"
         )
     return (
@@ -166,12 +183,17 @@ def no_manifest(directory: str, key: str = "") -> str:
 def names_shards(spec: str) -> bool:
     """A string naming shards rather than a directory: a URL, a `pipe:` command, a brace list, a glob, or a
     tar file."""
-    return is_remote(spec) or any(c in spec for c in "{*?[") or spec.endswith((".tar", ".tar.gz", ".tgz"))
+    return is_remote(spec) or any(c in spec for c in "{*?[") or spec.endswith(SHARD_SUFFIXES)
 
 
 def is_remote(name: str) -> bool:
     """A shard named by a URL or a `pipe:` command, not a local path."""
-    return name.startswith("pipe:") or "://" in name
+    return is_command(name) or "://" in name
+
+
+def is_command(name: str) -> bool:
+    """A shard read by running a shell command (WebDataset's `pipe:`)."""
+    return name.startswith("pipe:")
 
 
 def file_problem(path: Path, shard: ShardInfo) -> str | None:

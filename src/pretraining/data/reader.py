@@ -10,8 +10,11 @@ through it.
 
 from __future__ import annotations
 
+import bz2
+import gzip
 import hashlib
 import json
+import lzma
 import tarfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -36,13 +39,14 @@ def read_shard(url: str, opener: Callable[[str], Any] = wds.gopen) -> Iterator[d
     offset = 0
     problem: Exception | None = None
     try:
-        with opener(url) as raw, tarfile.open(fileobj=(file := TailKeeper(raw)), mode="r|*") as tar:  # type: ignore[call-overload]
+        with opener(url) as raw, tarfile.open(fileobj=(file := TailKeeper(decompressed(raw))), mode="r|") as tar:  # type: ignore[call-overload]
             for member in tar:
                 offset = member.offset
                 if not member.isreg():
                     continue
                 directory, _, name = member.name.rpartition("/")
                 stem, dot, field = name.partition(".")
+                field = field.lower()  # as WebDataset reads it
                 key = f"{directory}/{stem}" if directory else stem
                 if sample and sample["__key__"] != key:
                     yield sample
@@ -50,14 +54,47 @@ def read_shard(url: str, opener: Callable[[str], Any] = wds.gopen) -> Iterator[d
                 sample = sample or {"__key__": key, "__offset__": member.offset}
                 sample[field if dot else ""] = tar.extractfile(member).read()  # type: ignore[union-attr]
             offset = tar.offset
-            if getattr(tar.fileobj, "comptype", "tar") == "tar":  # offsets are the file's (not compressed)
-                problem = file.early_end(tar.offset)
+            problem = file.early_end(tar.offset)
     except Exception as error:  # anything raised while parsing these bytes means they cannot be trusted
         raise ShardReadError(url, offset, error) from error
     if sample:  # its members were read whole (a damaged header after them ends the shard)
         yield sample
     if problem:
         raise ShardReadError(url, offset, problem)
+
+
+def decompressed(raw: Any) -> Any:
+    """The tar bytes of a shard stream, gzip, bzip2 or xz compressed or not (told by its first bytes), so
+    that tar offsets, and the check of what follows the archive's end, are the same for all."""
+    head = raw.read(6)
+    stream = Prefixed(head, raw)
+    for magic, opened in COMPRESSIONS:
+        if head.startswith(magic):
+            return opened(stream)
+    return stream
+
+
+class Prefixed:
+    """A stream whose first bytes were read already (to tell its compression)."""
+
+    def __init__(self, head: bytes, rest: Any) -> None:
+        self.head, self.rest = head, rest
+
+    def read(self, size: int = -1) -> bytes:
+        if not self.head:
+            return self.rest.read(size)
+        if size < 0:
+            data, self.head = self.head + self.rest.read(), b""
+            return data
+        data, self.head = self.head[:size], self.head[size:]
+        return data if len(data) == size else data + self.rest.read(size - len(data))
+
+
+COMPRESSIONS: list[tuple[bytes, Callable[[Any], Any]]] = [
+    (b"\x1f\x8b", lambda stream: gzip.GzipFile(fileobj=stream)),
+    (b"BZh", bz2.BZ2File),
+    (b"\xfd7zXZ\x00", lzma.LZMAFile),
+]
 
 
 class TailKeeper:

@@ -171,6 +171,11 @@ def build_shards(
     out_dir = out_dir.resolve()
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
         raise ShardError(f"{out_dir} is not empty and holds no {MANIFEST}; choose a new or empty --out directory")
+    if (out_dir / MANIFEST).is_file() and json.loads((out_dir / MANIFEST).read_bytes()).get("indexed"):
+        raise ShardError(
+            f"{out_dir} holds the manifest of shards indexed with `pretrain-data index`, and a build replaces the "
+            f"whole directory, shards included: choose a new or empty --out directory"
+        )
     staging = out_dir.with_name(f".{out_dir.name}.building")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

@@ -38,6 +38,18 @@ def is_table_source(path: Path) -> bool:
     return path.suffix == ".parquet"
 
 
+def _other_files(directory: Path) -> list[Path]:
+    """The files of a Parquet directory that are not Parquet, leaving out hidden ones and those a writer
+    adds beside its parts (Spark's `_SUCCESS`, `_metadata`)."""
+    return sorted(
+        path
+        for path in directory.rglob("*")
+        if path.is_file()
+        and path.suffix != ".parquet"
+        and not any(part.startswith((".", "_")) for part in path.relative_to(directory).parts)
+    )
+
+
 def is_saved_dataset(path: Path) -> bool:
     """A directory written by `datasets`' `Dataset.save_to_disk`."""
     return all((path / name).is_file() for name in DATASET_FILES)
@@ -54,6 +66,11 @@ def read_table_source(path: Path, text_fields: dict[str, str], id_field: str | N
             _check_columns(pa, file, _arrow_schema(pa, file), text_fields, id_field)
         return _documents(_arrow_batches(pa, files), text_fields, id_field, prefix=path.name)
     files = sorted(path.rglob("*.parquet")) if path.is_dir() else [path]
+    if path.is_dir() and (others := _other_files(path)):
+        raise CorpusError(
+            f"{path} holds {len(files)} .parquet files and {len(others)} other files ({others[0]}, ...): a source is a "
+            f"Parquet directory or a text directory, not both: pass the Parquet files' own directory, or move them out"
+        )
     for file in files:
         _check_columns(pa, file, _parquet_schema(pa, file), text_fields, id_field)
     columns = list(dict.fromkeys([*text_fields.values(), *([id_field] if id_field else [])]))
