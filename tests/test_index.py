@@ -162,6 +162,11 @@ def test_a_pipe_brace_list_is_indexed_read_and_checked_through_the_command(tmp_p
         (["{tmp}/shards"], r"name the validation shards with --validation"),
         (["{tmp}/shards", "--validation-fraction", "0.99"], r"leaves none for training"),
         (
+            ["pipe:cat {tmp}/none-{0..1}.tar", "--validation-fraction", "0.5"],
+            r"none-0.tar cannot .*exited with status 1",
+        ),
+        (["{tmp}/shards", "--validation-fraction", "0.5", "--workers", "0"], r"--workers=0 must be at least 1"),
+        (
             ["{tmp}/shards", "--validation", "{tmp}/shards/shard-000000.tar"],
             r"shard-000000\.tar is named twice",
         ),

@@ -15,6 +15,7 @@ import gzip
 import hashlib
 import json
 import lzma
+import re
 import tarfile
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -149,8 +150,16 @@ class ShardReadError(Exception):
     """A shard that cannot be read past `offset`: truncated, a corrupt tar header, or unreadable."""
 
     def __init__(self, url: str, offset: int, cause: BaseException) -> None:
-        super().__init__(f"{url} cannot be read past byte {offset}: {type(cause).__name__}: {cause}")
+        super().__init__(f"{url} cannot be read past byte {offset}: {described(cause)}")
         self.url, self.offset = url, offset
+
+
+def described(cause: BaseException) -> str:
+    """An error in a line; a `pipe:` command or URL that failed (webdataset raises an OSError holding its
+    whole call) by its exit status."""
+    if isinstance(cause, OSError) and (status := re.search(r"\): exit (-?\d+) ", str(cause))):
+        return f"the command reading it (or curl, for a URL) exited with status {status[1]}"
+    return f"{type(cause).__name__}: {cause}"
 
 
 def field_text(sample: dict[str, Any], field: str) -> str:
