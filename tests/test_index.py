@@ -158,7 +158,7 @@ def test_a_pipe_brace_list_is_indexed_read_and_checked_through_the_command(tmp_p
     [
         (["{tmp}/nothing", "--validation-fraction", "0.5"], r"nothing does not exist"),
         (["{tmp}/shards/*.tgz", "--validation-fraction", "0.5"], r"\*\.tgz matches no file"),
-        (["{tmp}", "--validation-fraction", "0.5"], r"holds no \.tar files"),
+        (["{tmp}", "--validation-fraction", "0.5"], r"holds no shards"),
         (["{tmp}/shards"], r"name the validation shards with --validation"),
         (["{tmp}/shards", "--validation-fraction", "0.99"], r"leaves none for training"),
         (

@@ -58,20 +58,16 @@ def expand(spec: str) -> list[str]:
     for name in braceexpand(spec):
         path = Path(name)
         if path.is_dir():
-            matches = sorted(str(p) for p in path.iterdir() if p.name.endswith(SHARD_SUFFIXES) and p.is_file())
-        elif glob.has_magic(name):
-            matches = sorted(glob.glob(name))
-        else:
-            matches = [name] if path.is_file() else []
-        if not matches:
-            what = (
-                "holds no .tar files"
-                if path.is_dir()
-                else "matches no file"
-                if glob.has_magic(name)
-                else "does not exist"
+            matches, problem = (
+                sorted(str(p) for p in path.iterdir() if p.name.endswith(SHARD_SUFFIXES)),
+                f"holds no shards ({', '.join(SHARD_SUFFIXES)} files)",
             )
-            raise ShardError(f"{name} {what}: name shard files, a directory of them, a glob, a brace list or a URL")
+        elif glob.has_magic(name):
+            matches, problem = sorted(glob.glob(name)), "matches no file"
+        else:
+            matches, problem = ([name] if path.is_file() else []), "does not exist"
+        if not matches:
+            raise ShardError(f"{name} {problem}: name shard files, a directory of them, a glob, a brace list or a URL")
         found += [str(Path(match).resolve()) for match in matches]
     return found
 
