@@ -15,7 +15,7 @@ from pathlib import Path
 import webdataset as wds
 
 from pretraining.data.corpus import PAIR_FIELDS, SHARD_SUFFIXES, TEXT_FIELDS
-from pretraining.data.reader import Digest
+from pretraining.data.reader import Digest, described
 from pretraining.errors import ShardError
 from pretraining.files import sha256_of
 
@@ -215,7 +215,7 @@ def checksum_problem(url: str, sha256: str, size: int) -> str | None:
                 while digest.read(1 << 20):
                     pass
         except Exception as error:  # a URL or command that fails is a shard that cannot be read
-            return f"cannot be read ({type(error).__name__}: {error})"
+            return f"cannot be read ({described(error)})"
         if digest.bytes != size:
             return f"truncated or altered ({digest.bytes} bytes, the manifest says {size})"
         found = digest.sha256.hexdigest()

@@ -1,11 +1,12 @@
 """Reading the samples of tar shards under a bad-data policy.
 
-`read_shard` groups a shard's tar members by key, as WebDataset does, and gives each sample its byte
-offset; `SampleReader` decodes the fields it is asked for and skips (with a warning naming the
+`read_shard` groups a shard's tar members by key, as WebDataset does (gzip, bzip2 and xz shards
+decompressed first), and gives each sample its byte offset; `SampleReader` decodes the fields it is
+asked for (a member, or a key of the `.json` member: `field_text`) and skips (with a warning naming the
 shard, the byte offset and the sample) or stops on what cannot be used: a missing field, text that
-is not UTF-8 or is empty, a shard truncated, corrupt, missing or refused at start-up. It counts the
-samples read and skipped as it goes. Training, validation, tokenizer training and probes all read
-through it.
+is not UTF-8 or is empty, a shard truncated, corrupt, missing or refused at start-up, or holding
+fewer samples than its manifest entry. It counts the samples read and skipped as it goes. Training,
+validation, tokenizer training, probes and the index all read through it.
 """
 
 from __future__ import annotations
