@@ -18,6 +18,7 @@ from pretraining.config import CONFIG_DIR
 from pretraining.data.cli import train_texts
 from pretraining.data.corpus import PAIR_FIELDS, Document, docstring_pairs, read_text_files, stdlib_root
 from pretraining.data.formats import PackedBlocks, TokenizedPairs
+from pretraining.data.manifest import Manifest
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.tokenizer import Tokenizer, train_bpe
 from pretraining.objectives import PretrainingObjective
@@ -74,7 +75,7 @@ def shard_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def bpe_path(shard_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
-    train_bpe(train_texts(shard_dir), vocab_size=320, out_path=path)
+    train_bpe(train_texts(Manifest.load(shard_dir)), vocab_size=320, out_path=path)
     return path
 
 
@@ -119,7 +120,9 @@ def pair_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     settings = BuildSettings(validation_fraction=0.25, max_shard_samples=100)
     pairs = docstring_pairs(stdlib_sample_files())
     build_shards(pairs, out, STDLIB_SAMPLE_SOURCES, settings, show_progress=False, fields=PAIR_FIELDS)
-    train_bpe(train_texts(out), vocab_size=320, out_path=out / "tokenizer.json")  # contrastive_tiny's tokenizer=bpe
+    train_bpe(
+        train_texts(Manifest.load(out)), vocab_size=320, out_path=out / "tokenizer.json"
+    )  # contrastive_tiny's tokenizer=bpe
     return out
 
 

@@ -22,6 +22,7 @@ import torch
 
 from pretraining.data.cli import train_texts
 from pretraining.data.corpus import PAIR_FIELDS, Document
+from pretraining.data.manifest import Manifest
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.tokenizer import train_bpe
 from pretraining.train import train
@@ -59,7 +60,7 @@ def golden_data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         pairs.append(Document(f"pair{i}", dict(zip(PAIR_FIELDS, [query, f"{query} {words(rng, 30)}"], strict=True))))
     settings = BuildSettings(0.25, max_shard_samples=30)
     build_shards(pairs, root / "pairs", ["golden"], settings, show_progress=False, fields=PAIR_FIELDS)
-    train_bpe(train_texts(root / "pairs"), vocab_size=320, out_path=root / "pairs" / "tokenizer.json")
+    train_bpe(train_texts(Manifest.load(root / "pairs")), vocab_size=320, out_path=root / "pairs" / "tokenizer.json")
     return {"text": root / "text", "pairs": root / "pairs"}
 
 

@@ -65,9 +65,8 @@ def build(args: argparse.Namespace) -> None:
         print(f"docstring pairs: {asdict(counts)}")
 
 
-def train_texts(shard_dir: Path, fields: list[str] | None = None, trust_pipe_commands: bool = False) -> Iterator[str]:
+def train_texts(manifest: Manifest, fields: list[str] | None = None) -> Iterator[str]:
     """Every text of `fields` (see `Manifest.text_fields`) of every training sample."""
-    manifest = Manifest.load(shard_dir, trust_pipe_commands=trust_pipe_commands)
     for texts in SampleReader(manifest.text_fields(fields)).all_texts(manifest.urls("train")):
         yield from texts
 
@@ -76,8 +75,7 @@ def tokenizer(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else Path(args.data) / TOKENIZER
     manifest = Manifest.load(args.data, trust_pipe_commands=args.trust_pipe_commands)
     texts = sum(shard.samples for shard in manifest.shards("train")) * len(manifest.text_fields(args.field))
-    train = train_texts(Path(args.data), args.field, args.trust_pipe_commands)
-    trained = train_bpe(train, args.vocab_size, out, not args.quiet, length=texts)
+    trained = train_bpe(train_texts(manifest, args.field), args.vocab_size, out, not args.quiet, length=texts)
     print(f"wrote {out}: vocabulary {trained.vocab_size}, fingerprint {trained.fingerprint}")
 
 
