@@ -89,8 +89,7 @@ def read_shard_index(url: str, checksum: bool) -> IndexedShard:
             fields.update(sample_fields(sample))
     except ShardReadError as error:
         raise ShardError(f"{error}: it cannot be indexed; repair it or leave it out") from error
-    if digest is None:  # read_shard raised before opening it, which it reports as a ShardReadError
-        raise ShardError(f"{url} could not be opened")
+    assert digest is not None  # read_shard opened the shard, or raised a ShardReadError
     return IndexedShard(url, samples, digest.bytes, digest.sha256.hexdigest() if checksum else None, fields)
 
 
@@ -112,6 +111,8 @@ def split_shards(
     train: Sequence[str], validation: Sequence[str], validation_fraction: float | None
 ) -> dict[str, list[str]]:
     """The shard URLs of each split: those named, or a fraction of the training ones for validation."""
+    if not train:
+        raise ShardError("no training shards to index: name some")
     repeated = [url for url, count in Counter([*train, *validation]).items() if count > 1]
     if repeated:
         raise ShardError(
@@ -177,8 +178,6 @@ def index_shards(
 def index_manifest(splits: dict[str, list[IndexedShard]], out: Path) -> dict:
     """The manifest of indexed shards, their names relative to `out` where under it."""
     every = [shard for shards in splits.values() for shard in shards]
-    if not splits["train"]:
-        raise ShardError("no training shards to index: name some")
     counts = sum((shard.fields for shard in every), Counter())
     total = sum(shard.samples for shard in every)
     fields = sorted(name for name, count in counts.items() if count == total)
