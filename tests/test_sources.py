@@ -298,3 +298,9 @@ def test_a_directory_mixing_parquet_and_other_files_is_refused_naming_both(tmp_p
     (tmp_path / "spark" / "_SUCCESS").write_text("")  # a writer's marker is not a document
     build("--source", str(tmp_path / "spark"), "--out", str(tmp_path / "o"))
     assert len(stored(tmp_path / "o")) == len(TEXTS)
+
+
+def test_an_id_field_for_text_files_is_refused(tmp_path: Path) -> None:
+    corpus = text_corpus(tmp_path / "texts")
+    for source in (str(corpus), "stdlib"):
+        assert "--id-field=id names a field of records" in build_error(tmp_path, "--source", source, "--id-field", "id")

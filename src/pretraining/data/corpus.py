@@ -165,6 +165,7 @@ def read_source(
     (the source exists; a table's columns; a text directory holds no binary files), so that a build
     stops before it writes anything."""
     if source == "stdlib":
+        refuse_id_field(source, id_field)
         return read_stdlib()
     path = Path(source)
     if not path.exists():
@@ -177,10 +178,20 @@ def read_source(
     if is_jsonl_source(source):
         return read_jsonl(path, text_fields, id_field)
     if path.is_dir():
+        refuse_id_field(source, id_field)
         refuse_binary_files(text_files(path))
         return read_text_files(path)
     refuse_binary_files([path])
     raise CorpusError(f"corpus source {source!r} is a file but not .jsonl or .parquet; pass its directory instead")
+
+
+def refuse_id_field(source: str, id_field: str | None) -> None:
+    """Text files are identified by their paths: an id field, which only records have, is a mistake to say."""
+    if id_field:
+        raise CorpusError(
+            f"--id-field={id_field} names a field of records (jsonl, Parquet, a saved dataset), but {source!r} is read "
+            f"as text files, each identified by its path: drop --id-field"
+        )
 
 
 def is_record_source(source: str) -> bool:
