@@ -5,7 +5,9 @@ a glob, a brace list (`train-{000000..000099}.tar`), a URL or a `pipe:` command 
 `webdataset.gopen`, brace lists expanded). Each shard is read once, whole: its samples are counted
 (a damaged shard is refused, naming it), the fields of every sample are recorded (tar member
 extensions, and `json:<key>` for each string value of a `.json` member), and so are its size and
-sha256 (for remote shards only with `remote_checksums`: checking them means reading them again).
+sha256 (for remote shards only with `--remote-checksums`: checking them means reading them again).
+Training runs the `pipe:` commands a manifest names only when told to trust them
+(`data.trust_pipe_commands=true`): a manifest is a file, and one from elsewhere could name any command.
 
 The manifest names each shard by where it is (relative to the manifest when under its directory, so
 the two move together), and its version is a hash of the fields and the shards' names, sample counts,
