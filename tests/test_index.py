@@ -52,9 +52,11 @@ def index(*arguments: str) -> None:
     pretrain_data(["index", *arguments, "--quiet"])
 
 
-def datamodule(directory: Path | str, **format: str) -> ShardDataModule:
+def datamodule(directory: Path | str, trust_pipe_commands: bool = False, **format: str) -> ShardDataModule:
     blocks: Callable[[Tokenizer], PackedBlocks] = partial(PackedBlocks, block_size=32, **format)
-    return ShardDataModule(str(directory), ByteTokenizer(), blocks, global_batch_size=4, streams=1)
+    return ShardDataModule(
+        str(directory), ByteTokenizer(), blocks, global_batch_size=4, streams=1, trust_pipe_commands=trust_pipe_commands
+    )
 
 
 def training_texts(manifest: Manifest, field: str) -> list[str]:
@@ -244,9 +246,7 @@ def test_a_manifest_runs_no_command_it_names_unless_trusted(tmp_path: Path) -> N
     with pytest.raises(SystemExit, match="--trust-pipe-commands"):
         pretrain_data(["tokenizer", "--data", str(tmp_path / "index"), "--quiet"])
     assert not ran.exists()
-    blocks = partial(PackedBlocks, block_size=32)
-    trusted = ShardDataModule(str(tmp_path / "index"), ByteTokenizer(), blocks, 4, streams=1, trust_pipe_commands=True)
-    assert trusted.validation_set and ran.exists()
+    assert datamodule(tmp_path / "index", trust_pipe_commands=True).validation_set and ran.exists()
 
 
 def test_a_build_never_replaces_a_directory_of_indexed_shards(tmp_path: Path) -> None:
