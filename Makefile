@@ -10,24 +10,25 @@ PAIRS_DIR ?= data/stdlib_pairs
 EXPERIMENT ?= clm_tiny
 ARGS ?=
 CKPT ?=
+OUT ?=
 RUN ?=
 SWEEP ?=
 # The Optuna search preset (configs/hparams_search/) of the experiment's objective: clm_tiny -> clm.
 SEARCH ?= $(firstword $(subst _, ,$(EXPERIMENT)))
 
 .DEFAULT_GOAL := help
-.PHONY: help install data tokenizer train sweep sweep-optuna sweep-report eval info plot test test-full lint format bench bench-gpu chaos clean clean-logs
+.PHONY: help install data tokenizer train sweep sweep-optuna sweep-report eval info export plot test test-full lint format bench bench-gpu chaos clean clean-logs
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-install: $(VENV)/.installed ## Create .venv: torch pinned first, then the package with dev tools and pyarrow
+install: $(VENV)/.installed ## Create .venv: torch pinned first, then the package with dev tools, pyarrow and transformers
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install --quiet -e ".[dev,formats]"
+	$(BIN)/pip install --quiet -e ".[dev,formats,hf]"
 	touch $@
 
 data: install $(DATA_DIR)/manifest.json $(PAIRS_DIR)/tokenizer.json ## Build the default shards: stdlib source text, and its (docstring, code) pairs
@@ -66,6 +67,10 @@ eval: install ## Evaluate a checkpoint: make eval CKPT=path/to/last.ckpt [ARGS="
 info: install ## What produced a checkpoint: make info CKPT=path/to/last.ckpt [ARGS="--config"]
 	@test -n "$(CKPT)" || { echo "usage: make info CKPT=logs/train/runs/<run>/checkpoints/last.ckpt"; exit 2; }
 	$(BIN)/pretrain-info $(CKPT) $(ARGS)
+
+export: install ## A Hugging Face model directory: make export CKPT=path/to/last.ckpt OUT=exports/<name>
+	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "usage: make export CKPT=logs/train/runs/<run>/checkpoints/last.ckpt OUT=exports/<name>"; exit 2; }
+	$(BIN)/pretrain-export $(CKPT) $(OUT) $(ARGS)
 
 plot: install ## Learning curves as PNG: make plot RUN=logs/train/runs/<run> (or a multirun directory)
 	@test -n "$(RUN)" || { echo "usage: make plot RUN=logs/train/runs/<run> or RUN=logs/train/multiruns/<sweep>"; exit 2; }

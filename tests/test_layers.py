@@ -16,14 +16,15 @@ FLOORS = [
     ("ground", ["errors", "ranges", "files", "distributed", "instantiate", "checkpoint", "run_lock"]),
     ("data", ["data"]),
     ("models", ["models"]),
+    ("hf", ["hf"]),
     ("plugins", ["plugins"]),
     ("objectives", ["objectives"]),
     ("callbacks", ["callbacks", "loggers"]),
     ("run set-up", ["config", "schema", "settings", "resume", "run", "launch"]),
-    ("entry points", ["train", "evaluate", "info", "plots", "run_logs", "sweeps", "data.cli"]),
+    ("entry points", ["train", "evaluate", "info", "export", "plots", "run_logs", "sweeps", "data.cli"]),
 ]
 # The floors without Lightning, and the names it is imported under.
-NO_LIGHTNING = ("ground", "models")
+NO_LIGHTNING = ("ground", "models", "hf")
 LIGHTNING = {"lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics"}
 
 

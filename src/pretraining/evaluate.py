@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import hydra
 import torch
@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from pretraining.checkpoint import READABLE_LINEAGE_FORMATS, load_sharded, load_weights_only, sidecar_path, verify
 from pretraining.config import CONFIG_DIR
-from pretraining.errors import ConfigError
+from pretraining.errors import ConfigError, MissingFileError
 from pretraining.instantiate import build, check_targets
 from pretraining.objectives import CausalLM, build_objective
 from pretraining.schema import check_schema
@@ -63,6 +63,34 @@ def lineage_of(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
     return checkpoint["lineage"]
 
 
+def stored_config(checkpoint: dict[str, Any], source: str, trusted_targets: Sequence[str] = ()) -> DictConfig:
+    """The config a checkpoint was trained with, read from `source`, refused if it names any class not
+    trusted in its tokenizer, data or model groups (the ones rebuilt from it)."""
+    run = OmegaConf.create(checkpoint["lineage"]["config"])
+    for group in ("tokenizer", "data", "model"):
+        check_targets(run.get(group), group, trusted_targets, f"the config stored in {source}")
+    return run
+
+
+def stored_tokenizer(checkpoint: dict[str, Any], run: DictConfig, tokenizer_path: str | None, option: str) -> Any:
+    """The tokenizer a checkpoint was trained with (its file at `tokenizer_path` if given), refused unless
+    its fingerprint is the checkpoint's; `option` is how the caller passes another path."""
+    node = OmegaConf.merge(run.tokenizer, {"path": tokenizer_path} if tokenizer_path else {})
+    if "path" in node and not Path(node.path).is_file():
+        raise MissingFileError(
+            f"the tokenizer this checkpoint was trained with, {node.path}, is not there: restore it, or pass "
+            f"where it is now with {option}"
+        )
+    tokenizer = build(cast(DictConfig, node))
+    expected = checkpoint["lineage"]["tokenizer_fingerprint"]
+    if tokenizer.fingerprint != expected:
+        raise ConfigError(
+            f"the tokenizer at {node} (fingerprint {tokenizer.fingerprint}) is not the one this "
+            f"checkpoint was trained with ({expected}); restore that tokenizer file"
+        )
+    return tokenizer
+
+
 def build_from_checkpoint(
     checkpoint: dict[str, Any],
     source: str,
@@ -72,16 +100,8 @@ def build_from_checkpoint(
 ) -> tuple[LightningModule, Any]:
     """The objective (with the checkpoint's weights) and the DataModule the checkpoint was trained with,
     read from `source`: built only if its config names nothing but trusted classes."""
-    lineage = checkpoint["lineage"]
-    run = OmegaConf.create(lineage["config"])
-    for group in ("tokenizer", "data", "model"):
-        check_targets(run.get(group), group, trusted_targets, f"the config stored in {source}")
-    tokenizer = build(run.tokenizer, **({"path": tokenizer_path} if tokenizer_path else {}))
-    if tokenizer.fingerprint != lineage["tokenizer_fingerprint"]:
-        raise ConfigError(
-            f"the tokenizer at {run.tokenizer} (fingerprint {tokenizer.fingerprint}) is not the one this "
-            f"checkpoint was trained with ({lineage['tokenizer_fingerprint']}); restore that tokenizer file"
-        )
+    run = stored_config(checkpoint, source, trusted_targets)
+    tokenizer = stored_tokenizer(checkpoint, run, tokenizer_path, "tokenizer_path=...")
     datamodule = build(run.data, tokenizer=tokenizer, **data_overrides)
     model = build_objective(run.model, datamodule.format)
     model.load_state_dict(checkpoint["state_dict"])

@@ -24,6 +24,7 @@ from pretraining.config import PROJECT_ROOT, redact_secrets
 from pretraining.data import ShardDataModule
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
+from pretraining.hf.init_from import initialise_from
 from pretraining.instantiate import build
 from pretraining.launch import check_devices
 from pretraining.loggers import wandb_sync_hint
@@ -74,13 +75,28 @@ def check_example_lengths(cfg: DictConfig, tokenizer: Tokenizer) -> None:
     check_lengths(build(cfg.data.format)(tokenizer), cfg.model.backbone.max_seq_len)
 
 
-def run_lineage(cfg: DictConfig, datamodule: ShardDataModule, resume: Resume | None) -> Lineage:
+def starting_weights(model: PretrainingObjective, tokenizer: Tokenizer, resume: Resume | None) -> dict[str, Any] | None:
+    """Load `model.init_from` into a fresh run's backbone; the record of where the weights started (a
+    resumed run's, from its checkpoint: the directory need not exist any more), or None."""
+    if resume is not None:
+        return resume.sidecar.get("lineage", {}).get("origin")
+    if model.init_from is None:
+        return None
+    origin = initialise_from(model.backbone, Path(model.init_from), tokenizer)
+    rank_zero_info(f"starting from the weights of {origin['init_from']} (model.init_from)")
+    return origin
+
+
+def run_lineage(
+    cfg: DictConfig, datamodule: ShardDataModule, resume: Resume | None, origin: dict[str, Any] | None
+) -> Lineage:
     """The callback that stamps every checkpoint with what produced it: the config (without credentials:
-    it is logged and stored), the code revision, data and tokenizer, and the checkpoint continued from."""
+    it is logged and stored), the code revision, data and tokenizer, the checkpoint continued from and
+    the weights the run started from (`origin`, from `starting_weights`)."""
     config = cast(dict[str, Any], redact_secrets(OmegaConf.to_container(cfg, resolve=True)))
     parent = str(resume.path) if resume else None
     code = code_revision(PROJECT_ROOT)
-    return Lineage(config, datamodule.manifest.version, datamodule.tokenizer.fingerprint, code, parent)
+    return Lineage(config, datamodule.manifest.version, datamodule.tokenizer.fingerprint, code, parent, origin)
 
 
 def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[Callback]) -> Trainer:

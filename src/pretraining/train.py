@@ -33,6 +33,7 @@ from pretraining.run import (
     prepare_process,
     report,
     run_lineage,
+    starting_weights,
 )
 from pretraining.run_lock import own_run_directory
 
@@ -49,7 +50,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     check_example_lengths(cfg, tokenizer)
     datamodule = build(cfg.data, tokenizer=tokenizer)
     model = build_objective(cfg.model, datamodule.format)
-    lineage = run_lineage(cfg, datamodule, resume)
+    origin = starting_weights(model, tokenizer, resume)  # model.init_from, on a fresh start
+    lineage = run_lineage(cfg, datamodule, resume, origin)
     # SkippedSamples enforces the data config's bad-data policy: every run has it.
     trainer = build_trainer(cfg, datamodule, callbacks=[lineage, SkippedSamples()])
     if resume:

@@ -33,7 +33,13 @@ class Lineage(Callback):
     against a run that would resume it."""
 
     def __init__(
-        self, config: dict, data_version: str, tokenizer_fingerprint: str, code: dict[str, Any], parent: str | None
+        self,
+        config: dict,
+        data_version: str,
+        tokenizer_fingerprint: str,
+        code: dict[str, Any],
+        parent: str | None,
+        origin: dict[str, Any] | None = None,
     ) -> None:
         self.record = {
             "format": LINEAGE_FORMAT,
@@ -42,6 +48,7 @@ class Lineage(Callback):
             "data_version": data_version,
             "tokenizer_fingerprint": tokenizer_fingerprint,
             "parent": parent,
+            "origin": origin,
         }
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:

@@ -65,6 +65,7 @@ class BPETokenizer:
                 f"tokenizer file {path} not found: train one with "
                 f"`pretrain-data tokenizer --data <shard dir> --out {path}`, or use tokenizer=bytes"
             )
+        self.path = path
         self._tokenizer = HFTokenizer.from_file(str(path))
         # A literal "<eos>" in a document is text, not a separator.
         self._tokenizer.encode_special_tokens = True

@@ -106,7 +106,7 @@ class Transformer(nn.Module):
     ) -> None:
         super().__init__()
         self.vocab_size, self.max_seq_len, self.n_layer, self.causal = vocab_size, max_seq_len, n_layer, causal
-        self.d_model = d_model
+        self.d_model, self.n_head = d_model, n_head
         padded_vocab = math.ceil(vocab_size / 64) * 64
         self.token_embedding = nn.Embedding(padded_vocab, d_model)
         self.position_embedding = nn.Embedding(max_seq_len, d_model)

@@ -71,7 +71,11 @@ class PretrainingObjective(LightningModule):
         min_lr_ratio: LRRatio = 0.1,
         validation_state: Mapping[str, Metric] | None = None,
         compile: bool = False,
+        init_from: str | None = None,
     ) -> None:
+        """`init_from`: a Hugging Face GPT-2 directory whose weights a fresh run starts from. The run loads
+        it (`pretraining.run.starting_weights`), not this constructor: a checkpoint rebuilt from its config
+        has its own weights and must not need the directory."""
         super().__init__()
         self.backbone = backbone
         self.optimizer_factory = optimizer
@@ -80,6 +84,7 @@ class PretrainingObjective(LightningModule):
         # Not `self.compile`: that is nn.Module's method.
         self.compile_blocks, self.model_configured = compile, False
         self.last_validated_step = -1
+        self.init_from = init_from
 
     def configure_model(self) -> None:
         """Under FSDP2 (Lightning's `ModelParallelStrategy`), shard the model by the strategy's policy

@@ -1,0 +1,213 @@
+"""Export a checkpoint as a Hugging Face model directory: `pretrain-export CKPT OUT` (or `make export`).
+
+`transformers` loads the directory without this package installed:
+- a next-token model as GPT-2 (`GPT2LMHeadModel`, `AutoModelForCausalLM`);
+- a masked-LM model as `AutoModelForMaskedLM`, and a contrastive one as `AutoModel` and as a
+  `sentence-transformers` model, both with their modelling code written beside the weights
+  (`trust_remote_code=True`);
+- the tokenizer as a `PreTrainedTokenizerFast` that gives the template's ids;
+- a model card (README.md) and `lineage.json`: config, code revision, data version, step, validation.
+
+The checkpoint (a file, or a sharded FSDP2 directory, gathered in this one process) must verify against
+its sidecar; nothing in it can run code. OUT is written whole or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save
+
+from pretraining.callbacks.lineage import code_revision
+from pretraining.checkpoint import read_sidecar, verify
+from pretraining.config import PROJECT_ROOT
+from pretraining.data.formats import ExampleFormat
+from pretraining.data.tokenizer import EOS_ID, PAD_ID, SPECIAL_TOKENS, Tokenizer
+from pretraining.errors import PretrainingError
+from pretraining.evaluate import load_checkpoint, stored_config, stored_tokenizer
+from pretraining.hf import MODELLING_CODE
+from pretraining.hf.card import model_card
+from pretraining.hf.directory import CONFIG, SAFETENSORS, check_destination, write_directory
+from pretraining.hf.init_from import LINEAGE
+from pretraining.hf.tokenizer import tokenizer_files
+from pretraining.hf.weights import encoder_config, gpt2_config, to_gpt2
+from pretraining.instantiate import build
+from pretraining.objectives import CausalLM, Contrastive, MaskedLM, PretrainingObjective, build_objective
+
+PAD, EOS, MASK, CLS = SPECIAL_TOKENS
+AUTO_MAP = {
+    "AutoConfig": "modeling_pretraining.PretrainingConfig",
+    "AutoModel": "modeling_pretraining.PretrainingModel",
+    "AutoModelForMaskedLM": "modeling_pretraining.PretrainingForMaskedLM",
+}
+Files = dict[str, bytes]
+
+
+def export(
+    checkpoint_path: Path, out: Path, tokenizer_path: str | None = None, trusted: list[str] | None = None
+) -> str:
+    """Write the Hugging Face directory `out` for the checkpoint; return the kind of export."""
+    check_destination(out)
+    verify(checkpoint_path)  # a checkpoint without a verified sidecar is not exported
+    checkpoint = load_checkpoint(checkpoint_path)
+    model, examples = stored_model(checkpoint, str(checkpoint_path), tokenizer_path, trusted or [])
+    kind, files = model_files(model, examples.tokenizer, examples.lengths)
+    record = lineage_record(checkpoint_path, checkpoint["lineage"], kind)
+    files[LINEAGE] = json.dumps(record, indent=2, default=str).encode()
+    files["README.md"] = model_card(kind, record, USAGE[kind].format(out=out)).encode()
+    write_directory(out, files)
+    return kind
+
+
+def stored_model(
+    checkpoint: dict[str, Any], source: str, tokenizer_path: str | None = None, trusted: Sequence[str] = ()
+) -> tuple[PretrainingObjective, ExampleFormat[Any]]:
+    """The objective of a loaded checkpoint with its weights, in eval mode, and its example format (with
+    the tokenizer), rebuilt from its stored config without reading any data."""
+    run = stored_config(checkpoint, source, trusted)
+    tokenizer = stored_tokenizer(checkpoint, run, tokenizer_path, "--tokenizer PATH")
+    examples = build(run.data.format)(tokenizer)
+    model = build_objective(run.model, examples)
+    model.load_state_dict(checkpoint["state_dict"])
+    return model.eval(), examples
+
+
+def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict[str, int]) -> tuple[str, Files]:
+    """(kind, files) of the model and its tokenizer, by objective."""
+    backbone = model.backbone
+    if isinstance(model, CausalLM):
+        special = {"bos_token": EOS, "eos_token": EOS, "pad_token": PAD}
+        files = {
+            CONFIG: as_json(gpt2_config(backbone)),
+            "generation_config.json": as_json(
+                generation_config(backbone.vocab_size, len(backbone.token_embedding.weight))
+            ),
+            SAFETENSORS: save(to_gpt2(backbone), metadata={"format": "pt"}),
+        }
+        return "gpt2", files | text_files(tokenizer, special, backbone.max_seq_len)
+    weights = {name: tensor.float().contiguous() for name, tensor in backbone.state_dict().items()}
+    special = {"eos_token": EOS, "pad_token": PAD, "mask_token": MASK, "cls_token": CLS}
+    code = {"modeling_pretraining.py": MODELLING_CODE.read_bytes()}
+    if isinstance(model, MaskedLM):
+        config = {**encoder_config(backbone), "architectures": ["PretrainingForMaskedLM"], "auto_map": AUTO_MAP}
+        files = {CONFIG: as_json(config), SAFETENSORS: save(prefixed("model.", weights), metadata={"format": "pt"})}
+        return "masked-lm", files | code | text_files(tokenizer, special, backbone.max_seq_len, marks_in_text=True)
+    if isinstance(model, Contrastive):
+        config = {**encoder_config(backbone), "architectures": ["PretrainingModel"], "auto_map": AUTO_MAP}
+        files = {CONFIG: as_json(config), SAFETENSORS: save(weights, metadata={"format": "pt"})}
+        text = text_files(tokenizer, special, lengths["passage_len"], cls_first=True)
+        return "embedding", files | code | text | sentence_transformer_files(model, lengths["passage_len"])
+    raise PretrainingError(
+        f"{type(model).__name__} has no Hugging Face export: pretrain-export knows CausalLM, MaskedLM and Contrastive"
+    )
+
+
+def generation_config(vocab_size: int, padded_vocab: int) -> dict[str, Any]:
+    """The padded ids never occur in data: generation leaves them out, as the template's sampler does."""
+    return {
+        "bos_token_id": EOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "suppress_tokens": list(range(vocab_size, padded_vocab)),
+    }
+
+
+def text_files(tokenizer: Tokenizer, special: dict[str, str], max_length: int, **options: bool) -> Files:
+    return {name: text.encode() for name, text in tokenizer_files(tokenizer, special, max_length, **options).items()}
+
+
+def sentence_transformer_files(model: Contrastive, max_length: int) -> Files:
+    """The sentence-transformers modules after the backbone: pooling, the projection, L2 normalisation."""
+    if model.passage_backbone is not None:
+        raise PretrainingError(
+            "this contrastive model has a tower per side (model.shared_towers=false); pretrain-export writes "
+            "one encoder, so it exports only models trained with shared towers"
+        )
+    width, projection = model.backbone.d_model, model.query_head.weight.detach().float().contiguous()
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+        {"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    pooling = {"word_embedding_dimension": width, "pooling_mode": "mean" if model.pooling == "mean" else "cls"}
+    dense = {
+        "in_features": width,
+        "out_features": len(projection),
+        "bias": False,
+        "activation_function": "torch.nn.modules.linear.Identity",
+    }
+    return {
+        "modules.json": as_json(modules),
+        "sentence_bert_config.json": as_json({"max_seq_length": max_length, "do_lower_case": False}),
+        "config_sentence_transformers.json": as_json({"similarity_fn_name": "cosine"}),
+        "1_Pooling/config.json": as_json(pooling),
+        "2_Dense/config.json": as_json(dense),
+        f"2_Dense/{SAFETENSORS}": save({"linear.weight": projection}, metadata={"format": "pt"}),
+        "3_Normalize/.keep": b"",
+    }
+
+
+def lineage_record(path: Path, lineage: dict[str, Any], kind: str) -> dict[str, Any]:
+    """lineage.json: the checkpoint (path, checksum), its lineage and validation, and this export."""
+    sidecar = read_sidecar(path.resolve())
+    files = sidecar.get("files")
+    digest = sidecar["sha256"] if files is None else {name: entry["sha256"] for name, entry in files.items()}
+    return {
+        "checkpoint": str(path.resolve()),
+        "checkpoint_sha256": digest,
+        "validation": sidecar.get("validation"),
+        "lineage": lineage,
+        "export": {"kind": kind, "code": code_revision(PROJECT_ROOT), "torch": torch.__version__},
+    }
+
+
+def prefixed(prefix: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {prefix + name: tensor for name, tensor in weights.items()}
+
+
+def as_json(value: Any) -> bytes:
+    return (json.dumps(value, indent=2) + "\n").encode()
+
+
+USAGE = {
+    "gpt2": """from transformers import AutoModelForCausalLM, AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained("{out}")
+model = AutoModelForCausalLM.from_pretrained("{out}")
+ids = model.generate(**tokenizer("def ", return_tensors="pt"), max_new_tokens=40, do_sample=False)
+print(tokenizer.decode(ids[0]))""",
+    "masked-lm": """from transformers import AutoModelForMaskedLM, AutoTokenizer
+tokenizer = AutoTokenizer.from_pretrained("{out}", trust_remote_code=True)
+model = AutoModelForMaskedLM.from_pretrained("{out}", trust_remote_code=True)
+inputs = tokenizer("def add(a, b): return a <mask> b", return_tensors="pt")
+guess = model(**inputs).logits.argmax(-1)[inputs.input_ids == tokenizer.mask_token_id]
+print(tokenizer.decode(guess))""",
+    "embedding": """from sentence_transformers import SentenceTransformer
+model = SentenceTransformer("{out}", trust_remote_code=True)
+embeddings = model.encode(["Return the sum of a and b.", "def add(a, b): return a + b"])""",
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pretrain-export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint file or sharded directory (or last.ckpt)")
+    parser.add_argument("out", type=Path, help="the directory to write (new, or empty)")
+    parser.add_argument("--tokenizer", help="where the run's BPE tokenizer.json is now, if it moved")
+    parser.add_argument(
+        "--trusted-targets", nargs="*", default=[], help="modules whose classes the stored config may build"
+    )
+    args = parser.parse_args(argv)
+    try:
+        kind = export(args.checkpoint, args.out, args.tokenizer, args.trusted_targets)
+    except (PretrainingError, FileNotFoundError) as error:
+        raise SystemExit(f"pretrain-export: {error}") from None
+    print(f"wrote {args.out} ({kind}); load it with:\n{USAGE[kind].format(out=args.out)}")
+
+
+if __name__ == "__main__":
+    main()

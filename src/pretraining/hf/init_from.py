@@ -1,0 +1,70 @@
+"""`model.init_from=DIR`: a fresh run starts from the weights of a Hugging Face GPT-2 directory (one
+`pretrain-export` wrote, or one of your own), for continued pretraining. Its sizes and tokenizer are
+checked against the run's before anything is read; the run's lineage records where it started."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretraining.data.tokenizer import Tokenizer
+from pretraining.errors import ConfigError, MissingFileError
+from pretraining.files import sha256_of
+from pretraining.hf.directory import read_config, read_weights, weight_files
+from pretraining.hf.tokenizer import check_same_tokenizer
+from pretraining.hf.weights import check_gpt2_fits, from_gpt2
+from pretraining.models.transformer import Transformer
+
+LINEAGE = "lineage.json"  # what `pretrain-export` writes beside the model
+
+
+def initialise_from(backbone: Transformer, directory: Path, tokenizer: Tokenizer) -> dict[str, Any]:
+    """Load the GPT-2 model in `directory` into `backbone`; return its origin record for the lineage."""
+    source = f"model.init_from={directory}"
+    if not directory.is_dir():
+        raise MissingFileError(f"{source}: no such directory; name a Hugging Face GPT-2 model directory")
+    config = read_config(directory)
+    if config.get("model_type") != "gpt2":
+        raise ConfigError(
+            f"{source} holds a {config.get('model_type')!r} model: model.init_from starts from GPT-2 models "
+            "(model_type gpt2, as `pretrain-export` writes a next-token model)"
+        )
+    check_gpt2_fits(config, backbone, tokenizer.vocab_size, source)
+    check_same_tokenizer(
+        directory / "tokenizer.json",
+        tokenizer,
+        "the run must read text as the model was trained to: pass the "
+        "tokenizer it was trained with (tokenizer=bytes, or tokenizer=bpe tokenizer.path=...)",
+    )
+    weights = read_weights(directory)
+    check_tied_head(weights, source)
+    backbone.load_state_dict(from_gpt2(weights, backbone, source))
+    return {
+        "init_from": str(directory.resolve()),
+        "weights_sha256": {path.name: sha256_of(path) for path in weight_files(directory)},
+        "exported_from": exported_from(directory),
+    }
+
+
+def check_tied_head(weights: dict[str, torch.Tensor], source: str) -> None:
+    head, embedding = weights.get("lm_head.weight"), weights.get("transformer.wte.weight", weights.get("wte.weight"))
+    if head is not None and embedding is not None and not torch.equal(head, embedding):
+        raise ConfigError(f"{source} has a head apart from its token embedding; the backbone's head is tied to it")
+
+
+def exported_from(directory: Path) -> dict[str, Any] | None:
+    """The checkpoint a `pretrain-export` directory came from (its path, step, code and data), if it says."""
+    path = directory / LINEAGE
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    lineage = record.get("lineage") or {}
+    return {
+        "checkpoint": record.get("checkpoint"),
+        "step": lineage.get("step"),
+        "code": lineage.get("code"),
+        "data_version": lineage.get("data_version"),
+    }

@@ -1,0 +1,164 @@
+"""The backbone's weights and settings in Hugging Face's layouts, both ways.
+
+A causal backbone is GPT-2 (`GPT2LMHeadModel`): the same pre-norm blocks, learned positions, exact GELU
+(`activation_function: gelu`) and tied head. GPT-2's `Conv1D` stores each matrix transposed, its
+biases and LayerNorm shifts always exist (zeros where the backbone has none), and its vocabulary is the
+backbone's padded one, so its logits equal the template's at every id. A bidirectional backbone keeps
+its own names, read by the modelling code written beside it (`modeling_pretraining.py`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pretraining.data.tokenizer import EOS_ID, PAD_ID
+from pretraining.errors import ConfigError
+from pretraining.models.transformer import Transformer
+
+LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which the backbone uses
+# (backbone name in a block, GPT-2 name in a layer, whether GPT-2 stores the matrix transposed)
+GPT2_BLOCK = [
+    ("attention_norm", "ln_1", False),
+    ("attention.qkv", "attn.c_attn", True),
+    ("attention.proj", "attn.c_proj", True),
+    ("mlp_norm", "ln_2", False),
+    ("mlp.up", "mlp.c_fc", True),
+    ("mlp.down", "mlp.c_proj", True),
+]
+GPT2_OUTSIDE = [("token_embedding", "wte"), ("position_embedding", "wpe"), ("final_norm", "ln_f")]
+
+
+def gpt2_config(backbone: Transformer) -> dict[str, Any]:
+    """config.json of the backbone as `GPT2LMHeadModel`."""
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": backbone.token_embedding.num_embeddings,  # padded: the logits of every id match
+        "n_positions": backbone.max_seq_len,
+        "n_embd": backbone.d_model,
+        "n_layer": backbone.n_layer,
+        "n_head": backbone.n_head,
+        "n_inner": None,  # 4 * n_embd
+        "activation_function": "gelu",  # exact (erf) GELU, as torch.nn.functional.gelu; not GPT-2's gelu_new
+        "resid_pdrop": backbone.dropout.p,
+        "embd_pdrop": backbone.dropout.p,
+        "attn_pdrop": backbone.dropout.p,
+        "layer_norm_epsilon": LAYER_NORM_EPS,
+        "initializer_range": 0.02,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
+        "tie_word_embeddings": True,
+        "bos_token_id": EOS_ID,
+        "eos_token_id": EOS_ID,
+        "pad_token_id": PAD_ID,
+        "use_cache": True,
+    }
+
+
+def gpt2_names(n_layer: int) -> list[tuple[str, str, bool]]:
+    """(backbone parameter, GPT-2 parameter, transposed) for every weight and bias of GPT-2."""
+    pairs = [(ours, f"transformer.{theirs}", False) for ours, theirs in GPT2_OUTSIDE]
+    for layer in range(n_layer):
+        pairs += [(f"blocks.{layer}.{ours}", f"transformer.h.{layer}.{theirs}", t) for ours, theirs, t in GPT2_BLOCK]
+    named = []
+    for ours, theirs, transposed in pairs:
+        named.append((f"{ours}.weight", f"{theirs}.weight", transposed))
+        if "embedding" not in ours:
+            named.append((f"{ours}.bias", f"{theirs}.bias", False))
+    return named
+
+
+def to_gpt2(backbone: Transformer) -> dict[str, torch.Tensor]:
+    """The backbone's weights under GPT-2's names (float32, contiguous; the tied head left to `transformers`)."""
+    state = backbone.state_dict()
+    weights = {}
+    for ours, theirs, transposed in gpt2_names(backbone.n_layer):
+        if ours in state:
+            tensor = state[ours].float()
+            weights[theirs] = (tensor.T if transposed else tensor).contiguous()
+        else:  # a bias the backbone does not have (bias=false): the zeros it implies
+            weights[theirs] = torch.zeros(state[ours.replace(".bias", ".weight")].shape[0])
+    return weights
+
+
+def from_gpt2(weights: dict[str, torch.Tensor], backbone: Transformer, source: str) -> dict[str, torch.Tensor]:
+    """A state dict for `backbone` from GPT-2 weights (with or without the `transformer.` prefix), refusing
+    non-zero biases it has no place for. The embedding keeps `backbone`'s rows where GPT-2 has fewer."""
+    weights = {
+        name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}": tensor
+        for name, tensor in weights.items()
+    }
+    state = backbone.state_dict()
+    loaded = {}
+    for ours, theirs, transposed in gpt2_names(backbone.n_layer):
+        if theirs not in weights:
+            raise ConfigError(f"{source} has no weight {theirs}: it is not a complete GPT-2 model")
+        tensor = weights[theirs].T if transposed else weights[theirs]
+        if ours not in state:
+            if tensor.count_nonzero():
+                raise ConfigError(
+                    f"{source} has non-zero {theirs}, and model.backbone.bias=false has no place for it: "
+                    "pass model.backbone.bias=true"
+                )
+            continue
+        loaded[ours] = tensor.to(state[ours].dtype)
+    embedding = state["token_embedding.weight"].clone()
+    rows = min(len(embedding), len(loaded["token_embedding.weight"]))
+    embedding[:rows] = loaded["token_embedding.weight"][:rows]
+    return {**loaded, "token_embedding.weight": embedding}
+
+
+def encoder_config(backbone: Transformer) -> dict[str, Any]:
+    """config.json fields of a bidirectional backbone for `modeling_pretraining.PretrainingConfig`."""
+    return {
+        "model_type": "pretraining-transformer",
+        "vocab_size": backbone.token_embedding.num_embeddings,
+        "max_seq_len": backbone.max_seq_len,
+        "d_model": backbone.d_model,
+        "n_layer": backbone.n_layer,
+        "n_head": backbone.n_head,
+        "bias": backbone.final_norm.bias is not None,
+        "dropout": backbone.dropout.p,
+        "pad_token_id": PAD_ID,
+    }
+
+
+def check_gpt2_fits(config: dict[str, Any], backbone: Transformer, vocab_size: int, source: str) -> None:
+    """Refuse a GPT-2 config.json whose model `backbone` cannot hold exactly, naming what differs and the fix."""
+    if not backbone.causal:
+        raise ConfigError(f"{source} is GPT-2, a causal model: start a causal objective from it (experiment=clm_tiny)")
+    sizes = {
+        "d_model": ("n_embd", backbone.d_model),
+        "n_layer": ("n_layer", backbone.n_layer),
+        "n_head": ("n_head", backbone.n_head),
+        "max_seq_len": ("n_positions", backbone.max_seq_len),
+    }
+    differ = {key: config.get(name) for key, (name, ours) in sizes.items() if config.get(name) != ours}
+    if differ:
+        found = ", ".join(
+            f"{sizes[key][0]}={value} (model.backbone.{key}={sizes[key][1]})" for key, value in differ.items()
+        )
+        fix = " ".join(f"model.backbone.{key}={value}" for key, value in differ.items())
+        raise ConfigError(f"{source} has {found}: pass {fix}")
+    computed = {
+        "activation_function": ("gelu", "exact GELU"),
+        "layer_norm_epsilon": (LAYER_NORM_EPS, "LayerNorm eps 1e-5"),
+        "n_inner": (None, "an MLP 4 x d_model wide"),
+        "scale_attn_by_inverse_layer_idx": (False, "attention scaled by 1/sqrt(head width) alone"),
+        "tie_word_embeddings": (True, "a head tied to the token embedding"),
+    }
+    for name, (expected, meaning) in computed.items():
+        value = config.get(name, expected)
+        if value != expected and not (name == "n_inner" and value == 4 * backbone.d_model):
+            raise ConfigError(
+                f"{source} has {name}={value!r}, and the backbone computes {meaning} ({name}={expected!r}): "
+                "it cannot continue this model exactly; start from a GPT-2 directory `pretrain-export` wrote"
+            )
+    if config.get("vocab_size", 0) < vocab_size:
+        raise ConfigError(
+            f"{source} has vocab_size={config.get('vocab_size')}, fewer ids than the run's tokenizer "
+            f"({vocab_size}): use the tokenizer it was trained with"
+        )

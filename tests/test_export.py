@@ -1,0 +1,184 @@
+"""Models out to Hugging Face and back in: each objective's export loads in `transformers` (and
+`sentence-transformers`) and computes what the template computes; `model.init_from` continues from an
+export; every bad input is refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+from sentence_transformers import SentenceTransformer
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer, GPT2LMHeadModel
+
+from conftest import tiny_run
+from pretraining.callbacks.batch_log import read_batch_log
+from pretraining.checkpoint import read_sidecar, sidecar_path
+from pretraining.config import CONFIG_DIR
+from pretraining.data.formats import padded
+from pretraining.errors import CheckpointError, ConfigError, MissingFileError
+from pretraining.evaluate import load_checkpoint
+from pretraining.export import export, main, stored_model
+from pretraining.hf.directory import write_directory
+from pretraining.instantiate import build
+from pretraining.train import train
+
+TEXT = "def add(a, b):\n    return a + b  # naïve ☃"
+EXPERIMENTS = ("clm_tiny", "mlm_tiny", "contrastive_tiny")
+
+
+def compose_run(root: Path, experiment: str, data_dir: Path, *overrides: str) -> DictConfig:
+    base = [f"paths.output_dir={root}", f"paths.log_dir={root}/logs", f"data.dir={data_dir}"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("train", overrides=[*base, *tiny_run(experiment), "trainer.max_steps=6", *overrides])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory, shard_dir: Path, pair_dir: Path) -> dict[str, Path]:
+    """The last checkpoint of a six-step tiny run of each objective."""
+    paths = {}
+    for experiment in EXPERIMENTS:
+        root = tmp_path_factory.mktemp(experiment)
+        train(compose_run(root, experiment, pair_dir if experiment == "contrastive_tiny" else shard_dir))
+        paths[experiment] = root / "checkpoints" / "last.ckpt"
+    return paths
+
+
+@pytest.fixture(scope="module")
+def exports(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("exports")
+    for experiment, checkpoint in checkpoints.items():
+        export(checkpoint, out / experiment)
+    return out
+
+
+def template(checkpoint: Path):
+    """The template's own model and example format of a checkpoint."""
+    return stored_model(load_checkpoint(checkpoint), str(checkpoint))
+
+
+def test_a_next_token_model_is_gpt2_with_the_templates_logits_tokens_and_greedy_continuation(
+    checkpoints: dict[str, Path], exports: Path
+) -> None:
+    model, examples = template(checkpoints["clm_tiny"])
+    tokenizer = AutoTokenizer.from_pretrained(exports / "clm_tiny")
+    hf = AutoModelForCausalLM.from_pretrained(exports / "clm_tiny").eval()
+    assert isinstance(hf, GPT2LMHeadModel)
+    ids = tokenizer(TEXT, return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == examples.tokenizer.encode(TEXT)
+    assert tokenizer("a <eos> b")["input_ids"] == examples.tokenizer.encode("a <eos> b")  # text, as in training
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=0, atol=1e-5)
+    prompt = ids[:, :8]
+    greedy = hf.generate(prompt, max_new_tokens=24, do_sample=False)
+    assert greedy[0].tolist() == model.generate(prompt, 24, top_k=1)[0].tolist()
+    assert tokenizer.decode(ids[0]) == TEXT
+
+
+def test_generation_never_picks_the_padded_vocabulary(checkpoints: dict[str, Path], exports: Path) -> None:
+    hf = AutoModelForCausalLM.from_pretrained(exports / "clm_tiny").eval()
+    vocab = template(checkpoints["clm_tiny"])[1].tokenizer.vocab_size
+    with torch.no_grad():  # make every padded id the most likely next token
+        hf.transformer.wte.weight[vocab:] = hf.transformer.wte.weight[:vocab].sum(0) * 100
+    generated = hf.generate(torch.tensor([[70, 71, 72]]), max_new_tokens=8, do_sample=False)
+    assert generated.max() < vocab
+
+
+def test_a_masked_lm_loads_with_its_own_code_and_gives_the_templates_logits(
+    checkpoints: dict[str, Path], exports: Path
+) -> None:
+    model, examples = template(checkpoints["mlm_tiny"])
+    tokenizer = AutoTokenizer.from_pretrained(exports / "mlm_tiny", trust_remote_code=True)
+    hf = AutoModelForMaskedLM.from_pretrained(exports / "mlm_tiny", trust_remote_code=True).eval()
+    inputs = tokenizer(TEXT.replace("add", "<mask><mask>"), return_tensors="pt")
+    assert (inputs["input_ids"] == tokenizer.mask_token_id).sum() == 2 and tokenizer.mask_token_id == 2
+    with torch.no_grad():
+        expected = model.backbone(inputs["input_ids"])
+        torch.testing.assert_close(hf(**inputs).logits, model.backbone.logits(expected), rtol=0, atol=1e-5)
+        encoder = AutoModel.from_pretrained(exports / "mlm_tiny", trust_remote_code=True).eval()
+        torch.testing.assert_close(encoder(**inputs).last_hidden_state, expected, rtol=0, atol=1e-5)
+    labels = torch.full_like(inputs["input_ids"], -100)
+    labels[inputs["input_ids"] == tokenizer.mask_token_id] = 70
+    assert hf(**inputs, labels=labels).loss.isfinite()
+
+
+def test_a_contrastive_model_is_a_sentence_transformer_with_the_templates_embeddings(
+    checkpoints: dict[str, Path], exports: Path
+) -> None:
+    model, examples = template(checkpoints["contrastive_tiny"])
+    encoder = SentenceTransformer(str(exports / "contrastive_tiny"), trust_remote_code=True, device="cpu")
+    texts = [TEXT, "Return the sum.", "x = 1\n" * 80]  # the last is cut to the passage length, as in training
+    length = examples.lengths["passage_len"]
+    batch = torch.stack([padded(examples.encode_text(text, length), length) for text in texts])
+    with torch.no_grad():
+        expected = model.encode(batch, "passage")
+    torch.testing.assert_close(torch.from_numpy(encoder.encode(texts)), expected, rtol=0, atol=1e-5)
+    tokenizer = AutoTokenizer.from_pretrained(exports / "contrastive_tiny", trust_remote_code=True)
+    assert tokenizer(TEXT)["input_ids"] == examples.encode_text(TEXT, 10_000)  # CLS first, then the BPE ids
+
+
+def test_the_model_card_and_lineage_name_the_checkpoint_run_and_validation(
+    checkpoints: dict[str, Path], exports: Path
+) -> None:
+    checkpoint = checkpoints["clm_tiny"]
+    sidecar = read_sidecar(checkpoint.resolve())
+    record = json.loads((exports / "clm_tiny" / "lineage.json").read_text())
+    assert record["checkpoint_sha256"] == sidecar["sha256"] and record["lineage"]["step"] == 6
+    assert record["validation"] == sidecar["validation"] and "val/bpb" in record["validation"]
+    assert record["lineage"]["config"]["model"]["_target_"] == "pretraining.objectives.CausalLM"
+    card = (exports / "clm_tiny" / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\npipeline_tag: text-generation")
+    assert f"| val/bpb | {sidecar['validation']['val/bpb']:.4f} |" in card
+    assert record["lineage"]["data_version"] in card and "at step 6" in card
+
+
+def test_an_fsdp2_sharded_checkpoint_exports_as_its_single_process_model(tmp_path: Path, small_shards: Path) -> None:
+    from test_resume import pretrain, run_dir
+    from test_sharded_checkpoint import SHARDED
+
+    assert pretrain(tmp_path, "fsdp", [*tiny_run("clm_tiny"), *SHARDED, f"data.dir={small_shards}"]) == 0
+    last = run_dir(tmp_path, "fsdp") / "checkpoints" / "last.ckpt"
+    assert last.resolve().is_dir()
+    export(last, tmp_path / "out")
+    model, examples = template(last)
+    ids = torch.tensor([examples.tokenizer.encode(TEXT)])
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+        torch.testing.assert_close(hf(ids).logits, model(ids), rtol=0, atol=1e-5)
+
+
+# --- starting from an export ------------------------------------------------------------------------------
+
+
+def test_init_from_an_export_starts_at_the_exported_models_loss(exports: Path, tmp_path: Path, shard_dir: Path) -> None:
+    directory = exports / "clm_tiny"
+    cfg = compose_run(
+        tmp_path,
+        "clm_tiny",
+        shard_dir,
+        f"model.init_from={directory}",
+        "callbacks=[default,batch_log]",
+        "validate_before_training=false",
+        "trainer.max_steps=2",
+        "model.warmup_steps=0",
+    )
+    train(cfg)
+    log = read_batch_log(tmp_path / "batches" / "rank0.jsonl")
+    first = log[min(log)]
+    datamodule = build(cfg.data, tokenizer=build(cfg.tokenizer))
+    batch = next(iter(datamodule.train_dataloader()))
+    assert batch["sample_id"].tolist() == first["samples"]
+    hf = AutoModelForCausalLM.from_pretrained(directory).eval()
+    tokens = batch["tokens"]
+    with torch.no_grad():
+        logits = hf(tokens[:, :-1]).logits
+    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    assert float.fromhex(first["loss"]) == pytest.approx(loss.item(), abs=1e-5)
+    origin = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["lineage"]["origin"]
+    assert origin["init_from"] == str(directory.resolve()) and origin["exported_from"]["step"] == 6
+    assert set(origin["weights_sha256"]) == {"model.safetensors"}
