@@ -92,7 +92,7 @@ def test_generation_never_picks_the_padded_vocabulary(checkpoints: dict[str, Pat
 def test_a_masked_lm_loads_with_its_own_code_and_gives_the_templates_logits(
     checkpoints: dict[str, Path], exports: Path
 ) -> None:
-    model, examples = template(checkpoints["mlm_tiny"])
+    model = template(checkpoints["mlm_tiny"])[0]
     tokenizer = AutoTokenizer.from_pretrained(exports / "mlm_tiny", trust_remote_code=True)
     hf = AutoModelForMaskedLM.from_pretrained(exports / "mlm_tiny", trust_remote_code=True).eval()
     inputs = tokenizer(TEXT.replace("add", "<mask><mask>"), return_tensors="pt")
@@ -182,3 +182,137 @@ def test_init_from_an_export_starts_at_the_exported_models_loss(exports: Path, t
     origin = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["lineage"]["origin"]
     assert origin["init_from"] == str(directory.resolve()) and origin["exported_from"]["step"] == 6
     assert set(origin["weights_sha256"]) == {"model.safetensors"}
+
+
+def copy_export(source: Path, out: Path, leave_out: str = "") -> Path:
+    out.mkdir()
+    for file in source.iterdir():
+        if file.is_file() and file.name != leave_out:
+            (out / file.name).write_bytes(file.read_bytes())
+    return out
+
+
+def refused_start(cfg: DictConfig, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        train(cfg)
+    assert not (Path(cfg.paths.output_dir) / "checkpoints").exists()
+
+
+def test_init_from_refuses_another_size_naming_the_overrides(exports: Path, tmp_path: Path, shard_dir: Path) -> None:
+    cfg = compose_run(
+        tmp_path, "clm_tiny", shard_dir, f"model.init_from={exports / 'clm_tiny'}", "model.backbone.d_model=64"
+    )
+    refused_start(cfg, ConfigError, r"has n_embd=32 \(model.backbone.d_model=64\): pass model.backbone.d_model=32")
+
+
+def test_init_from_refuses_another_tokenizer(exports: Path, tmp_path: Path, shard_dir: Path, bpe_path: Path) -> None:
+    init = f"model.init_from={exports / 'clm_tiny'}"
+    cfg = compose_run(tmp_path, "clm_tiny", shard_dir, init, "tokenizer=bpe", f"tokenizer.path={bpe_path}")
+    refused_start(cfg, ConfigError, r"tokenizes differently .* its vocabulary has 260 tokens, the run's 320")
+
+
+@pytest.mark.parametrize(
+    ("source", "leave_out", "error", "message"),
+    [
+        ("mlm_tiny", "", ConfigError, r"holds a 'pretraining-transformer' model: model.init_from starts from GPT-2"),
+        ("clm_tiny", "tokenizer.json", MissingFileError, r"tokenizer.json not found: .* pass the tokenizer"),
+        ("clm_tiny", "config.json", MissingFileError, r"config.json not found: .* is not a Hugging Face model"),
+        ("clm_tiny", "model.safetensors", MissingFileError, r"has no model.safetensors, .* no weights to start from"),
+    ],
+)
+def test_init_from_refuses_what_it_cannot_start_from(
+    exports: Path, tmp_path: Path, shard_dir: Path, source: str, leave_out: str, error: type, message: str
+) -> None:
+    directory = copy_export(exports / source, tmp_path / "model", leave_out)
+    cfg = compose_run(tmp_path / "run", "clm_tiny", shard_dir, f"model.init_from={directory}")
+    refused_start(cfg, error, message)
+
+
+def test_init_from_refuses_gelu_new_and_damaged_or_code_carrying_weights(
+    exports: Path, tmp_path: Path, shard_dir: Path
+) -> None:
+    directory = copy_export(exports / "clm_tiny", tmp_path / "model")
+    cfg = compose_run(tmp_path / "run", "clm_tiny", shard_dir, f"model.init_from={directory}")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "activation_function": "gelu_new"}))
+    refused_start(cfg, ConfigError, r"activation_function='gelu_new', and the backbone computes exact GELU")
+    (directory / "config.json").write_text(json.dumps(config))
+    weights = directory / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    refused_start(cfg, ConfigError, r"model.safetensors cannot be read as safetensors .* damaged")
+    weights.unlink()
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self):
+            return os.mkdir, (str(marker),)
+
+    torch.save({"transformer.wte.weight": Payload()}, directory / "pytorch_model.bin")
+    refused_start(cfg, CheckpointError, r"pytorch_model.bin holds objects other than tensors")
+    assert not marker.exists()
+
+
+# --- bad exports ------------------------------------------------------------------------------------------
+
+
+def test_export_refuses_a_non_empty_destination_and_an_unverified_checkpoint(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "mine.txt").write_text("keep")
+    with pytest.raises(ConfigError, match=r"taken already exists and is not empty: choose a new directory"):
+        export(checkpoints["clm_tiny"], tmp_path / "taken")
+    assert [p.name for p in (tmp_path / "taken").iterdir()] == ["mine.txt"]
+    original = checkpoints["clm_tiny"].resolve()
+    damaged = tmp_path / original.name
+    data = bytearray(original.read_bytes())
+    data[len(data) // 2] ^= 1
+    damaged.write_bytes(bytes(data))
+    sidecar_path(damaged).write_bytes(sidecar_path(original).read_bytes())
+    with pytest.raises(CheckpointError, match=r"does not match the SHA-256 in its sidecar: it is corrupt"):
+        export(damaged, tmp_path / "out")
+    sidecar_path(damaged).unlink()
+    with pytest.raises(CheckpointError, match=r"has no sidecar .* use another checkpoint"):
+        export(damaged, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_names_a_missing_or_other_tokenizer_and_the_option_to_pass(
+    checkpoints: dict[str, Path], tmp_path: Path, bpe_path: Path
+) -> None:
+    checkpoint = checkpoints["contrastive_tiny"]
+    with pytest.raises(MissingFileError, match=r"trained with, .*gone.json, is not there: .* --tokenizer PATH"):
+        export(checkpoint, tmp_path / "out", tokenizer_path=str(tmp_path / "gone.json"))
+    with pytest.raises(ConfigError, match=r"is not the one this checkpoint was trained with"):
+        export(checkpoint, tmp_path / "out", tokenizer_path=str(bpe_path))
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_command_prints_a_refusal_without_a_traceback(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    with pytest.raises(SystemExit, match=r"^pretrain-export: checkpoint .*nope.ckpt not found"):
+        main([str(tmp_path / "nope.ckpt"), str(tmp_path / "out")])
+    main([str(checkpoints["mlm_tiny"]), str(tmp_path / "out")])
+    assert "wrote" in capsys.readouterr().out and (tmp_path / "out" / "modeling_pretraining.py").is_file()
+
+
+def test_a_failed_write_leaves_neither_the_export_nor_its_staging(tmp_path: Path, monkeypatch) -> None:
+    calls = []
+
+    def failing_fsync(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="No space left"):
+        write_directory(tmp_path / "out", {"a.json": b"{}", "sub/b.bin": b"x", "c.txt": b"y"})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_two_tower_contrastive_model_is_refused(tmp_path: Path, pair_dir: Path) -> None:
+    train(compose_run(tmp_path, "contrastive_tiny", pair_dir, "model.shared_towers=false", "trainer.max_steps=3"))
+    with pytest.raises(ConfigError, match=r"a tower per side \(model.shared_towers=false\)"):
+        export(tmp_path / "checkpoints" / "last.ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -28,7 +28,7 @@ from pretraining.checkpoint import read_sidecar, verify
 from pretraining.config import PROJECT_ROOT
 from pretraining.data.formats import ExampleFormat
 from pretraining.data.tokenizer import EOS_ID, PAD_ID, SPECIAL_TOKENS, Tokenizer
-from pretraining.errors import PretrainingError
+from pretraining.errors import ConfigError, PretrainingError
 from pretraining.evaluate import load_checkpoint, stored_config, stored_tokenizer
 from pretraining.hf import MODELLING_CODE
 from pretraining.hf.card import model_card
@@ -102,7 +102,7 @@ def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict
         files = {CONFIG: as_json(config), SAFETENSORS: save(weights, metadata={"format": "pt"})}
         text = text_files(tokenizer, special, lengths["passage_len"], cls_first=True)
         return "embedding", files | code | text | sentence_transformer_files(model, lengths["passage_len"])
-    raise PretrainingError(
+    raise ConfigError(
         f"{type(model).__name__} has no Hugging Face export: pretrain-export knows CausalLM, MaskedLM and Contrastive"
     )
 
@@ -124,7 +124,7 @@ def text_files(tokenizer: Tokenizer, special: dict[str, str], max_length: int, *
 def sentence_transformer_files(model: Contrastive, max_length: int) -> Files:
     """The sentence-transformers modules after the backbone: pooling, the projection, L2 normalisation."""
     if model.passage_backbone is not None:
-        raise PretrainingError(
+        raise ConfigError(
             "this contrastive model has a tower per side (model.shared_towers=false); pretrain-export writes "
             "one encoder, so it exports only models trained with shared towers"
         )

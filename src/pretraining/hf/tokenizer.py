@@ -20,7 +20,7 @@ from pretraining.errors import ConfigError, MissingFileError
 
 PAD, EOS, MASK, CLS = SPECIAL_TOKENS
 # What decides how text becomes ids: equal sections, equal ids.
-TOKENIZING_SECTIONS = ("normalizer", "pre_tokenizer", "model")
+TOKENIZING_SECTIONS = ("model", "normalizer", "pre_tokenizer")
 
 
 def hf_tokenizer(tokenizer: Tokenizer) -> HFTokenizer:
