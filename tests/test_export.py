@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from pretraining.export import export, main, stored_model
 from pretraining.hf.directory import write_directory
 from pretraining.instantiate import build
 from pretraining.train import train
+from test_readme import code_blocks
 
 TEXT = "def add(a, b):\n    return a + b  # naïve ☃"
 EXPERIMENTS = ("clm_tiny", "mlm_tiny", "contrastive_tiny")
@@ -150,6 +153,16 @@ def test_an_fsdp2_sharded_checkpoint_exports_as_its_single_process_model(tmp_pat
     with torch.no_grad():
         hf = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
         torch.testing.assert_close(hf(ids).logits, model(ids), rtol=0, atol=1e-5)
+
+
+def test_the_readme_snippet_and_every_model_cards_usage_run_without_this_package(exports: Path, tmp_path: Path) -> None:
+    (snippet,) = [block for block in code_blocks("python") if "# use_export.py" in block]
+    (tmp_path / "exports").symlink_to(exports)  # the README's exports/clm_tiny
+    cards = [(exports / name / "README.md").read_text().split("```python\n")[1].split("```")[0] for name in EXPERIMENTS]
+    script = "\n".join(["import sys", "sys.modules['pretraining'] = None  # importing it fails", snippet, *cards])
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.startswith("def main(")
 
 
 # --- starting from an export ------------------------------------------------------------------------------

@@ -41,6 +41,15 @@ EXTERNAL = {
 }
 
 
+# Console scripts with an argparse `main(argv)`, by module of `pretraining`.
+ENTRY_POINTS = {
+    "pretrain-info": "info",
+    "pretrain-export": "export",
+    "pretrain-plot": "plots",
+    "pretrain-sweep-report": "sweeps",
+}
+
+
 def code_blocks(language: str) -> list[str]:
     return [body for lang, body in re.findall(r"```(\w*)\n(.*?)```", README, re.S) if lang == language]
 
@@ -104,7 +113,7 @@ def check_make(argv: list[str], config_dir: Path) -> None:
         check_composes([f"experiment={experiment}", *search, *args], config_dir)
     elif target == "tokenizer":
         data_parser().parse_args(["tokenizer", "--data", "data/stdlib", *args])
-    required = {"eval": "CKPT", "info": "CKPT", "plot": "RUN", "sweep-report": "SWEEP"}.get(target)
+    required = {"eval": "CKPT", "info": "CKPT", "export": "CKPT", "plot": "RUN", "sweep-report": "SWEEP"}.get(target)
     if assignments:  # not a mere mention of the target
         assert required is None or required in assignments, f"make {target} needs {required}=..."
 
@@ -128,8 +137,8 @@ def check(command: str, config_dir: Path) -> None:
         check_make(argv, config_dir)
     elif program == "pretrain-data":
         data_parser().parse_args(args)
-    elif program in ("pretrain-info", "pretrain-plot", "pretrain-sweep-report"):
-        module = {"pretrain-info": "info", "pretrain-plot": "plots", "pretrain-sweep-report": "sweeps"}[program]
+    elif program in ENTRY_POINTS:
+        module = ENTRY_POINTS[program]
         check_entry_point(__import__(f"pretraining.{module}", fromlist=["main"]).main, args)
     elif program == "sbatch" or program.startswith("scripts/"):
         script, overrides = (args[0], args[1:]) if program == "sbatch" else (program, args)
