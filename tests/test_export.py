@@ -15,22 +15,42 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
+from safetensors.torch import load_file, save_file
 from sentence_transformers import SentenceTransformer
-from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer, GPT2LMHeadModel
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+)
 
 from conftest import tiny_run
 from pretraining.callbacks.batch_log import read_batch_log
 from pretraining.checkpoint import read_sidecar, sidecar_path
 from pretraining.config import CONFIG_DIR
-from pretraining.data.formats import padded
+from pretraining.data.formats import ExampleFormat, padded
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
-from pretraining.evaluate import load_checkpoint
-from pretraining.export import export, main, stored_model
+from pretraining.evaluate import load_checkpoint, stored_model
+from pretraining.export import export, main
 from pretraining.hf.directory import write_directory
+from pretraining.hf.weights import from_gpt2, gpt2_config, to_gpt2
+from pretraining.info import main as info_main
 from pretraining.instantiate import build
+from pretraining.models import Transformer
+from pretraining.objectives import PretrainingObjective
 from pretraining.train import train
 from test_readme import code_blocks
+from test_resume import pretrain, run_dir
+from test_sharded_checkpoint import SHARDED
 
+# Two layers (a mix-up of layer indices would show); biases and the CLS pooling where an objective allows.
+SHAPES = {
+    "clm_tiny": ["model.backbone.n_layer=2"],
+    "mlm_tiny": ["model.backbone.n_layer=2", "model.backbone.bias=true"],
+    "contrastive_tiny": ["model.backbone.n_layer=2", "model.backbone.bias=true", "model.pooling=first"],
+}
 TEXT = "def add(a, b):\n    return a + b  # naïve ☃"
 EXPERIMENTS = ("clm_tiny", "mlm_tiny", "contrastive_tiny")
 
@@ -38,7 +58,8 @@ EXPERIMENTS = ("clm_tiny", "mlm_tiny", "contrastive_tiny")
 def compose_run(root: Path, experiment: str, data_dir: Path, *overrides: str) -> DictConfig:
     base = [f"paths.output_dir={root}", f"paths.log_dir={root}/logs", f"data.dir={data_dir}"]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose("train", overrides=[*base, *tiny_run(experiment), "trainer.max_steps=6", *overrides])
+        shape = SHAPES[experiment]
+        return compose("train", overrides=[*base, *tiny_run(experiment), *shape, "trainer.max_steps=6", *overrides])
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +68,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory, shard_dir: Path, pair_
     paths = {}
     for experiment in EXPERIMENTS:
         root = tmp_path_factory.mktemp(experiment)
-        train(compose_run(root, experiment, pair_dir if experiment == "contrastive_tiny" else shard_dir))
+        data = pair_dir if experiment == "contrastive_tiny" else shard_dir
+        train(compose_run(root, experiment, data))
         paths[experiment] = root / "checkpoints" / "last.ckpt"
     return paths
 
@@ -60,9 +82,10 @@ def exports(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
     return out
 
 
-def template(checkpoint: Path):
-    """The template's own model and example format of a checkpoint."""
-    return stored_model(load_checkpoint(checkpoint), str(checkpoint))
+def template(checkpoint: Path) -> tuple[PretrainingObjective, ExampleFormat]:
+    """The template's own model, in eval mode, and example format of a checkpoint."""
+    model, _, examples = stored_model(load_checkpoint(checkpoint), str(checkpoint))
+    return model.eval(), examples
 
 
 def test_a_next_token_model_is_gpt2_with_the_templates_logits_tokens_and_greedy_continuation(
@@ -105,9 +128,11 @@ def test_a_masked_lm_loads_with_its_own_code_and_gives_the_templates_logits(
         torch.testing.assert_close(hf(**inputs).logits, model.backbone.logits(expected), rtol=0, atol=1e-5)
         encoder = AutoModel.from_pretrained(exports / "mlm_tiny", trust_remote_code=True).eval()
         torch.testing.assert_close(encoder(**inputs).last_hidden_state, expected, rtol=0, atol=1e-5)
-    labels = torch.full_like(inputs["input_ids"], -100)
-    labels[inputs["input_ids"] == tokenizer.mask_token_id] = 70
-    assert hf(**inputs, labels=labels).loss.isfinite()
+    masked = inputs["input_ids"] == tokenizer.mask_token_id
+    labels = torch.full_like(inputs["input_ids"], -100).masked_fill(masked, 70)
+    with torch.no_grad():
+        expected_loss = F.cross_entropy(model.backbone.logits(expected)[masked], labels[masked])
+        torch.testing.assert_close(hf(**inputs, labels=labels).loss, expected_loss, rtol=0, atol=1e-5)
 
 
 def test_a_contrastive_model_is_a_sentence_transformer_with_the_templates_embeddings(
@@ -140,10 +165,25 @@ def test_the_model_card_and_lineage_name_the_checkpoint_run_and_validation(
     assert record["lineage"]["data_version"] in card and "at step 6" in card
 
 
-def test_an_fsdp2_sharded_checkpoint_exports_as_its_single_process_model(tmp_path: Path, small_shards: Path) -> None:
-    from test_resume import pretrain, run_dir
-    from test_sharded_checkpoint import SHARDED
+def test_the_gpt2_mapping_is_exact_for_biases_and_every_layer() -> None:
+    torch.manual_seed(0)
+    backbone = Transformer(vocab_size=100, max_seq_len=16, d_model=32, n_layer=3, n_head=4, bias=True).eval()
+    with torch.no_grad():
+        for name, parameter in backbone.named_parameters():
+            if not name.endswith("weight") or "norm" in name:  # random biases and norms: none is left at its init
+                parameter.normal_()
+    hf = GPT2LMHeadModel(GPT2Config(**gpt2_config(backbone))).eval()
+    missing, unexpected = hf.load_state_dict(to_gpt2(backbone), strict=False)
+    assert missing == ["lm_head.weight"] and not unexpected  # the tied head
+    ids = torch.randint(0, 100, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, backbone.logits(backbone(ids)), rtol=0, atol=1e-5)
+    fresh = Transformer(vocab_size=100, max_seq_len=16, d_model=32, n_layer=3, n_head=4, bias=True)
+    round_trip = from_gpt2(to_gpt2(backbone), fresh, "test")
+    assert all(torch.equal(round_trip[name], tensor) for name, tensor in backbone.state_dict().items())
 
+
+def test_an_fsdp2_sharded_checkpoint_exports_as_its_single_process_model(tmp_path: Path, small_shards: Path) -> None:
     assert pretrain(tmp_path, "fsdp", [*tiny_run("clm_tiny"), *SHARDED, f"data.dir={small_shards}"]) == 0
     last = run_dir(tmp_path, "fsdp") / "checkpoints" / "last.ckpt"
     assert last.resolve().is_dir()
@@ -197,6 +237,27 @@ def test_init_from_an_export_starts_at_the_exported_models_loss(exports: Path, t
     assert set(origin["weights_sha256"]) == {"model.safetensors"}
 
 
+def test_a_run_started_from_a_directory_no_longer_needs_it(
+    exports: Path, tmp_path: Path, shard_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    directory = copy_export(exports / "clm_tiny", tmp_path / "model")
+    run = tmp_path / "run"
+    train(compose_run(run, "clm_tiny", shard_dir, f"model.init_from={directory}", "trainer.max_steps=3"))
+    other = copy_export(exports / "clm_tiny", tmp_path / "other")
+    with pytest.raises(ConfigError, match=r"model.init_from=.*other applies to a fresh run, .* started from .*model"):
+        train(compose_run(run, "clm_tiny", shard_dir, f"model.init_from={other}", "trainer.max_steps=6"))
+    for file in directory.iterdir():
+        file.unlink()
+    directory.rmdir()
+    train(compose_run(run, "clm_tiny", shard_dir, f"model.init_from={directory}", "trainer.max_steps=6"))
+    last = run / "checkpoints" / "last.ckpt"
+    assert load_checkpoint(last)["global_step"] == 6
+    export(last, tmp_path / "out")  # rebuilt from its stored config, which names the directory
+    capsys.readouterr()
+    info_main([str(last)])
+    assert f"weights from    {directory.resolve()} (model.init_from), exported from" in capsys.readouterr().out
+
+
 def copy_export(source: Path, out: Path, leave_out: str = "") -> Path:
     out.mkdir()
     for file in source.iterdir():
@@ -241,6 +302,53 @@ def test_init_from_refuses_what_it_cannot_start_from(
     refused_start(cfg, error, message)
 
 
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda config: config.pop("activation_function"),
+            r"activation_function='gelu_new', and the backbone computes",
+        ),
+        (
+            lambda config: config.update(scale_attn_weights=False),
+            r"scale_attn_weights=False, and the backbone computes",
+        ),
+        (lambda config: config.update(add_cross_attention=True), r"add_cross_attention=True, and the backbone"),
+        (lambda config: config.update(vocab_size=None), r"vocab_size=None, fewer ids than the run's tokenizer"),
+    ],
+)
+def test_init_from_reads_absent_keys_as_gpt2s_defaults(
+    exports: Path, tmp_path: Path, shard_dir: Path, edit, message: str
+) -> None:
+    directory = copy_export(exports / "clm_tiny", tmp_path / "model")
+    config = json.loads((directory / "config.json").read_text())
+    edit(config)
+    (directory / "config.json").write_text(json.dumps(config))
+    refused_start(
+        compose_run(tmp_path / "run", "clm_tiny", shard_dir, f"model.init_from={directory}"), ConfigError, message
+    )
+
+
+def test_init_from_names_a_damaged_file(exports: Path, tmp_path: Path, shard_dir: Path) -> None:
+    directory = copy_export(exports / "clm_tiny", tmp_path / "model")
+    cfg = compose_run(tmp_path / "run", "clm_tiny", shard_dir, f"model.init_from={directory}")
+    (directory / "lineage.json").write_text("[1, 2]")
+    refused_start(cfg, ConfigError, r"lineage.json holds no JSON object")
+    (directory / "lineage.json").unlink()
+    weights = load_file(directory / "model.safetensors")
+    save_file(
+        {**weights, "transformer.wpe.weight": weights["transformer.wpe.weight"][:8]}, directory / "model.safetensors"
+    )
+    refused_start(cfg, ConfigError, r"has transformer.wpe.weight of shape \(8, 32\) .*, not \(64, 32\)")
+    (directory / "model.safetensors").unlink()
+    (directory / "model.safetensors.index.json").write_text("{not json")
+    refused_start(cfg, ConfigError, r"model.safetensors.index.json is not valid JSON")
+    (directory / "model.safetensors.index.json").unlink()
+    torch.save(weights, directory / "pytorch_model.bin")
+    (directory / "pytorch_model.bin").write_bytes((directory / "pytorch_model.bin").read_bytes()[:300])
+    refused_start(cfg, ConfigError, r"pytorch_model.bin cannot be read .* it is damaged")
+
+
 def test_init_from_refuses_gelu_new_and_damaged_or_code_carrying_weights(
     exports: Path, tmp_path: Path, shard_dir: Path
 ) -> None:
@@ -248,11 +356,11 @@ def test_init_from_refuses_gelu_new_and_damaged_or_code_carrying_weights(
     cfg = compose_run(tmp_path / "run", "clm_tiny", shard_dir, f"model.init_from={directory}")
     config = json.loads((directory / "config.json").read_text())
     (directory / "config.json").write_text(json.dumps({**config, "activation_function": "gelu_new"}))
-    refused_start(cfg, ConfigError, r"activation_function='gelu_new', and the backbone computes exact GELU")
+    refused_start(cfg, ConfigError, r"activation_function='gelu_new', and the backbone computes exact \(erf\) GELU")
     (directory / "config.json").write_text(json.dumps(config))
     weights = directory / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    refused_start(cfg, ConfigError, r"model.safetensors cannot be read as safetensors .* damaged")
+    refused_start(cfg, ConfigError, r"model.safetensors cannot be read .* it is damaged")
     weights.unlink()
     marker = tmp_path / "ran"
 
@@ -273,8 +381,15 @@ def test_export_refuses_a_non_empty_destination_and_an_unverified_checkpoint(
 ) -> None:
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "mine.txt").write_text("keep")
-    with pytest.raises(ConfigError, match=r"taken already exists and is not empty: choose a new directory"):
+    with pytest.raises(ConfigError, match=r"taken already exists and is not an empty directory: choose a new"):
         export(checkpoints["clm_tiny"], tmp_path / "taken")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"file/out cannot be created: .*file is not a writable directory"):
+        export(checkpoints["clm_tiny"], tmp_path / "file" / "out")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    with pytest.raises(ConfigError, match=r"link already exists and is not an empty directory"):
+        export(checkpoints["clm_tiny"], tmp_path / "link")
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["mine.txt"]
     original = checkpoints["clm_tiny"].resolve()
     damaged = tmp_path / original.name
@@ -298,6 +413,10 @@ def test_export_names_a_missing_or_other_tokenizer_and_the_option_to_pass(
         export(checkpoint, tmp_path / "out", tokenizer_path=str(tmp_path / "gone.json"))
     with pytest.raises(ConfigError, match=r"is not the one this checkpoint was trained with"):
         export(checkpoint, tmp_path / "out", tokenizer_path=str(bpe_path))
+    with pytest.raises(
+        ConfigError, match=r"tokenizer \(pretraining.data.ByteTokenizer\) reads no file: leave out --tokenizer PATH"
+    ):
+        export(checkpoints["clm_tiny"], tmp_path / "out", tokenizer_path=str(bpe_path))
     assert not (tmp_path / "out").exists()
 
 

@@ -113,9 +113,16 @@ def check_make(argv: list[str], config_dir: Path) -> None:
         check_composes([f"experiment={experiment}", *search, *args], config_dir)
     elif target == "tokenizer":
         data_parser().parse_args(["tokenizer", "--data", "data/stdlib", *args])
-    required = {"eval": "CKPT", "info": "CKPT", "export": "CKPT", "plot": "RUN", "sweep-report": "SWEEP"}.get(target)
+    required = {
+        "eval": ["CKPT"],
+        "info": ["CKPT"],
+        "export": ["CKPT", "OUT"],
+        "plot": ["RUN"],
+        "sweep-report": ["SWEEP"],
+    }
     if assignments:  # not a mere mention of the target
-        assert required is None or required in assignments, f"make {target} needs {required}=..."
+        missing = [name for name in required.get(target, []) if name not in assignments]
+        assert not missing, f"make {target} needs {missing[0]}=..."
 
 
 def check_entry_point(main: Callable[[list[str]], None], args: list[str]) -> None:

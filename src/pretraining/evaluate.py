@@ -19,14 +19,15 @@ from typing import Any, cast
 
 import hydra
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from omegaconf import DictConfig, OmegaConf
 
 from pretraining.checkpoint import READABLE_LINEAGE_FORMATS, load_sharded, load_weights_only, sidecar_path, verify
 from pretraining.config import CONFIG_DIR
+from pretraining.data.formats import ExampleFormat
 from pretraining.errors import ConfigError, MissingFileError
 from pretraining.instantiate import build, check_targets
-from pretraining.objectives import CausalLM, build_objective
+from pretraining.objectives import CausalLM, PretrainingObjective, build_objective
 from pretraining.schema import check_schema
 from pretraining.settings import EvalSettings
 
@@ -75,6 +76,8 @@ def stored_config(checkpoint: dict[str, Any], source: str, trusted_targets: Sequ
 def stored_tokenizer(checkpoint: dict[str, Any], run: DictConfig, tokenizer_path: str | None, option: str) -> Any:
     """The tokenizer a checkpoint was trained with (its file at `tokenizer_path` if given), refused unless
     its fingerprint is the checkpoint's; `option` is how the caller passes another path."""
+    if tokenizer_path and "path" not in run.tokenizer:
+        raise ConfigError(f"this checkpoint's tokenizer ({run.tokenizer._target_}) reads no file: leave out {option}")
     node = OmegaConf.merge(run.tokenizer, {"path": tokenizer_path} if tokenizer_path else {})
     if "path" in node and not Path(node.path).is_file():
         raise MissingFileError(
@@ -91,21 +94,34 @@ def stored_tokenizer(checkpoint: dict[str, Any], run: DictConfig, tokenizer_path
     return tokenizer
 
 
+def stored_model(
+    checkpoint: dict[str, Any],
+    source: str,
+    tokenizer_path: str | None = None,
+    trusted_targets: Sequence[str] = (),
+    tokenizer_option: str = "tokenizer_path=...",
+) -> tuple[PretrainingObjective, DictConfig, ExampleFormat[Any]]:
+    """The objective of a loaded checkpoint with its weights, its stored config, and its example format
+    (with the tokenizer), rebuilt from `source` without reading any data: built only if its config names
+    nothing but trusted classes. `tokenizer_option` is how the caller passes a tokenizer that moved."""
+    run = stored_config(checkpoint, source, trusted_targets)
+    tokenizer = stored_tokenizer(checkpoint, run, tokenizer_path, tokenizer_option)
+    examples = build(run.data.format)(tokenizer)
+    model = build_objective(run.model, examples)
+    model.load_state_dict(checkpoint["state_dict"])
+    return model, run, examples
+
+
 def build_from_checkpoint(
     checkpoint: dict[str, Any],
     source: str,
     data_overrides: dict[str, Any],
     tokenizer_path: str | None = None,
     trusted_targets: Sequence[str] = (),
-) -> tuple[LightningModule, Any]:
-    """The objective (with the checkpoint's weights) and the DataModule the checkpoint was trained with,
-    read from `source`: built only if its config names nothing but trusted classes."""
-    run = stored_config(checkpoint, source, trusted_targets)
-    tokenizer = stored_tokenizer(checkpoint, run, tokenizer_path, "tokenizer_path=...")
-    datamodule = build(run.data, tokenizer=tokenizer, **data_overrides)
-    model = build_objective(run.model, datamodule.format)
-    model.load_state_dict(checkpoint["state_dict"])
-    return model, datamodule
+) -> tuple[PretrainingObjective, Any]:
+    """The objective (with the checkpoint's weights) and the DataModule the checkpoint was trained with."""
+    model, run, examples = stored_model(checkpoint, source, tokenizer_path, trusted_targets)
+    return model, build(run.data, tokenizer=examples.tokenizer, **data_overrides)
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:

@@ -16,36 +16,27 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save
+from safetensors.torch import save_file
 
 from pretraining.callbacks.lineage import code_revision
 from pretraining.checkpoint import read_sidecar, verify
 from pretraining.config import PROJECT_ROOT
-from pretraining.data.formats import ExampleFormat
-from pretraining.data.tokenizer import EOS_ID, PAD_ID, SPECIAL_TOKENS, Tokenizer
+from pretraining.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from pretraining.errors import ConfigError, PretrainingError
-from pretraining.evaluate import load_checkpoint, stored_config, stored_tokenizer
-from pretraining.hf import MODELLING_CODE
+from pretraining.evaluate import load_checkpoint, stored_model
+from pretraining.hf import AUTO_MAP, MODELLING_CODE
 from pretraining.hf.card import model_card
-from pretraining.hf.directory import CONFIG, SAFETENSORS, check_destination, write_directory
-from pretraining.hf.init_from import LINEAGE
-from pretraining.hf.tokenizer import tokenizer_files
+from pretraining.hf.directory import CONFIG, LINEAGE, SAFETENSORS, Content, check_destination, write_directory
+from pretraining.hf.tokenizer import CLS, EOS, MASK, PAD, tokenizer_files
 from pretraining.hf.weights import encoder_config, gpt2_config, to_gpt2
-from pretraining.instantiate import build
-from pretraining.objectives import CausalLM, Contrastive, MaskedLM, PretrainingObjective, build_objective
+from pretraining.models.transformer import Transformer
+from pretraining.objectives import CausalLM, Contrastive, MaskedLM, PretrainingObjective
 
-PAD, EOS, MASK, CLS = SPECIAL_TOKENS
-AUTO_MAP = {
-    "AutoConfig": "modeling_pretraining.PretrainingConfig",
-    "AutoModel": "modeling_pretraining.PretrainingModel",
-    "AutoModelForMaskedLM": "modeling_pretraining.PretrainingForMaskedLM",
-}
-Files = dict[str, bytes]
+Files = dict[str, Content]
 
 
 def export(
@@ -55,26 +46,15 @@ def export(
     check_destination(out)
     verify(checkpoint_path)  # a checkpoint without a verified sidecar is not exported
     checkpoint = load_checkpoint(checkpoint_path)
-    model, examples = stored_model(checkpoint, str(checkpoint_path), tokenizer_path, trusted or [])
-    kind, files = model_files(model, examples.tokenizer, examples.lengths)
+    model, _, examples = stored_model(
+        checkpoint, str(checkpoint_path), tokenizer_path, trusted or [], "--tokenizer PATH"
+    )
+    kind, files = model_files(model.eval(), examples.tokenizer, examples.lengths)
     record = lineage_record(checkpoint_path, checkpoint["lineage"], kind)
     files[LINEAGE] = json.dumps(record, indent=2, default=str).encode()
-    files["README.md"] = model_card(kind, record, USAGE[kind].format(out=out)).encode()
+    files["README.md"] = model_card(kind, record, usage(kind, out)).encode()
     write_directory(out, files)
     return kind
-
-
-def stored_model(
-    checkpoint: dict[str, Any], source: str, tokenizer_path: str | None = None, trusted: Sequence[str] = ()
-) -> tuple[PretrainingObjective, ExampleFormat[Any]]:
-    """The objective of a loaded checkpoint with its weights, in eval mode, and its example format (with
-    the tokenizer), rebuilt from its stored config without reading any data."""
-    run = stored_config(checkpoint, source, trusted)
-    tokenizer = stored_tokenizer(checkpoint, run, tokenizer_path, "--tokenizer PATH")
-    examples = build(run.data.format)(tokenizer)
-    model = build_objective(run.model, examples)
-    model.load_state_dict(checkpoint["state_dict"])
-    return model.eval(), examples
 
 
 def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict[str, int]) -> tuple[str, Files]:
@@ -84,10 +64,8 @@ def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict
         special = {"bos_token": EOS, "eos_token": EOS, "pad_token": PAD}
         files = {
             CONFIG: as_json(gpt2_config(backbone)),
-            "generation_config.json": as_json(
-                generation_config(backbone.vocab_size, len(backbone.token_embedding.weight))
-            ),
-            SAFETENSORS: save(to_gpt2(backbone), metadata={"format": "pt"}),
+            "generation_config.json": as_json(generation_config(backbone)),
+            SAFETENSORS: safetensors(to_gpt2(backbone)),
         }
         return "gpt2", files | text_files(tokenizer, special, backbone.max_seq_len)
     weights = {name: tensor.float().contiguous() for name, tensor in backbone.state_dict().items()}
@@ -95,11 +73,12 @@ def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict
     code = {"modeling_pretraining.py": MODELLING_CODE.read_bytes()}
     if isinstance(model, MaskedLM):
         config = {**encoder_config(backbone), "architectures": ["PretrainingForMaskedLM"], "auto_map": AUTO_MAP}
-        files = {CONFIG: as_json(config), SAFETENSORS: save(prefixed("model.", weights), metadata={"format": "pt"})}
+        files = {CONFIG: as_json(config), SAFETENSORS: safetensors(prefixed("model.", weights))}
         return "masked-lm", files | code | text_files(tokenizer, special, backbone.max_seq_len, marks_in_text=True)
     if isinstance(model, Contrastive):
+        check_one_tower(model)
         config = {**encoder_config(backbone), "architectures": ["PretrainingModel"], "auto_map": AUTO_MAP}
-        files = {CONFIG: as_json(config), SAFETENSORS: save(weights, metadata={"format": "pt"})}
+        files = {CONFIG: as_json(config), SAFETENSORS: safetensors(weights)}
         text = text_files(tokenizer, special, lengths["passage_len"], cls_first=True)
         return "embedding", files | code | text | sentence_transformer_files(model, lengths["passage_len"])
     raise ConfigError(
@@ -107,13 +86,13 @@ def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict
     )
 
 
-def generation_config(vocab_size: int, padded_vocab: int) -> dict[str, Any]:
+def generation_config(backbone: Transformer) -> dict[str, Any]:
     """The padded ids never occur in data: generation leaves them out, as the template's sampler does."""
     return {
         "bos_token_id": EOS_ID,
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
-        "suppress_tokens": list(range(vocab_size, padded_vocab)),
+        "suppress_tokens": list(range(backbone.vocab_size, backbone.token_embedding.num_embeddings)),
     }
 
 
@@ -121,13 +100,16 @@ def text_files(tokenizer: Tokenizer, special: dict[str, str], max_length: int, *
     return {name: text.encode() for name, text in tokenizer_files(tokenizer, special, max_length, **options).items()}
 
 
-def sentence_transformer_files(model: Contrastive, max_length: int) -> Files:
-    """The sentence-transformers modules after the backbone: pooling, the projection, L2 normalisation."""
+def check_one_tower(model: Contrastive) -> None:
     if model.passage_backbone is not None:
         raise ConfigError(
             "this contrastive model has a tower per side (model.shared_towers=false); pretrain-export writes "
             "one encoder, so it exports only models trained with shared towers"
         )
+
+
+def sentence_transformer_files(model: Contrastive, max_length: int) -> Files:
+    """The sentence-transformers modules after the backbone: pooling, the projection, L2 normalisation."""
     width, projection = model.backbone.d_model, model.query_head.weight.detach().float().contiguous()
     modules = [
         {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
@@ -148,7 +130,7 @@ def sentence_transformer_files(model: Contrastive, max_length: int) -> Files:
         "config_sentence_transformers.json": as_json({"similarity_fn_name": "cosine"}),
         "1_Pooling/config.json": as_json(pooling),
         "2_Dense/config.json": as_json(dense),
-        f"2_Dense/{SAFETENSORS}": save({"linear.weight": projection}, metadata={"format": "pt"}),
+        f"2_Dense/{SAFETENSORS}": safetensors({"linear.weight": projection}),
         "3_Normalize/.keep": b"",
     }
 
@@ -167,6 +149,11 @@ def lineage_record(path: Path, lineage: dict[str, Any], kind: str) -> dict[str, 
     }
 
 
+def safetensors(tensors: dict[str, torch.Tensor]) -> Content:
+    """A weights file, written straight into the export (never held as bytes beside the tensors)."""
+    return lambda path: save_file(tensors, path, metadata={"format": "pt"})  # "pt": what transformers expects
+
+
 def prefixed(prefix: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {prefix + name: tensor for name, tensor in weights.items()}
 
@@ -175,20 +162,25 @@ def as_json(value: Any) -> bytes:
     return (json.dumps(value, indent=2) + "\n").encode()
 
 
+def usage(kind: str, out: Path) -> str:
+    """How to load an export of `kind` at `out` (as the command named it)."""
+    return USAGE[kind].format(out=repr(str(out)))
+
+
 USAGE = {
     "gpt2": """from transformers import AutoModelForCausalLM, AutoTokenizer
-tokenizer = AutoTokenizer.from_pretrained("{out}")
-model = AutoModelForCausalLM.from_pretrained("{out}")
+tokenizer = AutoTokenizer.from_pretrained({out})
+model = AutoModelForCausalLM.from_pretrained({out})
 ids = model.generate(**tokenizer("def ", return_tensors="pt"), max_new_tokens=40, do_sample=False)
 print(tokenizer.decode(ids[0]))""",
     "masked-lm": """from transformers import AutoModelForMaskedLM, AutoTokenizer
-tokenizer = AutoTokenizer.from_pretrained("{out}", trust_remote_code=True)
-model = AutoModelForMaskedLM.from_pretrained("{out}", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained({out}, trust_remote_code=True)
+model = AutoModelForMaskedLM.from_pretrained({out}, trust_remote_code=True)
 inputs = tokenizer("def add(a, b): return a <mask> b", return_tensors="pt")
 guess = model(**inputs).logits.argmax(-1)[inputs.input_ids == tokenizer.mask_token_id]
 print(tokenizer.decode(guess))""",
     "embedding": """from sentence_transformers import SentenceTransformer
-model = SentenceTransformer("{out}", trust_remote_code=True)
+model = SentenceTransformer({out}, trust_remote_code=True)
 embeddings = model.encode(["Return the sum of a and b.", "def add(a, b): return a + b"])""",
 }
 
@@ -204,9 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         kind = export(args.checkpoint, args.out, args.tokenizer, args.trusted_targets)
-    except (PretrainingError, FileNotFoundError) as error:
+    except (PretrainingError, OSError) as error:  # OSError: also a disk that fills or a directory not writable
         raise SystemExit(f"pretrain-export: {error}") from None
-    print(f"wrote {args.out} ({kind}); load it with:\n{USAGE[kind].format(out=args.out)}")
+    print(f"wrote {args.out} ({kind}); load it with:\n{usage(kind, args.out)}")
 
 
 if __name__ == "__main__":

@@ -79,12 +79,27 @@ def starting_weights(model: PretrainingObjective, tokenizer: Tokenizer, resume: 
     """Load `model.init_from` into a fresh run's backbone; the record of where the weights started (a
     resumed run's, from its checkpoint: the directory need not exist any more), or None."""
     if resume is not None:
-        return resume.sidecar.get("lineage", {}).get("origin")
+        origin = resume.sidecar.get("lineage", {}).get("origin")
+        check_same_origin(model.init_from, origin, resume.path)
+        return origin
     if model.init_from is None:
         return None
     origin = initialise_from(model.backbone, Path(model.init_from), tokenizer)
     rank_zero_info(f"starting from the weights of {origin['init_from']} (model.init_from)")
     return origin
+
+
+def check_same_origin(init_from: str | None, origin: dict[str, Any] | None, checkpoint: Path) -> None:
+    """Refuse a `model.init_from` that the checkpoint being continued did not start from: its weights win,
+    and the lineage would name a start that never happened."""
+    if init_from is None or (origin and origin["init_from"] == str(Path(init_from).resolve())):
+        return
+    started = f"started from {origin['init_from']}" if origin else "did not start from model.init_from"
+    raise ConfigError(
+        f"model.init_from={init_from} applies to a fresh run, and this one continues from {checkpoint}, whose run "
+        f"{started}: leave model.init_from out to continue it, or pass resume=never (or another run_name) to "
+        "start afresh from the directory"
+    )
 
 
 def run_lineage(

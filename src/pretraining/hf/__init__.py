@@ -7,3 +7,9 @@ from pathlib import Path
 
 # Copied into exports, never imported by this package: it needs `transformers`, which exporting does not.
 MODELLING_CODE = Path(__file__).with_name("modeling_pretraining.py")
+# config.json's pointers from the Auto classes to that code's classes.
+AUTO_MAP = {
+    "AutoConfig": "modeling_pretraining.PretrainingConfig",
+    "AutoModel": "modeling_pretraining.PretrainingModel",
+    "AutoModelForMaskedLM": "modeling_pretraining.PretrainingForMaskedLM",
+}

@@ -15,6 +15,11 @@ CARD_TAGS = {
 }
 
 
+def checksum(digest: str | dict[str, str]) -> str:
+    """A checkpoint file's SHA-256, or for a sharded directory where its files' are."""
+    return f"SHA-256 {digest}" if isinstance(digest, str) else f"{len(digest)} files, SHA-256 each in lineage.json"
+
+
 def model_card(kind: str, record: dict[str, Any], usage: str) -> str:
     """README.md for an export of `kind` from the lineage `record` (as lineage.json holds it)."""
     lineage, config = record["lineage"], record["lineage"].get("config") or {}
@@ -24,9 +29,12 @@ def model_card(kind: str, record: dict[str, Any], usage: str) -> str:
     dirty = " (uncommitted changes)" if code.get("dirty") else ""
     facts = [
         ("objective", config.get("model", {}).get("_target_")),
-        ("run", f"{config.get('task_name')}/{config.get('run_name')} (W&B run {lineage.get('wandb_run_id')})"),
+        (
+            "run",
+            f"{config.get('task_name')}/{config.get('run_name')} (W&B run {lineage.get('wandb_run_id') or 'none'})",
+        ),
         ("step", lineage.get("step")),
-        ("checkpoint", f"`{record['checkpoint']}` ({record['checkpoint_sha256']})"),
+        ("checkpoint", f"`{record['checkpoint']}` ({checksum(record['checkpoint_sha256'])})"),
         ("code revision", f"{code.get('commit')}{dirty}"),
         ("data version", f"{lineage.get('data_version')} (data.dir={config.get('data', {}).get('dir')})"),
         (
@@ -35,7 +43,7 @@ def model_card(kind: str, record: dict[str, Any], usage: str) -> str:
         ),
         ("started from", (lineage.get("origin") or {}).get("init_from") or "random initialisation"),
     ]
-    validation = record.get("validation")
+    validation = {name: value for name, value in (record.get("validation") or {}).items() if name.startswith("val/")}
     metrics = (
         "\n".join(f"| {name} | {value:.4f} |" for name, value in sorted(validation.items()))
         if validation

@@ -11,30 +11,35 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from pretraining.checkpoint import load_weights_only
-from pretraining.errors import ConfigError, MissingFileError
+from pretraining.errors import CheckpointError, ConfigError, MissingFileError
 from pretraining.files import fsync_directory, temporary_path
 
-CONFIG = "config.json"
+CONFIG, LINEAGE = "config.json", "lineage.json"  # lineage.json: what `pretrain-export` writes beside the model
 SAFETENSORS, SAFETENSORS_INDEX, PICKLED = "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"
+# A file's content, or a function that writes it at the path given (weights: streamed, never all in memory twice).
+Content = bytes | Callable[[Path], None]
 
 
 def check_destination(out: Path) -> None:
-    """Refuse, before any work, a destination that holds something (an export never mixes with other files)."""
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out} already exists and is not empty: choose a new directory, or remove it first")
+    """Refuse, before any work, a destination that holds something or cannot become a directory (an export
+    never mixes with other files)."""
+    if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
+        raise ConfigError(f"{out} already exists and is not an empty directory: choose a new directory, or remove it")
+    parent = next((p for p in out.absolute().parents if p.exists()), None)
+    if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise ConfigError(f"{out} cannot be created: {parent} is not a writable directory; choose another place")
 
 
-def write_directory(out: Path, files: Mapping[str, bytes]) -> None:
-    """Write `files` (relative path: content) as the directory `out`, atomically."""
+def write_directory(out: Path, files: Mapping[str, Content]) -> None:
+    """Write `files` (relative path: content) as the directory `out`, atomically: a failure or a kill
+    leaves no `out` (a kill may leave its hidden staging directory, `.<name>.tmp-*`, beside it)."""
     check_destination(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = temporary_path(out)
@@ -42,9 +47,11 @@ def write_directory(out: Path, files: Mapping[str, bytes]) -> None:
         for name, content in files.items():
             path = staging / name
             path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("wb") as file:
-                file.write(content)
-                file.flush()
+            if isinstance(content, bytes):
+                path.write_bytes(content)
+            else:
+                content(path)
+            with path.open("rb+") as file:
                 os.fsync(file.fileno())
         for directory in {(staging / name).parent for name in files}:
             fsync_directory(directory)
@@ -65,13 +72,7 @@ def read_config(directory: Path) -> dict[str, Any]:
             f"{path} not found: {directory} is not a Hugging Face model directory (one `pretrain-export` wrote, "
             "or a `save_pretrained` directory)"
         )
-    try:
-        config = json.loads(path.read_text())
-    except ValueError as error:
-        raise ConfigError(f"{path} is not valid JSON ({error}); restore the file") from None
-    if not isinstance(config, dict):
-        raise ConfigError(f"{path} holds no JSON object; restore the file")
-    return config
+    return read_json(path)
 
 
 def weight_files(directory: Path) -> list[Path]:
@@ -79,8 +80,10 @@ def weight_files(directory: Path) -> list[Path]:
     if (directory / SAFETENSORS).is_file():
         return [directory / SAFETENSORS]
     if (directory / SAFETENSORS_INDEX).is_file():
-        index = json.loads((directory / SAFETENSORS_INDEX).read_text())
-        return [directory / name for name in sorted(set(index["weight_map"].values()))]
+        index = read_json(directory / SAFETENSORS_INDEX)
+        if not isinstance(index.get("weight_map"), dict):
+            raise ConfigError(f"{directory / SAFETENSORS_INDEX} has no weight_map; restore the file")
+        return [directory / str(name) for name in sorted(set(index["weight_map"].values()))]
     if (directory / PICKLED).is_file():
         return [directory / PICKLED]
     raise MissingFileError(
@@ -88,18 +91,30 @@ def weight_files(directory: Path) -> list[Path]:
     )
 
 
-def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+def read_weights(directory: Path) -> dict[str, Any]:
     """Every tensor of a model directory, on the CPU; nothing in the files can run code."""
-    weights: dict[str, torch.Tensor] = {}
+    weights: dict[str, Any] = {}
     for path in weight_files(directory):
-        if path.name == PICKLED:
-            loaded = load_weights_only(path)
-            if not isinstance(loaded, dict):
-                raise ConfigError(f"{path} holds no state dict; use a model directory written by save_pretrained")
-            weights.update(loaded)
-            continue
         try:
-            weights.update(load_file(path))
-        except (SafetensorError, OSError) as error:
-            raise ConfigError(f"{path} cannot be read as safetensors ({error}): it is damaged; restore it") from None
+            loaded = load_weights_only(path) if path.name == PICKLED else load_file(path)
+        except CheckpointError:  # code in a pickle: refused in its own words
+            raise
+        except Exception as error:  # safetensors and torch.load have no common error type for damage
+            raise ConfigError(
+                f"{path} cannot be read ({type(error).__name__}: {error}): it is damaged; restore it"
+            ) from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path} holds no state dict; use a model directory written by save_pretrained")
+        weights.update(loaded)
     return weights
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a file of a model directory, refused with the file's name if it is not one."""
+    try:
+        value = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} is not valid JSON ({error}); restore the file") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} holds no JSON object; restore the file")
+    return value

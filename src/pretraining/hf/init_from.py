@@ -4,21 +4,16 @@ checked against the run's before anything is read; the run's lineage records whe
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError, MissingFileError
 from pretraining.files import sha256_of
-from pretraining.hf.directory import read_config, read_weights, weight_files
+from pretraining.hf.directory import LINEAGE, read_config, read_json, read_weights, weight_files
 from pretraining.hf.tokenizer import check_same_tokenizer
 from pretraining.hf.weights import check_gpt2_fits, from_gpt2
 from pretraining.models.transformer import Transformer
-
-LINEAGE = "lineage.json"  # what `pretrain-export` writes beside the model
 
 
 def initialise_from(backbone: Transformer, directory: Path, tokenizer: Tokenizer) -> dict[str, Any]:
@@ -39,20 +34,14 @@ def initialise_from(backbone: Transformer, directory: Path, tokenizer: Tokenizer
         "the run must read text as the model was trained to: pass the "
         "tokenizer it was trained with (tokenizer=bytes, or tokenizer=bpe tokenizer.path=...)",
     )
-    weights = read_weights(directory)
-    check_tied_head(weights, source)
-    backbone.load_state_dict(from_gpt2(weights, backbone, source))
-    return {
+    origin = {
         "init_from": str(directory.resolve()),
         "weights_sha256": {path.name: sha256_of(path) for path in weight_files(directory)},
         "exported_from": exported_from(directory),
     }
-
-
-def check_tied_head(weights: dict[str, torch.Tensor], source: str) -> None:
-    head, embedding = weights.get("lm_head.weight"), weights.get("transformer.wte.weight", weights.get("wte.weight"))
-    if head is not None and embedding is not None and not torch.equal(head, embedding):
-        raise ConfigError(f"{source} has a head apart from its token embedding; the backbone's head is tied to it")
+    weights = read_weights(directory)
+    backbone.load_state_dict(from_gpt2(weights, backbone, source))
+    return origin
 
 
 def exported_from(directory: Path) -> dict[str, Any] | None:
@@ -60,10 +49,12 @@ def exported_from(directory: Path) -> dict[str, Any] | None:
     path = directory / LINEAGE
     if not path.is_file():
         return None
-    record = json.loads(path.read_text())
-    lineage = record.get("lineage") or {}
+    record = read_json(path)
+    lineage = record.get("lineage")
+    lineage = lineage if isinstance(lineage, dict) else {}
     return {
         "checkpoint": record.get("checkpoint"),
+        "checkpoint_sha256": record.get("checkpoint_sha256"),
         "step": lineage.get("step"),
         "code": lineage.get("code"),
         "data_version": lineage.get("data_version"),

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from pretraining.data.tokenizer import CLS_ID, SPECIAL_TOKENS, BPETokenizer, ByteTokenizer, Tokenizer
 from pretraining.errors import ConfigError, MissingFileError
 
-PAD, EOS, MASK, CLS = SPECIAL_TOKENS
+PAD, EOS, MASK, CLS = SPECIAL_TOKENS  # the roles an export's tokenizer_config.json names
 # What decides how text becomes ids: equal sections, equal ids.
 TOKENIZING_SECTIONS = ("model", "normalizer", "pre_tokenizer")
 
@@ -26,7 +26,9 @@ TOKENIZING_SECTIONS = ("model", "normalizer", "pre_tokenizer")
 def hf_tokenizer(tokenizer: Tokenizer) -> HFTokenizer:
     """The `tokenizers` object that encodes text as `tokenizer` does (special tokens in text stay text)."""
     if isinstance(tokenizer, BPETokenizer):
-        return HFTokenizer.from_str(tokenizer.path.read_text())
+        loaded = HFTokenizer.from_str(tokenizer.path.read_text())
+        loaded.post_processor = None  # the template encodes without one (add_special_tokens=False)
+        return loaded
     if isinstance(tokenizer, ByteTokenizer):
         return byte_level_without_merges()
     raise ConfigError(

@@ -17,7 +17,17 @@ from pretraining.data.tokenizer import EOS_ID, PAD_ID
 from pretraining.errors import ConfigError
 from pretraining.models.transformer import Transformer
 
-LAYER_NORM_EPS = 1e-5  # torch.nn.LayerNorm's default, which the backbone uses
+# What the backbone computes, as GPT-2 config keys: (the value it writes, GPT2Config's default, in words).
+# A config read back is checked against these with GPT-2's defaults for absent keys, as transformers reads it.
+GPT2_COMPUTES: dict[str, tuple[Any, Any, str]] = {
+    "activation_function": ("gelu", "gelu_new", "exact (erf) GELU, as torch's F.gelu, not GPT-2's tanh gelu_new"),
+    "layer_norm_epsilon": (1e-5, 1e-5, "LayerNorm eps 1e-5 (torch's default)"),
+    "n_inner": (None, None, "an MLP 4 x d_model wide"),
+    "scale_attn_weights": (True, True, "attention scaled by 1/sqrt(head width)"),
+    "scale_attn_by_inverse_layer_idx": (False, False, "no further scaling by layer"),
+    "tie_word_embeddings": (True, True, "a head tied to the token embedding"),
+    "add_cross_attention": (False, False, "no cross-attention"),
+}
 # (backbone name in a block, GPT-2 name in a layer, whether GPT-2 stores the matrix transposed)
 GPT2_BLOCK = [
     ("attention_norm", "ln_1", False),
@@ -40,17 +50,12 @@ def gpt2_config(backbone: Transformer) -> dict[str, Any]:
         "n_embd": backbone.d_model,
         "n_layer": backbone.n_layer,
         "n_head": backbone.n_head,
-        "n_inner": None,  # 4 * n_embd
-        "activation_function": "gelu",  # exact (erf) GELU, as torch.nn.functional.gelu; not GPT-2's gelu_new
+        **{key: written for key, (written, _, _) in GPT2_COMPUTES.items()},
         "resid_pdrop": backbone.dropout.p,
         "embd_pdrop": backbone.dropout.p,
         "attn_pdrop": backbone.dropout.p,
-        "layer_norm_epsilon": LAYER_NORM_EPS,
         "initializer_range": 0.02,
-        "scale_attn_weights": True,
-        "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": True,
         "bos_token_id": EOS_ID,
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
@@ -84,31 +89,49 @@ def to_gpt2(backbone: Transformer) -> dict[str, torch.Tensor]:
     return weights
 
 
-def from_gpt2(weights: dict[str, torch.Tensor], backbone: Transformer, source: str) -> dict[str, torch.Tensor]:
+def from_gpt2(weights: dict[str, Any], backbone: Transformer, source: str) -> dict[str, torch.Tensor]:
     """A state dict for `backbone` from GPT-2 weights (with or without the `transformer.` prefix), refusing
-    non-zero biases it has no place for. The embedding keeps `backbone`'s rows where GPT-2 has fewer."""
+    a missing or misshapen tensor, non-zero biases it has no place for and a head not tied to the
+    embedding. The embedding keeps `backbone`'s own rows past GPT-2's (padding: ids no tokenizer produces)."""
     weights = {
-        name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}": tensor
-        for name, tensor in weights.items()
+        name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}": value
+        for name, value in weights.items()
     }
     state = backbone.state_dict()
     loaded = {}
     for ours, theirs, transposed in gpt2_names(backbone.n_layer):
-        if theirs not in weights:
-            raise ConfigError(f"{source} has no weight {theirs}: it is not a complete GPT-2 model")
-        tensor = weights[theirs].T if transposed else weights[theirs]
-        if ours not in state:
-            if tensor.count_nonzero():
-                raise ConfigError(
-                    f"{source} has non-zero {theirs}, and model.backbone.bias=false has no place for it: "
-                    "pass model.backbone.bias=true"
-                )
-            continue
-        loaded[ours] = tensor.to(state[ours].dtype)
+        tensor = weights.get(theirs)
+        if not isinstance(tensor, torch.Tensor):
+            raise ConfigError(f"{source} has no tensor {theirs}: it is not a complete GPT-2 model")
+        tensor = tensor.T if transposed else tensor
+        check_shape(tensor, ours, state, backbone.vocab_size, f"{source} has {theirs}")
+        if ours in state:
+            loaded[ours] = tensor.to(state[ours].dtype)
+        elif tensor.count_nonzero():
+            raise ConfigError(
+                f"{source} has non-zero {theirs}, and model.backbone.bias=false has no place for it: "
+                "pass model.backbone.bias=true"
+            )
+    head = weights.get("lm_head.weight")  # transformers leaves a tied head out; a stored one must be the same
+    if head is not None and not (
+        isinstance(head, torch.Tensor) and torch.equal(head, weights["transformer.wte.weight"])
+    ):
+        raise ConfigError(f"{source} has a head apart from its token embedding; the backbone's head is tied to it")
     embedding = state["token_embedding.weight"].clone()
     rows = min(len(embedding), len(loaded["token_embedding.weight"]))
     embedding[:rows] = loaded["token_embedding.weight"][:rows]
     return {**loaded, "token_embedding.weight": embedding}
+
+
+def check_shape(tensor: torch.Tensor, ours: str, state: dict[str, torch.Tensor], vocab_size: int, found: str) -> None:
+    """Refuse a tensor of another shape than `ours` in `state` (a bias the backbone lacks: its weight's
+    rows); the token embedding may have any number of rows that covers the tokenizer's `vocab_size`."""
+    expected = state[ours].shape if ours in state else state[ours.replace(".bias", ".weight")].shape[:1]
+    embedding = ours == "token_embedding.weight"
+    rows_fit = tensor.shape[0] >= vocab_size if embedding else tensor.shape[0] == expected[0]
+    if not rows_fit or tensor.shape[1:] != expected[1:]:
+        wanted = f"(at least {vocab_size}, {expected[1]})" if embedding else str(tuple(expected))
+        raise ConfigError(f"{found} of shape {tuple(tensor.shape)} (in the backbone's layout), not {wanted}")
 
 
 def encoder_config(backbone: Transformer) -> dict[str, Any]:
@@ -143,21 +166,15 @@ def check_gpt2_fits(config: dict[str, Any], backbone: Transformer, vocab_size: i
         )
         fix = " ".join(f"model.backbone.{key}={value}" for key, value in differ.items())
         raise ConfigError(f"{source} has {found}: pass {fix}")
-    computed = {
-        "activation_function": ("gelu", "exact GELU"),
-        "layer_norm_epsilon": (LAYER_NORM_EPS, "LayerNorm eps 1e-5"),
-        "n_inner": (None, "an MLP 4 x d_model wide"),
-        "scale_attn_by_inverse_layer_idx": (False, "attention scaled by 1/sqrt(head width) alone"),
-        "tie_word_embeddings": (True, "a head tied to the token embedding"),
-    }
-    for name, (expected, meaning) in computed.items():
-        value = config.get(name, expected)
-        if value != expected and not (name == "n_inner" and value == 4 * backbone.d_model):
+    for key, (computed, default, meaning) in GPT2_COMPUTES.items():
+        value = config.get(key, default)
+        if value != computed and not (key == "n_inner" and value == 4 * backbone.d_model):
             raise ConfigError(
-                f"{source} has {name}={value!r}, and the backbone computes {meaning} ({name}={expected!r}): "
+                f"{source} has {key}={value!r}, and the backbone computes {meaning} ({key}={computed!r}): "
                 "it cannot continue this model exactly; start from a GPT-2 directory `pretrain-export` wrote"
             )
-    if config.get("vocab_size", 0) < vocab_size:
+    vocabulary = config.get("vocab_size")
+    if not isinstance(vocabulary, int) or vocabulary < vocab_size:
         raise ConfigError(
             f"{source} has vocab_size={config.get('vocab_size')}, fewer ids than the run's tokenizer "
             f"({vocab_size}): use the tokenizer it was trained with"
