@@ -279,6 +279,11 @@ def test_init_from_refuses_another_size_naming_the_overrides(exports: Path, tmp_
     refused_start(cfg, ConfigError, r"has n_embd=32 \(model.backbone.d_model=64\): pass model.backbone.d_model=32")
 
 
+def test_init_from_refuses_gpt2_for_a_bidirectional_objective(exports: Path, tmp_path: Path, shard_dir: Path) -> None:
+    cfg = compose_run(tmp_path, "mlm_tiny", shard_dir, f"+model.init_from={exports / 'clm_tiny'}")
+    refused_start(cfg, ConfigError, r"is GPT-2, a causal model: start a causal objective from it")
+
+
 def test_init_from_refuses_another_tokenizer(exports: Path, tmp_path: Path, shard_dir: Path, bpe_path: Path) -> None:
     init = f"model.init_from={exports / 'clm_tiny'}"
     cfg = compose_run(tmp_path, "clm_tiny", shard_dir, init, "tokenizer=bpe", f"tokenizer.path={bpe_path}")
