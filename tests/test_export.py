@@ -34,7 +34,7 @@ from pretraining.data.formats import ExampleFormat, padded
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
 from pretraining.evaluate import load_checkpoint, stored_model
 from pretraining.export import export, main
-from pretraining.hf.directory import write_directory
+from pretraining.hf.directory import SAFETENSORS, write_directory
 from pretraining.hf.weights import from_gpt2, gpt2_config, to_gpt2
 from pretraining.info import main as info_main
 from pretraining.instantiate import build
@@ -241,21 +241,26 @@ def test_a_run_started_from_a_directory_no_longer_needs_it(
     exports: Path, tmp_path: Path, shard_dir: Path, capsys: pytest.CaptureFixture
 ) -> None:
     directory = copy_export(exports / "clm_tiny", tmp_path / "model")
+    latest = tmp_path / "latest"
+    latest.symlink_to(directory)  # named through a link, which will be gone too
     run = tmp_path / "run"
-    train(compose_run(run, "clm_tiny", shard_dir, f"model.init_from={directory}", "trainer.max_steps=3"))
+    train(compose_run(run, "clm_tiny", shard_dir, f"model.init_from={latest}", "trainer.max_steps=3"))
     other = copy_export(exports / "clm_tiny", tmp_path / "other")
-    with pytest.raises(ConfigError, match=r"model.init_from=.*other applies to a fresh run, .* started from .*model"):
+    with pytest.raises(ConfigError, match=r"model.init_from=.*other applies to a fresh run, .* started from .*latest"):
         train(compose_run(run, "clm_tiny", shard_dir, f"model.init_from={other}", "trainer.max_steps=6"))
+    latest.unlink()
     for file in directory.iterdir():
         file.unlink()
     directory.rmdir()
-    train(compose_run(run, "clm_tiny", shard_dir, f"model.init_from={directory}", "trainer.max_steps=6"))
+    train(compose_run(run, "clm_tiny", shard_dir, f"model.init_from={latest}", "trainer.max_steps=6"))
     last = run / "checkpoints" / "last.ckpt"
     assert load_checkpoint(last)["global_step"] == 6
     export(last, tmp_path / "out")  # rebuilt from its stored config, which names the directory
+    started = f"{directory.resolve()} (model.init_from), exported from"
+    assert f"| weights from | {started}" in (tmp_path / "out" / "README.md").read_text()
     capsys.readouterr()
     info_main([str(last)])
-    assert f"weights from    {directory.resolve()} (model.init_from), exported from" in capsys.readouterr().out
+    assert f"weights from    {started}" in capsys.readouterr().out
 
 
 def copy_export(source: Path, out: Path, leave_out: str = "") -> Path:
@@ -319,7 +324,8 @@ def test_init_from_refuses_what_it_cannot_start_from(
             r"scale_attn_weights=False, and the backbone computes",
         ),
         (lambda config: config.update(add_cross_attention=True), r"add_cross_attention=True, and the backbone"),
-        (lambda config: config.update(vocab_size=None), r"vocab_size=None, fewer ids than the run's tokenizer"),
+        (lambda config: config.update(vocab_size=100), r"vocab_size=100, not the 260 ids of the run's tokenizer"),
+        (lambda config: config.update(n_embd="32"), r"has n_embd='32' \(model.backbone.d_model=32\): pass"),
     ],
 )
 def test_init_from_reads_absent_keys_as_gpt2s_defaults(
@@ -344,7 +350,7 @@ def test_init_from_names_a_damaged_file(exports: Path, tmp_path: Path, shard_dir
     save_file(
         {**weights, "transformer.wpe.weight": weights["transformer.wpe.weight"][:8]}, directory / "model.safetensors"
     )
-    refused_start(cfg, ConfigError, r"has transformer.wpe.weight of shape \(8, 32\) .*, not \(64, 32\)")
+    refused_start(cfg, ConfigError, r"has transformer.wpe.weight of shape \(8, 32\), not \(64, 32\): it does not fit")
     (directory / "model.safetensors").unlink()
     (directory / "model.safetensors.index.json").write_text("{not json")
     refused_start(cfg, ConfigError, r"model.safetensors.index.json is not valid JSON")
@@ -354,19 +360,27 @@ def test_init_from_names_a_damaged_file(exports: Path, tmp_path: Path, shard_dir
     refused_start(cfg, ConfigError, r"pytorch_model.bin cannot be read .* it is damaged")
 
 
-def test_init_from_refuses_gelu_new_and_damaged_or_code_carrying_weights(
+def test_init_from_refuses_weights_it_cannot_use_and_code_in_them(
     exports: Path, tmp_path: Path, shard_dir: Path
 ) -> None:
     directory = copy_export(exports / "clm_tiny", tmp_path / "model")
     cfg = compose_run(tmp_path / "run", "clm_tiny", shard_dir, f"model.init_from={directory}")
-    config = json.loads((directory / "config.json").read_text())
-    (directory / "config.json").write_text(json.dumps({**config, "activation_function": "gelu_new"}))
-    refused_start(cfg, ConfigError, r"activation_function='gelu_new', and the backbone computes exact \(erf\) GELU")
-    (directory / "config.json").write_text(json.dumps(config))
-    weights = directory / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:100])
+    path = directory / "model.safetensors"
+    weights = load_file(path)
+    bias, head = "transformer.h.1.ln_1.bias", "transformer.wte.weight"
+    refusals = {
+        r"transformer.h.1.ln_1.bias of shape \(\), not \(32,\)": {bias: torch.tensor(0.0)},
+        r"ln_1.bias with non-finite values": {bias: torch.full((32,), float("nan"))},
+        r"ln_1.bias with torch.int64: it holds no usable weights": {bias: torch.zeros(32, dtype=torch.int64)},
+        r"non-zero transformer.h.1.ln_1.bias, .* pass model.backbone.bias=true": {bias: torch.ones(32)},
+        r"has a head apart from its token embedding": {"lm_head.weight": weights[head] + 1},
+    }
+    for message, change in refusals.items():
+        save_file({**weights, **change}, path)
+        refused_start(cfg, ConfigError, message)
+    path.write_bytes(path.read_bytes()[:100])
     refused_start(cfg, ConfigError, r"model.safetensors cannot be read .* it is damaged")
-    weights.unlink()
+    path.unlink()
     marker = tmp_path / "ran"
 
     class Payload:
@@ -376,6 +390,40 @@ def test_init_from_refuses_gelu_new_and_damaged_or_code_carrying_weights(
     torch.save({"transformer.wte.weight": Payload()}, directory / "pytorch_model.bin")
     refused_start(cfg, CheckpointError, r"pytorch_model.bin holds objects other than tensors")
     assert not marker.exists()
+
+
+def test_init_from_reads_a_sharded_index_of_unprefixed_weights_and_only_files_beside_it(
+    exports: Path, tmp_path: Path, shard_dir: Path
+) -> None:
+    directory = copy_export(exports / "clm_tiny", tmp_path / "model", leave_out="model.safetensors")
+    weights = {
+        name.removeprefix("transformer."): t for name, t in load_file(exports / "clm_tiny" / SAFETENSORS).items()
+    }
+    names = sorted(weights)
+    parts = {"part-1.safetensors": names[: len(names) // 2], "part-2.safetensors": names[len(names) // 2 :]}
+    for part, keys in parts.items():
+        save_file({key: weights[key] for key in keys}, directory / part)
+    index = directory / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {key: part for part, keys in parts.items() for key in keys}}))
+    run = tmp_path / "run"
+    train(compose_run(run, "clm_tiny", shard_dir, f"model.init_from={directory}", "trainer.max_steps=3"))
+    started = load_checkpoint(run / "checkpoints" / "last.ckpt")["lineage"]["origin"]["weights_sha256"]
+    assert set(started) == set(parts)
+    outside = tmp_path / "elsewhere.safetensors"
+    outside.write_bytes((directory / "part-1.safetensors").read_bytes())
+    for named in (str(outside), "gone.safetensors", ["part-1.safetensors"]):
+        index.write_text(json.dumps({"weight_map": {names[0]: named}}))
+        cfg = compose_run(tmp_path / "other", "clm_tiny", shard_dir, f"model.init_from={directory}")
+        refused_start(cfg, ConfigError, r"index.json names .*, which is not a file beside it")
+
+
+def test_resume_never_with_a_refused_init_from_leaves_the_earlier_run_in_place(tmp_path: Path, shard_dir: Path) -> None:
+    train(compose_run(tmp_path, "clm_tiny", shard_dir, "trainer.max_steps=3"))
+    cfg = compose_run(tmp_path, "clm_tiny", shard_dir, "resume=never", f"model.init_from={tmp_path / 'gone'}")
+    with pytest.raises(MissingFileError, match=r"gone: no such directory"):
+        train(cfg)
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert not list(tmp_path.glob("replaced-*"))
 
 
 # --- bad exports ------------------------------------------------------------------------------------------
@@ -425,13 +473,30 @@ def test_export_names_a_missing_or_other_tokenizer_and_the_option_to_pass(
     assert not (tmp_path / "out").exists()
 
 
-def test_the_command_prints_a_refusal_without_a_traceback(
-    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture
+def test_the_command_prints_refusals_without_a_traceback(
+    checkpoints: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch
 ) -> None:
     with pytest.raises(SystemExit, match=r"^pretrain-export: checkpoint .*nope.ckpt not found"):
         main([str(tmp_path / "nope.ckpt"), str(tmp_path / "out")])
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text("not json")
+    with pytest.raises(SystemExit, match=r"^pretrain-export: .*garbage.json is not a tokenizer.json"):
+        main([str(checkpoints["contrastive_tiny"]), str(tmp_path / "out"), "--tokenizer", str(garbage)])
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    with pytest.raises(SystemExit, match=r"^pretrain-export: \. is the current directory: name a new directory"):
+        main([str(checkpoints["mlm_tiny"]), "."])
     main([str(checkpoints["mlm_tiny"]), str(tmp_path / "out")])
     assert "wrote" in capsys.readouterr().out and (tmp_path / "out" / "modeling_pretraining.py").is_file()
+
+
+def test_weights_that_do_not_fit_the_stored_config_are_named(checkpoints: dict[str, Path]) -> None:
+    checkpoint = load_checkpoint(checkpoints["clm_tiny"])
+    partial = {name: tensor for name, tensor in checkpoint["state_dict"].items() if "final_norm" not in name}
+    with pytest.raises(
+        CheckpointError, match=r"the weights in old.ckpt do not fit the model its config builds .*Missing"
+    ):
+        stored_model({**checkpoint, "state_dict": partial}, "old.ckpt")
 
 
 def test_a_failed_write_leaves_neither_the_export_nor_its_staging(tmp_path: Path, monkeypatch) -> None:

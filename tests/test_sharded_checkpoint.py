@@ -99,7 +99,7 @@ def test_a_damaged_shard_fails_verification_naming_it_and_resume_falls_back(tmp_
     with pytest.raises(CheckpointError, match=message):
         verify(newest)
     with pytest.warns(UserWarning, match=message):
-        path, record = checkpoint_to_resume("auto", None, tmp_path, checkpoints)
+        path, record = checkpoint_to_resume("auto", None, checkpoints)
     assert path == previous and record["step"] == 4
 
 

@@ -25,7 +25,8 @@ from omegaconf import DictConfig, OmegaConf
 from pretraining.checkpoint import READABLE_LINEAGE_FORMATS, load_sharded, load_weights_only, sidecar_path, verify
 from pretraining.config import CONFIG_DIR
 from pretraining.data.formats import ExampleFormat
-from pretraining.errors import ConfigError, MissingFileError
+from pretraining.data.tokenizer import Tokenizer
+from pretraining.errors import CheckpointError, ConfigError, MissingFileError
 from pretraining.instantiate import build, check_targets
 from pretraining.objectives import CausalLM, PretrainingObjective, build_objective
 from pretraining.schema import check_schema
@@ -73,23 +74,23 @@ def stored_config(checkpoint: dict[str, Any], source: str, trusted_targets: Sequ
     return run
 
 
-def stored_tokenizer(checkpoint: dict[str, Any], run: DictConfig, tokenizer_path: str | None, option: str) -> Any:
+def stored_tokenizer(checkpoint: dict[str, Any], run: DictConfig, tokenizer_path: str | None, option: str) -> Tokenizer:
     """The tokenizer a checkpoint was trained with (its file at `tokenizer_path` if given), refused unless
     its fingerprint is the checkpoint's; `option` is how the caller passes another path."""
     if tokenizer_path and "path" not in run.tokenizer:
         raise ConfigError(f"this checkpoint's tokenizer ({run.tokenizer._target_}) reads no file: leave out {option}")
-    node = OmegaConf.merge(run.tokenizer, {"path": tokenizer_path} if tokenizer_path else {})
+    node = cast(DictConfig, OmegaConf.merge(run.tokenizer, {"path": tokenizer_path} if tokenizer_path else {}))
     if "path" in node and not Path(node.path).is_file():
         raise MissingFileError(
             f"the tokenizer this checkpoint was trained with, {node.path}, is not there: restore it, or pass "
             f"where it is now with {option}"
         )
-    tokenizer = build(cast(DictConfig, node))
+    tokenizer: Tokenizer = build(node)
     expected = checkpoint["lineage"]["tokenizer_fingerprint"]
     if tokenizer.fingerprint != expected:
         raise ConfigError(
-            f"the tokenizer at {node} (fingerprint {tokenizer.fingerprint}) is not the one this "
-            f"checkpoint was trained with ({expected}); restore that tokenizer file"
+            f"the tokenizer {node.get('path', node._target_)} (fingerprint {tokenizer.fingerprint}) is not the one "
+            f"this checkpoint was trained with ({expected}); restore that tokenizer file"
         )
     return tokenizer
 
@@ -108,7 +109,15 @@ def stored_model(
     tokenizer = stored_tokenizer(checkpoint, run, tokenizer_path, tokenizer_option)
     examples = build(run.data.format)(tokenizer)
     model = build_objective(run.model, examples)
-    model.load_state_dict(checkpoint["state_dict"])
+    try:
+        model.load_state_dict(checkpoint["state_dict"])
+    except RuntimeError as error:  # missing, unexpected or misshapen weights
+        commit = checkpoint["lineage"].get("code", {}).get("commit")
+        first = (str(error).splitlines()[1:] or [str(error)])[0].strip()[:300]  # after "Error(s) in loading ...:"
+        raise CheckpointError(
+            f"the weights in {source} do not fit the model its config builds ({first}): use the code revision "
+            f"that wrote it ({commit})"
+        ) from None
     return model, run, examples
 
 

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from pretraining.callbacks.lineage import code_revision
-from pretraining.checkpoint import read_sidecar, verify
+from pretraining.checkpoint import verify
 from pretraining.config import PROJECT_ROOT
 from pretraining.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from pretraining.errors import ConfigError, PretrainingError
@@ -32,7 +32,7 @@ from pretraining.hf import AUTO_MAP, MODELLING_CODE
 from pretraining.hf.card import model_card
 from pretraining.hf.directory import CONFIG, LINEAGE, SAFETENSORS, Content, check_destination, write_directory
 from pretraining.hf.tokenizer import CLS, EOS, MASK, PAD, tokenizer_files
-from pretraining.hf.weights import encoder_config, gpt2_config, to_gpt2
+from pretraining.hf.weights import encoder_config, gpt2_config, to_encoder, to_gpt2
 from pretraining.models.transformer import Transformer
 from pretraining.objectives import CausalLM, Contrastive, MaskedLM, PretrainingObjective
 
@@ -44,13 +44,13 @@ def export(
 ) -> str:
     """Write the Hugging Face directory `out` for the checkpoint; return the kind of export."""
     check_destination(out)
-    verify(checkpoint_path)  # a checkpoint without a verified sidecar is not exported
+    sidecar = verify(checkpoint_path)  # a checkpoint without a verified sidecar is not exported
     checkpoint = load_checkpoint(checkpoint_path)
     model, _, examples = stored_model(
         checkpoint, str(checkpoint_path), tokenizer_path, trusted or [], "--tokenizer PATH"
     )
     kind, files = model_files(model.eval(), examples.tokenizer, examples.lengths)
-    record = lineage_record(checkpoint_path, checkpoint["lineage"], kind)
+    record = lineage_record(checkpoint_path, sidecar, checkpoint["lineage"], kind)
     files[LINEAGE] = json.dumps(record, indent=2, default=str).encode()
     files["README.md"] = model_card(kind, record, usage(kind, out)).encode()
     write_directory(out, files)
@@ -59,31 +59,56 @@ def export(
 
 def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict[str, int]) -> tuple[str, Files]:
     """(kind, files) of the model and its tokenizer, by objective."""
-    backbone = model.backbone
     if isinstance(model, CausalLM):
-        special = {"bos_token": EOS, "eos_token": EOS, "pad_token": PAD}
-        files = {
-            CONFIG: as_json(gpt2_config(backbone)),
-            "generation_config.json": as_json(generation_config(backbone)),
-            SAFETENSORS: safetensors(to_gpt2(backbone)),
-        }
-        return "gpt2", files | text_files(tokenizer, special, backbone.max_seq_len)
-    weights = {name: tensor.float().contiguous() for name, tensor in backbone.state_dict().items()}
-    special = {"eos_token": EOS, "pad_token": PAD, "mask_token": MASK, "cls_token": CLS}
-    code = {"modeling_pretraining.py": MODELLING_CODE.read_bytes()}
+        return "gpt2", gpt2_files(model.backbone, tokenizer)
     if isinstance(model, MaskedLM):
-        config = {**encoder_config(backbone), "architectures": ["PretrainingForMaskedLM"], "auto_map": AUTO_MAP}
-        files = {CONFIG: as_json(config), SAFETENSORS: safetensors(prefixed("model.", weights))}
-        return "masked-lm", files | code | text_files(tokenizer, special, backbone.max_seq_len, marks_in_text=True)
+        return "masked-lm", masked_lm_files(model.backbone, tokenizer)
     if isinstance(model, Contrastive):
-        check_one_tower(model)
-        config = {**encoder_config(backbone), "architectures": ["PretrainingModel"], "auto_map": AUTO_MAP}
-        files = {CONFIG: as_json(config), SAFETENSORS: safetensors(weights)}
-        text = text_files(tokenizer, special, lengths["passage_len"], cls_first=True)
-        return "embedding", files | code | text | sentence_transformer_files(model, lengths["passage_len"])
+        return "embedding", embedding_files(model, tokenizer, lengths["passage_len"])
     raise ConfigError(
         f"{type(model).__name__} has no Hugging Face export: pretrain-export knows CausalLM, MaskedLM and Contrastive"
     )
+
+
+def gpt2_files(backbone: Transformer, tokenizer: Tokenizer) -> Files:
+    """GPT-2, which `transformers` loads as it is."""
+    special = {"bos_token": EOS, "eos_token": EOS, "pad_token": PAD}
+    return {
+        CONFIG: as_json(gpt2_config(backbone)),
+        "generation_config.json": as_json(generation_config(backbone)),
+        SAFETENSORS: weights_file(to_gpt2(backbone)),
+        **tokenizer_files(tokenizer, special, backbone.max_seq_len),
+    }
+
+
+def masked_lm_files(backbone: Transformer, tokenizer: Tokenizer) -> Files:
+    """The encoder with its masked-LM head, in the modelling code written beside it; `<mask>` in a text
+    is the mask token, as fill-mask needs."""
+    config = {**encoder_config(backbone), "architectures": ["PretrainingForMaskedLM"], "auto_map": AUTO_MAP}
+    weights = {f"model.{name}": tensor for name, tensor in to_encoder(backbone).items()}  # base_model_prefix
+    return {
+        CONFIG: as_json(config),
+        SAFETENSORS: weights_file(weights),
+        MODELLING_CODE.name: MODELLING_CODE.read_bytes(),
+        **tokenizer_files(tokenizer, ENCODER_TOKENS, backbone.max_seq_len, marks_in_text=True),
+    }
+
+
+def embedding_files(model: Contrastive, tokenizer: Tokenizer, passage_len: int) -> Files:
+    """The encoder in the modelling code written beside it, as `AutoModel` and as a sentence-transformers
+    model that embeds every text as the template embeds passages (CLS first, `passage_len` tokens)."""
+    check_one_tower(model)
+    config = {**encoder_config(model.backbone), "architectures": ["PretrainingModel"], "auto_map": AUTO_MAP}
+    return {
+        CONFIG: as_json(config),
+        SAFETENSORS: weights_file(to_encoder(model.backbone)),
+        MODELLING_CODE.name: MODELLING_CODE.read_bytes(),
+        **tokenizer_files(tokenizer, ENCODER_TOKENS, passage_len, cls_first=True),
+        **sentence_transformer_files(model, passage_len),
+    }
+
+
+ENCODER_TOKENS = {"eos_token": EOS, "pad_token": PAD, "mask_token": MASK, "cls_token": CLS}
 
 
 def generation_config(backbone: Transformer) -> dict[str, Any]:
@@ -94,10 +119,6 @@ def generation_config(backbone: Transformer) -> dict[str, Any]:
         "pad_token_id": PAD_ID,
         "suppress_tokens": list(range(backbone.vocab_size, backbone.token_embedding.num_embeddings)),
     }
-
-
-def text_files(tokenizer: Tokenizer, special: dict[str, str], max_length: int, **options: bool) -> Files:
-    return {name: text.encode() for name, text in tokenizer_files(tokenizer, special, max_length, **options).items()}
 
 
 def check_one_tower(model: Contrastive) -> None:
@@ -130,14 +151,12 @@ def sentence_transformer_files(model: Contrastive, max_length: int) -> Files:
         "config_sentence_transformers.json": as_json({"similarity_fn_name": "cosine"}),
         "1_Pooling/config.json": as_json(pooling),
         "2_Dense/config.json": as_json(dense),
-        f"2_Dense/{SAFETENSORS}": safetensors({"linear.weight": projection}),
-        "3_Normalize/.keep": b"",
+        f"2_Dense/{SAFETENSORS}": weights_file({"linear.weight": projection}),
     }
 
 
-def lineage_record(path: Path, lineage: dict[str, Any], kind: str) -> dict[str, Any]:
+def lineage_record(path: Path, sidecar: dict[str, Any], lineage: dict[str, Any], kind: str) -> dict[str, Any]:
     """lineage.json: the checkpoint (path, checksum), its lineage and validation, and this export."""
-    sidecar = read_sidecar(path.resolve())
     files = sidecar.get("files")
     digest = sidecar["sha256"] if files is None else {name: entry["sha256"] for name, entry in files.items()}
     return {
@@ -149,13 +168,9 @@ def lineage_record(path: Path, lineage: dict[str, Any], kind: str) -> dict[str, 
     }
 
 
-def safetensors(tensors: dict[str, torch.Tensor]) -> Content:
+def weights_file(tensors: dict[str, torch.Tensor]) -> Content:
     """A weights file, written straight into the export (never held as bytes beside the tensors)."""
     return lambda path: save_file(tensors, path, metadata={"format": "pt"})  # "pt": what transformers expects
-
-
-def prefixed(prefix: str, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {prefix + name: tensor for name, tensor in weights.items()}
 
 
 def as_json(value: Any) -> bytes:

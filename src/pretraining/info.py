@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from pretraining.checkpoint import SHARDED_META, CheckpointError, load_weights_only, verify
 from pretraining.errors import ConfigError
 from pretraining.evaluate import existing_checkpoint, lineage_of
+from pretraining.hf.init_from import describe_origin
 
 
 def read_lineage(path: Path) -> dict[str, Any]:
@@ -51,15 +52,6 @@ def ancestry(path: Path) -> list[dict[str, Any]]:
     return chain
 
 
-def started_from(origin: dict[str, Any] | None) -> str:
-    """Where a run's first weights came from: `model.init_from` (and the checkpoint it was exported from)."""
-    if not origin:
-        return "random initialisation"
-    exported = origin.get("exported_from")
-    source = f", exported from {exported['checkpoint']} (step {exported['step']})" if exported else ""
-    return f"{origin['init_from']} (model.init_from){source}"
-
-
 def describe(chain: list[dict[str, Any]]) -> str:
     """The lineage of the newest checkpoint of `chain`, and its ancestry, as aligned lines."""
     newest = chain[0]
@@ -77,7 +69,7 @@ def describe(chain: list[dict[str, Any]]) -> str:
         ("data", f"version {lineage.get('data_version')} from {config.get('data', {}).get('dir')}"),
         ("tokenizer", f"fingerprint {lineage.get('tokenizer_fingerprint')}"),
         ("topology", ", ".join(f"{key} {value}" for key, value in (lineage.get("topology") or {}).items())),
-        ("weights from", started_from(lineage.get("origin"))),
+        ("weights from", describe_origin(lineage.get("origin"))),
     ]
     ancestors = [
         f"{a['path']} (no longer exists)"

@@ -48,12 +48,12 @@ class Resume(NamedTuple):
     sidecar: dict[str, Any]
 
 
-def checkpoint_to_resume(resume: str, ckpt_path: str | None, run_dir: Path, checkpoints: Path) -> Resume | None:
-    """The checkpoint to continue from, or None to start fresh."""
+def checkpoint_to_resume(resume: str, ckpt_path: str | None, checkpoints: Path) -> Resume | None:
+    """The checkpoint to continue from, or None to start fresh (with resume=never always: the caller then
+    moves the earlier outputs aside with `start_over`, once the fresh start has passed its checks)."""
     if resume not in RESUME_MODES:
         raise ConfigError(f"resume={resume!r}: use one of {', '.join(RESUME_MODES)} (or set ckpt_path=<file>)")
     if resume == "never":
-        start_over(run_dir)
         return None
     found = newest_verified(checkpoints)
     if found:

@@ -24,7 +24,7 @@ from pretraining.config import PROJECT_ROOT, redact_secrets
 from pretraining.data import ShardDataModule
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
-from pretraining.hf.init_from import initialise_from
+from pretraining.hf.init_from import initialise_from, is_origin
 from pretraining.instantiate import build
 from pretraining.launch import check_devices
 from pretraining.loggers import wandb_sync_hint
@@ -84,21 +84,22 @@ def starting_weights(model: PretrainingObjective, tokenizer: Tokenizer, resume: 
         return origin
     if model.init_from is None:
         return None
-    origin = initialise_from(model.backbone, Path(model.init_from), tokenizer)
+    origin = initialise_from(model.backbone, model.init_from, tokenizer)
     rank_zero_info(f"starting from the weights of {origin['init_from']} (model.init_from)")
     return origin
 
 
 def check_same_origin(init_from: str | None, origin: dict[str, Any] | None, checkpoint: Path) -> None:
-    """Refuse a `model.init_from` that the checkpoint being continued did not start from: its weights win,
-    and the lineage would name a start that never happened."""
-    if init_from is None or (origin and origin["init_from"] == str(Path(init_from).resolve())):
+    """Refuse a `model.init_from` that the run being continued did not start from: its checkpoint's weights
+    win, and the lineage would name a start that never happened. The directory is named as it was then,
+    or as the same place now (it need not exist any more)."""
+    if init_from is None or (origin and is_origin(init_from, origin)):
         return
-    started = f"started from {origin['init_from']}" if origin else "did not start from model.init_from"
+    started = f"model.init_from={origin['given']}" if origin else "no model.init_from (random weights)"
     raise ConfigError(
         f"model.init_from={init_from} applies to a fresh run, and this one continues from {checkpoint}, whose run "
-        f"{started}: leave model.init_from out to continue it, or pass resume=never (or another run_name) to "
-        "start afresh from the directory"
+        f"started from {started}: pass that to continue it, or resume=never (or another run_name) to start "
+        f"afresh from {init_from}"
     )
 
 

@@ -21,7 +21,7 @@ from pretraining.config import CONFIG_DIR
 from pretraining.instantiate import build
 from pretraining.launch import distributed_job, is_rank_zero_process
 from pretraining.objectives import build_objective
-from pretraining.resume import checkpoint_to_resume
+from pretraining.resume import checkpoint_to_resume, start_over
 from pretraining.run import (
     build_trainer,
     check_config,
@@ -45,12 +45,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """
     check_config(cfg)
     prepare_process(cfg)
-    resume = checkpoint_to_resume(cfg.resume, cfg.ckpt_path, Path(cfg.paths.output_dir), Path(cfg.paths.checkpoint_dir))
+    resume = checkpoint_to_resume(cfg.resume, cfg.ckpt_path, Path(cfg.paths.checkpoint_dir))
     tokenizer = build(cfg.tokenizer)
     check_example_lengths(cfg, tokenizer)
     datamodule = build(cfg.data, tokenizer=tokenizer)
     model = build_objective(cfg.model, datamodule.format)
     origin = starting_weights(model, tokenizer, resume)  # model.init_from, on a fresh start
+    if cfg.resume == "never":
+        start_over(Path(cfg.paths.output_dir))  # only now: a start refused above leaves the earlier run in place
     lineage = run_lineage(cfg, datamodule, resume, origin)
     # SkippedSamples enforces the data config's bad-data policy: every run has it.
     trainer = build_trainer(cfg, datamodule, callbacks=[lineage, SkippedSamples()])

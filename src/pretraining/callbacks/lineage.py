@@ -39,7 +39,7 @@ class Lineage(Callback):
         tokenizer_fingerprint: str,
         code: dict[str, Any],
         parent: str | None,
-        origin: dict[str, Any] | None = None,
+        origin: dict[str, Any] | None,
     ) -> None:
         self.record = {
             "format": LINEAGE_FORMAT,

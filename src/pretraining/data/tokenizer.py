@@ -66,7 +66,12 @@ class BPETokenizer:
                 f"`pretrain-data tokenizer --data <shard dir> --out {path}`, or use tokenizer=bytes"
             )
         self.path = path
-        self._tokenizer = HFTokenizer.from_file(str(path))
+        try:
+            self._tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as error:  # the library's parse errors have no common type
+            raise ConfigError(
+                f"{path} is not a tokenizer.json ({error}): restore it, or train one with `pretrain-data tokenizer`"
+            ) from None
         # A literal "<eos>" in a document is text, not a separator.
         self._tokenizer.encode_special_tokens = True
         for expected_id, token in enumerate(SPECIAL_TOKENS):

@@ -7,6 +7,8 @@ from typing import Any
 
 import yaml
 
+from pretraining.hf.init_from import describe_origin
+
 # (library_name, pipeline_tag) by the kind of export
 CARD_TAGS = {
     "gpt2": ("transformers", "text-generation"),
@@ -41,7 +43,7 @@ def model_card(kind: str, record: dict[str, Any], usage: str) -> str:
             "tokenizer",
             f"{config.get('tokenizer', {}).get('_target_')} (fingerprint {lineage.get('tokenizer_fingerprint')})",
         ),
-        ("started from", (lineage.get("origin") or {}).get("init_from") or "random initialisation"),
+        ("weights from", describe_origin(lineage.get("origin"))),
     ]
     validation = {name: value for name, value in (record.get("validation") or {}).items() if name.startswith("val/")}
     metrics = (

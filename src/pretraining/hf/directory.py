@@ -29,7 +29,9 @@ Content = bytes | Callable[[Path], None]
 
 def check_destination(out: Path) -> None:
     """Refuse, before any work, a destination that holds something or cannot become a directory (an export
-    never mixes with other files)."""
+    never mixes with other files), and the current directory (it would be replaced under the shell)."""
+    if Path(os.path.abspath(out)) == Path.cwd():
+        raise ConfigError(f"{out} is the current directory: name a new directory for the export")
     if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
         raise ConfigError(f"{out} already exists and is not an empty directory: choose a new directory, or remove it")
     parent = next((p for p in out.absolute().parents if p.exists()), None)
@@ -41,6 +43,7 @@ def write_directory(out: Path, files: Mapping[str, Content]) -> None:
     """Write `files` (relative path: content) as the directory `out`, atomically: a failure or a kill
     leaves no `out` (a kill may leave its hidden staging directory, `.<name>.tmp-*`, beside it)."""
     check_destination(out)
+    out = Path(os.path.abspath(out))  # "out/.." and the like: the directory they name
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = temporary_path(out)
     try:
@@ -80,15 +83,24 @@ def weight_files(directory: Path) -> list[Path]:
     if (directory / SAFETENSORS).is_file():
         return [directory / SAFETENSORS]
     if (directory / SAFETENSORS_INDEX).is_file():
-        index = read_json(directory / SAFETENSORS_INDEX)
-        if not isinstance(index.get("weight_map"), dict):
-            raise ConfigError(f"{directory / SAFETENSORS_INDEX} has no weight_map; restore the file")
-        return [directory / str(name) for name in sorted(set(index["weight_map"].values()))]
+        return indexed_files(directory, read_json(directory / SAFETENSORS_INDEX).get("weight_map"))
     if (directory / PICKLED).is_file():
         return [directory / PICKLED]
     raise MissingFileError(
         f"{directory} has no {SAFETENSORS}, {SAFETENSORS_INDEX} or {PICKLED}: it holds no weights to start from"
     )
+
+
+def indexed_files(directory: Path, weight_map: Any) -> list[Path]:
+    """The files a safetensors index names: plain names of files beside it (never a path elsewhere)."""
+    index = directory / SAFETENSORS_INDEX
+    names = list(weight_map.values()) if isinstance(weight_map, dict) else [None]
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or not (directory / name).is_file():
+            raise ConfigError(
+                f"{index} names {name!r}, which is not a file beside it (or has no weight_map): restore the directory"
+            )
+    return [directory / name for name in sorted(set(map(str, names)))]
 
 
 def read_weights(directory: Path) -> dict[str, Any]:

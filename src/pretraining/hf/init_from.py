@@ -1,6 +1,8 @@
-"""`model.init_from=DIR`: a fresh run starts from the weights of a Hugging Face GPT-2 directory (one
-`pretrain-export` wrote, or one of your own), for continued pretraining. Its sizes and tokenizer are
-checked against the run's before anything is read; the run's lineage records where it started."""
+"""`model.init_from=DIR`: a fresh run starts from the weights of a Hugging Face GPT-2 directory, for
+continued pretraining: one `pretrain-export` wrote, or one of your own that computes what the backbone
+computes and reads the run's tokenizer (a stock GPT-2 does neither: `gelu_new`, and no `<pad>`, `<eos>`,
+`<mask>`, `<cls>` at ids 0-3). Its sizes and tokenizer are checked against the run's before any weights
+are loaded; the run's lineage records where it started."""
 
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from pretraining.hf.weights import check_gpt2_fits, from_gpt2
 from pretraining.models.transformer import Transformer
 
 
-def initialise_from(backbone: Transformer, directory: Path, tokenizer: Tokenizer) -> dict[str, Any]:
-    """Load the GPT-2 model in `directory` into `backbone`; return its origin record for the lineage."""
-    source = f"model.init_from={directory}"
+def initialise_from(backbone: Transformer, given: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    """Load the GPT-2 model in the directory `given` (as model.init_from names it) into `backbone`; return
+    its origin record for the lineage."""
+    directory, source = Path(given), f"model.init_from={given}"
     if not directory.is_dir():
         raise MissingFileError(f"{source}: no such directory; name a Hugging Face GPT-2 model directory")
     config = read_config(directory)
@@ -35,6 +38,7 @@ def initialise_from(backbone: Transformer, directory: Path, tokenizer: Tokenizer
         "tokenizer it was trained with (tokenizer=bytes, or tokenizer=bpe tokenizer.path=...)",
     )
     origin = {
+        "given": given,
         "init_from": str(directory.resolve()),
         "weights_sha256": {path.name: sha256_of(path) for path in weight_files(directory)},
         "exported_from": exported_from(directory),
@@ -42,6 +46,20 @@ def initialise_from(backbone: Transformer, directory: Path, tokenizer: Tokenizer
     weights = read_weights(directory)
     backbone.load_state_dict(from_gpt2(weights, backbone, source))
     return origin
+
+
+def is_origin(given: str, origin: dict[str, Any]) -> bool:
+    """Whether `given` names the directory of `origin`: as it was named then, or the same place now."""
+    return given == origin.get("given") or str(Path(given).resolve()) == origin["init_from"]
+
+
+def describe_origin(origin: dict[str, Any] | None) -> str:
+    """Where a run's first weights came from, in a line: the directory (and the checkpoint it was exported from)."""
+    if not origin:
+        return "random initialisation"
+    exported = origin.get("exported_from")
+    source = f", exported from {exported['checkpoint']} (step {exported['step']})" if exported else ""
+    return f"{origin['init_from']} (model.init_from){source}"
 
 
 def exported_from(directory: Path) -> dict[str, Any] | None:

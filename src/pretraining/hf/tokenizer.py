@@ -24,7 +24,9 @@ TOKENIZING_SECTIONS = ("model", "normalizer", "pre_tokenizer")
 
 
 def hf_tokenizer(tokenizer: Tokenizer) -> HFTokenizer:
-    """The `tokenizers` object that encodes text as `tokenizer` does (special tokens in text stay text)."""
+    """The `tokenizers` object with `tokenizer`'s vocabulary and splitting. It reads a special-token string
+    in a text as that token unless told not to (`encode_special_tokens`, which its JSON does not keep:
+    `transformers` sets it from `split_special_tokens` in tokenizer_config.json)."""
     if isinstance(tokenizer, BPETokenizer):
         loaded = HFTokenizer.from_str(tokenizer.path.read_text())
         loaded.post_processor = None  # the template encodes without one (add_special_tokens=False)
@@ -60,7 +62,7 @@ BYTE_OF = gpt2_byte_alphabet()
 
 def tokenizer_files(
     tokenizer: Tokenizer, special: dict[str, str], max_length: int, cls_first: bool = False, marks_in_text: bool = False
-) -> dict[str, str]:
+) -> dict[str, bytes]:
     """`tokenizer.json` and `tokenizer_config.json` of `tokenizer` for an export: `special` names the
     roles of the special tokens (`eos_token: <eos>`, ...); `cls_first` puts CLS before every text;
     `marks_in_text` reads a special token written in a text as that token (`<mask>`, for a masked-LM),
@@ -78,7 +80,10 @@ def tokenizer_files(
         "split_special_tokens": not marks_in_text,
         "clean_up_tokenization_spaces": False,
     }
-    return {"tokenizer.json": exported.to_str(pretty=True), "tokenizer_config.json": json.dumps(config, indent=2)}
+    return {
+        "tokenizer.json": exported.to_str(pretty=True).encode(),
+        "tokenizer_config.json": json.dumps(config, indent=2).encode(),
+    }
 
 
 def check_same_tokenizer(path: Path, tokenizer: Tokenizer, fix: str) -> None:
@@ -88,7 +93,9 @@ def check_same_tokenizer(path: Path, tokenizer: Tokenizer, fix: str) -> None:
     try:
         theirs = json.loads(HFTokenizer.from_file(str(path)).to_str())
     except Exception as error:  # the library's parse errors have no common type
-        raise ConfigError(f"{path} is not a tokenizer.json the `tokenizers` library reads ({error}); {fix}") from None
+        raise ConfigError(
+            f"{path} is not a tokenizer.json the `tokenizers` library reads ({error}); restore it"
+        ) from None
     ours = json.loads(hf_tokenizer(tokenizer).to_str())
     for section in TOKENIZING_SECTIONS:
         if theirs.get(section) != ours.get(section):

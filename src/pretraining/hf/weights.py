@@ -28,6 +28,14 @@ GPT2_COMPUTES: dict[str, tuple[Any, Any, str]] = {
     "tie_word_embeddings": (True, True, "a head tied to the token embedding"),
     "add_cross_attention": (False, False, "no cross-attention"),
 }
+# model.backbone's sizes as GPT-2 config keys, with GPT2Config's defaults (GPT-2 small).
+GPT2_SIZES = {
+    "d_model": ("n_embd", 768),
+    "n_layer": ("n_layer", 12),
+    "n_head": ("n_head", 12),
+    "max_seq_len": ("n_positions", 1024),
+}
+GPT2_VOCAB_SIZE = 50257
 # (backbone name in a block, GPT-2 name in a layer, whether GPT-2 stores the matrix transposed)
 GPT2_BLOCK = [
     ("attention_norm", "ln_1", False),
@@ -91,8 +99,9 @@ def to_gpt2(backbone: Transformer) -> dict[str, torch.Tensor]:
 
 def from_gpt2(weights: dict[str, Any], backbone: Transformer, source: str) -> dict[str, torch.Tensor]:
     """A state dict for `backbone` from GPT-2 weights (with or without the `transformer.` prefix), refusing
-    a missing or misshapen tensor, non-zero biases it has no place for and a head not tied to the
-    embedding. The embedding keeps `backbone`'s own rows past GPT-2's (padding: ids no tokenizer produces)."""
+    a missing, misshapen, non-float or non-finite tensor, non-zero biases it has no place for and a head
+    not tied to the embedding. The embedding keeps `backbone`'s own rows past GPT-2's (padding: ids no
+    tokenizer produces)."""
     weights = {
         name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}": value
         for name, value in weights.items()
@@ -103,8 +112,8 @@ def from_gpt2(weights: dict[str, Any], backbone: Transformer, source: str) -> di
         tensor = weights.get(theirs)
         if not isinstance(tensor, torch.Tensor):
             raise ConfigError(f"{source} has no tensor {theirs}: it is not a complete GPT-2 model")
+        check_tensor(tensor, ours, transposed, state, backbone.vocab_size, f"{source} has {theirs}")
         tensor = tensor.T if transposed else tensor
-        check_shape(tensor, ours, state, backbone.vocab_size, f"{source} has {theirs}")
         if ours in state:
             loaded[ours] = tensor.to(state[ours].dtype)
         elif tensor.count_nonzero():
@@ -123,15 +132,31 @@ def from_gpt2(weights: dict[str, Any], backbone: Transformer, source: str) -> di
     return {**loaded, "token_embedding.weight": embedding}
 
 
-def check_shape(tensor: torch.Tensor, ours: str, state: dict[str, torch.Tensor], vocab_size: int, found: str) -> None:
-    """Refuse a tensor of another shape than `ours` in `state` (a bias the backbone lacks: its weight's
-    rows); the token embedding may have any number of rows that covers the tokenizer's `vocab_size`."""
-    expected = state[ours].shape if ours in state else state[ours.replace(".bias", ".weight")].shape[:1]
+def check_tensor(
+    tensor: torch.Tensor, ours: str, transposed: bool, state: dict[str, torch.Tensor], vocab_size: int, found: str
+) -> None:
+    """Refuse `tensor` unless it is a finite float tensor of the shape of `ours` in `state` (in GPT-2's
+    layout: matrices transposed); a bias the backbone lacks has its weight's rows. The token embedding
+    may have any number of rows that covers the tokenizer's `vocab_size`."""
+    expected = tuple(state[ours].shape if ours in state else state[ours.replace(".bias", ".weight")].shape[:1])
+    expected = expected[::-1] if transposed else expected
     embedding = ours == "token_embedding.weight"
-    rows_fit = tensor.shape[0] >= vocab_size if embedding else tensor.shape[0] == expected[0]
-    if not rows_fit or tensor.shape[1:] != expected[1:]:
-        wanted = f"(at least {vocab_size}, {expected[1]})" if embedding else str(tuple(expected))
-        raise ConfigError(f"{found} of shape {tuple(tensor.shape)} (in the backbone's layout), not {wanted}")
+    shape = tuple(tensor.shape)
+    rows_fit = len(shape) == len(expected) and (shape[0] >= vocab_size if embedding else shape[0] == expected[0])
+    if not rows_fit or shape[1:] != expected[1:]:
+        wanted = f"(at least {vocab_size}, {expected[1]})" if embedding else str(expected)
+        raise ConfigError(f"{found} of shape {shape}, not {wanted}: it does not fit its config.json")
+    if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+        raise ConfigError(
+            f"{found} with {'non-finite values' if tensor.is_floating_point() else tensor.dtype}: "
+            "it holds no usable weights; restore the file"
+        )
+
+
+def to_encoder(backbone: Transformer) -> dict[str, torch.Tensor]:
+    """The bidirectional backbone's weights under its own names (float32, contiguous), as
+    `modeling_pretraining.PretrainingModel` reads them."""
+    return {name: tensor.float().contiguous() for name, tensor in backbone.state_dict().items()}
 
 
 def encoder_config(backbone: Transformer) -> dict[str, Any]:
@@ -153,19 +178,18 @@ def check_gpt2_fits(config: dict[str, Any], backbone: Transformer, vocab_size: i
     """Refuse a GPT-2 config.json whose model `backbone` cannot hold exactly, naming what differs and the fix."""
     if not backbone.causal:
         raise ConfigError(f"{source} is GPT-2, a causal model: start a causal objective from it (experiment=clm_tiny)")
-    sizes = {
-        "d_model": ("n_embd", backbone.d_model),
-        "n_layer": ("n_layer", backbone.n_layer),
-        "n_head": ("n_head", backbone.n_head),
-        "max_seq_len": ("n_positions", backbone.max_seq_len),
+    ours = {
+        "d_model": backbone.d_model,
+        "n_layer": backbone.n_layer,
+        "n_head": backbone.n_head,
+        "max_seq_len": backbone.max_seq_len,
     }
-    differ = {key: config.get(name) for key, (name, ours) in sizes.items() if config.get(name) != ours}
+    found = {key: config.get(name, default) for key, (name, default) in GPT2_SIZES.items()}
+    differ = [key for key in GPT2_SIZES if found[key] != ours[key]]
     if differ:
-        found = ", ".join(
-            f"{sizes[key][0]}={value} (model.backbone.{key}={sizes[key][1]})" for key, value in differ.items()
-        )
-        fix = " ".join(f"model.backbone.{key}={value}" for key, value in differ.items())
-        raise ConfigError(f"{source} has {found}: pass {fix}")
+        named = ", ".join(f"{GPT2_SIZES[key][0]}={found[key]!r} (model.backbone.{key}={ours[key]})" for key in differ)
+        fix = " ".join(f"model.backbone.{key}={found[key]}" for key in differ)
+        raise ConfigError(f"{source} has {named}: pass {fix}")
     for key, (computed, default, meaning) in GPT2_COMPUTES.items():
         value = config.get(key, default)
         if value != computed and not (key == "n_inner" and value == 4 * backbone.d_model):
@@ -173,9 +197,9 @@ def check_gpt2_fits(config: dict[str, Any], backbone: Transformer, vocab_size: i
                 f"{source} has {key}={value!r}, and the backbone computes {meaning} ({key}={computed!r}): "
                 "it cannot continue this model exactly; start from a GPT-2 directory `pretrain-export` wrote"
             )
-    vocabulary = config.get("vocab_size")
+    vocabulary = config.get("vocab_size", GPT2_VOCAB_SIZE)
     if not isinstance(vocabulary, int) or vocabulary < vocab_size:
         raise ConfigError(
-            f"{source} has vocab_size={config.get('vocab_size')}, fewer ids than the run's tokenizer "
-            f"({vocab_size}): use the tokenizer it was trained with"
+            f"{source} has vocab_size={vocabulary!r}, not the {vocab_size} ids of the run's tokenizer at least: "
+            "use the tokenizer it was trained with"
         )
