@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -57,21 +57,17 @@ class BPETokenizer:
     """A byte-level BPE `tokenizer.json` from `train_bpe` (the `tokenizers` library)."""
 
     def __init__(self, path: str | Path) -> None:
-        from tokenizers import Tokenizer as HFTokenizer
-
         path = Path(path)
         if not path.is_file():
             raise MissingFileError(
                 f"tokenizer file {path} not found: train one with "
                 f"`pretrain-data tokenizer --data <shard dir> --out {path}`, or use tokenizer=bytes"
             )
-        self.path = path
-        try:
-            self._tokenizer = HFTokenizer.from_file(str(path))
-        except Exception as error:  # the library's parse errors have no common type
-            raise ConfigError(
-                f"{path} is not a tokenizer.json ({error}): restore it, or train one with `pretrain-data tokenizer`"
-            ) from None
+        data = path.read_bytes()  # read once: the tokenizer, its export and its fingerprint are the same bytes
+        self.json_text = data.decode(errors="replace")
+        self._tokenizer = parse_tokenizer_json(
+            self.json_text, path, "restore it, or train one with `pretrain-data tokenizer`"
+        )
         # A literal "<eos>" in a document is text, not a separator.
         self._tokenizer.encode_special_tokens = True
         for expected_id, token in enumerate(SPECIAL_TOKENS):
@@ -83,13 +79,23 @@ class BPETokenizer:
         self.vocab_size = self._tokenizer.get_vocab_size()
         self.mask_id: int | None = MASK_ID
         self.token_bytes = _byte_level_lengths(self._tokenizer.get_vocab(), self.vocab_size)
-        self.fingerprint = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        self.fingerprint = hashlib.sha256(data).hexdigest()[:16]
 
     def encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tokenizer.decode(list(ids))
+
+
+def parse_tokenizer_json(text: str, source: Path, fix: str) -> Any:
+    """A `tokenizers.Tokenizer` from the text of a tokenizer.json, refused naming `source` and `fix`."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    try:
+        return HFTokenizer.from_str(text)
+    except Exception as error:  # the library's parse errors have no common type
+        raise ConfigError(f"{source} is not a tokenizer.json the `tokenizers` library reads ({error}): {fix}") from None
 
 
 def _byte_level_lengths(vocab: dict[str, int], vocab_size: int) -> np.ndarray:

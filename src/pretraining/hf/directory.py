@@ -103,10 +103,11 @@ def indexed_files(directory: Path, weight_map: Any) -> list[Path]:
     return [directory / name for name in sorted(set(map(str, names)))]
 
 
-def read_weights(directory: Path) -> dict[str, Any]:
-    """Every tensor of a model directory, on the CPU; nothing in the files can run code."""
+def read_weights(files: list[Path]) -> dict[str, Any]:
+    """Every tensor of a model directory's weight `files` (`weight_files`), on the CPU; nothing in the
+    files can run code."""
     weights: dict[str, Any] = {}
-    for path in weight_files(directory):
+    for path in files:
         try:
             loaded = load_weights_only(path) if path.name == PICKLED else load_file(path)
         except CheckpointError:  # code in a pickle: refused in its own words

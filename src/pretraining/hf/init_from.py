@@ -37,13 +37,14 @@ def initialise_from(backbone: Transformer, given: str, tokenizer: Tokenizer) -> 
         "the run must read text as the model was trained to: pass the "
         "tokenizer it was trained with (tokenizer=bytes, or tokenizer=bpe tokenizer.path=...)",
     )
+    files = weight_files(directory)
     origin = {
         "given": given,
         "init_from": str(directory.resolve()),
-        "weights_sha256": {path.name: sha256_of(path) for path in weight_files(directory)},
+        "weights_sha256": {path.name: sha256_of(path) for path in files},
         "exported_from": exported_from(directory),
     }
-    weights = read_weights(directory)
+    weights = read_weights(files)
     backbone.load_state_dict(from_gpt2(weights, backbone, source))
     return origin
 

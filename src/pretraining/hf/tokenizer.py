@@ -15,7 +15,14 @@ from typing import Any
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from pretraining.data.tokenizer import CLS_ID, SPECIAL_TOKENS, BPETokenizer, ByteTokenizer, Tokenizer
+from pretraining.data.tokenizer import (
+    CLS_ID,
+    SPECIAL_TOKENS,
+    BPETokenizer,
+    ByteTokenizer,
+    Tokenizer,
+    parse_tokenizer_json,
+)
 from pretraining.errors import ConfigError, MissingFileError
 
 PAD, EOS, MASK, CLS = SPECIAL_TOKENS  # the roles an export's tokenizer_config.json names
@@ -28,7 +35,7 @@ def hf_tokenizer(tokenizer: Tokenizer) -> HFTokenizer:
     in a text as that token unless told not to (`encode_special_tokens`, which its JSON does not keep:
     `transformers` sets it from `split_special_tokens` in tokenizer_config.json)."""
     if isinstance(tokenizer, BPETokenizer):
-        loaded = HFTokenizer.from_str(tokenizer.path.read_text())
+        loaded = HFTokenizer.from_str(tokenizer.json_text)  # parsed when the run's tokenizer was built
         loaded.post_processor = None  # the template encodes without one (add_special_tokens=False)
         return loaded
     if isinstance(tokenizer, ByteTokenizer):
@@ -90,12 +97,7 @@ def check_same_tokenizer(path: Path, tokenizer: Tokenizer, fix: str) -> None:
     """Refuse a `tokenizer.json` at `path` that would not give the ids `tokenizer` gives, naming what differs."""
     if not path.is_file():
         raise MissingFileError(f"{path} not found: without it nothing says the model reads the run's tokens; {fix}")
-    try:
-        theirs = json.loads(HFTokenizer.from_file(str(path)).to_str())
-    except Exception as error:  # the library's parse errors have no common type
-        raise ConfigError(
-            f"{path} is not a tokenizer.json the `tokenizers` library reads ({error}); restore it"
-        ) from None
+    theirs = json.loads(parse_tokenizer_json(path.read_text(errors="replace"), path, "restore it").to_str())
     ours = json.loads(hf_tokenizer(tokenizer).to_str())
     for section in TOKENIZING_SECTIONS:
         if theirs.get(section) != ours.get(section):
