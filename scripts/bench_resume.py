@@ -48,7 +48,7 @@ def pretrain(log_dir: Path, run: str, overrides: list[str]) -> subprocess.Popen:
     command = [
         sys.executable,
         "-m",
-        "pretraining.train",
+        "pretraining",
         *RUN,
         *overrides,
         f"paths.log_dir={log_dir}",

@@ -49,7 +49,7 @@ RUN = [
 def start(log_dir: Path, run: str, overrides: list[str]) -> subprocess.Popen:
     """Start a run in its own process group; its output goes to <log_dir>/<run>.out (a file: a pipe
     nobody reads while the script polls could fill up and stall the run)."""
-    command = [sys.executable, "-m", "pretraining.train", *overrides, f"paths.log_dir={log_dir}", f"run_name={run}"]
+    command = [sys.executable, "-m", "pretraining", *overrides, f"paths.log_dir={log_dir}", f"run_name={run}"]
     with (log_dir / f"{run}.out").open("a") as out:
         return subprocess.Popen(command, start_new_session=True, stdout=out, stderr=subprocess.STDOUT)
 

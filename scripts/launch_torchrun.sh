@@ -24,4 +24,4 @@ PYTHON=${PYTHON:-.venv/bin/python}
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \
     --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
-    -m pretraining.train trainer="$TRAINER" ++trainer.num_nodes="$NNODES" "$@"
+    -m pretraining trainer="$TRAINER" ++trainer.num_nodes="$NNODES" "$@"

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from pretraining.config import CONFIG_DIR
-from pretraining.data.cli import train_texts
+from pretraining.data.commands import train_texts
 from pretraining.data.corpus import PAIR_FIELDS, Document, docstring_pairs, read_text_files, stdlib_root
 from pretraining.data.formats import PackedBlocks, TokenizedPairs
 from pretraining.data.manifest import Manifest

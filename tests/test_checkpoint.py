@@ -271,7 +271,7 @@ def test_a_full_disk_stops_the_run_naming_the_cause_and_the_intact_checkpoint(tm
 
 def pretrain_process(overrides: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "pretraining.train", *overrides]
+    command = [sys.executable, "-m", "pretraining", *overrides]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
 

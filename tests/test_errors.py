@@ -64,8 +64,8 @@ BAD_COMMANDS = [
 ]
 
 
-def start(module: str, overrides: list[str], cwd: Path, **env: str) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", module, *overrides]
+def start(program: str, overrides: list[str], cwd: Path, **env: str) -> subprocess.Popen[str]:
+    command = [str(Path(sys.executable).parent / program), *overrides]  # the console script
     environment = {key: value for key, value in os.environ.items() if key != "HYDRA_FULL_ERROR"} | env
     return subprocess.Popen(
         command, cwd=cwd, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -83,12 +83,12 @@ def test_bad_commands_print_one_message_without_a_traceback(tmp_path: Path, shar
     runs = []
     for overrides, message in BAD_COMMANDS:
         filled = [override.format(tmp=tmp_path) for override in overrides]
-        runs.append((filled, message.format(tmp=tmp_path), start("pretraining.train", [*base, *filled], tmp_path)))
+        runs.append((filled, message.format(tmp=tmp_path), start("pretrain", [*base, *filled], tmp_path)))
     runs.append(
         (
             ["max_new_token=3"],
             "did you mean max_new_tokens?",
-            start("pretraining.evaluate", ["max_new_token=3"], tmp_path),
+            start("pretrain-eval", ["max_new_token=3"], tmp_path),
         )
     )
     for overrides, message, process in runs:
@@ -103,7 +103,7 @@ def test_bad_commands_print_one_message_without_a_traceback(tmp_path: Path, shar
 
 def test_hydra_full_error_still_shows_the_traceback(tmp_path: Path) -> None:
     run = start(
-        "pretraining.train",
+        "pretrain",
         ["callbacks.checkpoint.keep_last=1", f"paths.log_dir={tmp_path}"],
         tmp_path,
         HYDRA_FULL_ERROR="1",
@@ -213,8 +213,7 @@ def test_bad_data_raise_on_a_damaged_shard_exits_non_zero(tmp_path: Path, shard_
     data = damaged_copy(shard_dir, tmp_path / "data", "zeroed")
     base = [*TINY, f"data.dir={data}", "data.bad_data=raise", "validate_before_training=false"]
     runs = [
-        start("pretraining.train", [*base, f"data.num_workers={n}", f"paths.log_dir={tmp_path}/{n}"], tmp_path)
-        for n in (0, 1)
+        start("pretrain", [*base, f"data.num_workers={n}", f"paths.log_dir={tmp_path}/{n}"], tmp_path) for n in (0, 1)
     ]
     for run in runs:
         returncode, stderr = finish(run)

@@ -29,14 +29,15 @@ from transformers import (
 from conftest import tiny_run
 from pretraining.callbacks.batch_log import read_batch_log
 from pretraining.checkpoint import read_sidecar, sidecar_path
+from pretraining.cli import export as main
+from pretraining.cli import info as info_main
 from pretraining.config import CONFIG_DIR
 from pretraining.data.formats import ExampleFormat, padded
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
 from pretraining.evaluate import load_checkpoint, stored_model
-from pretraining.export import export, main
+from pretraining.export import export
 from pretraining.hf.directory import SAFETENSORS, write_directory
 from pretraining.hf.weights import from_gpt2, gpt2_config, to_gpt2
-from pretraining.info import main as info_main
 from pretraining.instantiate import build
 from pretraining.models import Transformer
 from pretraining.objectives import PretrainingObjective
@@ -467,7 +468,8 @@ def test_export_names_a_missing_or_other_tokenizer_and_the_option_to_pass(
     with pytest.raises(ConfigError, match=r"is not the one this checkpoint was trained with"):
         export(checkpoint, tmp_path / "out", tokenizer_path=str(bpe_path))
     with pytest.raises(
-        ConfigError, match=r"tokenizer \(pretraining.data.ByteTokenizer\) reads no file: leave out --tokenizer PATH"
+        ConfigError,
+        match=r"tokenizer \(pretraining.data.tokenizer.ByteTokenizer\) reads no file: leave out --tokenizer PATH",
     ):
         export(checkpoints["clm_tiny"], tmp_path / "out", tokenizer_path=str(bpe_path))
     assert not (tmp_path / "out").exists()

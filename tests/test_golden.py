@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretraining.data.cli import train_texts
+from pretraining.data.commands import train_texts
 from pretraining.data.corpus import PAIR_FIELDS, Document
 from pretraining.data.manifest import Manifest
 from pretraining.data.shards import BuildSettings, build_shards

@@ -20,9 +20,10 @@ import pytest
 import webdataset as wds
 
 from conftest import tiny_run
-from pretraining.data import PackedBlocks, ShardDataModule
-from pretraining.data.cli import main as pretrain_data
+from pretraining.cli import data as pretrain_data
 from pretraining.data.corpus import stdlib_root
+from pretraining.data.datamodule import ShardDataModule
+from pretraining.data.formats import PackedBlocks
 from pretraining.data.labels import PythonDefinitions
 from pretraining.data.manifest import MANIFEST, Manifest
 from pretraining.data.reader import SampleReader

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import packed_blocks, tokenized_pairs
-from pretraining.data.cli import main as data_cli
+from pretraining.cli import data as data_cli
 from pretraining.data.corpus import PAIR_FIELDS, CorpusError, Document, PairCounts, docstring_pairs, read_source
 from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.formats import TokenizedPairs

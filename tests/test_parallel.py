@@ -14,7 +14,7 @@ from pretraining.callbacks.batch_log import batch_log_differences, read_batch_lo
 
 def pretrain(log_dir: Path, run: str, overrides: list[str]) -> Path:
     """Run `pretrain` to the end; its run directory."""
-    command = [sys.executable, "-m", "pretraining.train", *overrides, f"paths.log_dir={log_dir}", f"run_name={run}"]
+    command = [sys.executable, "-m", "pretraining", *overrides, f"paths.log_dir={log_dir}", f"run_name={run}"]
     finished = subprocess.run(command, capture_output=True, text=True, timeout=180)
     assert finished.returncode == 0, finished.stderr[-3000:]
     return log_dir / "train" / "runs" / run

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from pretraining.plots import main, panels, plot, plot_overlay
+from pretraining.cli import plot as main
+from pretraining.plots import panels, plot, plot_overlay
 from pretraining.run_logs import Series, read_metrics, run_labels
 from pretraining.train import train
 
@@ -227,7 +228,9 @@ def test_make_plot_runs_pretrain_plot_and_needs_run(tmp_path: Path) -> None:
     # The installed console script appears on the next `make install`; a stand-in runs the module.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "pretrain-plot").write_text(f'#!/bin/sh\nexec {sys.executable} -m pretraining.plots "$@"\n')
+    (bin_dir / "pretrain-plot").write_text(
+        f'#!/bin/sh\nexec {sys.executable} -c "from pretraining.cli import plot; plot()" "$@"\n'
+    )
     (bin_dir / "pretrain-plot").chmod(0o755)
     run = tmp_path / "run"
     write_metrics(run, training_rows(range(20), 4.0))

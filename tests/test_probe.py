@@ -18,12 +18,12 @@ from lightning.pytorch.loggers import CSVLogger
 from conftest import packed_blocks, tiny_run
 from pretraining.callbacks import LinearProbe
 from pretraining.callbacks.probe import fit_linear_probe
-from pretraining.data import ByteTokenizer, ShardDataModule
 from pretraining.data.corpus import PAIR_FIELDS, docstring_pairs, read_text_files
+from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.labels import LabelledExample, LabelledJsonl, PythonDefinitions, is_test, package_of, probe_set
 from pretraining.data.manifest import Manifest
 from pretraining.data.shards import BuildSettings, build_shards
-from pretraining.data.tokenizer import CLS_ID, PAD_ID
+from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
 from pretraining.errors import ConfigError
 from pretraining.models import Transformer
 from pretraining.objectives import CausalLM, Contrastive, MaskedLM

@@ -25,8 +25,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import IntervalSweep
 
 from conftest import TINY_RUN
+from pretraining import cli
 from pretraining.config import CONFIG_DIR, PROJECT_ROOT
-from pretraining.data.cli import parser as data_parser
 from pretraining.data.manifest import Manifest
 from pretraining.run import check_config
 
@@ -41,12 +41,12 @@ EXTERNAL = {
 }
 
 
-# Console scripts with an argparse `main(argv)`, by module of `pretraining`.
+# Console scripts with an argparse command `(argv)`, by function of `pretraining.cli`.
 ENTRY_POINTS = {
-    "pretrain-info": "info",
-    "pretrain-export": "export",
-    "pretrain-plot": "plots",
-    "pretrain-sweep-report": "sweeps",
+    "pretrain-info": cli.info,
+    "pretrain-export": cli.export,
+    "pretrain-plot": cli.plot,
+    "pretrain-sweep-report": cli.sweep_report,
 }
 
 
@@ -112,7 +112,7 @@ def check_make(argv: list[str], config_dir: Path) -> None:
         search = [f"hparams_search={experiment.split('_')[0]}"] if target == "sweep-optuna" else []
         check_composes([f"experiment={experiment}", *search, *args], config_dir)
     elif target == "tokenizer":
-        data_parser().parse_args(["tokenizer", "--data", "data/stdlib", *args])
+        cli.data_parser().parse_args(["tokenizer", "--data", "data/stdlib", *args])
     required = {
         "eval": ["CKPT"],
         "info": ["CKPT"],
@@ -143,10 +143,9 @@ def check(command: str, config_dir: Path) -> None:
     elif program == "make":
         check_make(argv, config_dir)
     elif program == "pretrain-data":
-        data_parser().parse_args(args)
+        cli.data_parser().parse_args(args)
     elif program in ENTRY_POINTS:
-        module = ENTRY_POINTS[program]
-        check_entry_point(__import__(f"pretraining.{module}", fromlist=["main"]).main, args)
+        check_entry_point(ENTRY_POINTS[program], args)
     elif program == "sbatch" or program.startswith("scripts/"):
         script, overrides = (args[0], args[1:]) if program == "sbatch" else (program, args)
         subprocess.run(["bash", "-n", str(PROJECT_ROOT / script)], check=True)
@@ -220,7 +219,7 @@ def run_example(
     (code,) = [block for block in code_blocks("python") if f"# {module}" in block]
     (tmp_path / module).write_text(code)
     command = [
-        sys.executable, "-m", "pretraining.train", "experiment=clm_tiny", *overrides, *TINY_RUN,
+        sys.executable, "-m", "pretraining", "experiment=clm_tiny", *overrides, *TINY_RUN,
         "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
         f"data.dir={data}", f"paths.log_dir={tmp_path / 'logs'}", "run_name=example",
         f"hydra.searchpath=[file://{config_dir}]",

@@ -39,7 +39,7 @@ FSDP = ["trainer=fsdp_cpu"]
 
 def pretrain_command(log_dir: Path, run: str, overrides: list[str]) -> list[str]:
     """The `pretrain` command of run `run` under `log_dir`, to run with `TEST_ENV` (tests/ importable)."""
-    return [sys.executable, "-m", "pretraining.train", *overrides, f"paths.log_dir={log_dir}", f"run_name={run}"]
+    return [sys.executable, "-m", "pretraining", *overrides, f"paths.log_dir={log_dir}", f"run_name={run}"]
 
 
 TEST_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}

@@ -112,7 +112,7 @@ def test_a_missing_group_option_gets_hydras_message() -> None:
 
 def test_pretrain_stops_at_a_bad_key_with_one_message_before_reading_data(tmp_path: Path) -> None:
     """The message, without a traceback, before the (absent) data directory is read."""
-    command = [sys.executable, "-m", "pretraining.train", f"paths.log_dir={tmp_path}", f"data.dir={tmp_path}/none"]
+    command = [sys.executable, "-m", "pretraining", f"paths.log_dir={tmp_path}", f"data.dir={tmp_path}/none"]
     run = subprocess.run([*command, "+data.globl_batch_size=4"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 1
     assert "data.globl_batch_size=4: data.globl_batch_size is not a parameter" in run.stderr

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import webdataset
 
-from pretraining.data.cli import main as cli_main
+from pretraining.cli import data as cli_main
 from pretraining.data.corpus import CorpusError, Document, normalize, read_jsonl, read_source
 from pretraining.data.manifest import MANIFEST, SPLITS, Manifest
 from pretraining.data.reader import read_shard
@@ -483,7 +483,7 @@ def test_a_full_disk_during_a_build_leaves_the_previous_dataset_and_says_so(corp
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
-    command = [sys.executable, "-m", "pretraining.data.cli", "build", "--source", str(corpus), "--out", str(out)]
+    command = [str(Path(sys.executable).parent / "pretrain-data"), "build", "--source", str(corpus), "--out", str(out)]
     failed = subprocess.run([*command, "--quiet"], capture_output=True, text=True, preexec_fn=full_disk, timeout=120)
     assert failed.returncode == 1
     assert f"writing the shards failed: [Errno 27] File too large; {out} is unchanged" in failed.stderr

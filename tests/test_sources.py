@@ -17,8 +17,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pretraining.data import cli
-from pretraining.data.cli import main as cli_main
+from pretraining.cli import data as cli_main
+from pretraining.data import commands
 from pretraining.data.corpus import PAIR_FIELDS, binary_kind
 from pretraining.data.shards import split_of
 
@@ -246,7 +246,7 @@ def test_binary_files_in_a_text_directory_are_refused_naming_them(tmp_path: Path
     (corpus / "images/logo.png").write_bytes(PNG)
     (corpus / "notes.txt.gz").write_bytes(gzip.compress(b"notes"))
     # Every source is checked before the build starts: the good one first does not start it.
-    monkeypatch.setattr(cli, "build_shards", lambda *args, **kwargs: pytest.fail("the build started"))
+    monkeypatch.setattr(commands, "build_shards", lambda *args, **kwargs: pytest.fail("the build started"))
     message = build_error(tmp_path, "--source", str(text_corpus(tmp_path / "good")), "--source", str(corpus))
     assert "2 binary file(s) where text was expected" in message
     assert f"{corpus / 'images/logo.png'} (PNG)" in message and f"{corpus / 'notes.txt.gz'} (gzip)" in message

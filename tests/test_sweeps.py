@@ -16,9 +16,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from conftest import TINY_RUN
+from pretraining.cli import sweep_report as report_main
 from pretraining.config import CONFIG_DIR
 from pretraining.sweeps import SweepError, read_status, write_report, write_status
-from pretraining.sweeps import main as report_main
 from test_plots import make_sweep
 
 SHORT = [*TINY_RUN, "trainer.max_steps=6", "trainer.val_check_interval=3", "trainer.log_every_n_steps=2"]
@@ -26,7 +26,7 @@ SHORT = [*TINY_RUN, "trainer.max_steps=6", "trainer.val_check_interval=3", "trai
 
 def multirun(log_dir: Path, data: Path, *overrides: str) -> subprocess.CompletedProcess[str]:
     """`pretrain -m` with tiny settings; the sweep directory is the only one under `log_dir`."""
-    command = [sys.executable, "-m", "pretraining.train", "-m", *SHORT, f"data.dir={data}", f"paths.log_dir={log_dir}"]
+    command = [sys.executable, "-m", "pretraining", "-m", *SHORT, f"data.dir={data}", f"paths.log_dir={log_dir}"]
     env = {**os.environ, "WANDB_MODE": "offline"}
     return subprocess.run([*command, *overrides], capture_output=True, text=True, env=env, timeout=300)
 

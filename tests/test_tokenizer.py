@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretraining.data.cli import main as cli_main
+from pretraining.cli import data as cli_main
 from pretraining.data.corpus import read_source
 from pretraining.data.manifest import Manifest
 from pretraining.data.reader import read_shard

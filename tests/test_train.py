@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 from conftest import TINY_RUN
+from pretraining.cli import info as info_main
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import CheckpointError, ConfigError, ShardError
 from pretraining.evaluate import evaluate, load_checkpoint
-from pretraining.info import main as info_main
 from pretraining.objectives import CausalLM
 from pretraining.train import train
 

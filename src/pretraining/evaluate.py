@@ -1,4 +1,4 @@
-"""Hydra entry point for evaluation: validate a checkpoint and sample from it.
+"""Evaluation: validate a checkpoint and sample from it (`pretraining.cli.evaluate` composes the config).
 
     pretrain-eval ckpt_path=logs/train/runs/<run>/checkpoints/last.ckpt
 
@@ -17,17 +17,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
-import hydra
 import torch
 from lightning.pytorch import Trainer
 from omegaconf import DictConfig, OmegaConf
 
 from pretraining.checkpoint import READABLE_LINEAGE_FORMATS, load_sharded, load_weights_only, sidecar_path, verify
-from pretraining.config import CONFIG_DIR
 from pretraining.data.formats import ExampleFormat
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
-from pretraining.instantiate import build, check_targets
+from pretraining.instantiate import build, check_targets, with_current_targets
 from pretraining.objectives import CausalLM, PretrainingObjective, build_objective
 from pretraining.schema import check_schema
 from pretraining.settings import EvalSettings
@@ -68,7 +66,7 @@ def lineage_of(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
 def stored_config(checkpoint: dict[str, Any], source: str, trusted_targets: Sequence[str] = ()) -> DictConfig:
     """The config a checkpoint was trained with, read from `source`, refused if it names any class not
     trusted in its tokenizer, data or model groups (the ones rebuilt from it)."""
-    run = OmegaConf.create(checkpoint["lineage"]["config"])
+    run = OmegaConf.create(with_current_targets(checkpoint["lineage"]["config"]))
     for group in ("tokenizer", "data", "model"):
         check_targets(run.get(group), group, trusted_targets, f"the config stored in {source}")
     return run
@@ -156,12 +154,3 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     for key, value in result.items():
         print(f"{key}: {value}" if key != "sample" else f"sample:\n{'-' * 60}\n{value}\n{'-' * 60}")
     return result
-
-
-@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="eval")
-def main(cfg: DictConfig) -> None:
-    evaluate(cfg)
-
-
-if __name__ == "__main__":
-    main()

@@ -14,7 +14,6 @@ its sidecar; nothing in it can run code. OUT is written whole or not at all.
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,7 @@ from pretraining.callbacks.lineage import code_revision
 from pretraining.checkpoint import verify
 from pretraining.config import PROJECT_ROOT
 from pretraining.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
-from pretraining.errors import ConfigError, PretrainingError
+from pretraining.errors import ConfigError
 from pretraining.evaluate import load_checkpoint, stored_model
 from pretraining.hf import AUTO_MAP, MODELLING_CODE
 from pretraining.hf.card import model_card
@@ -198,23 +197,3 @@ print(tokenizer.decode(guess))""",
 model = SentenceTransformer({out}, trust_remote_code=True)
 embeddings = model.encode(["Return the sum of a and b.", "def add(a, b): return a + b"])""",
 }
-
-
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pretrain-export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint file or sharded directory (or last.ckpt)")
-    parser.add_argument("out", type=Path, help="the directory to write (new, or empty)")
-    parser.add_argument("--tokenizer", help="where the run's BPE tokenizer.json is now, if it moved")
-    parser.add_argument(
-        "--trusted-targets", nargs="*", default=[], help="modules whose classes the stored config may build"
-    )
-    args = parser.parse_args(argv)
-    try:
-        kind = export(args.checkpoint, args.out, args.tokenizer, args.trusted_targets)
-    except (PretrainingError, OSError) as error:  # OSError: also a disk that fills or a directory not writable
-        raise SystemExit(f"pretrain-export: {error}") from None
-    print(f"wrote {args.out} ({kind}); load it with:\n{usage(kind, args.out)}")
-
-
-if __name__ == "__main__":
-    main()

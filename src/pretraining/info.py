@@ -9,7 +9,6 @@ sharded directory, only its `meta.pt`).
 
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,6 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from pretraining.checkpoint import SHARDED_META, CheckpointError, load_weights_only, verify
-from pretraining.errors import ConfigError
 from pretraining.evaluate import existing_checkpoint, lineage_of
 from pretraining.hf.init_from import describe_origin
 
@@ -83,23 +81,12 @@ def describe(chain: list[dict[str, Any]]) -> str:
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pretrain-info", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint file or sharded directory (or last.ckpt)")
-    parser.add_argument("--config", action="store_true", help="also print the full resolved config")
-    parser.add_argument("--json", action="store_true", help="print the lineage and ancestry as JSON")
-    args = parser.parse_args(argv)
-    try:
-        chain = ancestry(args.checkpoint)
-    except (FileNotFoundError, CheckpointError, ConfigError) as error:
-        raise SystemExit(f"pretrain-info: {error}") from None
-    if args.json:
+def print_info(checkpoint: Path, config: bool = False, as_json: bool = False) -> None:
+    """Print the lineage and ancestry of `checkpoint` (`--json`: as JSON), and with `config` its resolved config."""
+    chain = ancestry(checkpoint)
+    if as_json:
         print(json.dumps(chain, indent=2, default=str))
         return
     print(describe(chain))
-    if args.config:
+    if config:
         print("\nconfig:\n" + OmegaConf.to_yaml(OmegaConf.create(chain[0]["lineage"].get("config") or {})))
-
-
-if __name__ == "__main__":
-    main()

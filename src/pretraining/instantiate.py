@@ -23,6 +23,15 @@ from pretraining.errors import ConfigError, PretrainingError
 
 PACKAGE = "pretraining"
 OPTIMIZERS = "torch.optim"
+# Classes of this package that moved since a stored config named them: 0.1.0 imported these from
+# `pretraining.data` itself, which now imports nothing (so that `pretrain-data` does not load Lightning).
+MOVED_TARGETS = {
+    "pretraining.data.ShardDataModule": "pretraining.data.datamodule.ShardDataModule",
+    "pretraining.data.PackedBlocks": "pretraining.data.formats.PackedBlocks",
+    "pretraining.data.TokenizedPairs": "pretraining.data.formats.TokenizedPairs",
+    "pretraining.data.ByteTokenizer": "pretraining.data.tokenizer.ByteTokenizer",
+    "pretraining.data.BPETokenizer": "pretraining.data.tokenizer.BPETokenizer",
+}
 
 
 def build(node: DictConfig, **kwargs: Any) -> Any:
@@ -57,6 +66,18 @@ def check_targets(node: Any, key: str, trusted: Sequence[str], source: str) -> N
             f"{key}={node!r} in {source} is an interpolation: a run's config is stored resolved, so this file "
             "was edited after it was written; use a checkpoint as `pretrain` wrote it"
         )
+
+
+def with_current_targets(node: Any) -> Any:
+    """A stored config (plain containers) with each moved `_target_` (`MOVED_TARGETS`) named where it is now."""
+    if isinstance(node, dict):
+        return {
+            key: MOVED_TARGETS.get(value, value) if key == "_target_" else with_current_targets(value)
+            for key, value in node.items()
+        }
+    if isinstance(node, list):
+        return [with_current_targets(value) for value in node]
+    return node
 
 
 def check_target(target: Any, key: str, trusted: Sequence[str], source: str) -> None:

@@ -8,7 +8,6 @@ figure and `<dir>/plots/overlay.png`, the runs' curves on shared panels.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import os
@@ -219,27 +218,3 @@ def save_png(figure: Figure, path: Path) -> Path:
     finally:
         temporary.unlink(missing_ok=True)
     return path
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pretrain-plot", description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "run_dir",
-        type=Path,
-        help="a run directory (logs/train/runs/<run>) or a directory of runs (logs/train/multiruns/<sweep>)",
-    )
-    parser.add_argument(
-        "--out", type=Path, metavar="DIR", help="write the figures under this directory instead of each run's plots/"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(format="pretrain-plot: %(message)s")
-    try:
-        written = plot(args.run_dir, args.out)
-    except PlotError as error:
-        raise SystemExit(f"pretrain-plot: {error}") from None
-    for path in written:
-        print(path)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,4 +1,4 @@
-"""The set-up and end of one training run, for `pretraining.train.train`: the checks across config
+"""The set-up and end of one training run, for `pretraining.train`: the checks across config
 groups, the process, the run's lineage, the Trainer with its batch plan, whether the checkpoint it
 continues from fits, the validations around fit, and the report. Which checkpoint a run continues from
 is `pretraining.resume`'s."""
@@ -21,7 +21,7 @@ from pretraining.callbacks.lineage import code_revision
 from pretraining.callbacks.preemption import Preempted
 from pretraining.checkpoint import parameter_shapes
 from pretraining.config import PROJECT_ROOT, redact_secrets
-from pretraining.data import ShardDataModule
+from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.hf.init_from import initialise_from, is_origin

@@ -19,11 +19,9 @@ from collections import abc
 from collections.abc import Callable
 from typing import Annotated, Any, Union, get_args, get_origin
 
-import torch
 from hydra._internal.config_loader_impl import ConfigLoaderImpl
 from hydra.core.override_parser.types import Override
 from hydra.errors import ConfigCompositionException
-from lightning.pytorch import Trainer
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -38,15 +36,16 @@ MOVED_KEYS = {f"data.{key}": f"data.format.{key}" for key in FORMAT_KEYS}
 
 
 Beta = Annotated[float, Range(ge=0, lt=1)]
-# Ranges of parameters of classes this package does not own (ours declare them in their signatures).
-EXTRA_ANNOTATIONS: dict[type, dict[str, Any]] = {
-    torch.optim.AdamW: {
+# Ranges of parameters of classes this package does not own (ours declare them in their signatures), by
+# where the class is defined: named, not imported, so that composing a config (`--cfg job`) loads no torch.
+EXTRA_ANNOTATIONS: dict[str, dict[str, Any]] = {
+    "torch.optim.adamw.AdamW": {
         "lr": Annotated[float, Range(gt=0)],
         "betas": tuple[Beta, Beta],
         "eps": Annotated[float, Range(gt=0)],
         "weight_decay": Annotated[float, Range(ge=0)],
     },
-    Trainer: {
+    "lightning.pytorch.trainer.trainer.Trainer": {
         "num_nodes": Annotated[int, Range(ge=1)],
         "log_every_n_steps": Annotated[int, Range(ge=1)],
         "gradient_clip_val": Annotated[float, Range(ge=0)] | None,
@@ -161,7 +160,7 @@ def signature(target: Callable[..., Any]) -> tuple[dict[str, Any], bool]:
             open_ended = False
             break
     for cls in target.__mro__ if isinstance(target, type) else ():
-        for name, annotation in EXTRA_ANNOTATIONS.get(cls, {}).items():
+        for name, annotation in EXTRA_ANNOTATIONS.get(f"{cls.__module__}.{cls.__qualname__}", {}).items():
             if name in parameters:
                 parameters[name] = annotation
     return parameters, open_ended

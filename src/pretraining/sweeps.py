@@ -16,7 +16,6 @@ a sweep that is finished, still going or was interrupted:
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
@@ -274,20 +273,3 @@ def write_report(sweep_dir: Path) -> Report:
         except PlotError as error:  # jobs that have not logged anything yet
             log.warning("no overlay plot: %s", error)
     return report
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="pretrain-sweep-report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("sweep_dir", type=Path, help="a multirun directory, such as logs/train/multiruns/<sweep>")
-    args = parser.parse_args(argv)
-    logging.basicConfig(format="pretrain-sweep-report: %(message)s")
-    try:
-        write_report(args.sweep_dir)
-    except (SweepError, PlotError) as error:
-        raise SystemExit(f"pretrain-sweep-report: {error}") from None
-    print((args.sweep_dir / "report.md").read_text(), end="")
-    print(f"written: {args.sweep_dir / 'report.md'}, {args.sweep_dir / 'report.csv'}")
-
-
-if __name__ == "__main__":
-    main()

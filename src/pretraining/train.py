@@ -1,6 +1,5 @@
-"""Hydra entry point for training: check, build, fit (or continue), report.
-
-pretrain experiment=clm_tiny trainer.max_steps=50
+"""Training: check, build, fit (or continue), report; `pretrain experiment=clm_tiny trainer.max_steps=50`
+(`pretraining.cli.train` composes the config and calls `train_job`).
 
 Running the same command again continues the run from its newest verified
 checkpoint (see `pretraining.resume`); the steps between are `pretraining.run`'s.
@@ -11,13 +10,11 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
-import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from pretraining.callbacks import SkippedSamples
-from pretraining.config import CONFIG_DIR
 from pretraining.instantiate import build
 from pretraining.launch import distributed_job, is_rank_zero_process
 from pretraining.objectives import build_objective
@@ -66,8 +63,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
-@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
-def main(cfg: DictConfig) -> float | None:
+def train_job(cfg: DictConfig) -> float | None:
+    """`pretrain`'s job (`pretraining.cli.train`): train; return the metric a sweeper optimises, if any."""
     # The job owns its directory (a multirun's job: its own) before anything is written; each job of a
     # multirun is a distributed job of its own.
     with job_lock(cfg), distributed_job():
@@ -85,7 +82,3 @@ def job_lock(cfg: DictConfig) -> AbstractContextManager[object]:
         return nullcontext()
     single = HydraConfig.get().mode != RunMode.MULTIRUN
     return own_run_directory(Path(cfg.paths.output_dir), remove_if_refused=single)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,8 +1,3 @@
 """Corpus readers, shard builder and manifest, tokenizers, example formats, the resumable shard stream
-and the DataModule."""
-
-from pretraining.data.datamodule import ShardDataModule
-from pretraining.data.formats import ExampleFormat, PackedBlocks, TokenizedPairs
-from pretraining.data.tokenizer import BPETokenizer, ByteTokenizer
-
-__all__ = ["BPETokenizer", "ByteTokenizer", "ExampleFormat", "PackedBlocks", "ShardDataModule", "TokenizedPairs"]
+and the DataModule. Import from the modules themselves: this package imports nothing, so that
+`pretrain-data` does not load Lightning for the DataModule it never uses."""

@@ -44,7 +44,8 @@ def training_data(trainer: Trainer, key: str) -> TrainingData:
     if not isinstance(datamodule, TrainingData):
         removable = f", or remove {key} (~{key})" if key.startswith("callbacks.") else ""
         raise ConfigError(
-            f"{key} needs a DataModule with the data position and shards of pretraining.data.ShardDataModule "
+            f"{key} needs a DataModule with the data position and shards of "
+            "pretraining.data.datamodule.ShardDataModule "
             f"(pretraining.data.contract.TrainingData), and {type(datamodule).__name__} is not one: train with "
             f"a data config of configs/data/{removable}"
         )

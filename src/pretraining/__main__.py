@@ -1,0 +1,5 @@
+"""`python -m pretraining ...` is `pretrain ...`, for launchers that start a module (torchrun, tests)."""
+
+from pretraining.cli import train
+
+train()

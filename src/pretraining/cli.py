@@ -1,0 +1,204 @@
+"""The console commands (pyproject's `[project.scripts]`): each parses its arguments, then imports the
+module that does its work.
+
+The imports of the work are the only ones inside functions in this package, and on purpose: torch,
+Lightning and W&B take seconds to load, so a command that only prints its `--help`, refuses its usage
+or prints a config (`pretrain ... --cfg job`) loads none of them (`scripts/bench_startup.py` measures
+it, `tests/test_cli.py` checks it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from pretraining.config import CONFIG_DIR
+from pretraining.errors import PretrainingError
+from pretraining.schema import suggest_overridden_keys
+
+suggest_overridden_keys()  # before Hydra composes: an override of a misspelt key names the key meant
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
+def train(cfg: DictConfig) -> float | None:
+    """`pretrain`: train as the config says (continuing the run from its newest checkpoint)."""
+    from pretraining.train import train_job
+
+    return train_job(cfg)
+
+
+@hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="eval")
+def evaluate(cfg: DictConfig) -> None:
+    """`pretrain-eval ckpt_path=...`: validate a checkpoint and sample from it."""
+    from pretraining.evaluate import evaluate
+
+    evaluate(cfg)
+
+
+def data(argv: Sequence[str] | None = None) -> None:
+    """`pretrain-data build|tokenizer|index`."""
+    args = data_parser().parse_args(argv)
+    from pretraining.data import commands
+    from pretraining.data.documents import CorpusError
+
+    try:
+        getattr(commands, args.command)(args)
+    except (CorpusError, PretrainingError, OSError, ValueError) as error:
+        sys.exit(f"pretrain-data {args.command}: error: {error}")
+
+
+def info(argv: Sequence[str] | None = None) -> None:
+    """`pretrain-info CKPT`: what produced a checkpoint."""
+    parser = argparse.ArgumentParser(prog="pretrain-info", description="What produced a checkpoint.")
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint file or sharded directory (or last.ckpt)")
+    parser.add_argument("--config", action="store_true", help="also print the full resolved config")
+    parser.add_argument("--json", action="store_true", help="print the lineage and ancestry as JSON")
+    args = parser.parse_args(argv)
+    from pretraining.info import print_info
+
+    try:
+        print_info(args.checkpoint, args.config, args.json)
+    except (FileNotFoundError, PretrainingError) as error:
+        sys.exit(f"pretrain-info: {error}")
+
+
+def export(argv: Sequence[str] | None = None) -> None:
+    """`pretrain-export CKPT OUT`: a Hugging Face model directory."""
+    parser = argparse.ArgumentParser(
+        prog="pretrain-export", description="Export a checkpoint as a Hugging Face model directory."
+    )
+    parser.add_argument("checkpoint", type=Path, help="a checkpoint file or sharded directory (or last.ckpt)")
+    parser.add_argument("out", type=Path, help="the directory to write (new, or empty)")
+    parser.add_argument("--tokenizer", help="where the run's BPE tokenizer.json is now, if it moved")
+    parser.add_argument(
+        "--trusted-targets", nargs="*", default=[], help="modules whose classes the stored config may build"
+    )
+    args = parser.parse_args(argv)
+    from pretraining.export import export, usage
+
+    try:
+        kind = export(args.checkpoint, args.out, args.tokenizer, args.trusted_targets)
+    except (PretrainingError, OSError) as error:  # OSError: also a disk that fills or a directory not writable
+        sys.exit(f"pretrain-export: {error}")
+    print(f"wrote {args.out} ({kind}); load it with:\n{usage(kind, args.out)}")
+
+
+def plot(argv: Sequence[str] | None = None) -> None:
+    """`pretrain-plot RUN_DIR`: learning curves as PNG."""
+    parser = argparse.ArgumentParser(prog="pretrain-plot", description="Learning curves from the CSV logs, as PNG.")
+    parser.add_argument(
+        "run_dir",
+        type=Path,
+        help="a run directory (logs/train/runs/<run>) or a directory of runs (logs/train/multiruns/<sweep>)",
+    )
+    parser.add_argument(
+        "--out", type=Path, metavar="DIR", help="write the figures under this directory instead of each run's plots/"
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="pretrain-plot: %(message)s")
+    from pretraining.plots import plot
+    from pretraining.run_logs import PlotError
+
+    try:
+        written = plot(args.run_dir, args.out)
+    except PlotError as error:
+        sys.exit(f"pretrain-plot: {error}")
+    for path in written:
+        print(path)
+
+
+def sweep_report(argv: Sequence[str] | None = None) -> None:
+    """`pretrain-sweep-report SWEEP_DIR`: a sweep's jobs ranked."""
+    parser = argparse.ArgumentParser(
+        prog="pretrain-sweep-report", description="A sweep's jobs ranked, as report.md, report.csv and an overlay plot."
+    )
+    parser.add_argument("sweep_dir", type=Path, help="a multirun directory, such as logs/train/multiruns/<sweep>")
+    args = parser.parse_args(argv)
+    logging.basicConfig(format="pretrain-sweep-report: %(message)s")
+    from pretraining.run_logs import PlotError
+    from pretraining.sweeps import SweepError, write_report
+
+    try:
+        write_report(args.sweep_dir)
+    except (SweepError, PlotError) as error:
+        sys.exit(f"pretrain-sweep-report: {error}")
+    print((args.sweep_dir / "report.md").read_text(), end="")
+    print(f"written: {args.sweep_dir / 'report.md'}, {args.sweep_dir / 'report.csv'}")
+
+
+INDEX_DESCRIPTION = """\
+Write a manifest for WebDataset shards that already exist; they stay where they are.
+
+Shards are named as WebDataset names them: a local directory (its .tar, .tar.gz and .tgz files), a glob,
+a brace list (train-{000000..000099}.tar), a URL or a pipe: command. Each shard is read once, whole: its
+samples are counted (a damaged shard is refused, naming it), the fields of every sample are recorded, and
+so are its size and sha256 (for remote shards only with --remote-checksums). Training runs the pipe:
+commands a manifest names only when told to trust them (data.trust_pipe_commands=true).
+"""
+
+
+def data_parser() -> argparse.ArgumentParser:
+    """`pretrain-data`'s arguments; each subcommand is the function of `pretraining.data.commands` it names."""
+    main = argparse.ArgumentParser(
+        prog="pretrain-data",
+        description="Build shards from a corpus, index shards you already have, train a BPE tokenizer on shards.",
+    )
+    commands = main.add_subparsers(dest="command", required=True)
+    b = commands.add_parser("build", help="build WebDataset shards and manifest.json from a corpus")
+    b.add_argument(
+        "--source",
+        action="append",
+        default=None,
+        help="'stdlib' (default), a directory of text files, a .jsonl or .parquet file (or a directory of them), "
+        "or a dataset saved by Hugging Face datasets' save_to_disk (one split); repeat to combine sources",
+    )
+    b.add_argument("--out", required=True, help="shard directory (replaced only when the build completes)")
+    b.add_argument("--text-field", default="text", help="jsonl field or Parquet/dataset column holding the text")
+    b.add_argument(
+        "--id-field",
+        default=None,
+        help="jsonl field or column holding a stable document id, which decides its split "
+        "(default: file name and line or row number; for a saved dataset, its directory name and row number)",
+    )
+    b.add_argument(
+        "--pairs",
+        action="store_true",
+        help="build (query, passage) pairs for contrastive training: (docstring, code) from Python "
+        "sources, or two jsonl fields or table columns",
+    )
+    b.add_argument("--query-field", default="query", help="jsonl field or column holding the query (with --pairs)")
+    b.add_argument(
+        "--passage-field", default="passage", help="jsonl field or column holding the passage (with --pairs)"
+    )
+    # Left out when not given: pretraining.data.shards.BuildSettings holds the defaults.
+    b.add_argument("--validation-fraction", type=float, default=argparse.SUPPRESS)
+    b.add_argument("--shard-samples", type=int, default=argparse.SUPPRESS, dest="max_shard_samples")
+    b.add_argument("--shard-bytes", type=int, default=argparse.SUPPRESS, dest="max_shard_bytes")
+    b.add_argument("--quiet", action="store_true", help="no progress display")
+    t = commands.add_parser("tokenizer", help="train a byte-level BPE tokenizer on the training shards")
+    t.add_argument("--data", required=True, help="shard directory with manifest.json")
+    t.add_argument("--vocab-size", type=int, default=4096)
+    t.add_argument("--out", help="tokenizer.json path (default: <data>/tokenizer.json)")
+    t.add_argument("--field", action="append", help="a sample field to train on (default: txt, or a pair's sides)")
+    t.add_argument("--trust-pipe-commands", action="store_true", help="run the pipe: commands the manifest names")
+    t.add_argument("--quiet", action="store_true", help="no progress display")
+    i = commands.add_parser(
+        "index",
+        help="write a manifest for WebDataset shards you already have (they stay where they are)",
+        description=INDEX_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    i.add_argument("shards", nargs="+", help="training shards: files, directories, globs, brace lists, URLs, pipe:")
+    i.add_argument("--validation", nargs="+", default=[], metavar="SHARDS", help="validation shards, named alike")
+    i.add_argument("--validation-fraction", type=float, help="or hold out this fraction of the training shards")
+    i.add_argument("--out", required=True, help="directory for manifest.json (may be the shards' own directory)")
+    i.add_argument("--remote-checksums", action="store_true", help="record sha256 of remote shards too")
+    i.add_argument("--workers", type=int, default=8, help="shards read at once")
+    i.add_argument("--quiet", action="store_true", help="no progress display")
+    return main

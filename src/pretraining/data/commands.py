@@ -1,0 +1,93 @@
+"""What `pretrain-data build|tokenizer|index` do, with the arguments `pretraining.cli.data_parser` parsed."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+
+from pretraining.data.corpus import (
+    PAIR_FIELDS,
+    TEXT_FIELDS,
+    Document,
+    PairCounts,
+    docstring_pairs,
+    is_record_source,
+    read_source,
+)
+from pretraining.data.index import index_shards, summary
+from pretraining.data.manifest import TOKENIZER, Manifest
+from pretraining.data.reader import SampleReader
+from pretraining.data.shards import BuildSettings, build_shards
+from pretraining.data.tokenizer import train_bpe
+from pretraining.errors import ShardError
+
+
+def read_documents(source: str, args: argparse.Namespace, counts: PairCounts) -> Iterator[Document]:
+    """Text documents, or with --pairs: pairs from two fields of records (jsonl, tables), or docstring
+    pairs from Python source."""
+    if not args.pairs:
+        return read_source(source, {"txt": args.text_field}, args.id_field)
+    fields = {"query.txt": args.query_field, "passage.txt": args.passage_field}
+    documents = read_source(source, fields, args.id_field)
+    return documents if is_record_source(source) else docstring_pairs(documents, counts)
+
+
+def build(args: argparse.Namespace) -> None:
+    args.source = args.source or ["stdlib"]
+    given = vars(args)  # the settings not given are absent: BuildSettings has their defaults
+    names = [field.name for field in dataclasses.fields(BuildSettings)]
+    settings = BuildSettings(**{name: given[name] for name in names if name in given})
+    counts = PairCounts()
+    # Every source is opened (and checked) before the first shard is written.
+    documents = itertools.chain.from_iterable([read_documents(s, args, counts) for s in args.source])
+    manifest = build_shards(
+        documents,
+        Path(args.out),
+        args.source,
+        settings,
+        show_progress=not args.quiet,
+        fields=PAIR_FIELDS if args.pairs else TEXT_FIELDS,
+        provenance=(lambda: {"docstring_pairs": asdict(counts)}) if args.pairs else None,
+    )
+    dedup, splits = manifest["dedup"], manifest["splits"]
+    if splits["validation"]["documents"] == 0:
+        print("warning: no validation documents; training needs some: raise --validation-fraction")
+    print(
+        f"wrote {args.out}: version {manifest['version']}, "
+        + ", ".join(f"{name} {s['documents']} docs in {len(s['shards'])} shards" for name, s in splits.items())
+        + f"; dropped {dedup['exact_duplicates_dropped']} duplicates, {dedup['empty_dropped']} empty, "
+        f"{dedup['undecodable_dropped']} not UTF-8 (or a null in a table)"
+    )
+    if counts.files:
+        print(f"docstring pairs: {asdict(counts)}")
+
+
+def train_texts(manifest: Manifest, fields: list[str] | None = None) -> Iterator[str]:
+    """Every text of `fields` (see `Manifest.text_fields`) of every training sample."""
+    for texts in SampleReader(manifest.text_fields(fields)).all_texts(manifest.urls("train")):
+        yield from texts
+
+
+def tokenizer(args: argparse.Namespace) -> None:
+    out = Path(args.out) if args.out else Path(args.data) / TOKENIZER
+    manifest = Manifest.load(args.data, trust_pipe_commands=args.trust_pipe_commands)
+    texts = sum(shard.samples for shard in manifest.shards("train")) * len(manifest.text_fields(args.field))
+    trained = train_bpe(train_texts(manifest, args.field), args.vocab_size, out, not args.quiet, length=texts)
+    print(f"wrote {out}: vocabulary {trained.vocab_size}, fingerprint {trained.fingerprint}")
+
+
+def index(args: argparse.Namespace) -> None:
+    if not args.validation and args.validation_fraction is None:
+        raise ShardError(
+            "name the validation shards with --validation, or hold out a fraction of the training shards with "
+            "--validation-fraction (0 for none)"
+        )
+    out = Path(args.out)
+    manifest = index_shards(
+        args.shards, out, args.validation, args.validation_fraction, args.remote_checksums, args.workers, not args.quiet
+    )
+    print("\n".join(summary(manifest, out.resolve())))
