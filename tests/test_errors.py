@@ -125,7 +125,8 @@ def test_our_errors_are_hydras_compact_ones_and_keep_their_builtin_bases() -> No
     [
         (
             "data.globl_batch_size=4",
-            r"not a parameter of pretraining\.data\.ShardDataModule: did you mean data\.global_batch_size\?",
+            r"not a parameter of pretraining\.data\.datamodule\.ShardDataModule: "
+            r"did you mean data\.global_batch_size\?",
         ),
         ("data.format.blok_size=8", r"did you mean data\.format\.block_size\? Write data\.format\.block_size=8"),
         ("data.query_len=8", r"it is a key of the example format, data\.format\.query_len"),

@@ -14,7 +14,7 @@ from pretraining.config import PROJECT_ROOT
 PACKAGE = PROJECT_ROOT / "src" / "pretraining"
 # Lowest first. A module is on the floor of the longest prefix of its name listed here.
 FLOORS = [
-    ("ground", ["errors", "ranges", "files", "distributed", "instantiate", "checkpoint", "run_lock"]),
+    ("ground", ["errors", "ranges", "files", "distributed", "instantiate", "checkpoint", "run_lock", "quiet"]),
     ("data", ["data"]),
     ("models", ["models"]),
     ("hf", ["hf"]),

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from pretraining.cli import plot as main
-from pretraining.plots import panels, plot, plot_overlay
+from pretraining.plots import draw_overlay, draw_run, panels, plot, plot_overlay
 from pretraining.run_logs import Series, read_metrics, run_labels
 from pretraining.train import train
 
@@ -134,6 +134,24 @@ def test_panels_group_metrics_by_prefix() -> None:
         ("learning rate", ["lr-AdamW/pg1", "lr-AdamW/pg2"]),
         ("grad/norm", ["grad/norm"]),
     ]
+
+
+def test_constant_metrics_are_named_in_the_title_instead_of_drawn(tmp_path: Path) -> None:
+    metrics = read_metrics(write_metrics(tmp_path, training_rows(range(30), 4.0)))  # the LR held at 1e-3
+    figure = draw_run(metrics, "run")
+    assert "learning rate" not in [ax.get_title() for ax in figure.axes]
+    assert {"loss", "val/bpb", "perf/tokens_per_s"} <= {ax.get_title() for ax in figure.axes}
+    flat_line = "constant, not drawn: lr-AdamW/pg1 = 0.001, lr-AdamW/pg2 = 0.001, perf/data_wait = 0.1"
+    assert figure.get_suptitle() == f"run\n{flat_line}"
+
+    other = {
+        name: Series(s.steps, [2e-3] * len(s.values)) if name.startswith("lr-") else s for name, s in metrics.items()
+    }
+    overlay = draw_overlay({"a": metrics, "b": other}, "sweep")  # constant in each run, but not the same
+    assert "learning rate" in [ax.get_title() for ax in overlay.axes]
+    assert overlay.get_suptitle() == "sweep\nconstant, not drawn: perf/data_wait = 0.1"
+    flat = {name: Series(s.steps, [1.0] * len(s.values)) for name, s in metrics.items()}
+    assert len(draw_run(flat, "dead").axes) == len(panels(flat))  # nothing varies: all drawn, none named
 
 
 def test_a_run_gets_one_png_written_atomically(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -57,7 +57,6 @@ BAD = [
     (["model.optimizer.lr=-1e-3"], r"model\.optimizer\.lr=-0\.001 must be > 0: set model\.optimizer\.lr within"),
     (["experiment=mlm_tiny", "model.mask_rate=0"], r"model\.mask_rate=0 must be in \(0, 1\): set model\.mask_rate"),
     (["experiment=mlm_tiny", "model.mask_rate=1.2"], r"model\.mask_rate=1\.2 must be in \(0, 1\)"),
-    (["model.warmup_steps=600"], r"model\.warmup_steps=600 is not below trainer\.max_steps=600: lower the warmup"),
     (["model.optimizer.betas=[0.9,1.0]"], r"model\.optimizer\.betas\[1\]=1\.0 must be in \[0, 1\)"),
     (["data.num_workers=-1"], r"data\.num_workers=-1 must be at least 0"),
     (["experiment=contrastive_tiny", "model.recall_at=[1,0]"], r"model\.recall_at\[1\]=0 must be at least 1"),

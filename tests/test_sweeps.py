@@ -66,19 +66,19 @@ def test_a_grid_runs_each_job_in_its_own_directory_and_the_report_lists_them(
 
 
 def test_a_failed_job_is_recorded_and_the_others_still_run(tmp_path: Path, small_shards: Path) -> None:
-    # Job 0's warmup is not below the run's 6 steps: it stops at its config check; job 1 must still run.
-    result = multirun(tmp_path, small_shards, "model.warmup_steps=10,2")
+    # Job 0's final LR ratio is out of range: it stops at its config check; job 1 must still run.
+    result = multirun(tmp_path, small_shards, "model.min_lr_ratio=2,0.1")
 
     assert result.returncode != 0  # the sweep reports the failure ...
-    assert "model.warmup_steps=10 is not below trainer.max_steps=6" in result.stderr
+    assert "model.min_lr_ratio=2 must be in [0, 1]" in result.stderr
     directory = sweep_dir(tmp_path)
     failed, completed = read_status(directory / "0"), read_status(directory / "1")
-    assert failed["status"] == "failed" and "ConfigError: model.warmup_steps=10" in failed["error"]
+    assert failed["status"] == "failed" and "ConfigError: model.min_lr_ratio=2" in failed["error"]
     assert completed["status"] == "completed"  # ... after running the rest
     assert (directory / "1" / "checkpoints" / "step-000006.ckpt").is_file()
     rows = report_rows(directory)
     assert [(row["job"], row["status"]) for row in rows] == [("1", "completed"), ("0", "failed")]
-    assert "lower the warmup" in rows[1]["error"]
+    assert "set model.min_lr_ratio within" in rows[1]["error"]
 
 
 def test_an_optuna_study_continues_from_its_storage(tmp_path: Path, small_shards: Path) -> None:

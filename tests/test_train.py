@@ -155,10 +155,16 @@ def test_block_size_above_max_positions_stops(compose_train, tmp_path: Path) -> 
         train(compose_train("data.format.block_size=128", f"data.dir={tmp_path / 'nowhere'}"))
 
 
-def test_warmup_longer_than_run_stops(compose_train, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"model.warmup_steps=50 is not below trainer.max_steps=12"):
-        train(compose_train("model.warmup_steps=50"))
-    assert not (tmp_path / "checkpoints").exists()
+def test_a_warmup_longer_than_the_run_is_shortened_to_a_tenth_of_it(
+    compose_train, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    train(compose_train("model.warmup_steps=50", "trainer.max_steps=20"))
+    assert "model.warmup_steps=50 is not below trainer.max_steps=20: warming up for 2 steps" in caplog.text
+    lineage = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["lineage"]
+    assert lineage["config"]["model"]["warmup_steps"] == 2  # what the run used
+    rows = list(csv.DictReader((tmp_path / "csv" / "metrics.csv").open()))
+    rates = [float(row["lr-AdamW/pg1"]) for row in rows if row.get("lr-AdamW/pg1")]
+    assert rates[0] < max(rates) and rates[-1] < max(rates)  # up, then down: a schedule, not a ramp
 
 
 def test_evaluate_refuses_a_checkpoint_of_another_lineage_format(compose_train, tmp_path: Path) -> None:

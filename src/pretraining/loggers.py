@@ -46,6 +46,7 @@ class WandbRunLogger(WandbLogger):
         offline: bool | None = None,
         id: str | None = None,
         checkpoint_artifacts: str | None = None,
+        quiet: bool = True,
         **kwargs: Any,
     ) -> None:
         if checkpoint_artifacts not in CHECKPOINT_ARTIFACTS:
@@ -56,7 +57,10 @@ class WandbRunLogger(WandbLogger):
             offline = os.environ.get("WANDB_MODE") == "offline" or not wandb_credentials_available()
         if id is None and getattr(rank_zero_only, "rank", 0) == 0:  # only rank zero logs to W&B
             id = run_id(Path(save_dir))
+        if quiet:  # no banners (an online run still prints its URL); offline, the run's report has the sync command
+            kwargs.setdefault("settings", {"quiet": True, "silent": offline})
         super().__init__(save_dir=save_dir, offline=offline, id=id, resume="allow", **kwargs)
+        self._wandb_init.pop("anonymous")  # Lightning always passes it, and W&B warns that it does nothing
         self.checkpoint_artifacts = checkpoint_artifacts
 
     @rank_zero_only

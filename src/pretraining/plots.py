@@ -130,10 +130,31 @@ def load_run(run_dir: Path) -> dict[str, Series]:
     return metrics
 
 
+def constant(curves: Iterable[Mapping[str, Series]]) -> dict[str, float]:
+    """The metrics that held one value at every point of every run (two points at least), by name, with
+    that value: a flat line says no more than the value does (`skipped_steps` 0, `probe/majority`).
+    None if nothing else would be left to draw."""
+    values: dict[str, list[float]] = {}
+    for metrics in curves:
+        for name, series in metrics.items():
+            values.setdefault(name, []).extend(series.values)
+    flat = {name: points[0] for name, points in values.items() if len(points) > 1 and len(set(points)) == 1}
+    return flat if panels(set(values) - set(flat)) else {}
+
+
+def caption(title: str, flat: Mapping[str, float]) -> str:
+    """The figure's title, and a line naming the constant metrics left out."""
+    shown = [f"{name} = {value:.4g}" for name, value in sorted(flat.items()) if panel_key(name) is not None]
+    return title + ("\nconstant, not drawn: " + ", ".join(shown) if shown else "")
+
+
 def draw_run(metrics: Mapping[str, Series], title: str) -> Figure:
-    """One run's figure: a panel per `panels` entry, a legend where a panel has several lines."""
+    """One run's figure: a panel per `panels` entry (constant metrics named in the title instead), a
+    legend where a panel has several lines."""
+    flat = constant([metrics])
+    metrics = {name: series for name, series in metrics.items() if name not in flat}
     layout = panels(metrics)
-    figure, axes = new_figure(len(layout), title)
+    figure, axes = new_figure(len(layout), caption(title, flat))
     for ax, panel in zip(axes, layout, strict=True):
         drawn = 0
         for name in distinct(panel.metrics, metrics):
@@ -147,9 +168,10 @@ def draw_run(metrics: Mapping[str, Series], title: str) -> Figure:
 
 def draw_overlay(curves: Mapping[str, Mapping[str, Series]], title: str) -> Figure:
     """Several runs on shared panels: a colour per run (legend below), a line style per metric of
-    a panel (named in its title)."""
-    layout = panels(set().union(*curves.values()))
-    figure, axes = new_figure(len(layout), title)
+    a panel (named in its title); a metric with one value in every run is named in the title instead."""
+    flat = constant(curves.values())
+    layout = panels(set().union(*curves.values()) - set(flat))
+    figure, axes = new_figure(len(layout), caption(title, flat))
     colors = run_colors(len(curves))
     for ax, panel in zip(axes, layout, strict=True):
         # A metric's line style is fixed by its place in the panel, so that it is the same for every run.

@@ -30,6 +30,7 @@ from pretraining.launch import check_devices
 from pretraining.loggers import wandb_sync_hint
 from pretraining.objectives import PretrainingObjective
 from pretraining.objectives.base import check_lengths
+from pretraining.quiet import quiet_libraries, route_lightning_messages
 from pretraining.resume import Resume, check_fits
 from pretraining.schema import check_schema
 from pretraining.settings import TrainSettings
@@ -46,14 +47,9 @@ def check_config(cfg: DictConfig) -> None:
             "plus `pretrain-data tokenizer --data <dir>` for tokenizer=bpe)"
         )
     check_schema(cfg, TrainSettings, "configs/train.yaml")
-    max_steps, warmup_steps = cfg.trainer.max_steps, cfg.model.warmup_steps
-    if max_steps <= 0:
+    if cfg.trainer.max_steps <= 0:
         raise ConfigError(
-            f"trainer.max_steps={max_steps}: set it > 0 (the LR schedule and the infinite stream need it)"
-        )
-    if warmup_steps >= max_steps:
-        raise ConfigError(
-            f"model.warmup_steps={warmup_steps} is not below trainer.max_steps={max_steps}: lower the warmup"
+            f"trainer.max_steps={cfg.trainer.max_steps}: set it > 0 (the LR schedule and the infinite stream need it)"
         )
     if "accumulate_grad_batches" in cfg.trainer:
         raise ConfigError(
@@ -63,10 +59,39 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def prepare_process(cfg: DictConfig) -> None:
-    """Refuse GPUs this node lacks, set the float32 matmul precision and seed every generator."""
+    """Show Lightning's messages once and quiet the libraries (unless `quiet=false`), refuse GPUs this
+    node lacks, set the float32 matmul precision and seed every generator."""
+    route_lightning_messages()
+    if cfg.quiet:
+        quiet_libraries()
     check_devices(cfg.trainer)
     torch.set_float32_matmul_precision(cfg.matmul_precision)
-    seed_everything(cfg.seed, workers=True)
+    seed_everything(cfg.seed, workers=True, verbose=not cfg.quiet)
+
+
+def fit_warmup(cfg: DictConfig) -> None:
+    """Shorten a warmup that is not below the run's steps (the default's 30 in a smoke run of 20) to a
+    tenth of the run, saying so: the schedule still warms up, then decays. The run's lineage records the
+    warmup it used."""
+    max_steps, warmup_steps = cfg.trainer.max_steps, cfg.model.warmup_steps
+    if warmup_steps < max_steps:
+        return
+    cfg.model.warmup_steps = max_steps // 10
+    rank_zero_info(
+        f"model.warmup_steps={warmup_steps} is not below trainer.max_steps={max_steps}: warming up for "
+        f"{cfg.model.warmup_steps} steps (a tenth of the run) instead; set model.warmup_steps to choose"
+    )
+
+
+def describe_model(model: PretrainingObjective) -> None:
+    """One line in place of Lightning's model summary (off: its FLOPs column cannot count ours)."""
+    backbone = model.backbone
+    count = sum(parameter.numel() for parameter in model.parameters())
+    rank_zero_info(
+        f"model: {type(model).__name__}, {count / 1e6:.2f}M parameters ({backbone.n_layer} layers of width "
+        f"{backbone.d_model}, {backbone.n_head} heads, vocabulary {backbone.vocab_size}, "
+        f"{backbone.max_seq_len} positions)"
+    )
 
 
 def check_example_lengths(cfg: DictConfig, tokenizer: Tokenizer) -> None:
@@ -181,11 +206,11 @@ def fit(
     metrics: dict[str, float] = {}
     try:
         if validate_first:
-            trainer.validate(model, datamodule=datamodule)
+            trainer.validate(model, datamodule=datamodule, verbose=False)  # `report` prints the final metrics
         trainer.fit(model, datamodule=datamodule, ckpt_path=str(resume.path) if resume else None)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         if not signal_status(trainer) and model.last_validated_step != trainer.global_step:
-            metrics |= trainer.validate(model, datamodule=datamodule)[0]
+            metrics |= trainer.validate(model, datamodule=datamodule, verbose=False)[0]
     except Preempted:
         pass  # Preemption knows the signal, for `report`
     finally:
@@ -215,6 +240,11 @@ def finish_wandb() -> None:
         wandb.finish()
 
 
+def shown(path: Path) -> Path:
+    """`path` as the user will type it: relative to the current directory when it is below it."""
+    return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
+
+
 def signal_status(trainer: Trainer) -> int:
     """0, or 128 + the signal that stopped training (as the shell reports it), as `Preemption` saw it."""
     preemption = [c for c in trainer.callbacks if isinstance(c, Preemption)]  # type: ignore[attr-defined]
@@ -222,13 +252,22 @@ def signal_status(trainer: Trainer) -> int:
 
 
 def report(trainer: Trainer, metrics: dict[str, float]) -> None:
-    """Where the run is, its last checkpoint and how to evaluate it, its final metrics and how to upload
-    an offline W&B run; then, if a signal stopped it, exit with 128 + the signal's number (after saving)."""
-    lines = [f"run directory: {Path(trainer.default_root_dir)}"]
+    """Where the run is, its last checkpoint and the commands for both (evaluate, info, export, plot), its
+    final metrics and how to upload an offline W&B run; then, if a signal stopped it, exit with 128 + the
+    signal's number (after saving)."""
+    run = shown(Path(trainer.default_root_dir))
+    lines = [f"run directory: {run}"]
     last = getattr(trainer.checkpoint_callback, "last_model_path", "")
     if last and Path(last).exists():
-        lines += [f"last checkpoint: {last}", f"evaluate it: make eval CKPT={last}"]
-    lines += [f"{name} = {value:.4f}" for name, value in sorted(metrics.items())]
+        last = shown(Path(last))
+        lines += [
+            f"last checkpoint: {last}",
+            f"  evaluate it:    make eval CKPT={last}",
+            f"  what made it:   make info CKPT={last}",
+            f"  export it:      make export CKPT={last} OUT=exports/{run.name}",
+        ]
+    lines.append(f"learning curves: make plot RUN={run}")
+    lines += [f"{name} = {value:.5g}" for name, value in sorted(metrics.items())]
     hint = wandb_sync_hint(trainer.loggers)
     if hint:
         lines.append(f"W&B logged offline (no credentials, or WANDB_MODE=offline); upload the run with: {hint}")

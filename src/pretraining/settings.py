@@ -34,6 +34,7 @@ class TrainSettings:
     resume_allow: list[Change]
     validate_before_training: bool
     optimized_metric: str | None
+    quiet: bool
 
 
 @dataclass
@@ -55,3 +56,4 @@ class EvalSettings:
     temperature: Annotated[float, Range(gt=0)]
     top_k: Annotated[int, Range(ge=1)] | None
     seed: int
+    quiet: bool

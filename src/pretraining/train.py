@@ -24,8 +24,10 @@ from pretraining.run import (
     check_config,
     check_example_lengths,
     check_resume,
+    describe_model,
     finished,
     fit,
+    fit_warmup,
     log_hyperparameters,
     prepare_process,
     report,
@@ -42,11 +44,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """
     check_config(cfg)
     prepare_process(cfg)
+    fit_warmup(cfg)  # a smoke run shorter than the default warmup
     resume = checkpoint_to_resume(cfg.resume, cfg.ckpt_path, Path(cfg.paths.checkpoint_dir))
     tokenizer = build(cfg.tokenizer)
     check_example_lengths(cfg, tokenizer)
     datamodule = build(cfg.data, tokenizer=tokenizer)
     model = build_objective(cfg.model, datamodule.format)
+    describe_model(model)
     origin = starting_weights(model, tokenizer, resume)  # model.init_from, on a fresh start
     if cfg.resume == "never":
         start_over(Path(cfg.paths.output_dir))  # only now: a start refused above leaves the earlier run in place

@@ -9,6 +9,7 @@ tokens): it turns token losses into bits per byte, comparable across tokenizers.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -126,7 +127,7 @@ def train_bpe(
         special_tokens=list(SPECIAL_TOKENS),
         # Without the full byte alphabet, bytes unseen in training could not be encoded.
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=show_progress,
+        show_progress=show_progress and sys.stderr.isatty(),  # off a terminal it prints only blank lines
     )
     tokenizer.train_from_iterator(texts, trainer, length=length)
     out_path.parent.mkdir(parents=True, exist_ok=True)

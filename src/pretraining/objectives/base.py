@@ -156,7 +156,7 @@ class PretrainingObjective(LightningModule):
         self.last_validated_step = self.global_step
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        total_steps = self.trainer.max_steps  # checked against warmup_steps by run.check_config
+        total_steps = self.trainer.max_steps  # above warmup_steps: see run.fit_warmup
         parameters = [p for p in self.parameters() if p.requires_grad]
         # Weight decay on matrices only: not on biases, norms or scalars (such as a temperature).
         groups = [

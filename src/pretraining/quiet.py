@@ -1,0 +1,70 @@
+"""The messages of libraries that ask nothing of the user, filtered where they are emitted, each by name.
+
+A run prints what the template says (its start, validation, checkpoints, report) and the progress bar.
+What Lightning, torch and W&B print besides carries no action: a tip to install another package, which
+accelerators exist, a deprecation inside Lightning's own code, a warning about a metric the template
+already reduces across ranks. `quiet=false` (a key of configs/train.yaml and configs/eval.yaml) shows
+them all. Every rank calls `quiet_libraries` (and `route_lightning_messages`): each is a process of its
+own. The rest of the quiet is where it is decided: the model summary (`trainer.enable_model_summary`),
+W&B's banners (`WandbRunLogger`), the validation tables (`verbose=False`) and the seed line.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+# Lightning sends its notices and ours through one logger (`rank_zero_info`), so these are told apart by
+# how they begin, not silenced by level.
+LIGHTNING_NOTICES = (
+    "💡 Tip:",  # install litlogger / litmodels
+    "GPU available:",
+    "TPU available:",
+    "HPU available:",
+    "`Trainer.fit` stopped:",  # the report says where the run stopped
+    "-" * 100 + "\ndistributed_backend=",  # "... All distributed processes registered. Starting with 2 ..."
+)
+LIGHTNING_NOTICE_LOGGER = "lightning.pytorch.utilities.rank_zero"
+# Loggers whose INFO lines repeat what the run's start says: "Initializing distributed: GLOBAL_RANK ...",
+# "LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: ...".
+CHATTY_LOGGERS = ("lightning.fabric.utilities.distributed", "lightning.pytorch.accelerators.cuda")
+# (message, category, module): warnings raised inside libraries, about their own code or a false alarm.
+LIBRARY_WARNINGS = (
+    # Lightning's _pytree subclasses a class torch deprecated: Lightning's to fix, not the user's.
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"lightning\.pytorch\.utilities\._pytree"),
+    # val/ and probe/ metrics are computed over the whole validation set on every rank already.
+    (
+        r"It is recommended to use `self\.log\('(val|probe)/",
+        UserWarning,
+        r"lightning\.pytorch\.trainer\.connectors\.logger_connector\.result",
+    ),
+)
+
+
+def route_lightning_messages() -> None:
+    """Each of Lightning's messages once. The `lightning` package gives its logger a console handler of
+    its own, whatever else is configured; under Hydra, whose handlers on the root logger write the
+    console and the run's log file, that handler only repeats them, so it is removed."""
+    if not logging.getLogger().handlers:
+        return
+    lightning = logging.getLogger("lightning")
+    for handler in [h for h in lightning.handlers if type(h) is logging.StreamHandler]:
+        lightning.removeHandler(handler)
+
+
+class DropNotices(logging.Filter):
+    """Drops the records that begin like one of `LIGHTNING_NOTICES`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().lstrip().startswith(LIGHTNING_NOTICES)
+
+
+def quiet_libraries() -> None:
+    """Filter the libraries' messages listed above in this process (idempotent)."""
+    notices = logging.getLogger(LIGHTNING_NOTICE_LOGGER)
+    if not any(isinstance(f, DropNotices) for f in notices.filters):
+        notices.addFilter(DropNotices())  # on the logger, not a handler: kept out of the run's log file too
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for message, category, module in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)

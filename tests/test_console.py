@@ -1,0 +1,62 @@
+"""A default run prints the template's own lines and the progress bar: no dependency's tip, device line,
+deprecation, banner or second summary (`pretraining.quiet`); `quiet=false` shows them again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import TINY
+
+# What the libraries print in a run when nothing quiets them (issue 21's list, and the run's log file).
+NOISE = [
+    "💡 Tip",  # Lightning: install litlogger
+    "LeafSpec",  # torch's deprecation, raised in Lightning's _pytree
+    "The anonymous setting has no effect",  # W&B, for the argument Lightning always passes
+    "GPU available:",
+    "TPU available:",
+    "Total FLOPs",  # Lightning's model summary
+    "Validate metric",  # Lightning's validation tables, a second final summary
+    "Run summary:",  # W&B's footer, a third
+    "Tracking run with wandb",  # W&B's banner
+    "Seed set to",
+    "`Trainer.fit` stopped",
+    "INFO: ",  # a message printed a second time by the `lightning` package's own handler
+]
+
+
+def pretrain(tmp_path: Path, shard_dir: Path, *overrides: str) -> str:
+    """A short run of the default preset (W&B and CSV loggers, probe off: the test shards hold little
+    Python), with the default warmup; everything it printed."""
+    tiny = [o for o in TINY if not o.startswith(("logger=", "model.warmup_steps=", "trainer.max_steps="))]
+    command = [
+        str(Path(sys.executable).parent / "pretrain"),
+        "experiment=clm_tiny",
+        *tiny,
+        "trainer.max_steps=6",
+        f"data.dir={shard_dir}",
+        f"paths.log_dir={tmp_path}",
+        *overrides,
+    ]
+    env = {key: value for key, value in os.environ.items() if key != "WANDB_SILENT"} | {"WANDB_MODE": "offline"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done.stdout + done.stderr
+
+
+def test_a_default_run_prints_only_its_own_lines(tmp_path: Path, shard_dir: Path) -> None:
+    printed = pretrain(tmp_path, shard_dir)
+    assert [noise for noise in NOISE if noise in printed] == []
+    (run,) = (tmp_path / "train" / "runs").iterdir()
+    assert "model.warmup_steps=30 is not below trainer.max_steps=6: warming up for 0 steps" in printed
+    assert printed.count("run directory:") == 1  # once, not again through a second handler
+    for command in (f"make plot RUN={run}", f"make info CKPT={run}/checkpoints/", "upload the run with: wandb sync"):
+        assert command in printed
+    assert not [noise for noise in NOISE if noise in (run / "train.log").read_text()]
+
+
+def test_quiet_false_shows_the_libraries_messages(tmp_path: Path, shard_dir: Path) -> None:
+    printed = pretrain(tmp_path, shard_dir, "quiet=false")
+    assert "GPU available:" in printed and "Tracking run with wandb" in printed and "Seed set to" in printed
