@@ -3,7 +3,14 @@ SHELL := /bin/bash
 VENV ?= .venv
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
-TORCH_INDEX ?=
+# The torch build. Where nvidia-smi finds a driver: the newest of these CUDA builds that it runs (update
+# the list with TORCH_VERSION). Elsewhere: PyPI's wheel (CPU, but CUDA on Linux x86-64 from pypi.org).
+# Choose another: TORCH_INDEX=https://download.pytorch.org/whl/cpu (CPU only) or .../whl/cu126.
+TORCH_CUDA_BUILDS ?= 126 128 130
+TORCH_INDEX ?= $(shell bash scripts/torch_index.sh $(TORCH_CUDA_BUILDS))
+# The exact versions CI passed with (`make lock` refreshes them); CONSTRAINTS= resolves freely.
+CONSTRAINTS ?= constraints.txt
+LOCK_VENV ?= .venv-lock
 BIN := $(VENV)/bin
 DATA_DIR ?= data/stdlib
 PAIRS_DIR ?= data/stdlib_pairs
@@ -17,19 +24,32 @@ SWEEP ?=
 SEARCH ?= $(firstword $(subst _, ,$(EXPERIMENT)))
 
 .DEFAULT_GOAL := help
-.PHONY: help install data tokenizer train sweep sweep-optuna sweep-report eval info export plot test test-full lint format bench bench-gpu chaos clean clean-logs
+.PHONY: help install lock data tokenizer train sweep sweep-optuna sweep-report eval info export plot test test-full lint format bench bench-gpu chaos clean clean-logs
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-install: $(VENV)/.installed ## Create .venv: torch pinned first, then the package with dev tools, pyarrow and transformers
+install: $(VENV)/.installed ## Create .venv: torch pinned first (CUDA build where there is a driver), then the package with every extra and the dev tools
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install --quiet -e ".[dev,formats,hf]"
+	$(BIN)/pip install --quiet $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS)) -e ".[all,dev]"
+	@$(BIN)/python -c "import torch; print('installed torch', torch.__version__, '(CUDA ' + torch.version.cuda + ')' if torch.version.cuda else '(CPU build)')"
 	touch $@
+
+# torch, its CUDA libraries and this package are left out: TORCH_VERSION and the build choose them.
+lock: ## Refresh constraints.txt: the versions a fresh install of every extra resolves to now (then make test)
+	rm -rf $(LOCK_VENV)
+	$(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install --quiet --upgrade pip
+	$(LOCK_VENV)/bin/pip install --quiet torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
+	$(LOCK_VENV)/bin/pip install --quiet -e ".[all,dev]"
+	{ echo "# The versions CI passed with, for make install (refresh: make lock). Python $$($(LOCK_VENV)/bin/python -c 'import platform; print(platform.python_version())')."; \
+	  $(LOCK_VENV)/bin/pip freeze --exclude-editable | grep -viE '^(torch|triton|nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+)=='; } > $(CONSTRAINTS).tmp
+	mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
+	rm -rf $(LOCK_VENV)
 
 data: install $(DATA_DIR)/manifest.json $(PAIRS_DIR)/tokenizer.json ## Build the default shards: stdlib source text, and its (docstring, code) pairs
 
@@ -91,7 +111,8 @@ format: install ## Fix style and formatting
 	$(BIN)/ruff check --fix src tests scripts
 	$(BIN)/ruff format src tests scripts
 
-bench: install data ## Template overhead vs plain PyTorch, loader throughput, resume start-up and checkpoint save times
+bench: install data ## Command start-up, template overhead vs plain PyTorch, loader throughput, resume start-up and checkpoint save times
+	$(BIN)/python scripts/bench_startup.py
 	$(BIN)/python scripts/bench_overhead.py --data $(DATA_DIR) $(ARGS)
 	$(BIN)/python scripts/bench_resume.py --data $(DATA_DIR)
 
@@ -105,5 +126,5 @@ clean-logs: ## Delete run outputs under logs/
 	find logs -mindepth 1 ! -name .gitkeep -exec rm -rf {} +
 
 clean: clean-logs ## Delete the venv, built data and caches
-	rm -rf $(VENV) data .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) $(LOCK_VENV) data .pytest_cache .ruff_cache .mypy_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

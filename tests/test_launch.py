@@ -92,6 +92,8 @@ def test_every_trainer_preset_composes_and_the_cpu_ones_build(compose_train, pre
     if trainer_cfg.accelerator == "gpu":  # in bf16: Lightning's autocast, or FSDP2's own policy
         assert trainer_cfg.precision == "bf16-mixed" or trainer_cfg.strategy.mixed_precision == "bf16"
         return
+    if trainer_cfg.accelerator == "mps":  # builds only on a Mac: see test_the_mps_preset_elsewhere_stops...
+        return
     trainer = build(trainer_cfg, logger=False)
     assert isinstance(trainer.accelerator, CPUAccelerator)
     assert trainer.world_size == trainer_cfg.devices * trainer_cfg.get("num_nodes", 1)
@@ -115,6 +117,13 @@ def test_ddp_takes_every_gpu_of_a_node_and_any_number_of_nodes(compose_train) ->
 def test_a_gpu_preset_without_a_gpu_stops_before_any_work(compose_train, tmp_path: Path, preset: str) -> None:
     with pytest.raises(ConfigError, match=r"trainer.accelerator=gpu, but this machine has no CUDA GPU.*trainer=cpu"):
         train(compose_train(f"trainer={preset}"))
+    assert not (tmp_path / "checkpoints").exists()
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="needs a machine without Apple's GPU")
+def test_the_mps_preset_elsewhere_stops_before_any_work(compose_train, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"trainer.accelerator=mps needs an Apple-silicon Mac .* use trainer=cpu"):
+        train(compose_train("trainer=mps"))
     assert not (tmp_path / "checkpoints").exists()
 
 

@@ -10,6 +10,7 @@ it, `tests/test_cli.py` checks it).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import sys
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ import hydra
 from omegaconf import DictConfig
 
 from pretraining.config import CONFIG_DIR
-from pretraining.errors import PretrainingError
+from pretraining.errors import MissingExtraError, PretrainingError
 from pretraining.schema import suggest_overridden_keys
 
 suggest_overridden_keys()  # before Hydra composes: an override of a misspelt key names the key meant
@@ -102,6 +103,8 @@ def plot(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     logging.basicConfig(format="pretrain-plot: %(message)s")
+    if importlib.util.find_spec("matplotlib") is None:
+        sys.exit(f"pretrain-plot: {MissingExtraError('drawing learning curves (matplotlib)', 'plots')}")
     from pretraining.plots import plot
     from pretraining.run_logs import PlotError
 

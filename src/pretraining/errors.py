@@ -19,6 +19,16 @@ class ConfigError(ValueError, PretrainingError):
     """A config value that cannot work; the message names the key and the fix."""
 
 
+class MissingExtraError(ConfigError):
+    """A feature used without the optional dependencies it needs: an extra of pyproject.toml."""
+
+    def __init__(self, feature: str, extra: str) -> None:
+        super().__init__(
+            f"{feature} needs the optional dependencies of the '{extra}' extra: pip install 'pretraining[{extra}]' "
+            "(or `make install`, which installs every extra)"
+        )
+
+
 class OverrideError(ConfigError, ConfigCompositionException):
     """A command-line override Hydra cannot apply; the message names the key meant."""
 

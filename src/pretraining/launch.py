@@ -148,6 +148,10 @@ def is_rank_zero_process() -> bool:
 def check_devices(trainer: DictConfig) -> None:
     """Stop before any work if the trainer asks for more GPUs than this node has, naming the fix."""
     accelerator = str(trainer.get("accelerator", "auto"))
+    if accelerator == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(
+            "trainer.accelerator=mps needs an Apple-silicon Mac and a torch built with MPS: use trainer=cpu here"
+        )
     if accelerator not in ("gpu", "cuda"):
         return
     available = torch.cuda.device_count()

@@ -5,6 +5,7 @@ is `pretraining.resume`'s."""
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any, cast
 
@@ -23,7 +24,7 @@ from pretraining.checkpoint import parameter_shapes
 from pretraining.config import PROJECT_ROOT, redact_secrets
 from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.tokenizer import Tokenizer
-from pretraining.errors import ConfigError
+from pretraining.errors import ConfigError, MissingExtraError
 from pretraining.hf.init_from import initialise_from, is_origin
 from pretraining.instantiate import build
 from pretraining.launch import check_devices
@@ -47,6 +48,9 @@ def check_config(cfg: DictConfig) -> None:
             "plus `pretrain-data tokenizer --data <dir>` for tokenizer=bpe)"
         )
     check_schema(cfg, TrainSettings, "configs/train.yaml")
+    loggers = cfg.logger or {}
+    if "tensorboard" in loggers and not any(importlib.util.find_spec(m) for m in ("tensorboardX", "tensorboard")):
+        raise MissingExtraError("logger=tensorboard", "tensorboard")
     if cfg.trainer.max_steps <= 0:
         raise ConfigError(
             f"trainer.max_steps={cfg.trainer.max_steps}: set it > 0 (the LR schedule and the infinite stream need it)"

@@ -35,12 +35,18 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from pretraining.checkpoint import saved_checkpoints
-from pretraining.errors import RunLockedError
+from pretraining.errors import MissingExtraError, RunLockedError
 from pretraining.files import write_atomically
 from pretraining.launch import is_rank_zero_process
-from pretraining.plots import plot_overlay
 from pretraining.run_lock import STATUS_FILE, RunLock, acquire, release
 from pretraining.run_logs import METRICS_FILE, PlotError, Series, natural_key, read_metrics, read_overrides
+
+try:  # the overlay plot needs matplotlib (the `plots` extra); the report itself does not
+    from pretraining.plots import plot_overlay
+except ModuleNotFoundError as missing:
+    NO_PLOTS: MissingExtraError | None = MissingExtraError(f"the sweep's overlay plot ({missing.name})", "plots")
+else:
+    NO_PLOTS = None
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +273,9 @@ def write_report(sweep_dir: Path) -> Report:
     csv.writer(table).writerows([header, *rows])
     write_atomically(sweep_dir / "report.csv", table.getvalue().encode())
     plotted = [job.directory for job in report.jobs if (job.directory / METRICS_FILE).is_file()]
-    if plotted:
+    if plotted and NO_PLOTS:
+        log.warning("no overlay plot: %s", NO_PLOTS)
+    elif plotted:
         try:
             plot_overlay(plotted, sweep_dir / "plots" / "overlay.png")
         except PlotError as error:  # jobs that have not logged anything yet

@@ -18,6 +18,7 @@ holds `n_trials` finished ones. A failed trial is recorded as failed and the sea
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 from collections.abc import Sequence
@@ -31,6 +32,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf
+
+from pretraining.errors import MissingExtraError
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,8 @@ class OptunaSweeper(Sweeper):
         self.storage, self.study_name, self.params = storage, study_name, dict(params or {})
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        if importlib.util.find_spec("optuna") is None:  # before any job starts
+            raise MissingExtraError("hparams_search (the Optuna sweeper)", "sweeps")
         self.sweep_config = config
         self.job_launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config

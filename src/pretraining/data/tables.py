@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pretraining.data.documents import CorpusError, Document
+from pretraining.errors import MissingExtraError
 
 BATCH_ROWS = 1024
 DATASET_FILES = ("state.json", "dataset_info.json")  # both are written by save_to_disk, and needed by load_from_disk
@@ -179,8 +180,5 @@ def _pyarrow(path: Path) -> Any:
         import pyarrow.ipc
         import pyarrow.parquet
     except ImportError as error:
-        raise CorpusError(
-            f"reading {path} needs pyarrow, an optional dependency: pip install 'pretraining[formats]' "
-            f"(or make install)"
-        ) from error
+        raise MissingExtraError(f"reading {path} (pyarrow)", "formats") from error
     return pyarrow

@@ -1,0 +1,114 @@
+"""Installing: the torch build `make install` picks (CUDA where a driver is, PyPI's elsewhere), the pinned
+versions it installs, and the extras: a feature used without its extra says which one to install."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+import pretraining
+from hydra_plugins.pretraining_optuna.sweeper import OptunaSweeper
+from pretraining.cli import plot
+from pretraining.config import CONFIG_DIR, PROJECT_ROOT
+from pretraining.errors import MissingExtraError
+from pretraining.run import check_config
+
+CUDA_BUILDS = ["126", "128", "130"]
+
+
+def fake_nvidia_smi(bin_dir: Path, cuda: str) -> dict[str, str]:
+    """An environment whose `nvidia-smi` prints the header of a driver that runs CUDA `cuda`."""
+    bin_dir.mkdir(exist_ok=True)
+    header = f"| NVIDIA-SMI 570.86.15    Driver Version: 570.86.15    CUDA Version: {cuda}     |"
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\necho '{header}'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    return os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+@pytest.mark.parametrize(
+    ("cuda", "index"),
+    [
+        ("12.8", "https://download.pytorch.org/whl/cu128"),
+        ("12.9", "https://download.pytorch.org/whl/cu128"),  # the newest build the driver runs
+        ("13.0", "https://download.pytorch.org/whl/cu130"),
+        ("12.4", ""),  # older than every build: PyPI's wheel, with a warning
+        (None, ""),  # no driver
+    ],
+)
+def test_the_torch_index_follows_the_driver(tmp_path: Path, cuda: str | None, index: str) -> None:
+    env = fake_nvidia_smi(tmp_path / "bin", cuda) if cuda else os.environ | {"PATH": "/usr/bin:/bin"}
+    script = PROJECT_ROOT / "scripts" / "torch_index.sh"
+    done = subprocess.run(["bash", str(script), *CUDA_BUILDS], capture_output=True, text=True, env=env, check=True)
+    assert done.stdout.strip() == index
+    assert ("older than every build" in done.stderr) == (cuda == "12.4")
+
+
+def test_make_install_takes_the_cuda_build_and_the_constraints(tmp_path: Path) -> None:
+    env = fake_nvidia_smi(tmp_path / "bin", "12.8")
+    dry = ["make", "-n", "-B", "-C", str(PROJECT_ROOT), f"VENV={tmp_path / 'venv'}", "install"]
+    commands = subprocess.run(dry, capture_output=True, text=True, env=env, check=True).stdout
+    assert "pip install --quiet torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128" in commands
+    assert '--constraint constraints.txt -e ".[all,dev]"' in commands
+
+
+def test_the_constraints_pin_what_is_installed_here() -> None:
+    """constraints.txt lists exact versions, none of torch's (TORCH_VERSION and the build choose those),
+    and every core dependency is among them."""
+    lines = [line for line in (PROJECT_ROOT / "constraints.txt").read_text().splitlines() if not line.startswith("#")]
+    pins = dict(line.split("==") for line in lines)
+    assert all(re.fullmatch(r"[\w.+!-]+", version) for version in pins.values()), lines
+    names = {name.lower().replace("_", "-") for name in pins}
+    assert "torch" not in names and not any(name.startswith("nvidia-") for name in names)
+    assert {"lightning", "hydra-core", "webdataset", "wandb", "optuna", "matplotlib", "transformers"} <= names
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit, match=r"needs the optional dependencies of the 'plots' extra: pip install"):
+        plot([str(tmp_path)])
+
+
+# Imports what pretraining.sweeps needs but the plots first (torchmetrics loads matplotlib where it finds it,
+# and skips it where it is not installed), then hides matplotlib from the import of the plots.
+WITHOUT_MATPLOTLIB = """
+import sys
+import pretraining.checkpoint, pretraining.launch
+for name in [name for name in sys.modules if name.split(".")[0] == "matplotlib"]:
+    del sys.modules[name]
+sys.modules["matplotlib"] = None
+from pretraining import sweeps
+print(sweeps.NO_PLOTS)
+"""
+
+
+def test_a_sweep_report_without_matplotlib_leaves_out_only_the_overlay() -> None:
+    done = subprocess.run([sys.executable, "-c", WITHOUT_MATPLOTLIB], capture_output=True, text=True, check=True)
+    assert "the sweep's overlay plot (matplotlib) needs the optional dependencies of the 'plots' extra" in done.stdout
+
+
+def test_the_tensorboard_logger_without_its_extra_is_refused_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    for module in ("tensorboardX", "tensorboard"):
+        monkeypatch.setitem(sys.modules, module, None)
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=clm_tiny", "logger=tensorboard"])
+    with pytest.raises(MissingExtraError, match=r"logger=tensorboard needs .* 'tensorboard' extra"):
+        check_config(cfg)
+
+
+def test_an_optuna_search_without_optuna_is_refused_before_any_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "optuna", None)
+    sweeper = OptunaSweeper("minimize", 2, 1, None, 0, None, None, {})
+    with pytest.raises(MissingExtraError, match=r"hparams_search \(the Optuna sweeper\) needs .* 'sweeps' extra"):
+        sweeper.setup(hydra_context=None, task_function=None, config=None)  # type: ignore[arg-type]
+
+
+def test_the_version_is_pyprojects() -> None:
+    (version,) = re.findall(r'^version = "([^"]+)"', (PROJECT_ROOT / "pyproject.toml").read_text(), re.M)
+    assert pretraining.__version__ == version
+    assert f"## {version} " in (PROJECT_ROOT / "CHANGELOG.md").read_text()  # and the changelog has it
