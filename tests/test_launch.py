@@ -150,7 +150,8 @@ def test_paths_are_quoted_for_hydra() -> None:
 
 def test_ddp_run_has_one_directory_that_the_child_rank_uses(tmp_path: Path, small_shards: Path) -> None:
     logs = tmp_path / "logs"
-    pretrain(tmp_path, *SHORT_DDP, f"data.dir={small_shards}", f"paths.log_dir={logs}")
+    # quiet=false: Lightning's "Initializing distributed: GLOBAL_RANK: N" lines tell whose lines a log holds
+    pretrain(tmp_path, *SHORT_DDP, f"data.dir={small_shards}", f"paths.log_dir={logs}", "quiet=false")
     (run_dir,) = (logs / "train" / "runs").iterdir()
     assert [path.parent for path in logs.rglob(".hydra")] == [run_dir]  # one config, written by rank zero
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
@@ -163,7 +164,7 @@ def test_ddp_run_has_one_directory_that_the_child_rank_uses(tmp_path: Path, smal
 
 def test_multirun_jobs_each_start_their_own_ranks(tmp_path: Path, small_shards: Path) -> None:
     logs = tmp_path / "logs"
-    pretrain(tmp_path, "-m", *SHORT_DDP, f"data.dir={small_shards}", f"paths.log_dir={logs}", "seed=1,2")
+    pretrain(tmp_path, "-m", *SHORT_DDP, f"data.dir={small_shards}", f"paths.log_dir={logs}", "seed=1,2", "quiet=false")
     (sweep,) = (logs / "train").iterdir()
     (sweep_dir,) = sweep.iterdir()
     jobs_and_report = ["0", "1", "multirun.yaml", "plots", "report.csv", "report.md"]

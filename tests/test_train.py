@@ -158,7 +158,7 @@ def test_block_size_above_max_positions_stops(compose_train, tmp_path: Path) -> 
 def test_a_warmup_longer_than_the_run_is_shortened_to_a_tenth_of_it(
     compose_train, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    train(compose_train("model.warmup_steps=50", "trainer.max_steps=20"))
+    train(compose_train("model.warmup_steps=50", "trainer.max_steps=20", "trainer.log_every_n_steps=1"))
     assert "model.warmup_steps=50 is not below trainer.max_steps=20: warming up for 2 steps" in caplog.text
     lineage = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["lineage"]
     assert lineage["config"]["model"]["warmup_steps"] == 2  # what the run used
