@@ -83,7 +83,7 @@ def fit_warmup(cfg: DictConfig) -> None:
     cfg.model.warmup_steps = max_steps // 10
     rank_zero_info(
         f"model.warmup_steps={warmup_steps} is not below trainer.max_steps={max_steps}: warming up for "
-        f"{cfg.model.warmup_steps} steps (a tenth of the run) instead; set model.warmup_steps to choose"
+        f"{counted(cfg.model.warmup_steps, 'step')} (a tenth of the run) instead; set model.warmup_steps to choose"
     )
 
 
@@ -92,10 +92,15 @@ def describe_model(model: PretrainingObjective) -> None:
     backbone = model.backbone
     count = sum(parameter.numel() for parameter in model.parameters())
     rank_zero_info(
-        f"model: {type(model).__name__}, {count / 1e6:.2f}M parameters ({backbone.n_layer} layers of width "
+        f"model: {type(model).__name__}, {count / 1e6:.2f}M parameters ({counted(backbone.n_layer, 'layer')} of width "
         f"{backbone.d_model}, {backbone.n_head} heads, vocabulary {backbone.vocab_size}, "
         f"{backbone.max_seq_len} positions)"
     )
+
+
+def counted(count: int, noun: str) -> str:
+    """`3 layers`, `1 layer`."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def check_example_lengths(cfg: DictConfig, tokenizer: Tokenizer) -> None:
@@ -244,6 +249,11 @@ def finish_wandb() -> None:
         wandb.finish()
 
 
+def export_name(run: Path) -> str:
+    """A name for an export of `run`: its directory's, with its sweep's for a job of a multirun (`0`, `1`)."""
+    return f"{run.parent.name}-{run.name}" if run.name.isdigit() else run.name
+
+
 def shown(path: Path) -> Path:
     """`path` as the user will type it: relative to the current directory when it is below it."""
     return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
@@ -268,7 +278,7 @@ def report(trainer: Trainer, metrics: dict[str, float]) -> None:
             f"last checkpoint: {last}",
             f"  evaluate it:    make eval CKPT={last}",
             f"  what made it:   make info CKPT={last}",
-            f"  export it:      make export CKPT={last} OUT=exports/{run.name}",
+            f"  export it:      make export CKPT={last} OUT=exports/{export_name(run)}",
         ]
     lines.append(f"learning curves: make plot RUN={run}")
     lines += [f"{name} = {value:.5g}" for name, value in sorted(metrics.items())]
