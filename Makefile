@@ -7,7 +7,9 @@ TORCH_VERSION ?= 2.13.0
 # the list with TORCH_VERSION). Elsewhere: PyPI's wheel (CPU, but CUDA on Linux x86-64 from pypi.org).
 # Choose another: TORCH_INDEX=https://download.pytorch.org/whl/cpu (CPU only) or .../whl/cu126.
 TORCH_CUDA_BUILDS ?= 126 128 130
-TORCH_INDEX ?= $(shell bash scripts/torch_index.sh $(TORCH_CUDA_BUILDS))
+ifeq ($(origin TORCH_INDEX),undefined)
+TORCH_INDEX := $(shell bash scripts/torch_index.sh $(TORCH_CUDA_BUILDS))
+endif
 # The exact versions CI passed with (`make lock` refreshes them); CONSTRAINTS= resolves freely.
 CONSTRAINTS ?= constraints.txt
 LOCK_VENV ?= .venv-lock
@@ -46,7 +48,7 @@ lock: ## Refresh constraints.txt: the versions a fresh install of every extra re
 	$(LOCK_VENV)/bin/pip install --quiet --upgrade pip
 	$(LOCK_VENV)/bin/pip install --quiet torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(LOCK_VENV)/bin/pip install --quiet -e ".[all,dev]"
-	{ echo "# The versions CI passed with, for make install (refresh: make lock). Python $$($(LOCK_VENV)/bin/python -c 'import platform; print(platform.python_version())')."; \
+	set -o pipefail; { echo "# The versions make install installs (make lock wrote them; make test checks them). Python $$($(LOCK_VENV)/bin/python -c 'import platform; print(platform.python_version())')."; \
 	  $(LOCK_VENV)/bin/pip freeze --exclude-editable | grep -viE '^(torch|triton|nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+)=='; } > $(CONSTRAINTS).tmp
 	mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
 	rm -rf $(LOCK_VENV)

@@ -50,9 +50,9 @@ def test_a_default_run_prints_only_its_own_lines(tmp_path: Path, shard_dir: Path
     printed = pretrain(tmp_path, shard_dir)
     assert [noise for noise in NOISE if noise in printed] == []
     (run,) = (tmp_path / "train" / "runs").iterdir()
-    assert "model.warmup_steps=30 is not below trainer.max_steps=6: warming up for 0 steps" in printed
+    assert "model.warmup_steps=30 is not below trainer.max_steps=6: no warmup instead" in printed
     assert printed.count("run directory:") == 1  # once, not again through a second handler
-    for command in (f"make plot RUN={run}", f"make info CKPT={run}/checkpoints/", "upload the run with: wandb sync"):
+    for command in (f"pretrain-plot {run}", f"pretrain-info {run}/checkpoints/", "upload the run with: wandb sync"):
         assert command in printed
     assert not [noise for noise in NOISE if noise in (run / "train.log").read_text()]
 

@@ -7,13 +7,13 @@ import os
 import re
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 import pretraining
-from hydra_plugins.pretraining_optuna.sweeper import OptunaSweeper
 from pretraining.cli import plot
 from pretraining.config import CONFIG_DIR, PROJECT_ROOT
 from pretraining.errors import MissingExtraError
@@ -22,11 +22,15 @@ from pretraining.run import check_config
 CUDA_BUILDS = ["126", "128", "130"]
 
 
-def fake_nvidia_smi(bin_dir: Path, cuda: str) -> dict[str, str]:
-    """An environment whose `nvidia-smi` prints the header of a driver that runs CUDA `cuda`."""
+def fake_nvidia_smi(bin_dir: Path, cuda: str | None) -> dict[str, str]:
+    """An environment whose `nvidia-smi` prints the header of a driver that runs CUDA `cuda`, fails as
+    without a driver (""), or is not there (None: it is hidden, should the machine have one)."""
     bin_dir.mkdir(exist_ok=True)
     header = f"| NVIDIA-SMI 570.86.15    Driver Version: 570.86.15    CUDA Version: {cuda}     |"
-    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\necho '{header}'\n")
+    body = f"echo '{header}'" if cuda else "echo 'NVIDIA-SMI has failed: no driver' >&2; exit 9"
+    if cuda is None:
+        body = "exit 127"  # as a command not found
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\n{body}\n")
     (bin_dir / "nvidia-smi").chmod(0o755)
     return os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
 
@@ -37,12 +41,13 @@ def fake_nvidia_smi(bin_dir: Path, cuda: str) -> dict[str, str]:
         ("12.8", "https://download.pytorch.org/whl/cu128"),
         ("12.9", "https://download.pytorch.org/whl/cu128"),  # the newest build the driver runs
         ("13.0", "https://download.pytorch.org/whl/cu130"),
-        ("12.4", ""),  # older than every build: PyPI's wheel, with a warning
-        (None, ""),  # no driver
+        ("12.4", "https://download.pytorch.org/whl/cpu"),  # older than every build: the CPU one, with a warning
+        ("", ""),  # nvidia-smi without a driver it can talk to
+        (None, ""),  # no nvidia-smi
     ],
 )
 def test_the_torch_index_follows_the_driver(tmp_path: Path, cuda: str | None, index: str) -> None:
-    env = fake_nvidia_smi(tmp_path / "bin", cuda) if cuda else os.environ | {"PATH": "/usr/bin:/bin"}
+    env = fake_nvidia_smi(tmp_path / "bin", cuda)
     script = PROJECT_ROOT / "scripts" / "torch_index.sh"
     done = subprocess.run(["bash", str(script), *CUDA_BUILDS], capture_output=True, text=True, env=env, check=True)
     assert done.stdout.strip() == index
@@ -58,14 +63,14 @@ def test_make_install_takes_the_cuda_build_and_the_constraints(tmp_path: Path) -
 
 
 def test_the_constraints_pin_what_is_installed_here() -> None:
-    """constraints.txt lists exact versions, none of torch's (TORCH_VERSION and the build choose those),
-    and every core dependency is among them."""
-    lines = [line for line in (PROJECT_ROOT / "constraints.txt").read_text().splitlines() if not line.startswith("#")]
-    pins = dict(line.split("==") for line in lines)
-    assert all(re.fullmatch(r"[\w.+!-]+", version) for version in pins.values()), lines
+    """constraints.txt pins exact versions, and `make install` (which `make test` runs first) installed
+    those; torch and its CUDA packages are not in it (TORCH_VERSION and the build choose them)."""
+    text = (PROJECT_ROOT / "constraints.txt").read_text()
+    pins = dict(line.split("==") for line in text.splitlines() if line.strip() and not line.startswith("#"))
     names = {name.lower().replace("_", "-") for name in pins}
     assert "torch" not in names and not any(name.startswith("nvidia-") for name in names)
     assert {"lightning", "hydra-core", "webdataset", "wandb", "optuna", "matplotlib", "transformers"} <= names
+    assert {name: metadata.version(name) for name in pins} == pins
 
 
 def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -101,11 +106,16 @@ def test_the_tensorboard_logger_without_its_extra_is_refused_first(monkeypatch: 
         check_config(cfg)
 
 
-def test_an_optuna_search_without_optuna_is_refused_before_any_job(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "optuna", None)
-    sweeper = OptunaSweeper("minimize", 2, 1, None, 0, None, None, {})
-    with pytest.raises(MissingExtraError, match=r"hparams_search \(the Optuna sweeper\) needs .* 'sweeps' extra"):
-        sweeper.setup(hydra_context=None, task_function=None, config=None)  # type: ignore[arg-type]
+def test_an_optuna_search_without_optuna_is_refused_before_any_job(tmp_path: Path) -> None:
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['optuna'] = None\n")  # as if not installed
+    command = [str(Path(sys.executable).parent / "pretrain"), "-m", "experiment=clm_tiny", "hparams_search=clm"]
+    env = os.environ | {"PYTHONPATH": str(hide)}
+    done = subprocess.run([*command, f"paths.log_dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "hparams_search (the Optuna sweeper) needs the optional dependencies of the 'sweeps' extra" in done.stderr
+    assert not list(tmp_path.glob("train/multiruns/*/0")), "a job started"
 
 
 def test_the_version_is_pyprojects() -> None:

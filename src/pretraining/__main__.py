@@ -2,4 +2,5 @@
 
 from pretraining.cli import train
 
-train()
+if __name__ == "__main__":
+    train()

@@ -21,7 +21,7 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PROJECT_ROOT / "configs"
 
 # Overrides that say how to run, not what: they do not change the run's name.
-RUN_CONTROL_KEYS = {"experiment", "run_name", "resume", "ckpt_path", "resume_allow"}
+RUN_CONTROL_KEYS = {"experiment", "run_name", "resume", "ckpt_path", "resume_allow", "quiet"}
 
 
 def default_run_name() -> str:

@@ -8,6 +8,7 @@ import io
 import netrc
 import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +58,12 @@ class WandbRunLogger(WandbLogger):
             offline = os.environ.get("WANDB_MODE") == "offline" or not wandb_credentials_available()
         if id is None and getattr(rank_zero_only, "rank", 0) == 0:  # only rank zero logs to W&B
             id = run_id(Path(save_dir))
-        if quiet:  # no banners (an online run still prints its URL); offline, the run's report has the sync command
-            kwargs.setdefault("settings", {"quiet": True, "silent": offline})
+        if quiet and isinstance(kwargs.get("settings", {}), Mapping):
+            # No banners: an online run still prints its URL; offline, W&B only writes files (silent) and
+            # the run's report has the sync command. Settings given in the config win.
+            kwargs["settings"] = {"quiet": True, "silent": offline, **kwargs.get("settings", {})}
         super().__init__(save_dir=save_dir, offline=offline, id=id, resume="allow", **kwargs)
-        self._wandb_init.pop("anonymous")  # Lightning always passes it, and W&B warns that it does nothing
+        self._wandb_init.pop("anonymous", None)  # Lightning passes it always, and W&B warns that it does nothing
         self.checkpoint_artifacts = checkpoint_artifacts
 
     @rank_zero_only

@@ -133,7 +133,7 @@ def load_run(run_dir: Path) -> dict[str, Series]:
 def constant(curves: Iterable[Mapping[str, Series]]) -> dict[str, float]:
     """The metrics that held one value at every point of every run (two points at least), by name, with
     that value: a flat line says no more than the value does (`skipped_steps` 0, `probe/majority`).
-    None if nothing else would be left to draw."""
+    None of them if nothing else would be left to draw."""
     values: dict[str, list[float]] = {}
     for metrics in curves:
         for name, series in metrics.items():

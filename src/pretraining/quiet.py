@@ -2,11 +2,11 @@
 
 A run prints what the template says (its start, validation, checkpoints, report) and the progress bar.
 What Lightning, torch and W&B print besides carries no action: a tip to install another package, which
-accelerators exist, a deprecation inside Lightning's own code, a warning about a metric the template
-already reduces across ranks. `quiet=false` (a key of configs/train.yaml and configs/eval.yaml) shows
-them all. Every rank calls `quiet_libraries` (and `route_lightning_messages`): each is a process of its
-own. The rest of the quiet is where it is decided: the model summary (`trainer.enable_model_summary`),
-W&B's banners (`WandbRunLogger`), the validation tables (`verbose=False`) and the seed line.
+accelerators exist, a deprecation inside Lightning's own code, banners. `quiet=false` (a key of
+configs/train.yaml and configs/eval.yaml) shows them all: the filters here, W&B's banners
+(`WandbRunLogger`), Lightning's validation tables and its seed line. Its model summary has a switch of
+its own, `trainer.enable_model_summary` (off: the run's start names the model in one line). Every rank
+calls `quiet_libraries` (and `route_lightning_messages`): each is a process of its own.
 """
 
 from __future__ import annotations
@@ -21,23 +21,17 @@ LIGHTNING_NOTICES = (
     "GPU available:",
     "TPU available:",
     "HPU available:",
-    "`Trainer.fit` stopped:",  # the report says where the run stopped
+    "`Trainer.fit` stopped: `max_steps=",  # the report says where the run stopped
     "-" * 100 + "\ndistributed_backend=",  # "... All distributed processes registered. Starting with 2 ..."
 )
 LIGHTNING_NOTICE_LOGGER = "lightning.pytorch.utilities.rank_zero"
 # Loggers whose INFO lines repeat what the run's start says: "Initializing distributed: GLOBAL_RANK ...",
 # "LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: ...".
 CHATTY_LOGGERS = ("lightning.fabric.utilities.distributed", "lightning.pytorch.accelerators.cuda")
-# (message, category, module): warnings raised inside libraries, about their own code or a false alarm.
+# (message, category, module): warnings raised inside libraries about their own code.
 LIBRARY_WARNINGS = (
     # Lightning's _pytree subclasses a class torch deprecated: Lightning's to fix, not the user's.
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"lightning\.pytorch\.utilities\._pytree"),
-    # val/ and probe/ metrics are computed over the whole validation set on every rank already.
-    (
-        r"It is recommended to use `self\.log\('(val|probe)/",
-        UserWarning,
-        r"lightning\.pytorch\.trainer\.connectors\.logger_connector\.result",
-    ),
 )
 
 
@@ -50,6 +44,15 @@ def route_lightning_messages() -> None:
     lightning = logging.getLogger("lightning")
     for handler in [h for h in lightning.handlers if type(h) is logging.StreamHandler]:
         lightning.removeHandler(handler)
+
+
+class ConsoleFormat(logging.Formatter):
+    """The console's format (configs/hydra/default.yaml): a message as it is, a warning or error named so;
+    the run's log file adds time, logger and level to every line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        return message if record.levelno < logging.WARNING else f"{record.levelname.lower()}: {message}"
 
 
 class DropNotices(logging.Filter):

@@ -6,6 +6,8 @@ is `pretraining.resume`'s."""
 from __future__ import annotations
 
 import importlib.util
+import shlex
+import sys
 from pathlib import Path
 from typing import Any, cast
 
@@ -27,8 +29,8 @@ from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError, MissingExtraError
 from pretraining.hf.init_from import initialise_from, is_origin
 from pretraining.instantiate import build
-from pretraining.launch import check_devices
-from pretraining.loggers import wandb_sync_hint
+from pretraining.launch import check_devices, hydra_quote
+from pretraining.loggers import ResumableCSVLogger, wandb_sync_hint
 from pretraining.objectives import PretrainingObjective
 from pretraining.objectives.base import check_lengths
 from pretraining.quiet import quiet_libraries, route_lightning_messages
@@ -80,10 +82,11 @@ def fit_warmup(cfg: DictConfig) -> None:
     max_steps, warmup_steps = cfg.trainer.max_steps, cfg.model.warmup_steps
     if warmup_steps < max_steps:
         return
-    cfg.model.warmup_steps = max_steps // 10
+    cfg.model.warmup_steps = shortened = max_steps // 10
+    instead = f"warming up for {counted(shortened, 'step')} (a tenth of the run)" if shortened else "no warmup"
     rank_zero_info(
-        f"model.warmup_steps={warmup_steps} is not below trainer.max_steps={max_steps}: warming up for "
-        f"{counted(cfg.model.warmup_steps, 'step')} (a tenth of the run) instead; set model.warmup_steps to choose"
+        f"model.warmup_steps={warmup_steps} is not below trainer.max_steps={max_steps}: {instead} instead; "
+        "set model.warmup_steps to choose"
     )
 
 
@@ -206,20 +209,21 @@ def fit(
     datamodule: ShardDataModule,
     validate_first: bool,
     resume: Resume | None,
+    tables: bool = False,
 ) -> dict[str, float]:
     """Validate the untrained model (with `validate_first`: the start of the learning curve), fit (continuing
     from `resume`, if any), and validate the final weights unless the last step was validated
     or a signal stopped training; the final metrics. A signal during a validation ends it (`Preempted`);
     `report` then exits as after one during training. W&B's run is closed on the way out, so that the
-    next job of a multirun starts its own."""
+    next job of a multirun starts its own. `tables`: Lightning's table of each validation's metrics too."""
     metrics: dict[str, float] = {}
     try:
         if validate_first:
-            trainer.validate(model, datamodule=datamodule, verbose=False)  # `report` prints the final metrics
+            trainer.validate(model, datamodule=datamodule, verbose=tables)
         trainer.fit(model, datamodule=datamodule, ckpt_path=str(resume.path) if resume else None)
         metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
         if not signal_status(trainer) and model.last_validated_step != trainer.global_step:
-            metrics |= trainer.validate(model, datamodule=datamodule, verbose=False)[0]
+            metrics |= trainer.validate(model, datamodule=datamodule, verbose=tables)[0]
     except Preempted:
         pass  # Preemption knows the signal, for `report`
     finally:
@@ -249,6 +253,11 @@ def finish_wandb() -> None:
         wandb.finish()
 
 
+def command(script: str, *args: str | Path) -> str:
+    """A shell command line running `script`, the console script beside this Python (`.venv/bin/...`)."""
+    return shlex.join([str(shown(Path(sys.executable).parent / script)), *map(str, args)])
+
+
 def export_name(run: Path) -> str:
     """A name for an export of `run`: its directory's, with its sweep's for a job of a multirun (`0`, `1`)."""
     return f"{run.parent.name}-{run.name}" if run.name.isdigit() else run.name
@@ -266,9 +275,9 @@ def signal_status(trainer: Trainer) -> int:
 
 
 def report(trainer: Trainer, metrics: dict[str, float]) -> None:
-    """Where the run is, its last checkpoint and the commands for both (evaluate, info, export, plot), its
-    final metrics and how to upload an offline W&B run; then, if a signal stopped it, exit with 128 + the
-    signal's number (after saving)."""
+    """Where the run is, its last checkpoint and the commands for both (evaluate, info, export, plot: the
+    console scripts beside this Python, which work from any directory), its final metrics and how to upload
+    an offline W&B run; then, if a signal stopped it, exit with 128 + the signal's number (after saving)."""
     run = shown(Path(trainer.default_root_dir))
     lines = [f"run directory: {run}"]
     last = getattr(trainer.checkpoint_callback, "last_model_path", "")
@@ -276,12 +285,16 @@ def report(trainer: Trainer, metrics: dict[str, float]) -> None:
         last = shown(Path(last))
         lines += [
             f"last checkpoint: {last}",
-            f"  evaluate it:    make eval CKPT={last}",
-            f"  what made it:   make info CKPT={last}",
-            f"  export it:      make export CKPT={last} OUT=exports/{export_name(run)}",
+            f"  evaluate it:    {command('pretrain-eval', f'ckpt_path={hydra_quote(str(last))}')}",
+            f"  what made it:   {command('pretrain-info', last)}",
+            f"  export it:      {command('pretrain-export', last, Path('exports') / export_name(run))}",
         ]
-    lines.append(f"learning curves: make plot RUN={run}")
-    lines += [f"{name} = {value:.5g}" for name, value in sorted(metrics.items())]
+    if any(isinstance(logger, ResumableCSVLogger) for logger in trainer.loggers):
+        lines.append(f"learning curves: {command('pretrain-plot', run)}")
+    lines += [
+        f"{name} = {value:.0f}" if value.is_integer() else f"{name} = {value:.5g}"
+        for name, value in sorted(metrics.items())
+    ]
     hint = wandb_sync_hint(trainer.loggers)
     if hint:
         lines.append(f"W&B logged offline (no credentials, or WANDB_MODE=offline); upload the run with: {hint}")

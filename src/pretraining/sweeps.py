@@ -44,7 +44,9 @@ from pretraining.run_logs import METRICS_FILE, PlotError, Series, natural_key, r
 try:  # the overlay plot needs matplotlib (the `plots` extra); the report itself does not
     from pretraining.plots import plot_overlay
 except ModuleNotFoundError as missing:
-    NO_PLOTS: MissingExtraError | None = MissingExtraError(f"the sweep's overlay plot ({missing.name})", "plots")
+    if not (missing.name or "").startswith("matplotlib"):
+        raise
+    NO_PLOTS: MissingExtraError | None = MissingExtraError("the sweep's overlay plot (matplotlib)", "plots")
 else:
     NO_PLOTS = None
 

@@ -62,7 +62,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         if finished(resume, Path(cfg.paths.checkpoint_dir), cfg.trainer.max_steps):  # before a logger starts a run
             return dict(resume.sidecar["validation"])
     log_hyperparameters(trainer, lineage)
-    metrics = fit(trainer, model, datamodule, cfg.validate_before_training and not resume, resume)
+    metrics = fit(trainer, model, datamodule, cfg.validate_before_training and not resume, resume, not cfg.quiet)
     report(trainer, metrics)
     return metrics
 

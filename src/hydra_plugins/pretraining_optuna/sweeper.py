@@ -31,6 +31,7 @@ from hydra.core.plugins import Plugins
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.plugins.sweeper import Sweeper
 from hydra.types import HydraContext, TaskFunction
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from pretraining.errors import MissingExtraError
@@ -61,8 +62,10 @@ class OptunaSweeper(Sweeper):
         self.storage, self.study_name, self.params = storage, study_name, dict(params or {})
 
     def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
-        if importlib.util.find_spec("optuna") is None:  # before any job starts
+        if importlib.util.find_spec("optuna") is None:  # before the sampler (an Optuna class) or any job
             raise MissingExtraError("hparams_search (the Optuna sweeper)", "sweeps")
+        if isinstance(self.sampler, DictConfig):  # the config's node (`_recursive_: false`)
+            self.sampler = instantiate(self.sampler)
         self.sweep_config = config
         self.job_launcher = Plugins.instance().instantiate_launcher(
             hydra_context=hydra_context, task_function=task_function, config=config

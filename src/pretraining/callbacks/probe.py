@@ -168,8 +168,9 @@ class LinearProbe(Callback):
             self.max_iter,
         )
         self.latest = result
-        # The same value on every rank (each fits on the whole set): no reduction needed.
-        pl_module.log_dict({"probe/accuracy": result.accuracy, "probe/majority": result.majority})
+        # The same value on every rank (each fits on the whole set): its max over ranks, so Lightning does not warn.
+        probe = {"probe/accuracy": result.accuracy, "probe/majority": result.majority}
+        pl_module.log_dict(probe, sync_dist=True, reduce_fx="max")
         rank_zero_info(
             f"linear probe at step {trainer.global_step}: accuracy {result.accuracy:.3f} held out "
             f"(majority {result.majority:.3f}, train {result.train_accuracy:.3f}), {time.perf_counter() - start:.2f} s"

@@ -152,7 +152,8 @@ class PretrainingObjective(LightningModule):
         for metric in states.values():
             metric.reset()
         metrics = {f"val/{name}": value.float() for name, value in self.validation_metrics(totals).items()}
-        self.log_dict(metrics, prog_bar=True)  # already global: no sync_dist needed
+        # Already global: the max over ranks of the same value is that value, and Lightning does not warn.
+        self.log_dict(metrics, prog_bar=True, sync_dist=True, reduce_fx="max")
         self.last_validated_step = self.global_step
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
