@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import TINY
+from pretraining.cli import data
 
 # What the libraries print in a run when nothing quiets them (issue 21's list, and the run's log file).
 NOISE = [
@@ -60,3 +63,12 @@ def test_a_default_run_prints_only_its_own_lines(tmp_path: Path, shard_dir: Path
 def test_quiet_false_shows_the_libraries_messages(tmp_path: Path, shard_dir: Path) -> None:
     printed = pretrain(tmp_path, shard_dir, "quiet=false")
     assert "GPU available:" in printed and "Tracking run with wandb" in printed and "Seed set to" in printed
+
+
+def test_training_a_tokenizer_off_a_terminal_prints_no_blank_lines(
+    tmp_path: Path, shard_dir: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    data(["tokenizer", "--data", str(shard_dir), "--vocab-size", "300", "--out", str(tmp_path / "t.json")])
+    printed = capfd.readouterr()  # what reached the file descriptors: the tokenizers library writes there
+    assert printed.out.splitlines() == [printed.out.strip()] and printed.out.startswith("wrote ")
+    assert printed.err == ""
