@@ -37,10 +37,12 @@ def test_every_group_has_options() -> None:
 def on_test_data(cfg: DictConfig, bpe_path: Path) -> DictConfig:
     """`cfg` (composed by `compose_train`, so on the test shards) made to run on this machine: the test
     BPE where a BPE is read from the text shards (the pair shards hold their own), and the CPU for a
-    GPU trainer when there is no GPU (the rest of the trainer preset is still instantiated)."""
+    GPU trainer (CUDA or Apple's) when there is no such GPU (the rest of the trainer preset is still
+    instantiated)."""
     if cfg.tokenizer._target_.endswith("BPETokenizer") and cfg.data.format._target_.endswith("PackedBlocks"):
         cfg.tokenizer.path = str(bpe_path)
-    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+    absent = {"gpu": not torch.cuda.is_available(), "mps": not torch.backends.mps.is_available()}
+    if absent.get(cfg.trainer.accelerator):
         cfg.trainer.accelerator = "cpu"
     return cfg
 
