@@ -4,6 +4,7 @@ deprecation, banner or second summary (`pretraining.quiet`); `quiet=false` shows
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -26,38 +27,44 @@ NOISE = [
     "Tracking run with wandb",  # W&B's banner
     "Seed set to",
     "`Trainer.fit` stopped",
+    "Restoring states from the checkpoint",  # Lightning, on a resume (the run's own line says it)
     "INFO: ",  # a message printed a second time by the `lightning` package's own handler
 ]
 
 
-def pretrain(tmp_path: Path, shard_dir: Path, *overrides: str) -> str:
-    """A short run of the default preset (W&B and CSV loggers, probe off: the test shards hold little
-    Python), with the default warmup; everything it printed."""
-    tiny = [o for o in TINY if not o.startswith(("logger=", "model.warmup_steps=", "trainer.max_steps="))]
-    command = [
-        str(Path(sys.executable).parent / "pretrain"),
-        "experiment=clm_tiny",
-        *tiny,
-        "trainer.max_steps=6",
-        f"data.dir={shard_dir}",
-        f"paths.log_dir={tmp_path}",
-        *overrides,
-    ]
+def run(command: list[str]) -> str:
+    """Everything `command` printed (W&B offline and not silenced by the test environment)."""
     env = {key: value for key, value in os.environ.items() if key != "WANDB_SILENT"} | {"WANDB_MODE": "offline"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stdout + done.stderr
 
 
+def pretrain(tmp_path: Path, shard_dir: Path, *overrides: str) -> str:
+    """A short run of the default preset (W&B and CSV loggers, probe off: the test shards hold little
+    Python), with the default warmup; everything it printed."""
+    tiny = [o for o in TINY if not o.startswith(("logger=", "model.warmup_steps=", "trainer.max_steps="))]
+    program = str(Path(sys.executable).parent / "pretrain")
+    return run(
+        [program, "experiment=clm_tiny", *tiny, f"data.dir={shard_dir}", f"paths.log_dir={tmp_path}", *overrides]
+    )
+
+
 def test_a_default_run_prints_only_its_own_lines(tmp_path: Path, shard_dir: Path) -> None:
-    printed = pretrain(tmp_path, shard_dir)
+    printed = pretrain(tmp_path, shard_dir, "trainer.max_steps=6", "run_name=quiet")
     assert [noise for noise in NOISE if noise in printed] == []
-    (run,) = (tmp_path / "train" / "runs").iterdir()
+    run_dir = tmp_path / "train" / "runs" / "quiet"
     assert "model.warmup_steps=30 is not below trainer.max_steps=6: no warmup instead" in printed
     assert printed.count("run directory:") == 1  # once, not again through a second handler
-    for command in (f"pretrain-plot {run}", f"pretrain-info {run}/checkpoints/", "upload the run with: wandb sync"):
+    for command in (f"pretrain-plot {run_dir}", f"pretrain-info {run_dir}/checkpoints/", "with: wandb sync"):
         assert command in printed
-    assert not [noise for noise in NOISE if noise in (run / "train.log").read_text()]
+    assert not [noise for noise in NOISE if noise in (run_dir / "train.log").read_text()]
+
+    resumed = pretrain(tmp_path, shard_dir, "trainer.max_steps=8", "run_name=quiet")
+    assert [noise for noise in NOISE if noise in resumed] == [] and "resuming from" in resumed
+    (evaluate,) = [line.split(":", 1)[1] for line in resumed.splitlines() if line.startswith("  evaluate it:")]
+    # The printed command runs as printed (its outputs kept out of the repository's logs/).
+    assert "val/loss:" in run([*shlex.split(evaluate), f"paths.log_dir={tmp_path}"])
 
 
 def test_quiet_false_shows_the_libraries_messages(tmp_path: Path, shard_dir: Path) -> None:

@@ -22,6 +22,8 @@ LIGHTNING_NOTICES = (
     "TPU available:",
     "HPU available:",
     "`Trainer.fit` stopped: `max_steps=",  # the report says where the run stopped
+    "Restoring states from the checkpoint path at",  # the run's start says which checkpoint it resumes
+    "Restored all states from the checkpoint at",
     "-" * 100 + "\ndistributed_backend=",  # "... All distributed processes registered. Starting with 2 ..."
 )
 LIGHTNING_NOTICE_LOGGER = "lightning.pytorch.utilities.rank_zero"

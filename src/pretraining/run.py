@@ -6,6 +6,7 @@ is `pretraining.resume`'s."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -258,6 +259,11 @@ def command(script: str, *args: str | Path) -> str:
     return shlex.join([str(shown(Path(sys.executable).parent / script)), *map(str, args)])
 
 
+def override_value(path: Path) -> str:
+    """`path` as the value of a Hydra override: as it is when Hydra reads it so, else quoted."""
+    return str(path) if re.fullmatch(r"[\w./-]+", str(path)) else hydra_quote(str(path))
+
+
 def export_name(run: Path) -> str:
     """A name for an export of `run`: its directory's, with its sweep's for a job of a multirun (`0`, `1`)."""
     return f"{run.parent.name}-{run.name}" if run.name.isdigit() else run.name
@@ -285,7 +291,7 @@ def report(trainer: Trainer, metrics: dict[str, float]) -> None:
         last = shown(Path(last))
         lines += [
             f"last checkpoint: {last}",
-            f"  evaluate it:    {command('pretrain-eval', f'ckpt_path={hydra_quote(str(last))}')}",
+            f"  evaluate it:    {command('pretrain-eval', f'ckpt_path={override_value(last)}')}",
             f"  what made it:   {command('pretrain-info', last)}",
             f"  export it:      {command('pretrain-export', last, Path('exports') / export_name(run))}",
         ]
