@@ -4,12 +4,11 @@ VENV ?= .venv
 PYTHON ?= python3
 TORCH_VERSION ?= 2.13.0
 # The torch build. Where nvidia-smi finds a driver: the newest of these CUDA builds that it runs (update
-# the list with TORCH_VERSION). Elsewhere: PyPI's wheel (CPU, but CUDA on Linux x86-64 from pypi.org).
-# Choose another: TORCH_INDEX=https://download.pytorch.org/whl/cpu (CPU only) or .../whl/cu126.
+# the list with TORCH_VERSION), or the CPU build for a driver older than all of them. Elsewhere: PyPI's
+# wheel (CPU, but CUDA on Linux x86-64 from pypi.org). Choose another:
+# TORCH_INDEX=https://download.pytorch.org/whl/cpu (CPU only) or .../whl/cu126. Found when a venv is made.
 TORCH_CUDA_BUILDS ?= 126 128 130
-ifeq ($(origin TORCH_INDEX),undefined)
-TORCH_INDEX := $(shell bash scripts/torch_index.sh $(TORCH_CUDA_BUILDS))
-endif
+TORCH_INDEX ?= $(shell bash scripts/torch_index.sh $(TORCH_CUDA_BUILDS))
 # The exact versions CI passed with (`make lock` refreshes them); CONSTRAINTS= resolves freely.
 CONSTRAINTS ?= constraints.txt
 LOCK_VENV ?= .venv-lock
@@ -33,21 +32,27 @@ help: ## List the targets
 
 install: $(VENV)/.installed ## Create .venv: torch pinned first (CUDA build where there is a driver), then the package with every extra and the dev tools
 
+# A venv in $(1): torch first, then the package with every extra and the dev tools; $(2) is pip's
+# constraint option, if any.
+define new_venv
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+	  { echo "Python 3.11 or later is needed, $(PYTHON) is $$($(PYTHON) --version 2>&1): pass PYTHON=python3.11"; exit 2; }
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install --quiet --upgrade pip
+	index="$(TORCH_INDEX)"; $(1)/bin/pip install --quiet torch==$(TORCH_VERSION) $${index:+--index-url "$$index"}
+	$(1)/bin/pip install --quiet $(2) -e ".[all,dev]"
+endef
+
+# .installed names the constraints it installed (tests/test_install.py compares the versions with them).
 $(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install --quiet $(if $(CONSTRAINTS),--constraint $(CONSTRAINTS)) -e ".[all,dev]"
+	$(call new_venv,$(VENV),$(if $(CONSTRAINTS),--constraint $(CONSTRAINTS)))
 	@$(BIN)/python -c "import torch; print('installed torch', torch.__version__, '(CUDA ' + torch.version.cuda + ')' if torch.version.cuda else '(CPU build)')"
-	touch $@
+	echo "$(CONSTRAINTS)" > $@
 
 # torch, its CUDA libraries and this package are left out: TORCH_VERSION and the build choose them.
 lock: ## Refresh constraints.txt: the versions a fresh install of every extra resolves to now (then make test)
 	rm -rf $(LOCK_VENV)
-	$(PYTHON) -m venv $(LOCK_VENV)
-	$(LOCK_VENV)/bin/pip install --quiet --upgrade pip
-	$(LOCK_VENV)/bin/pip install --quiet torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(LOCK_VENV)/bin/pip install --quiet -e ".[all,dev]"
+	$(call new_venv,$(LOCK_VENV))
 	set -o pipefail; { echo "# The versions make install installs (make lock wrote them; make test checks them). Python $$($(LOCK_VENV)/bin/python -c 'import platform; print(platform.python_version())')."; \
 	  $(LOCK_VENV)/bin/pip freeze --exclude-editable | grep -viE '^(torch|triton|nvidia-[a-z0-9-]+|cuda-[a-z0-9-]+)=='; } > $(CONSTRAINTS).tmp
 	mv $(CONSTRAINTS).tmp $(CONSTRAINTS)

@@ -255,13 +255,15 @@ def finish_wandb() -> None:
 
 
 def command(script: str, *args: str | Path) -> str:
-    """A shell command line running `script`, the console script beside this Python (`.venv/bin/...`)."""
-    return shlex.join([str(shown(Path(sys.executable).parent / script)), *map(str, args)])
+    """A shell command line running the console script `script`: the one beside this Python (`.venv/bin/...`),
+    else the one on PATH."""
+    beside = Path(sys.executable).parent / script
+    return shlex.join([str(shown(beside)) if beside.exists() else script, *map(str, args)])
 
 
 def override_value(path: Path) -> str:
     """`path` as the value of a Hydra override: as it is when Hydra reads it so, else quoted."""
-    return str(path) if re.fullmatch(r"[\w./-]+", str(path)) else hydra_quote(str(path))
+    return str(path) if re.fullmatch(r"[A-Za-z0-9_./-]+", str(path)) else hydra_quote(str(path))
 
 
 def export_name(run: Path) -> str:
@@ -282,8 +284,8 @@ def signal_status(trainer: Trainer) -> int:
 
 def report(trainer: Trainer, metrics: dict[str, float]) -> None:
     """Where the run is, its last checkpoint and the commands for both (evaluate, info, export, plot: the
-    console scripts beside this Python, which work from any directory), its final metrics and how to upload
-    an offline W&B run; then, if a signal stopped it, exit with 128 + the signal's number (after saving)."""
+    console scripts, run from this directory), its final metrics and how to upload an offline W&B run;
+    then, if a signal stopped it, exit with 128 + the signal's number (after saving)."""
     run = shown(Path(trainer.default_root_dir))
     lines = [f"run directory: {run}"]
     last = getattr(trainer.checkpoint_callback, "last_model_path", "")
