@@ -27,7 +27,7 @@ from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
 from pretraining.instantiate import build, check_targets, with_current_targets
 from pretraining.objectives import CausalLM, PretrainingObjective, build_objective
-from pretraining.quiet import quiet_libraries, route_lightning_messages
+from pretraining.quiet import set_up_messages
 from pretraining.schema import check_schema
 from pretraining.settings import EvalSettings
 
@@ -135,9 +135,7 @@ def build_from_checkpoint(
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
     """Validation metrics of `cfg.ckpt_path` and a sample, also written to metrics.json."""
     check_schema(cfg, EvalSettings, "configs/eval.yaml")
-    route_lightning_messages()
-    if cfg.quiet:
-        quiet_libraries()
+    set_up_messages(cfg.quiet)
     checkpoint = load_checkpoint(cfg.ckpt_path)
     overrides = {key: value for key, value in (("dir", cfg.data_dir), ("val_size", cfg.val_size)) if value is not None}
     overrides["trust_pipe_commands"] = cfg.trust_pipe_commands  # the command line's word, never the stored one

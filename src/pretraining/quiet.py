@@ -6,7 +6,7 @@ accelerators exist, a deprecation inside Lightning's own code, banners. `quiet=f
 configs/train.yaml and configs/eval.yaml) shows them all: the filters here, W&B's banners
 (`WandbRunLogger`), Lightning's validation tables and its seed line. Its model summary has a switch of
 its own, `trainer.enable_model_summary` (off: the run's start names the model in one line). Every rank
-calls `quiet_libraries` (and `route_lightning_messages`): each is a process of its own.
+calls `set_up_messages`: each is a process of its own.
 """
 
 from __future__ import annotations
@@ -35,6 +35,13 @@ LIBRARY_WARNINGS = (
     # Lightning's _pytree subclasses a class torch deprecated: Lightning's to fix, not the user's.
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"lightning\.pytorch\.utilities\._pytree"),
 )
+
+
+def set_up_messages(quiet: bool) -> None:
+    """Each of Lightning's messages once and, with `quiet`, the libraries' messages listed above left out."""
+    route_lightning_messages()
+    if quiet:
+        quiet_libraries()
 
 
 def route_lightning_messages() -> None:

@@ -34,7 +34,7 @@ from pretraining.launch import check_devices, hydra_quote
 from pretraining.loggers import ResumableCSVLogger, wandb_sync_hint
 from pretraining.objectives import PretrainingObjective
 from pretraining.objectives.base import check_lengths
-from pretraining.quiet import quiet_libraries, route_lightning_messages
+from pretraining.quiet import set_up_messages
 from pretraining.resume import Resume, check_fits
 from pretraining.schema import check_schema
 from pretraining.settings import TrainSettings
@@ -68,9 +68,7 @@ def check_config(cfg: DictConfig) -> None:
 def prepare_process(cfg: DictConfig) -> None:
     """Show Lightning's messages once and quiet the libraries (unless `quiet=false`), refuse GPUs this
     node lacks, set the float32 matmul precision and seed every generator."""
-    route_lightning_messages()
-    if cfg.quiet:
-        quiet_libraries()
+    set_up_messages(cfg.quiet)
     check_devices(cfg.trainer)
     torch.set_float32_matmul_precision(cfg.matmul_precision)
     seed_everything(cfg.seed, workers=True, verbose=not cfg.quiet)
