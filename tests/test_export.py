@@ -34,13 +34,13 @@ from pretraining.cli import info as info_main
 from pretraining.config import CONFIG_DIR
 from pretraining.data.formats import ExampleFormat, padded
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
-from pretraining.evaluate import load_checkpoint, stored_model
 from pretraining.export import export
 from pretraining.hf.directory import SAFETENSORS, write_directory
 from pretraining.hf.weights import from_gpt2, gpt2_config, to_gpt2
 from pretraining.instantiate import build
 from pretraining.models import Transformer
 from pretraining.objectives import PretrainingObjective
+from pretraining.stored import load_checkpoint, stored_model
 from pretraining.train import train
 from test_readme import code_blocks
 from test_resume import pretrain, run_dir

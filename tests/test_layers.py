@@ -15,20 +15,24 @@ PACKAGE = PROJECT_ROOT / "src" / "pretraining"
 # Lowest first. A module is on the floor of the longest prefix of its name listed here.
 FLOORS = [
     ("ground", ["errors", "ranges", "files", "distributed", "instantiate", "checkpoint", "run_lock", "quiet"]),
+    ("registry", ["registry"]),
     ("data", ["data"]),
     ("models", ["models"]),
     ("hf", ["hf"]),
     ("plugins", ["plugins"]),
     ("objectives", ["objectives"]),
-    ("callbacks", ["callbacks", "loggers"]),
-    ("run set-up", ["config", "schema", "settings", "resume", "run", "launch"]),
-    ("entry points", ["train", "evaluate", "info", "export", "plots", "run_logs", "sweeps", "data.commands"]),
+    ("callbacks", ["callbacks", "loggers", "registry.mirror"]),
+    ("run set-up", ["config", "schema", "settings", "resume", "stored", "teacher", "run", "launch"]),
+    (
+        "entry points",
+        ["train", "evaluate", "info", "export", "plots", "run_logs", "sweeps", "data.commands", "registry.commands"],
+    ),
     ("commands", ["cli", "__main__"]),
 ]
 # The one module whose imports of the package may wait inside a function: for a fast `--help`.
 DEFERS_IMPORTS = "cli"
 # The floors without Lightning, and the names it is imported under.
-NO_LIGHTNING = ("ground", "models", "hf")
+NO_LIGHTNING = ("ground", "registry", "models", "hf")
 LIGHTNING = {"lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics"}
 
 

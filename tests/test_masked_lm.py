@@ -158,13 +158,15 @@ def test_validation_sums_use_the_eval_rate_and_seed() -> None:
     batch = {"tokens": random_blocks(3, 65), "sample_id": torch.arange(3)}
     sums = model.validation_update(batch)
     assert int(sums["masked"]) == 3 * round(0.15 * 64)
-    logits, labels = model.masked_batch(batch, 0.15, 9)
+    inputs, positions, labels = model.masked_inputs(batch, 0.15, 9)
+    logits = model.masked_logits(inputs, positions)
     assert int(sums["correct"]) == int((logits.argmax(-1) == labels).sum())
     assert float(sums["nll"]) == pytest.approx(
         float(F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum"))
     )
     # Another seed masks other positions, so the summed loss differs.
-    other_logits, other_labels = model.masked_batch(batch, 0.15, 0)
+    other_inputs, other_positions, other_labels = model.masked_inputs(batch, 0.15, 0)
+    other_logits = model.masked_logits(other_inputs, other_positions)
     assert not torch.equal(other_labels, labels)
     assert float(sums["nll"]) != pytest.approx(
         float(F.cross_entropy(other_logits.flatten(0, 1), other_labels.flatten(), reduction="sum"))

@@ -18,9 +18,9 @@ from conftest import tiny_run
 from pretraining.callbacks.numerics import LossStatistics, NumericalError, NumericalGuard
 from pretraining.checkpoint import saved_checkpoints, verify
 from pretraining.errors import ConfigError
-from pretraining.evaluate import load_checkpoint
 from pretraining.files import sha256_of
 from pretraining.objectives import CausalLM
+from pretraining.stored import load_checkpoint
 from pretraining.train import train
 from test_resume import pretrain, run_dir
 from test_train import metric_rows

@@ -27,7 +27,7 @@ from pretraining.config import CONFIG_DIR, default_run_name
 from pretraining.data.manifest import Manifest
 from pretraining.data.stream import stream_shard
 from pretraining.errors import ConfigError
-from pretraining.evaluate import load_checkpoint
+from pretraining.stored import load_checkpoint
 from pretraining.train import train
 
 TESTS = Path(__file__).parent

@@ -21,9 +21,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from conftest import tiny_run
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.errors import ConfigError, RunLockedError
-from pretraining.evaluate import load_checkpoint
 from pretraining.resume import start_over
 from pretraining.run_lock import HELD, LOCK_FILE, holder, own_run_directory
+from pretraining.stored import load_checkpoint
 
 TESTS = Path(__file__).parent
 PRETRAIN = str(Path(sys.executable).parent / "pretrain")

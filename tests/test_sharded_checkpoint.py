@@ -32,9 +32,10 @@ from pretraining.checkpoint import (
 )
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError
-from pretraining.evaluate import evaluate, load_checkpoint
+from pretraining.evaluate import evaluate
 from pretraining.files import sha256_of, temporary_path
 from pretraining.resume import checkpoint_to_resume
+from pretraining.stored import load_checkpoint
 from pretraining.train import train
 from test_resume import RESUMABLE, kill_twice_and_compare, pretrain, run_dir
 

@@ -20,8 +20,9 @@ from conftest import TINY_RUN
 from pretraining.cli import info as info_main
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import CheckpointError, ConfigError, ShardError
-from pretraining.evaluate import evaluate, load_checkpoint
+from pretraining.evaluate import evaluate
 from pretraining.objectives import CausalLM
+from pretraining.stored import load_checkpoint
 from pretraining.train import train
 
 

@@ -23,8 +23,9 @@ from pretraining.config import CONFIG_DIR
 from pretraining.data.manifest import SPLITS
 from pretraining.data.tokenizer import ByteTokenizer
 from pretraining.errors import CheckpointError, ConfigError, ShardError
-from pretraining.evaluate import evaluate, stored_config
+from pretraining.evaluate import evaluate
 from pretraining.instantiate import build
+from pretraining.stored import stored_config
 from pretraining.train import train
 
 

@@ -9,7 +9,8 @@
 - a model card (README.md) and `lineage.json`: config, code revision, data version, step, validation.
 
 The checkpoint (a file, or a sharded FSDP2 directory, gathered in this one process) must verify against
-its sidecar; nothing in it can run code. OUT is written whole or not at all.
+its sidecar and must not be tainted in the registry (unless `--allow-tainted`); nothing in it can run
+code. OUT is written whole or not at all.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ import torch
 from safetensors.torch import save_file
 
 from pretraining.callbacks.lineage import code_revision
-from pretraining.checkpoint import verify
-from pretraining.config import PROJECT_ROOT
+from pretraining.checkpoint import sidecar_digest, verify
+from pretraining.config import PROJECT_ROOT, REGISTRY_DIR
 from pretraining.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from pretraining.errors import ConfigError
-from pretraining.evaluate import load_checkpoint, stored_model
 from pretraining.hf import AUTO_MAP, MODELLING_CODE
 from pretraining.hf.card import model_card
 from pretraining.hf.directory import CONFIG, LINEAGE, SAFETENSORS, Content, check_destination, write_directory
@@ -34,16 +34,28 @@ from pretraining.hf.tokenizer import CLS, EOS, MASK, PAD, tokenizer_files
 from pretraining.hf.weights import encoder_config, gpt2_config, to_encoder, to_gpt2
 from pretraining.models.transformer import Transformer
 from pretraining.objectives import CausalLM, Contrastive, MaskedLM, PretrainingObjective
+from pretraining.registry.versions import Registry, check_not_tainted
+from pretraining.stored import load_checkpoint, stored_model
 
 Files = dict[str, Content]
 
 
 def export(
-    checkpoint_path: Path, out: Path, tokenizer_path: str | None = None, trusted: list[str] | None = None
+    checkpoint_path: Path,
+    out: Path,
+    tokenizer_path: str | None = None,
+    trusted: list[str] | None = None,
+    registry: Path = REGISTRY_DIR,
+    allow_tainted: bool = False,
 ) -> str:
-    """Write the Hugging Face directory `out` for the checkpoint; return the kind of export."""
+    """Write the Hugging Face directory `out` for the checkpoint; return the kind of export. A checkpoint
+    that `registry` marks tainted is refused unless `allow_tainted`."""
     check_destination(out)
     sidecar = verify(checkpoint_path)  # a checkpoint without a verified sidecar is not exported
+    if not allow_tainted:
+        check_not_tainted(
+            Registry(registry), sidecar_digest(sidecar), str(checkpoint_path), "an export", "--allow-tainted"
+        )
     checkpoint = load_checkpoint(checkpoint_path)
     model, _, examples = stored_model(
         checkpoint, str(checkpoint_path), tokenizer_path, trusted or [], "--tokenizer PATH"

@@ -15,17 +15,8 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from pretraining.checkpoint import SHARDED_META, CheckpointError, load_weights_only, verify
-from pretraining.evaluate import existing_checkpoint, lineage_of
+from pretraining.checkpoint import CheckpointError, read_lineage, verify
 from pretraining.hf.init_from import describe_origin
-
-
-def read_lineage(path: Path) -> dict[str, Any]:
-    """The lineage record of a checkpoint file or sharded directory, without loading its tensors."""
-    path = existing_checkpoint(path)
-    sharded = path.is_dir()  # its meta.pt holds the lineage; the shards are not read
-    source = path / SHARDED_META if sharded else path
-    return lineage_of(load_weights_only(source, mmap=not sharded), path)
 
 
 def ancestry(path: Path) -> list[dict[str, Any]]:

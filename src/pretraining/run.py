@@ -23,7 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from pretraining.callbacks import Lineage, Preemption
 from pretraining.callbacks.lineage import code_revision
 from pretraining.callbacks.preemption import Preempted
-from pretraining.checkpoint import parameter_shapes
+from pretraining.checkpoint import checkpoint_digest, parameter_shapes
 from pretraining.config import PROJECT_ROOT, redact_secrets
 from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.tokenizer import Tokenizer
@@ -35,6 +35,7 @@ from pretraining.loggers import ResumableCSVLogger, wandb_sync_hint
 from pretraining.objectives import PretrainingObjective
 from pretraining.objectives.base import check_lengths
 from pretraining.quiet import set_up_messages
+from pretraining.registry.versions import Registry, check_not_tainted
 from pretraining.resume import Resume, check_fits
 from pretraining.schema import check_schema
 from pretraining.settings import TrainSettings
@@ -111,9 +112,12 @@ def check_example_lengths(cfg: DictConfig, tokenizer: Tokenizer) -> None:
     check_lengths(build(cfg.data.format)(tokenizer), cfg.model.backbone.max_seq_len)
 
 
-def starting_weights(model: PretrainingObjective, tokenizer: Tokenizer, resume: Resume | None) -> dict[str, Any] | None:
+def starting_weights(
+    model: PretrainingObjective, tokenizer: Tokenizer, resume: Resume | None, cfg: DictConfig
+) -> dict[str, Any] | None:
     """Load `model.init_from` into a fresh run's backbone; the record of where the weights started (a
-    resumed run's, from its checkpoint: the directory need not exist any more), or None."""
+    resumed run's, from its checkpoint: the directory need not exist any more), or None. An export of a
+    checkpoint tainted in the registry is refused unless `allow_tainted`."""
     if resume is not None:
         origin = resume.sidecar.get("lineage", {}).get("origin")
         check_same_origin(model.init_from, origin, resume.path)
@@ -121,6 +125,12 @@ def starting_weights(model: PretrainingObjective, tokenizer: Tokenizer, resume: 
     if model.init_from is None:
         return None
     origin = initialise_from(model.backbone, model.init_from, tokenizer)
+    exported = (origin["exported_from"] or {}).get("checkpoint_sha256")
+    if exported and not cfg.allow_tainted:
+        what = f"model.init_from={model.init_from} (exported from {origin['exported_from']['checkpoint']})"
+        check_not_tainted(
+            Registry(cfg.paths.registry_dir), checkpoint_digest(exported), what, "a start", "allow_tainted=true"
+        )
     rank_zero_info(f"starting from the weights of {origin['init_from']} (model.init_from)")
     return origin
 
@@ -140,15 +150,20 @@ def check_same_origin(init_from: str | None, origin: dict[str, Any] | None, chec
 
 
 def run_lineage(
-    cfg: DictConfig, datamodule: ShardDataModule, resume: Resume | None, origin: dict[str, Any] | None
+    cfg: DictConfig,
+    datamodule: ShardDataModule,
+    resume: Resume | None,
+    origin: dict[str, Any] | None,
+    teacher: dict[str, Any] | None,
 ) -> Lineage:
     """The callback that stamps every checkpoint with what produced it: the config (without credentials:
-    it is logged and stored), the code revision, data and tokenizer, the checkpoint continued from and
-    the weights the run started from (`origin`, from `starting_weights`)."""
+    it is logged and stored), the code revision, data and tokenizer, the checkpoint continued from, the
+    weights the run started from (`origin`, from `starting_weights`) and the teacher it learns from."""
     config = cast(dict[str, Any], redact_secrets(OmegaConf.to_container(cfg, resolve=True)))
     parent = str(resume.path) if resume else None
     code = code_revision(PROJECT_ROOT)
-    return Lineage(config, datamodule.manifest.version, datamodule.tokenizer.fingerprint, code, parent, origin)
+    tokenizer = datamodule.tokenizer.fingerprint
+    return Lineage(config, datamodule.manifest.version, tokenizer, code, parent, origin, teacher)
 
 
 def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[Callback]) -> Trainer:

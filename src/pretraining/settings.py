@@ -34,6 +34,8 @@ class TrainSettings:
     resume_allow: list[Change]
     validate_before_training: bool
     optimized_metric: str | None
+    allow_tainted: bool
+    trusted_targets: list[str]
     quiet: bool
 
 

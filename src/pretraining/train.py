@@ -35,6 +35,7 @@ from pretraining.run import (
     starting_weights,
 )
 from pretraining.run_lock import own_run_directory
+from pretraining.teacher import attach_teacher
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -51,10 +52,11 @@ def train(cfg: DictConfig) -> dict[str, float]:
     datamodule = build(cfg.data, tokenizer=tokenizer)
     model = build_objective(cfg.model, datamodule.format)
     describe_model(model)
-    origin = starting_weights(model, tokenizer, resume)  # model.init_from, on a fresh start
+    origin = starting_weights(model, tokenizer, resume, cfg)  # model.init_from, on a fresh start
+    teacher = attach_teacher(model, cfg, datamodule.format, resume)  # model.teacher, for a distillation
     if cfg.resume == "never":
         start_over(Path(cfg.paths.output_dir))  # only now: a start refused above leaves the earlier run in place
-    lineage = run_lineage(cfg, datamodule, resume, origin)
+    lineage = run_lineage(cfg, datamodule, resume, origin, teacher)
     # SkippedSamples enforces the data config's bad-data policy: every run has it.
     trainer = build_trainer(cfg, datamodule, callbacks=[lineage, SkippedSamples()])
     if resume:

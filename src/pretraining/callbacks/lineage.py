@@ -28,7 +28,8 @@ def code_revision(directory: Path) -> dict[str, Any]:
 class Lineage(Callback):
     """Adds `checkpoint["lineage"]`: the resolved config, code revision, data
     version, tokenizer fingerprint, the checkpoint this run continued from
-    (`parent`), the W&B run id, the step and the data topology, so every
+    (`parent`), the weights it started from (`origin`), the teacher it was
+    distilled from, the W&B run id, the step and the data topology, so every
     checkpoint can be traced back, rebuilt by `evaluate.py`, and checked
     against a run that would resume it."""
 
@@ -40,6 +41,7 @@ class Lineage(Callback):
         code: dict[str, Any],
         parent: str | None,
         origin: dict[str, Any] | None,
+        teacher: dict[str, Any] | None,
     ) -> None:
         self.record = {
             "format": LINEAGE_FORMAT,
@@ -49,6 +51,7 @@ class Lineage(Callback):
             "tokenizer_fingerprint": tokenizer_fingerprint,
             "parent": parent,
             "origin": origin,
+            "teacher": teacher,
         }
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:

@@ -15,6 +15,13 @@ file, renames the directory into place and writes the sidecar (which lists each
 file's size and SHA-256) last, with the same guarantees.
 """
 
+from pretraining.checkpoint.lineage import (
+    checkpoint_digest,
+    existing_checkpoint,
+    lineage_of,
+    read_lineage,
+    sidecar_digest,
+)
 from pretraining.checkpoint.sharded import SHARDED_META, load_sharded, load_sharded_into, publish_sharded
 from pretraining.checkpoint.sidecar import (
     LINEAGE_FORMAT,
@@ -45,6 +52,9 @@ __all__ = [
     "READABLE_LINEAGE_FORMATS",
     "SHARDED_META",
     "CheckpointError",
+    "checkpoint_digest",
+    "existing_checkpoint",
+    "lineage_of",
     "link_last",
     "load_sharded",
     "load_sharded_into",
@@ -54,12 +64,14 @@ __all__ = [
     "parameter_shapes",
     "prune",
     "publish_sharded",
+    "read_lineage",
     "read_sidecar",
     "record_validation",
     "refusing_code",
     "remove",
     "save_file",
     "saved_checkpoints",
+    "sidecar_digest",
     "sidecar_path",
     "storage_fault",
     "verify",

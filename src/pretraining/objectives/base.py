@@ -115,6 +115,17 @@ class PretrainingObjective(LightningModule):
     def validation_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def scored_inputs(
+        self, batch: dict[str, torch.Tensor], validation: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """What a language-model objective scores in a batch: (inputs, positions scored (None: every one),
+        their targets). With `hidden_at`, what a distillation needs of its student and teacher."""
+        raise NotImplementedError(f"{type(self).__name__} does not score token positions")
+
+    def hidden_at(self, inputs: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """The backbone's hidden states of `inputs` at the scored `positions` (None: every one)."""
+        raise NotImplementedError(f"{type(self).__name__} does not score token positions")
+
     def features(self, tokens: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
         """Float32 features (batch, width) of PAD-padded token ids (`attend` False at padding) for probes,
         computed in eval mode without gradients; the module's mode is restored after."""

@@ -33,9 +33,19 @@ class CausalLM(PretrainingObjective):
         return self.backbone.logits(self.backbone(tokens))
 
     def token_nll(self, tokens: torch.Tensor, reduction: str) -> torch.Tensor:
-        hidden = self.backbone(tokens[:, :-1])
+        inputs, positions, targets = self.scored_inputs({"tokens": tokens})
         head = self.backbone.token_embedding.weight
-        return lm_cross_entropy(hidden, head, tokens[:, 1:], reduction, self.loss_chunk_tokens)
+        return lm_cross_entropy(self.hidden_at(inputs, positions), head, targets, reduction, self.loss_chunk_tokens)
+
+    def scored_inputs(
+        self, batch: dict[str, torch.Tensor], validation: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Every position is scored, in training and validation: its target is the next token."""
+        tokens = batch["tokens"]
+        return tokens[:, :-1], None, tokens[:, 1:]
+
+    def hidden_at(self, inputs: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        return self.backbone(inputs)
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.token_nll(batch["tokens"], "mean")

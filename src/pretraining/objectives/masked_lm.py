@@ -144,31 +144,36 @@ class MaskedLM(PretrainingObjective):
             self.random_prob,
         )
 
-    def masked_hidden(self, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def scored_inputs(
+        self, batch: dict[str, torch.Tensor], validation: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The masked positions are scored: at `mask_rate` in training, at the fixed validation masks in validation."""
+        if validation:
+            return self.masked_inputs(batch, self.eval_mask_rate, self.eval_seed)
+        return self.masked_inputs(batch, self.mask_rate, self.seed)
+
+    def hidden_at(self, inputs: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """Hidden states (batch, k, d_model) at `positions` only: the head never sees the other rows."""
+        assert positions is not None
         hidden = self.backbone(inputs)
         return hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
 
     def masked_logits(self, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits (batch, k, vocabulary) at `positions` only."""
-        return self.backbone.logits(self.masked_hidden(inputs, positions))
-
-    def masked_batch(self, batch: dict[str, torch.Tensor], rate: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logits, labels) of the masked positions."""
-        inputs, positions, labels = self.masked_inputs(batch, rate, seed)
-        return self.masked_logits(inputs, positions), labels
+        return self.backbone.logits(self.hidden_at(inputs, positions))
 
     def head_positions(self, length: int) -> int:
         return masked_count(self.mask_rate, length)
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        inputs, positions, labels = self.masked_inputs(batch, self.mask_rate, self.seed)
+        inputs, positions, labels = self.scored_inputs(batch)
         head = self.backbone.token_embedding.weight
-        hidden = self.masked_hidden(inputs, positions)
+        hidden = self.hidden_at(inputs, positions)
         return lm_cross_entropy(hidden, head, labels, "mean", self.loss_chunk_tokens, ignore_index=IGNORE)
 
     def validation_update(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        logits, labels = self.masked_batch(batch, self.eval_mask_rate, self.eval_seed)
+        inputs, positions, labels = self.scored_inputs(batch, validation=True)
+        logits = self.masked_logits(inputs, positions)
         counted = labels != IGNORE
         nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
         return {

@@ -1,0 +1,50 @@
+"""What a checkpoint says about itself without loading its tensors: its lineage record, and the one
+digest that names it (a file's SHA-256, or for a sharded directory the SHA-256 of its files' list)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from pretraining.checkpoint.sharded import SHARDED_META
+from pretraining.checkpoint.weights_only import load_weights_only
+from pretraining.errors import ConfigError
+
+
+def existing_checkpoint(path: str | Path) -> Path:
+    """`path`, refused with the place runs keep their checkpoints if nothing is there."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} not found; runs keep them in logs/train/runs/<run>/checkpoints/")
+    return path
+
+
+def lineage_of(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The lineage record of a loaded checkpoint, refused if it has none."""
+    if "lineage" not in checkpoint:
+        raise ConfigError(f"{path} has no lineage record: it was not written by `pretrain`, so its config is unknown")
+    return checkpoint["lineage"]
+
+
+def read_lineage(path: Path) -> dict[str, Any]:
+    """The lineage record of a checkpoint file or sharded directory, without loading its tensors."""
+    path = existing_checkpoint(path)
+    sharded = path.is_dir()  # its meta.pt holds the lineage; the shards are not read
+    source = path / SHARDED_META if sharded else path
+    return lineage_of(load_weights_only(source, mmap=not sharded), path)
+
+
+def checkpoint_digest(checksums: str | dict[str, str]) -> str:
+    """The SHA-256 that names a checkpoint: a file's own, or, given a sharded checkpoint's {file: SHA-256},
+    the SHA-256 of that list (the same files give the same digest wherever the directory is)."""
+    if isinstance(checksums, str):
+        return checksums
+    return hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest()
+
+
+def sidecar_digest(sidecar: dict[str, Any]) -> str:
+    """`checkpoint_digest` of the checkpoint a verified sidecar describes."""
+    files = sidecar.get("files")
+    return checkpoint_digest(sidecar["sha256"] if files is None else {name: e["sha256"] for name, e in files.items()})

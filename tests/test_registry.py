@@ -1,0 +1,216 @@
+"""The model registry: versions keyed by checkpoint digest, aliases with history, taint and rollback, the
+ledger under concurrent writers and torn appends, the command line, and the W&B mirror (offline)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretraining.checkpoint import CheckpointError, save_file, sidecar_path
+from pretraining.cli import registry as registry_command
+from pretraining.errors import ConfigError
+from pretraining.registry.ledger import LEDGER_FILE
+from pretraining.registry.mirror import mirror, waiting
+from pretraining.registry.versions import Registry, file_status
+
+
+def fake_checkpoint(path: Path, step: int, seed: int = 0, **lineage: object) -> Path:
+    """A verified checkpoint file (with its sidecar) of a few bytes, with a lineage and a validation."""
+    checkpoint = {
+        "global_step": step,
+        "state_dict": {"weight": torch.full((2,), float(seed))},
+        "lineage": {"format": 4, "step": step, "data_version": "d1", "tokenizer_fingerprint": "t1", **lineage},
+    }
+    save_file(checkpoint, path)
+    record = json.loads(sidecar_path(path).read_text())
+    sidecar_path(path).write_text(json.dumps({**record, "validation": {"val/bpb": 3.0 - step / 1000}}))
+    return path
+
+
+@pytest.fixture
+def run_checkpoints(tmp_path: Path) -> list[Path]:
+    directory = tmp_path / "runs" / "clm" / "checkpoints"
+    return [fake_checkpoint(directory / f"step-{step:06d}.ckpt", step, seed=step) for step in (100, 200, 300)]
+
+
+def test_a_checkpoint_registers_once_by_its_digest_and_resolves_by_alias_number_and_path(
+    tmp_path: Path, run_checkpoints: list[Path]
+) -> None:
+    registry = Registry(tmp_path / "registry")
+    first, new = registry.register(run_checkpoints[0])
+    assert new and first.name == "v1" and first.run == "clm" and first.step == 100
+    assert first.validation == {"val/bpb": 2.9} and first.lineage["data_version"] == "d1"
+    second, _ = registry.register(run_checkpoints[1], alias="prod")
+    again, new_again = registry.register(run_checkpoints[1])
+    assert not new_again and again.number == second.number == 2
+    assert second.parents == [1]  # the newest earlier registered checkpoint of its run
+    for reference in ("prod", "2", "v2", str(run_checkpoints[1])):
+        assert registry.resolve(reference).number == 2
+    # A copy elsewhere is the same checkpoint: the digest, not the path, is the key.
+    copy = tmp_path / "elsewhere.ckpt"
+    shutil.copy(run_checkpoints[1], copy)
+    shutil.copy(sidecar_path(run_checkpoints[1]), sidecar_path(copy))
+    assert registry.register(copy)[0].number == 2
+
+
+def test_registering_refuses_a_checkpoint_that_does_not_verify(tmp_path: Path, run_checkpoints: list[Path]) -> None:
+    registry = Registry(tmp_path / "registry")
+    sidecar_path(run_checkpoints[0]).unlink()
+    with pytest.raises(CheckpointError, match="no sidecar"):
+        registry.register(run_checkpoints[0])
+    with run_checkpoints[1].open("r+b") as file:
+        file.seek(-3, 2)
+        file.write(b"xyz")
+    with pytest.raises(CheckpointError, match="does not match the SHA-256"):
+        registry.register(run_checkpoints[1])
+    assert registry.state().versions == {}
+
+
+def test_taint_leaves_the_aliases_and_rollback_returns_to_the_previous_untainted_version(
+    tmp_path: Path, run_checkpoints: list[Path]
+) -> None:
+    registry = Registry(tmp_path / "registry")
+    for path in run_checkpoints:
+        registry.register(path)
+    registry.promote("v1", "prod")
+    registry.promote("v2", "prod")
+    registry.promote("v3", "prod")
+    assert registry.promote("v3", "prod") is None  # already there: nothing written
+    registry.promote("v3", "staging")
+    tainted = registry.taint("prod", "trained on a leaked test set")
+    assert tainted.number == 3 and tainted.taint == "trained on a leaked test set"
+    state = registry.state()
+    assert state.aliases["prod"] is None and state.aliases["staging"] is None
+    with pytest.raises(ConfigError, match="points at no version"):
+        registry.resolve("prod")
+    with pytest.raises(ConfigError, match="tainted"):
+        registry.promote("v3", "prod")
+    assert registry.rollback("prod").number == 2
+    registry.taint("v1", "bad tokenizer")
+    registry.taint("prod", "diverged")  # v2
+    with pytest.raises(ConfigError, match="no earlier untainted version"):
+        registry.rollback("prod")
+    moves = [(event["version"], event["why"]) for event in registry.history("prod")]
+    assert moves == [
+        (1, "promote"),
+        (2, "promote"),
+        (3, "promote"),
+        (None, "taint of v3"),
+        (2, "rollback from no version"),
+        (None, "taint of v2"),
+    ]
+
+
+def test_show_says_when_a_registered_file_is_gone_or_changed(tmp_path: Path, run_checkpoints: list[Path]) -> None:
+    registry = Registry(tmp_path / "registry")
+    for path in run_checkpoints:
+        registry.register(path)
+    assert file_status(registry.resolve("v1")) == "ok"
+    run_checkpoints[0].unlink()
+    assert file_status(registry.resolve("v1")).startswith("gone")
+    fake_checkpoint(run_checkpoints[1], 200, seed=99)  # another checkpoint saved over it, with its sidecar
+    assert file_status(registry.resolve("v2")) == "changed: another checkpoint is at this path now"
+    with run_checkpoints[2].open("ab") as file:
+        file.write(b"!")
+    assert file_status(registry.resolve("v3")).startswith("changed:")
+    assert "truncated or altered" in file_status(registry.resolve("v3"))
+
+
+def register_all(directory: Path, paths: list[Path], alias: str, start: multiprocessing.synchronize.Barrier) -> None:
+    start.wait()
+    registry = Registry(directory)
+    for path in paths:
+        registry.register(path, alias=alias)
+
+
+def test_concurrent_writers_lose_nothing(tmp_path: Path) -> None:
+    """Four processes register 12 checkpoints each at once (one shared by all), moving their own alias each time."""
+    shared = fake_checkpoint(tmp_path / "shared" / "step-000001.ckpt", 1, seed=-1)
+    per_writer = [
+        [shared, *(fake_checkpoint(tmp_path / f"w{w}" / f"step-{s:06d}.ckpt", s, seed=100 * w + s) for s in range(11))]
+        for w in range(4)
+    ]
+    context = multiprocessing.get_context("fork")
+    start = context.Barrier(4)
+    writers = [
+        context.Process(target=register_all, args=(tmp_path / "registry", paths, f"writer{w}", start))
+        for w, paths in enumerate(per_writer)
+    ]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(60)
+        assert writer.exitcode == 0
+    state = Registry(tmp_path / "registry").state()
+    assert sorted(state.versions) == list(range(1, 4 * 11 + 2))  # every checkpoint once, numbers without gaps
+    assert len({version.digest for version in state.versions.values()}) == 45
+    for w, paths in enumerate(per_writer):
+        assert state.versions[state.aliases[f"writer{w}"]].path == str(paths[-1].resolve())
+        assert len(state.alias_events[f"writer{w}"]) == 12
+
+
+def test_a_torn_last_line_is_skipped_and_cut_off_by_the_next_writer(
+    tmp_path: Path, run_checkpoints: list[Path]
+) -> None:
+    registry = Registry(tmp_path / "registry")
+    registry.register(run_checkpoints[0])
+    ledger = tmp_path / "registry" / LEDGER_FILE
+    whole = ledger.read_bytes()
+    with ledger.open("ab") as file:
+        file.write(b'{"event": "register", "number": 2, "dig')  # a writer killed mid-append
+    assert list(registry.state().versions) == [1]
+    registry.register(run_checkpoints[1])
+    assert ledger.read_bytes().startswith(whole) and ledger.read_bytes().endswith(b"\n")
+    assert list(registry.state().versions) == [1, 2]
+    ledger.write_bytes(whole + b"not json\n")
+    with pytest.raises(ConfigError, match=r"line 2 .* is not JSON"):
+        registry.state()
+
+
+def test_the_command_line_prints_each_verb_and_refuses_in_one_line(
+    tmp_path: Path, run_checkpoints: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    def command(*args: str) -> str:
+        registry_command(["--registry", str(tmp_path / "registry"), *args])
+        return capsys.readouterr().out
+
+    assert command("register", str(run_checkpoints[0])).startswith("registered    v1 clm step 100, val/bpb 2.9")
+    assert "[prod]" in command("register", str(run_checkpoints[1]), "--alias", "prod")
+    assert "1 version(s) wait to be mirrored" not in command("list")
+    assert command("promote", "v1", "prod").startswith("prod: v2 -> v1")
+    assert "removed from prod" in command("taint", "v1", "--why", "bad data")
+    assert command("rollback", "prod").startswith("prod: no version -> v2")
+    shown = json.loads(command("show", "prod", "--json"))
+    assert shown["number"] == 2 and shown["file"] == "ok" and "config" not in shown["lineage"]
+    assert "TAINTED: bad data" in command("list")
+    assert command("history", "prod").count("\n") == 4
+    with pytest.raises(SystemExit) as refused:
+        command("promote", "v9", "prod")
+    assert str(refused.value) == (
+        f"pretrain-registry promote: the registry {tmp_path / 'registry'} has no version v9 "
+        "(versions v1-v2, aliases: prod)"
+    )
+    with pytest.raises(SystemExit, match="an alias starts with a letter"):
+        command("promote", "v2", "12")
+
+
+def test_versions_wait_for_the_w_and_b_mirror_offline_and_the_mirror_catches_up(
+    tmp_path: Path, run_checkpoints: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    registry = Registry(tmp_path / "registry")
+    registry.register(run_checkpoints[0], alias="prod")
+    registry.register(run_checkpoints[1])
+    assert [version.name for version in waiting(registry.state())] == ["v1", "v2"]
+    mirrored, where = mirror(registry, "pretraining-tests", "models")
+    assert [version.name for version in mirrored] == ["v1", "v2"] and "offline" in where
+    assert waiting(registry.state()) == []
+    registry.promote("v2", "prod")  # v1 loses the alias and v2 gains it: W&B has seen neither
+    assert [version.name for version in waiting(registry.state())] == ["v1", "v2"]
+    offline_runs = list((tmp_path / "registry" / "wandb").glob("offline-run-*"))
+    assert len(offline_runs) == 1 and any(offline_runs[0].glob("*.wandb"))
