@@ -3,20 +3,28 @@ ledger under concurrent writers and torn appends, the command line, and the W&B 
 
 from __future__ import annotations
 
+import csv
 import json
+import math
 import multiprocessing
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 
+from conftest import tiny_run
 from pretraining.checkpoint import CheckpointError, save_file, sidecar_path
 from pretraining.cli import registry as registry_command
+from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError
+from pretraining.export import export
 from pretraining.registry.ledger import LEDGER_FILE
 from pretraining.registry.mirror import mirror, waiting
 from pretraining.registry.versions import Registry, file_status
+from pretraining.train import train
 
 
 def fake_checkpoint(path: Path, step: int, seed: int = 0, **lineage: object) -> Path:
@@ -214,3 +222,51 @@ def test_versions_wait_for_the_w_and_b_mirror_offline_and_the_mirror_catches_up(
     assert [version.name for version in waiting(registry.state())] == ["v1", "v2"]
     offline_runs = list((tmp_path / "registry" / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 1 and any(offline_runs[0].glob("*.wandb"))
+
+
+# Training registers checkpoints; a taint is refused by export and by model.init_from.
+
+
+def compose_run(root: Path, shard_dir: Path, *overrides: str) -> DictConfig:
+    base = [f"paths.output_dir={root}", f"paths.log_dir={root.parent}/logs", f"data.dir={shard_dir}"]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("train", overrides=[*base, *tiny_run("clm_tiny"), *overrides])
+
+
+def test_training_registers_its_best_checkpoints_and_pruning_keeps_them(tmp_path: Path, shard_dir: Path) -> None:
+    every_3 = ["trainer.val_check_interval=3", "callbacks.checkpoint.every_n_steps=3", "trainer.max_steps=24"]
+    registering = ["callbacks=[default,register]", "callbacks.register.alias=candidate"]
+    train(compose_run(tmp_path / "run", shard_dir, *every_3, *registering, "model.optimizer.lr=0.03"))
+    with (tmp_path / "run" / "csv" / "metrics.csv").open() as file:  # the step logged is the global step - 1
+        validated = [(int(row["step"]) + 1, float(row["val/bpb"])) for row in csv.DictReader(file) if row["val/bpb"]]
+    best_so_far, best = [], math.inf
+    for step, bpb in validated[1:]:  # after the validation before training
+        if bpb < best:
+            best_so_far, best = [*best_so_far, step], bpb
+    registry = Registry(tmp_path / "logs" / "registry")
+    versions = list(registry.state().versions.values())
+    assert [version.step for version in versions] == best_so_far
+    assert 1 < len(versions) < len(validated) - 1  # some beat the ones before, some did not
+    assert registry.resolve("candidate").number == versions[-1].number
+    saved = {path.name for path in (tmp_path / "run" / "checkpoints").glob("step-*.ckpt")}
+    registered = {Path(version.path).name for version in versions}
+    assert registered <= saved and all(file_status(version) == "ok" for version in versions)
+    assert len(saved - registered) <= 2  # keep_last=2: the rest went, unless registered
+
+
+def test_a_tainted_checkpoint_is_not_exported_nor_started_from_unless_forced(tmp_path: Path, shard_dir: Path) -> None:
+    train(compose_run(tmp_path / "run", shard_dir, "trainer.max_steps=6"))
+    checkpoint = tmp_path / "run" / "checkpoints" / "step-000006.ckpt"
+    registry = Registry(tmp_path / "logs" / "registry")
+    registry.register(checkpoint)
+    registry.taint("v1", "trained on the test split")
+    with pytest.raises(
+        ConfigError, match=r"registry version v1 .* tainted: trained on the test split.*--allow-tainted"
+    ):
+        export(checkpoint, tmp_path / "refused", registry=registry.directory)
+    assert not (tmp_path / "refused").exists()
+    export(checkpoint, tmp_path / "export", registry=registry.directory, allow_tainted=True)
+    start = ["trainer.max_steps=2", f"model.init_from={tmp_path / 'export'}"]
+    with pytest.raises(ConfigError, match=r"exported from .*step-000006.ckpt.* tainted.*allow_tainted=true"):
+        train(compose_run(tmp_path / "continued", shard_dir, *start))
+    assert math.isfinite(train(compose_run(tmp_path / "continued", shard_dir, *start, "allow_tainted=true"))["val/bpb"])

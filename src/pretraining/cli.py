@@ -122,8 +122,8 @@ def registry_parser() -> argparse.ArgumentParser:
         description="A ledger of chosen checkpoints: versions, aliases that move with history, taints, rollback.",
     )
     registry_options(parser)
-    parser.add_argument("--wandb-project", default="pretraining", help="the W&B project it is mirrored to")
-    parser.add_argument("--wandb-artifact", default="pretraining-models", help="the W&B model artifact's name")
+    parser.add_argument("--wandb-project", help="the W&B project it is mirrored to (default: pretraining)")
+    parser.add_argument("--wandb-artifact", help="the W&B model artifact's name (default: pretraining-models)")
     verbs = parser.add_subparsers(dest="command", required=True, metavar="VERB")
     reference = "an alias, a version (3 or v3) or a checkpoint path"
 

@@ -9,6 +9,7 @@ from pretraining.callbacks.numerics import NumericalGuard
 from pretraining.callbacks.preemption import Preemption
 from pretraining.callbacks.probe import LinearProbe
 from pretraining.callbacks.progress import ProgressBar
+from pretraining.callbacks.register import RegisterCheckpoints
 from pretraining.callbacks.skipped_samples import SkippedSamples
 from pretraining.callbacks.step_seed import StepSeed
 from pretraining.callbacks.text_sample import TextSample
@@ -21,6 +22,7 @@ __all__ = [
     "NumericalGuard",
     "Preemption",
     "ProgressBar",
+    "RegisterCheckpoints",
     "SkippedSamples",
     "StepCheckpoint",
     "StepSeed",

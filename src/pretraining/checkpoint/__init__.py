@@ -33,6 +33,7 @@ from pretraining.checkpoint.sidecar import (
 )
 from pretraining.checkpoint.store import (
     LAST_LINK,
+    keep_for_good,
     link_last,
     newest_saved,
     newest_verified,
@@ -54,6 +55,7 @@ __all__ = [
     "CheckpointError",
     "checkpoint_digest",
     "existing_checkpoint",
+    "keep_for_good",
     "lineage_of",
     "link_last",
     "load_sharded",

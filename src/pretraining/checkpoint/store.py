@@ -55,6 +55,12 @@ def record_validation(path: Path, metrics: dict[str, float]) -> None:
     write_sidecar(path, {**read_sidecar(path), "validation": metrics})
 
 
+def keep_for_good(path: Path, why: str) -> None:
+    """Mark a checkpoint in its sidecar (`keep`: why) so that pruning never removes it: one the registry
+    holds, say."""
+    write_sidecar(path, {**read_sidecar(path), "keep": why})
+
+
 def remove(path: Path) -> None:
     """Delete a checkpoint, its sidecar first, so that no moment leaves a sidecar vouching for nothing.
     A directory is renamed to a temporary name first: a crash while deleting it leaves a leftover for
@@ -134,12 +140,12 @@ def link_last(path: Path) -> None:
 
 
 def prune(directory: Path, keep_last: int, keep_every: int | None, keep: Path) -> None:
-    """Remove the checkpoints of `directory` but `keep`, the newest `keep_last` and every step divisible
-    by `keep_every`; then what saves interrupted by a crash left behind."""
+    """Remove the checkpoints of `directory` but `keep`, the newest `keep_last`, every step divisible
+    by `keep_every` and those marked `keep_for_good`; then what saves interrupted by a crash left behind."""
     checkpoints = saved_checkpoints(directory)
     newest = {path for _, path in checkpoints[:keep_last]} | {keep}
     for step, path in checkpoints:
-        permanent = keep_every is not None and step % keep_every == 0
+        permanent = (keep_every is not None and step % keep_every == 0) or "keep" in read_sidecar(path)
         if path not in newest and not permanent:
             remove(path)
     for leftover in directory.glob(".*.tmp-*"):

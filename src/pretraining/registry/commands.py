@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pretraining.registry.mirror import mirror, mirror_if_online, waiting
+from pretraining.registry.mirror import ARTIFACT, PROJECT, mirror, mirror_if_online, waiting
 from pretraining.registry.versions import Registry, Version, file_status
 
 # The metrics a listing shows, the first a version has.
@@ -27,8 +27,12 @@ def line(version: Version) -> str:
     return f"{version.name:>5}{aliases} {version.run} step {version.step}, {headline(version)}{taint}"
 
 
+def wandb_target(args: argparse.Namespace) -> tuple[str, str]:
+    return args.wandb_project or PROJECT, args.wandb_artifact or ARTIFACT
+
+
 def after_change(registry: Registry, args: argparse.Namespace) -> None:
-    note = mirror_if_online(registry, args.wandb_project, args.wandb_artifact)
+    note = mirror_if_online(registry, *wandb_target(args))
     if note:
         print(note)
 
@@ -98,7 +102,7 @@ def history(registry: Registry, args: argparse.Namespace) -> None:
 
 def mirror_waiting(registry: Registry, args: argparse.Namespace) -> None:
     count = len(waiting(registry.state()))
-    mirrored, where = mirror(registry, args.wandb_project, args.wandb_artifact)
+    mirrored, where = mirror(registry, *wandb_target(args))
     if not mirrored:
         print("W&B has seen every version" if not count else f"{count} version(s) wait, but their files are gone")
         return

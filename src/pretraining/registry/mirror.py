@@ -20,6 +20,8 @@ from pretraining.loggers import wandb_credentials_available
 from pretraining.registry.ledger import Event
 from pretraining.registry.versions import Registry, State, Version, replay, stamp
 
+PROJECT, ARTIFACT = "pretraining", "pretraining-models"  # where versions go, unless told otherwise
+
 
 def mirrored_view(version: Version) -> dict[str, Any]:
     """What W&B shows of a version: compared with the last mirroring to find what it has not seen."""
@@ -84,7 +86,7 @@ def model_artifact(version: Version, name: str) -> wandb.Artifact:
     return artifact
 
 
-def mirror_if_online(registry: Registry, project: str, artifact: str) -> str:
+def mirror_if_online(registry: Registry, project: str = PROJECT, artifact: str = ARTIFACT) -> str:
     """Mirror the waiting versions now if W&B credentials allow; else say how many wait, and how to mirror."""
     if online():
         mirrored, where = mirror(registry, project, artifact)
