@@ -25,7 +25,7 @@ SWEEP ?=
 SEARCH ?= $(firstword $(subst _, ,$(EXPERIMENT)))
 
 .DEFAULT_GOAL := help
-.PHONY: help install lock data tokenizer train sweep sweep-optuna sweep-report eval info export plot test test-full lint format bench bench-gpu chaos clean clean-logs
+.PHONY: help install lock data tokenizer train sweep sweep-optuna sweep-report eval info export registry plot test test-full lint format bench bench-gpu bench-distill chaos clean clean-logs
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -74,7 +74,7 @@ $(PAIRS_DIR)/tokenizer.json: $(PAIRS_DIR)/manifest.json
 tokenizer: data ## Train a BPE tokenizer on the default shards (then use tokenizer=bpe)
 	$(BIN)/pretrain-data tokenizer --data $(DATA_DIR) $(ARGS)
 
-train: install data ## Train (EXPERIMENT=clm_tiny, mlm_tiny, contrastive_tiny; gpt2_124m, bert_base, contrastive_code need ARGS="data.dir=...")
+train: install data ## Train (EXPERIMENT=clm_tiny, mlm_tiny, contrastive_tiny; distill_tiny needs ARGS="model.teacher=..."; gpt2_124m, bert_base, contrastive_code need ARGS="data.dir=...")
 	$(BIN)/pretrain experiment=$(EXPERIMENT) $(ARGS)
 
 sweep: install data ## A Hydra multirun, each job in logs/train/multiruns/<sweep>/<job>: make sweep ARGS="model.optimizer.lr=1e-3,3e-3"
@@ -98,6 +98,9 @@ info: install ## What produced a checkpoint: make info CKPT=path/to/last.ckpt [A
 export: install ## A Hugging Face model directory: make export CKPT=path/to/last.ckpt OUT=exports/<name>
 	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "usage: make export CKPT=logs/train/runs/<run>/checkpoints/last.ckpt OUT=exports/<name>"; exit 2; }
 	$(BIN)/pretrain-export $(CKPT) $(OUT) $(ARGS)
+
+registry: install ## The model registry: make registry ARGS="list" (register CKPT, show REF, promote REF ALIAS, taint REF --why ..., rollback ALIAS, history ALIAS, mirror)
+	$(BIN)/pretrain-registry $(or $(ARGS),list)
 
 plot: install ## Learning curves as PNG: make plot RUN=logs/train/runs/<run> (or a multirun directory)
 	@test -n "$(RUN)" || { echo "usage: make plot RUN=logs/train/runs/<run> or RUN=logs/train/multiruns/<sweep>"; exit 2; }
@@ -125,6 +128,9 @@ bench: install data ## Command start-up, template overhead vs plain PyTorch, loa
 
 bench-gpu: install ## On one GPU: template vs plain PyTorch tokens/s, MFU and memory for GPT-2, BERT-base and a pair model
 	$(BIN)/python scripts/bench_gpu.py $(ARGS)
+
+bench-distill: install data ## A quarter-size student distilled from a trained clm_tiny vs the same student from scratch: bits per byte, KL to the teacher
+	$(BIN)/python scripts/bench_distill.py --data $(DATA_DIR) $(ARGS)
 
 chaos: install data ## Kill a run with SIGKILL at random moments, restart it, compare with an uninterrupted run
 	$(BIN)/python scripts/chaos.py --data $(DATA_DIR) $(ARGS)

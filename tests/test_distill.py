@@ -19,6 +19,7 @@ from pretraining.checkpoint import read_sidecar
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError
 from pretraining.evaluate import evaluate
+from pretraining.info import ancestry, describe
 from pretraining.models.transformer import Transformer
 from pretraining.objectives import CausalLM, Distill, DistillMasked, FrozenTeacher, MaskedLM
 from pretraining.objectives.distill import distillation_sums
@@ -139,6 +140,9 @@ def test_a_student_checkpoint_names_its_teacher_and_evaluates_without_it(
     recorded = student["lineage"]["teacher"]
     assert recorded["digest"] == read_sidecar(teacher)["sha256"] and recorded["step"] == 6
     assert read_sidecar(tmp_path / "checkpoints" / "step-000006.ckpt")["lineage"]["teacher"] == recorded
+    assert f"distilled from  {teacher.resolve()} (step 6; given as {teacher})" in describe(
+        ancestry(tmp_path / "checkpoints" / "last.ckpt")
+    )
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("eval", [f"ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}", f"paths.output_dir={tmp_path}"])
     evaluated = evaluate(cfg)

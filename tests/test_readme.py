@@ -144,6 +144,8 @@ def check(command: str, config_dir: Path) -> None:
         check_make(argv, config_dir)
     elif program == "pretrain-data":
         cli.data_parser().parse_args(args)
+    elif program == "pretrain-registry":  # parsed only: run, it would write to this checkout's registry
+        cli.registry_parser().parse_args(args)
     elif program in ENTRY_POINTS:
         check_entry_point(ENTRY_POINTS[program], args)
     elif program == "sbatch" or program.startswith("scripts/"):

@@ -60,6 +60,12 @@ def describe(chain: list[dict[str, Any]]) -> str:
         ("topology", ", ".join(f"{key} {value}" for key, value in (lineage.get("topology") or {}).items())),
         ("weights from", describe_origin(lineage.get("origin"))),
     ]
+    teacher = lineage.get("teacher")
+    if teacher:
+        version = f", registry v{teacher['registry_version']}" if teacher.get("registry_version") else ""
+        rows.append(
+            ("distilled from", f"{teacher['path']} (step {teacher['step']}{version}; given as {teacher['reference']})")
+        )
     ancestors = [
         f"{a['path']} (no longer exists)"
         if a["lineage"] is None

@@ -36,6 +36,11 @@ def attach_teacher(
     registry = Registry(cfg.paths.registry_dir)
     recorded = resume.sidecar.get("lineage", {}).get("teacher") if resume else None
     path = Path(recorded["path"]) if recorded else teacher_path(model.teacher_reference, registry)
+    if recorded and not path.exists():
+        raise CheckpointError(
+            f"this run was distilled from the teacher {path}, which is not there any more: restore it (its SHA-256 "
+            f"is {recorded['digest']}), or start a new run (resume=never, or another run_name)"
+        )
     digest = sidecar_digest(verify(path))
     if recorded and digest != recorded["digest"]:
         raise CheckpointError(
