@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from lightning.pytorch import Trainer
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError
@@ -41,6 +41,8 @@ def on_test_data(cfg: DictConfig, bpe_path: Path) -> DictConfig:
     instantiated)."""
     if cfg.tokenizer._target_.endswith("BPETokenizer") and cfg.data.format._target_.endswith("PackedBlocks"):
         cfg.tokenizer.path = str(bpe_path)
+    if OmegaConf.is_missing(cfg.model, "teacher"):  # a distillation's: read only when a run attaches it
+        cfg.model.teacher = "teacher.ckpt"
     absent = {"gpu": not torch.cuda.is_available(), "mps": not torch.backends.mps.is_available()}
     if absent.get(cfg.trainer.accelerator):
         cfg.trainer.accelerator = "cpu"

@@ -24,6 +24,7 @@ from pretraining.models.transformer import Transformer
 from pretraining.objectives import CausalLM, Distill, DistillMasked, FrozenTeacher, MaskedLM
 from pretraining.objectives.distill import distillation_sums
 from pretraining.registry.versions import Registry
+from pretraining.run import check_config
 from pretraining.stored import load_checkpoint
 from pretraining.train import train
 from test_resume import RESUMABLE, kill_twice_and_compare
@@ -152,6 +153,8 @@ def test_a_student_checkpoint_names_its_teacher_and_evaluates_without_it(
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
+        (["model.teacher=???"], r"model.teacher is not set: pass model.teacher=<a trained checkpoint, or a registry"),
+        (["model.teacher=nowhere"], r"the registry .*/logs/registry has no alias 'nowhere' \(it is empty"),
         (["tokenizer=bpe", "tokenizer.path={bpe}"], "was trained with another tokenizer"),
         (["model=distill_mlm", "model.backbone.d_model=32"], "DistillMasked student learns from a MaskedLM teacher"),
         (["model.backbone.max_seq_len=128", "data.format.block_size=128"], "the teacher .* has 64 positions"),
@@ -163,6 +166,7 @@ def test_a_teacher_that_does_not_fit_is_refused_before_training(
     overrides = [override.format(bpe=bpe_path) for override in overrides]
     cfg = compose_run(tmp_path, shard_dir, "distill_tiny", f"model.teacher={teacher}", *overrides)
     with pytest.raises(ConfigError, match=message):
+        check_config(cfg)
         train(cfg)
     assert not (tmp_path / "checkpoints").exists()
 

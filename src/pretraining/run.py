@@ -40,17 +40,23 @@ from pretraining.resume import Resume, check_fits
 from pretraining.schema import check_schema
 from pretraining.settings import TrainSettings
 
+# The values configs leave to you (`???`), and what to pass: named before anything reads them, since other
+# groups interpolate some (data.dir in tokenizer.path) and OmegaConf alone would name the wrong key.
+LEFT_TO_YOU = {
+    "data.dir": "data.dir=<shard directory> (built with `pretrain-data build --out <dir>`, plus "
+    "`pretrain-data tokenizer --data <dir>` for tokenizer=bpe)",
+    "model.teacher": "model.teacher=<a trained checkpoint, or a registry alias or version: pretrain-registry list>",
+}
+
 
 def check_config(cfg: DictConfig) -> None:
     """Stop before any work if a value does not fit the schema (`pretraining.schema`), or values from
     different groups contradict each other."""
-    # data=text and data=pairs (and the large presets) leave it to you; other groups interpolate it
-    # (tokenizer.path), so OmegaConf alone would name the wrong key.
-    if OmegaConf.is_missing(cfg.data, "dir"):
-        raise ConfigError(
-            "data.dir is not set: pass data.dir=<shard directory> (built with `pretrain-data build --out <dir>`, "
-            "plus `pretrain-data tokenizer --data <dir>` for tokenizer=bpe)"
-        )
+    for key, fix in LEFT_TO_YOU.items():
+        parent, _, leaf = key.rpartition(".")
+        node = OmegaConf.select(cfg, parent)
+        if node is not None and leaf in node and OmegaConf.is_missing(node, leaf):
+            raise ConfigError(f"{key} is not set: pass {fix}")
     check_schema(cfg, TrainSettings, "configs/train.yaml")
     loggers = cfg.logger or {}
     if "tensorboard" in loggers and not any(importlib.util.find_spec(m) for m in ("tensorboardX", "tensorboard")):

@@ -23,6 +23,8 @@ from typing import Annotated, Any, ClassVar, NamedTuple, cast
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch import nn
 from torch.optim import Optimizer
@@ -175,7 +177,12 @@ class PretrainingObjective(LightningModule):
             {"params": [p for p in parameters if p.dim() >= 2]},
             {"params": [p for p in parameters if p.dim() < 2], "weight_decay": 0.0},
         ]
-        optimizer = self.optimizer_factory(groups, **fused_if_open(self.optimizer_factory, parameters))
+        # Under a loss scaler (16-mixed) a fused optimizer unscales inside its step, after the clipping that
+        # the Trainer does first: Lightning refuses that, so such a run gets the unfused kernels.
+        scaled = getattr(getattr(self.trainer, "precision_plugin", None), "scaler", None) is not None
+        clipped = bool(getattr(self.trainer, "gradient_clip_val", None))
+        fused = {} if scaled and clipped else fused_if_open(self.optimizer_factory, parameters)
+        optimizer = self.optimizer_factory(groups, **fused)
         schedule = partial(
             warmup_cosine, warmup_steps=self.warmup_steps, total_steps=total_steps, min_lr_ratio=self.min_lr_ratio
         )
@@ -183,6 +190,24 @@ class PretrainingObjective(LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": LambdaLR(optimizer, schedule), "interval": "step"},
         }
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        """Clip as the Trainer says. Under bf16-mixed there is no loss scale, so the gradients are the true
+        ones and clipping before a fused optimizer's step is right; Lightning's MixedPrecision refuses every
+        optimizer able to unscale (`_step_supports_amp_scaling`, such as fused AdamW) all the same, so
+        clip as full precision does (Precision.clip_gradients: by norm or by value over the optimizer's
+        parameters)."""
+        plugin = self.trainer.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is None and gradient_clip_val:
+            algorithm = GradClipAlgorithmType((gradient_clip_algorithm or "norm").lower())
+            Precision.clip_gradients(plugin, optimizer, float(gradient_clip_val), algorithm)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
 
 @contextmanager
