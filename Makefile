@@ -135,8 +135,8 @@ bench-distill: install data ## A quarter-size student distilled from a trained c
 chaos: install data ## Kill a run with SIGKILL at random moments, restart it, compare with an uninterrupted run
 	$(BIN)/python scripts/chaos.py --data $(DATA_DIR) $(ARGS)
 
-clean-logs: ## Delete run outputs under logs/
-	find logs -mindepth 1 ! -name .gitkeep -exec rm -rf {} +
+clean-logs: ## Delete run outputs under logs/, but the model registry (logs/registry/)
+	find logs -mindepth 1 -maxdepth 1 ! -name .gitkeep ! -name registry -exec rm -rf {} +
 
 clean: clean-logs ## Delete the venv, built data and caches
 	rm -rf $(VENV) $(LOCK_VENV) data .pytest_cache .ruff_cache .mypy_cache

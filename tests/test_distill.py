@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import copy
 import math
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from conftest import tiny_run
-from pretraining.checkpoint import read_sidecar
+from pretraining.checkpoint import CheckpointError, read_sidecar
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError
 from pretraining.evaluate import evaluate
@@ -52,7 +54,7 @@ def student_with_teacher(
     causal = kind is Distill
     student = kind(backbone(causal, seed=0), teacher="unused", optimizer=optimizer, **settings)
     teacher = (CausalLM if causal else MaskedLM)(backbone(causal, seed=teacher_seed), optimizer=optimizer)
-    student.attach_teacher(FrozenTeacher(teacher, {}))
+    student.attach_teacher(FrozenTeacher(teacher))
     return student, teacher
 
 
@@ -110,7 +112,10 @@ def test_the_teacher_is_never_in_the_students_weights_or_optimizer() -> None:
     student, teacher = student_with_teacher()
     plain = CausalLM(backbone(), optimizer=optimizer)
     assert student.state_dict().keys() == plain.state_dict().keys()
-    assert all(parameter is not p for p in student.parameters() for parameter in teacher.parameters())
+    student.trainer = SimpleNamespace(max_steps=10)  # configure_optimizers reads only the run's length
+    optimized = {id(p) for group in student.configure_optimizers()["optimizer"].param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in student.parameters()}
+    assert optimized.isdisjoint(id(p) for p in teacher.parameters())
     assert not any(parameter.requires_grad for parameter in teacher.parameters()) and not teacher.training
 
 
@@ -154,7 +159,8 @@ def test_a_student_checkpoint_names_its_teacher_and_evaluates_without_it(
     ("overrides", "message"),
     [
         (["model.teacher=???"], r"model.teacher is not set: pass model.teacher=<a trained checkpoint, or a registry"),
-        (["model.teacher=nowhere"], r"the registry .*/logs/registry has no alias 'nowhere' \(it is empty"),
+        (["model.teacher=nowhere"], r"model.teacher=nowhere: 'nowhere' is no alias of the registry .* \(it is empty"),
+        (["model.teacher=/no/such.ckpt"], r"model.teacher=/no/such.ckpt: /no/such.ckpt: no such checkpoint"),
         (["tokenizer=bpe", "tokenizer.path={bpe}"], "was trained with another tokenizer"),
         (["model=distill_mlm", "model.backbone.d_model=32"], "DistillMasked student learns from a MaskedLM teacher"),
         (["model.backbone.max_seq_len=128", "data.format.block_size=128"], "the teacher .* has 64 positions"),
@@ -185,12 +191,27 @@ def test_a_registry_alias_names_the_teacher_a_taint_refuses_it_and_a_resume_keep
     lineage = load_checkpoint(tmp_path / "checkpoints" / "step-000006.ckpt")["lineage"]
     assert lineage["teacher"]["digest"] == read_sidecar(teacher)["sha256"]
     assert lineage["teacher"]["registry_version"] == 1
+    # Another teacher named on resume is refused: the run's lineage names the one it learns from.
+    with pytest.raises(ConfigError, match=r"this run was distilled from .* \(model.teacher=teacher\): pass that"):
+        train(compose_run(tmp_path, shard_dir, "distill_tiny", f"model.teacher={other.path}", "trainer.max_steps=9"))
     registry.taint("v1", "trained on the validation split")
     fresh = [f"model.teacher={teacher}", f"paths.log_dir={tmp_path}/logs"]  # the same registry
     with pytest.raises(ConfigError, match=r"tainted: trained on the validation split.*allow_tainted=true"):
         train(compose_run(tmp_path / "fresh", shard_dir, "distill_tiny", *fresh))
     forced = train(compose_run(tmp_path / "fresh", shard_dir, "distill_tiny", *fresh, "allow_tainted=true"))
     assert math.isfinite(forced["val/kl"])
+
+
+def test_a_registered_teacher_whose_file_changed_is_refused(teacher: Path, shard_dir: Path, tmp_path: Path) -> None:
+    copy_of_teacher = tmp_path / "teacher" / "step-000006.ckpt"
+    copy_of_teacher.parent.mkdir()
+    for suffix in ("", ".json"):
+        shutil.copy(f"{teacher}{suffix}", f"{copy_of_teacher}{suffix}")
+    Registry(tmp_path / "logs" / "registry").register(copy_of_teacher, alias="teacher")
+    with copy_of_teacher.open("ab") as file:
+        file.write(b"overwritten")
+    with pytest.raises(CheckpointError, match=r"model.teacher=teacher is registry v1, whose file is changed: .*"):
+        train(compose_run(tmp_path, shard_dir, "distill_tiny", "model.teacher=teacher"))
 
 
 def test_a_distilled_run_killed_twice_ends_as_an_uninterrupted_one(

@@ -21,7 +21,7 @@ FLOORS = [
     ("hf", ["hf"]),
     ("plugins", ["plugins"]),
     ("objectives", ["objectives"]),
-    ("callbacks", ["callbacks", "loggers", "registry.mirror"]),
+    ("callbacks", ["callbacks", "loggers"]),
     ("run set-up", ["config", "schema", "settings", "resume", "stored", "teacher", "run", "launch"]),
     (
         "entry points",

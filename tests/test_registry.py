@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import wandb
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -21,9 +22,10 @@ from pretraining.cli import registry as registry_command
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError
 from pretraining.export import export
+from pretraining.registry import mirror as mirror_module
 from pretraining.registry.ledger import LEDGER_FILE
 from pretraining.registry.mirror import mirror, waiting
-from pretraining.registry.versions import Registry, file_status
+from pretraining.registry.versions import Registry, Version, file_status
 from pretraining.train import train
 
 
@@ -103,7 +105,7 @@ def test_taint_leaves_the_aliases_and_rollback_returns_to_the_previous_untainted
     registry.taint("prod", "diverged")  # v2
     with pytest.raises(ConfigError, match="no earlier untainted version"):
         registry.rollback("prod")
-    moves = [(event["version"], event["why"]) for event in registry.history("prod")]
+    moves = [(event["version"], event["why"]) for event in registry.history("prod")]  # the whole history, kept
     assert moves == [
         (1, "promote"),
         (2, "promote"),
@@ -112,6 +114,28 @@ def test_taint_leaves_the_aliases_and_rollback_returns_to_the_previous_untainted
         (2, "rollback from no version"),
         (None, "taint of v2"),
     ]
+
+
+def test_each_rollback_goes_one_version_further_back_and_an_alias_is_never_a_path(
+    tmp_path: Path, run_checkpoints: list[Path]
+) -> None:
+    registry = Registry(tmp_path / "registry")
+    for path in run_checkpoints:
+        registry.register(path)
+    for version in ("v1", "v2", "v3"):
+        registry.promote(version, "prod")
+    assert registry.rollback("prod").name == "v2"
+    assert registry.rollback("prod").name == "v1"
+    with pytest.raises(ConfigError, match="no earlier untainted version"):
+        registry.rollback("prod")
+    registry.promote("v3", "prod")  # a move after rollbacks: rolling back returns to where it came from
+    assert registry.rollback("prod").name == "v1"
+    for name in ("step-000100.ckpt", "a/b", "latest", "v7", "7up"):
+        with pytest.raises(ConfigError, match="an alias starts with a letter"):
+            registry.promote("v1", name)
+    with pytest.raises(ConfigError, match="tainted already: bad"):
+        registry.taint("v1", "bad")
+        registry.taint("v1", "worse")
 
 
 def test_show_says_when_a_registered_file_is_gone_or_changed(tmp_path: Path, run_checkpoints: list[Path]) -> None:
@@ -189,7 +213,7 @@ def test_the_command_line_prints_each_verb_and_refuses_in_one_line(
 
     assert command("register", str(run_checkpoints[0])).startswith("registered    v1 clm step 100, val/bpb 2.9")
     assert "[prod]" in command("register", str(run_checkpoints[1]), "--alias", "prod")
-    assert "1 version(s) wait to be mirrored" not in command("list")
+    assert command("list").splitlines()[0] == "   v1 clm step 100, val/bpb 2.9"
     assert command("promote", "v1", "prod").startswith("prod: v2 -> v1")
     assert "removed from prod" in command("taint", "v1", "--why", "bad data")
     assert command("rollback", "prod").startswith("prod: no version -> v2")
@@ -224,6 +248,31 @@ def test_versions_wait_for_the_w_and_b_mirror_offline_and_the_mirror_catches_up(
     assert len(offline_runs) == 1 and any(offline_runs[0].glob("*.wandb"))
 
 
+def test_the_mirror_records_what_it_sent_and_leaves_a_training_run_alone(
+    tmp_path: Path, run_checkpoints: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    registry = Registry(tmp_path / "registry")
+    registry.register(run_checkpoints[0])
+    training = wandb.init(project="pretraining-tests", dir=tmp_path, mode="offline")
+    sent = mirror_module.model_artifact
+
+    def taint_while_sending(version: Version, name: str) -> wandb.Artifact:
+        registry.taint(version.name, "found bad while it was sent")  # a colleague, meanwhile
+        return sent(version, name)
+
+    monkeypatch.setattr(mirror_module, "model_artifact", taint_while_sending)
+    mirror(registry, "pretraining-tests", "models")
+    assert [version.name for version in waiting(registry.state())] == ["v1"]  # W&B has not seen the taint
+    training.log({"still": 1})  # the training process's run was not finished by the mirror's
+    training.finish()
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc: no credentials
+    with pytest.raises(ConfigError, match="no W&B credentials here"):
+        mirror(registry, "pretraining-tests", "models")
+
+
 # Training registers checkpoints; a taint is refused by export and by model.init_from.
 
 
@@ -252,6 +301,19 @@ def test_training_registers_its_best_checkpoints_and_pruning_keeps_them(tmp_path
     registered = {Path(version.path).name for version in versions}
     assert registered <= saved and all(file_status(version) == "ok" for version in versions)
     assert len(saved - registered) <= 2  # keep_last=2: the rest went, unless registered
+
+
+def test_the_register_callback_is_refused_before_training_where_it_cannot_work(tmp_path: Path, shard_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"comes after it: callbacks=\[default,register\]"):
+        train(compose_run(tmp_path / "run", shard_dir, "callbacks=[register,default]"))
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    unwritable = tmp_path / "file"
+    unwritable.write_text("")
+    with pytest.raises(ConfigError, match="cannot write to the registry directory"):
+        train(
+            compose_run(tmp_path / "run", shard_dir, "callbacks=[default,register]", f"paths.registry_dir={unwritable}")
+        )
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_a_tainted_checkpoint_is_not_exported_nor_started_from_unless_forced(tmp_path: Path, shard_dir: Path) -> None:

@@ -83,6 +83,8 @@ def export(argv: Sequence[str] | None = None) -> None:
     registry_options(parser)
     parser.add_argument("--allow-tainted", action="store_true", help="export a checkpoint the registry marks tainted")
     args = parser.parse_args(argv)
+    if args.registry != REGISTRY_DIR and not args.registry.is_dir():  # a mistyped one would find no taint
+        parser.error(f"--registry {args.registry}: no such directory")
     from pretraining.export import export, usage
 
     try:
@@ -102,7 +104,7 @@ def registry(argv: Sequence[str] | None = None) -> None:
 
     try:
         getattr(commands, args.verb)(Registry(args.registry), args)
-    except (FileNotFoundError, PretrainingError) as error:
+    except (PretrainingError, OSError) as error:  # OSError: a disk that fills, a directory not writable
         sys.exit(f"pretrain-registry {args.command}: {error}")
 
 

@@ -22,7 +22,16 @@ CONFIG_DIR = PROJECT_ROOT / "configs"
 REGISTRY_DIR = PROJECT_ROOT / "logs" / "registry"  # the default paths.registry_dir, for the commands without Hydra
 
 # Overrides that say how to run, not what: they do not change the run's name.
-RUN_CONTROL_KEYS = {"experiment", "run_name", "resume", "ckpt_path", "resume_allow", "allow_tainted", "quiet"}
+RUN_CONTROL_KEYS = {
+    "experiment",
+    "run_name",
+    "resume",
+    "ckpt_path",
+    "resume_allow",
+    "allow_tainted",
+    "trusted_targets",
+    "quiet",
+}
 
 
 def default_run_name() -> str:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import io
-import netrc
 import os
 import secrets
 from collections.abc import Mapping
@@ -20,16 +19,7 @@ from lightning.pytorch.utilities import rank_zero_only
 from pretraining.checkpoint import read_sidecar, sidecar_path
 from pretraining.errors import ConfigError
 from pretraining.files import write_atomically
-
-
-def wandb_credentials_available() -> bool:
-    """True if an API key is in the environment or in ~/.netrc (as `wandb login` writes it)."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    try:
-        return netrc.netrc().authenticators("api.wandb.ai") is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
+from pretraining.registry.mirror import wandb_credentials_available
 
 
 class WandbRunLogger(WandbLogger):

@@ -55,7 +55,7 @@ def check_config(cfg: DictConfig) -> None:
     for key, fix in LEFT_TO_YOU.items():
         parent, _, leaf = key.rpartition(".")
         node = OmegaConf.select(cfg, parent)
-        if node is not None and leaf in node and OmegaConf.is_missing(node, leaf):
+        if node is not None and OmegaConf.is_missing(node, leaf):
             raise ConfigError(f"{key} is not set: pass {fix}")
     check_schema(cfg, TrainSettings, "configs/train.yaml")
     loggers = cfg.logger or {}

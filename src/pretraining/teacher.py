@@ -20,7 +20,7 @@ from pretraining.checkpoint import CheckpointError, sidecar_digest, verify
 from pretraining.data.formats import ExampleFormat
 from pretraining.errors import ConfigError
 from pretraining.objectives import Distillation, FrozenTeacher, PretrainingObjective
-from pretraining.registry.versions import Registry, check_not_tainted
+from pretraining.registry.versions import Registry, check_not_tainted, file_status
 from pretraining.resume import Resume
 from pretraining.stored import load_checkpoint, stored_config, stored_objective
 
@@ -35,18 +35,10 @@ def attach_teacher(
     given = f"model.teacher={model.teacher_reference}"
     registry = Registry(cfg.paths.registry_dir)
     recorded = resume.sidecar.get("lineage", {}).get("teacher") if resume else None
-    path = Path(recorded["path"]) if recorded else teacher_path(model.teacher_reference, registry)
-    if recorded and not path.exists():
-        raise CheckpointError(
-            f"this run was distilled from the teacher {path}, which is not there any more: restore it (its SHA-256 "
-            f"is {recorded['digest']}), or start a new run (resume=never, or another run_name)"
-        )
-    digest = sidecar_digest(verify(path))
-    if recorded and digest != recorded["digest"]:
-        raise CheckpointError(
-            f"this run was distilled from the teacher {path} (digest {recorded['digest'][:12]}), and the file there "
-            "is now another checkpoint: restore it, or start a new run (resume=never, or another run_name)"
-        )
+    if recorded:
+        path, digest = recorded_teacher(recorded, model.teacher_reference)
+    else:
+        path, digest = named_teacher(model.teacher_reference, registry, given)
     if not cfg.allow_tainted:
         check_not_tainted(registry, digest, f"{given} ({path})", "a teacher", "allow_tainted=true")
     checkpoint = load_checkpoint(path)
@@ -69,7 +61,7 @@ def attach_teacher(
         "registry_version": version.number if version else None,
         "step": checkpoint["global_step"],
     }
-    model.attach_teacher(FrozenTeacher(teacher, record))
+    model.attach_teacher(FrozenTeacher(teacher))
     parameters = sum(parameter.numel() for parameter in teacher.parameters()) / 1e6
     named = f" (registry {version.name})" if version else ""
     rank_zero_info(
@@ -78,9 +70,47 @@ def attach_teacher(
     return record
 
 
-def teacher_path(reference: str, registry: Registry) -> Path:
-    """The checkpoint a teacher reference names: a path, else a registry alias or version."""
-    return Path(reference) if Path(reference).exists() else Path(registry.resolve(reference).path)
+def named_teacher(reference: str, registry: Registry, given: str) -> tuple[Path, str]:
+    """The checkpoint a teacher reference names (a path, else a registry alias or version) and its digest,
+    verified; a registered one must still be the checkpoint that was registered."""
+    if Path(reference).exists():
+        path = Path(reference)
+        return path, sidecar_digest(verify(path))
+    try:
+        version = registry.resolve(reference)
+    except ConfigError as error:
+        raise ConfigError(f"{given}: {error}") from None
+    path = Path(version.path)
+    status = file_status(version)
+    if status != "ok":
+        raise CheckpointError(
+            f"{given} is registry {version.name}, whose file is {status}: restore it, or name another"
+        )
+    return path, version.digest
+
+
+def recorded_teacher(recorded: dict[str, Any], reference: str) -> tuple[Path, str]:
+    """The teacher a resumed run was distilled from, as its lineage records it: the same reference must name
+    it (an alias may have moved since: the run keeps its teacher), and the file must be unchanged."""
+    path = Path(recorded["path"])
+    same = reference == recorded["reference"] or (Path(reference).exists() and Path(reference).resolve() == path)
+    if not same:
+        raise ConfigError(
+            f"model.teacher={reference}: this run was distilled from {path} (model.teacher={recorded['reference']}): "
+            f"pass that to continue it, or start a new run (resume=never, or another run_name) to distil from another"
+        )
+    if not path.exists():
+        raise CheckpointError(
+            f"this run was distilled from the teacher {path}, which is not there any more: restore it (its SHA-256 "
+            f"is {recorded['digest']}), or start a new run (resume=never, or another run_name)"
+        )
+    digest = sidecar_digest(verify(path))
+    if digest != recorded["digest"]:
+        raise CheckpointError(
+            f"this run was distilled from the teacher {path} (digest {recorded['digest'][:12]}), and the file there "
+            "is now another checkpoint: restore it, or start a new run (resume=never, or another run_name)"
+        )
+    return path, digest
 
 
 def check_teacher_fits(

@@ -40,11 +40,10 @@ Divergence = Literal["forward", "reverse"]
 
 @dataclass
 class FrozenTeacher:
-    """The teacher and its record (reference, path, digest, step) for the lineage; not an `nn.Module`
-    attribute of the student, so nothing of it is saved, optimised or wrapped with the student."""
+    """The teacher, held by the student in this (not in an `nn.Module` attribute), so that nothing of it is
+    saved, optimised or wrapped with the student."""
 
     model: PretrainingObjective
-    record: dict[str, Any]
 
 
 class Distillation(PretrainingObjective):
@@ -57,7 +56,7 @@ class Distillation(PretrainingObjective):
         self,
         backbone: Transformer,
         *,
-        teacher: str,
+        teacher: str | int,
         alpha: Weight = 0.5,
         temperature: Temperature = 2.0,
         divergence: Divergence = "forward",
@@ -68,7 +67,7 @@ class Distillation(PretrainingObjective):
         student objective's (`CausalLM` or `MaskedLM`) and what every objective takes."""
         super().__init__(backbone, **settings)
         self.validation_state.update(sums("kl", "kl_positions"))
-        self.teacher_reference = teacher
+        self.teacher_reference = str(teacher)  # a registry version may come as a number: model.teacher=3
         self.alpha, self.temperature, self.divergence = alpha, temperature, divergence
         self.kl_chunk_tokens = kl_chunk_tokens
         self.teacher: FrozenTeacher | None = None
@@ -79,9 +78,11 @@ class Distillation(PretrainingObjective):
         self.teacher = teacher
 
     def on_fit_start(self) -> None:
+        super().on_fit_start()
         self.teacher_to_device()
 
     def on_validation_start(self) -> None:
+        super().on_validation_start()
         self.teacher_to_device()
 
     def teacher_to_device(self) -> None:

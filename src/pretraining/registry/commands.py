@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pretraining.registry.mirror import ARTIFACT, PROJECT, mirror, mirror_if_online, waiting
+from pretraining.registry.mirror import ARTIFACT, PROJECT, mirror, mirror_if_online
 from pretraining.registry.versions import Registry, Version, file_status
 
 # The metrics a listing shows, the first a version has.
@@ -69,13 +69,19 @@ def described(record: dict[str, Any]) -> str:
     return "\n".join(f"{key + ':':<12} {value}" for key, value in rows)
 
 
+def pointed(registry: Registry, alias: str) -> str:
+    """What `alias` points at now, in words."""
+    aliases = registry.state().aliases
+    return "new" if alias not in aliases else f"v{aliases[alias]}" if aliases[alias] else "no version"
+
+
 def promote(registry: Registry, args: argparse.Namespace) -> None:
-    before = registry.state().aliases.get(args.alias)
+    before = pointed(registry, args.alias)
     version = registry.promote(args.reference, args.alias)
     if version is None:
-        print(f"{args.alias} already points at {registry.resolve(args.reference).name}")
+        print(f"{args.alias} already points at {before}")
         return
-    print(f"{args.alias}: {f'v{before}' if before else 'new'} -> {version.name}")
+    print(f"{args.alias}: {before} -> {version.name}")
     after_change(registry, args)
 
 
@@ -88,9 +94,9 @@ def taint(registry: Registry, args: argparse.Namespace) -> None:
 
 
 def rollback(registry: Registry, args: argparse.Namespace) -> None:
-    before = registry.state().aliases.get(args.alias)
+    before = pointed(registry, args.alias)
     version = registry.rollback(args.alias)
-    print(f"{args.alias}: {f'v{before}' if before else 'no version'} -> {version.name}")
+    print(f"{args.alias}: {before} -> {version.name}")
     after_change(registry, args)
 
 
@@ -101,9 +107,8 @@ def history(registry: Registry, args: argparse.Namespace) -> None:
 
 
 def mirror_waiting(registry: Registry, args: argparse.Namespace) -> None:
-    count = len(waiting(registry.state()))
     mirrored, where = mirror(registry, *wandb_target(args))
     if not mirrored:
-        print("W&B has seen every version" if not count else f"{count} version(s) wait, but their files are gone")
+        print("W&B has seen every version whose file is still there")
         return
     print(f"mirrored {', '.join(version.name for version in mirrored)} to {where}")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pretraining.errors import ConfigError
+from pretraining.files import fsync_directory
 
 LEDGER_FILE = "ledger.jsonl"
 LOCK_FILE = "ledger.lock"
@@ -57,23 +58,34 @@ class Ledger:
             new = decide(self.events())
             if new:
                 lines = b"".join(json.dumps(event, sort_keys=True).encode() + b"\n" for event in new)
+                created = not self.path.exists()
                 with self.path.open("ab") as file:
                     file.truncate(complete_length(self.path))  # a torn line of a killed writer goes
                     file.write(lines)
                     file.flush()
                     os.fsync(file.fileno())
+                if created:
+                    fsync_directory(self.directory)
             return new
+
+    def check_writable(self) -> None:
+        """Refuse a registry this process cannot write to, naming the fix."""
+        os.close(self.open_lock())
+
+    def open_lock(self) -> int:
+        """The lock file, open for writing (created with its directory if need be); refused with the fix."""
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            return os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise ConfigError(
+                f"cannot write to the registry directory {self.directory} ({error.strerror}): pass a writable one "
+                "with --registry DIR (or paths.registry_dir=DIR)"
+            ) from None
 
     @contextmanager
     def locked(self) -> Iterator[None]:
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise ConfigError(
-                f"cannot create the registry directory {self.directory} ({error.strerror}): pass a writable one "
-                "with --registry DIR (or paths.registry_dir=DIR)"
-            ) from None
-        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self.open_lock()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

@@ -1,5 +1,7 @@
-"""The registry mirrored to W&B: each version a model artifact that references the checkpoint (its
-path and checksums; nothing is uploaded or copied), with the version's aliases and its taint.
+"""The registry mirrored to W&B: each version a version of one model artifact that references the
+checkpoint (its path and checksums; nothing is uploaded or copied), with the registry's aliases, an
+alias `registry-vN` naming the registry's version (W&B numbers its own from v0), and the taint in
+its metadata.
 
 With credentials, every change is mirrored as it is made. Without them, the ledger keeps what W&B
 has not seen (each version's last mirrored aliases and taint), and `pretrain-registry mirror` catches
@@ -10,17 +12,31 @@ an alias left pointing nowhere by a taint stays on its old artifact there until 
 
 from __future__ import annotations
 
+import netrc
 import os
 from pathlib import Path
 from typing import Any, Literal
 
 import wandb
 
-from pretraining.loggers import wandb_credentials_available
-from pretraining.registry.ledger import Event
-from pretraining.registry.versions import Registry, State, Version, replay, stamp
+from pretraining.errors import ConfigError
+from pretraining.registry.versions import Registry, State, Version, stamp
 
 PROJECT, ARTIFACT = "pretraining", "pretraining-models"  # where versions go, unless told otherwise
+
+
+def wandb_credentials_available() -> bool:
+    """True if an API key is in the environment or in ~/.netrc (as `wandb login` writes it)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def online() -> bool:
+    return os.environ.get("WANDB_MODE") not in ("offline", "disabled") and wandb_credentials_available()
 
 
 def mirrored_view(version: Version) -> dict[str, Any]:
@@ -29,42 +45,42 @@ def mirrored_view(version: Version) -> dict[str, Any]:
 
 
 def waiting(state: State) -> list[Version]:
-    """The versions whose aliases or taint W&B has not seen."""
+    """The versions whose aliases or taint W&B has not seen, and whose files are there to mirror."""
     return [
         version
         for number, version in sorted(state.versions.items())
         if {key: state.mirrored.get(number, {}).get(key) for key in ("aliases", "taint")} != mirrored_view(version)
+        and Path(version.path).exists()
     ]
 
 
-def online() -> bool:
-    return os.environ.get("WANDB_MODE") not in ("offline", "disabled") and wandb_credentials_available()
-
-
-def mirror(registry: Registry, project: str, artifact: str) -> tuple[list[Version], str]:
-    """Log every waiting version as a version of the model artifact `artifact` in W&B project `project`;
-    record each in the ledger. Returns the versions mirrored and where to (the run's URL or offline dir)."""
-    versions = [version for version in waiting(registry.state()) if Path(version.path).exists()]
+def mirror(registry: Registry, project: str = PROJECT, artifact: str = ARTIFACT) -> tuple[list[Version], str]:
+    """Log every waiting version as a version of the model artifact `artifact` in W&B project `project`
+    (online with credentials; into an offline run with WANDB_MODE=offline) and record each in the ledger as
+    it was sent. Returns the versions mirrored and where to."""
+    versions = waiting(registry.state())
     if not versions:
         return [], ""
-    settings = wandb.Settings(quiet=True, silent=True)
+    if not online() and os.environ.get("WANDB_MODE") != "offline":
+        raise ConfigError(
+            "no W&B credentials here: `wandb login` (or set WANDB_API_KEY) and mirror again; or WANDB_MODE=offline "
+            "to write an offline run that `wandb sync` uploads later"
+        )
     mode: Literal["online", "offline"] = "online" if online() else "offline"
-    run = wandb.init(project=project, job_type="registry", dir=registry.directory, mode=mode, settings=settings)
+    settings = wandb.Settings(quiet=True, silent=True)
+    # A run of its own, even inside a training process whose W&B run is active (wandb.init would return that one).
+    run = wandb.init(
+        project=project, job_type="registry", dir=registry.directory, mode=mode, settings=settings, reinit="create_new"
+    )
     where = str(run.url) if mode == "online" else f"{Path(run.dir).parent} (offline: `wandb sync` uploads it)"
     try:
         for version in versions:
-            run.log_artifact(model_artifact(version, artifact), aliases=[version.name, *sorted(version.aliases)])
+            aliases = [f"registry-{version.name}", *sorted(version.aliases)]
+            run.log_artifact(model_artifact(version, artifact), aliases=aliases)
     finally:
         run.finish()
-
-    def decide(events: list[Event]) -> list[Event]:
-        current = replay(events).versions
-        return [
-            stamp({"event": "mirrored", "version": v.number, **mirrored_view(current[v.number]), "to": where})
-            for v in versions
-        ]
-
-    registry.ledger.append(decide)
+    sent = [stamp({"event": "mirrored", "version": v.number, **mirrored_view(v), "to": where}) for v in versions]
+    registry.ledger.append(lambda events: sent)
     return versions, where
 
 
@@ -95,6 +111,6 @@ def mirror_if_online(registry: Registry, project: str = PROJECT, artifact: str =
     if not count:
         return ""
     return (
-        f"W&B: {count} version(s) wait to be mirrored (no credentials here); `pretrain-registry mirror` "
-        "mirrors them once `wandb login` has run (or, with WANDB_MODE=offline, into an offline run)"
+        f"W&B: {count} version(s) wait to be mirrored (no credentials here); `pretrain-registry mirror` mirrors "
+        "them once `wandb login` has run (or, with WANDB_MODE=offline, into an offline run for `wandb sync`)"
     )

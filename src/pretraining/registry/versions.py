@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import getpass
+import os
 import re
 import socket
 from dataclasses import dataclass, field
@@ -26,8 +27,11 @@ from pretraining.checkpoint import (
 from pretraining.errors import ConfigError
 from pretraining.registry.ledger import Event, Ledger
 
-ALIAS = re.compile(r"[A-Za-z][A-Za-z0-9_.-]*")  # not a number, not a path
+ALIAS = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")  # not a number, and no dot or slash: never a file's name
 VERSION = re.compile(r"v?([0-9]+)")
+RESERVED_ALIASES = {"latest"}  # W&B gives it to the newest artifact version itself
+# What a version records of its step's metrics (a sidecar also holds train/ and data/ ones).
+VALIDATION_PREFIXES = ("val/", "probe/")
 
 
 @dataclass
@@ -58,36 +62,63 @@ class State:
     versions: dict[int, Version] = field(default_factory=dict)
     aliases: dict[str, int | None] = field(default_factory=dict)  # None: cleared by a taint
     alias_events: dict[str, list[Event]] = field(default_factory=dict)
+    # Where each alias has pointed, as a stack: a move pushes, a rollback pops back to its target.
+    alias_stacks: dict[str, list[int | None]] = field(default_factory=dict)
     mirrored: dict[int, Event] = field(default_factory=dict)  # the last W&B mirroring of each version
 
     def by_digest(self, digest: str) -> Version | None:
         return next((version for version in self.versions.values() if version.digest == digest), None)
 
 
-def replay(events: list[Event]) -> State:
+def replay(events: list[Event], source: Path | None = None) -> State:
+    """The registry as `events` (the lines of the ledger `source`) leave it."""
     state = State()
-    for event in events:
-        kind = event["event"]
-        if kind == "register":
-            fields = {key: event[key] for key in Version.__dataclass_fields__ if key in event and key != "registered"}
-            state.versions[event["number"]] = Version(**fields, registered=f"{event['time']} by {event['by']}")
-        elif kind == "alias":
-            state.aliases[event["alias"]] = event["version"]
-            state.alias_events.setdefault(event["alias"], []).append(event)
-        elif kind == "taint":
-            state.versions[event["version"]].taint = event["why"]
-        elif kind == "mirrored":
-            state.mirrored[event["version"]] = event
-    for alias, number in state.aliases.items():
-        if number is not None:
-            state.versions[number].aliases.append(alias)
+    for line, event in enumerate(events, 1):
+        try:
+            apply(state, event)
+        except (KeyError, TypeError, AttributeError, ValueError) as error:
+            raise ConfigError(
+                f"line {line} of the registry ledger {source} is not a registry event ({error!r}): the file was "
+                "edited by hand; restore it from a backup (the registry only ever appends to it)"
+            ) from None
+    for alias, target in state.aliases.items():
+        if target is not None:
+            state.versions[target].aliases.append(alias)
     return state
+
+
+def apply(state: State, event: Event) -> None:
+    kind = event["event"]
+    if kind == "register":
+        fields = {key: event[key] for key in Version.__dataclass_fields__ if key in event and key != "registered"}
+        state.versions[event["number"]] = Version(**fields, registered=f"{event['time']} by {event['by']}")
+    elif kind == "alias":
+        alias, target = event["alias"], event["version"]
+        if target is not None and target not in state.versions:
+            raise KeyError(target)
+        stack = state.alias_stacks.setdefault(alias, [])
+        if event.get("rollback"):
+            del stack[stack.index(target) + 1 :]
+        else:
+            stack.append(target)
+        state.aliases[alias] = target
+        state.alias_events.setdefault(alias, []).append(event)
+    elif kind == "taint":
+        state.versions[event["version"]].taint = event["why"]
+    elif kind == "mirrored":
+        state.mirrored[event["version"]] = event
+    else:
+        raise ValueError(f"unknown event {kind!r}")
 
 
 def stamp(event: Event) -> Event:
     """`event` with when and by whom."""
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    return {**event, "time": now, "by": f"{getpass.getuser()}@{socket.gethostname()}"}
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # a container user without a name
+        user = str(os.getuid())
+    return {**event, "time": now, "by": f"{user}@{socket.gethostname()}"}
 
 
 class Registry:
@@ -98,7 +129,7 @@ class Registry:
         self.ledger = Ledger(self.directory)
 
     def state(self) -> State:
-        return replay(self.ledger.events())
+        return replay(self.ledger.events(), self.ledger.path)
 
     def register(self, path: Path, alias: str | None = None) -> tuple[Version, bool]:
         """Register the checkpoint at `path` (refused unless it verifies against its sidecar), or find it
@@ -111,7 +142,7 @@ class Registry:
             check_alias_name(alias)
 
         def decide(events: list[Event]) -> list[Event]:
-            state = replay(events)
+            state = replay(events, self.ledger.path)
             known = state.by_digest(digest)
             new: list[Event] = []
             if known is None:
@@ -124,15 +155,19 @@ class Registry:
                     "run": run_of(path),
                     "step": sidecar["step"],
                     "lineage": lineage,
-                    "validation": sidecar.get("validation") or {},
+                    "validation": {
+                        name: value
+                        for name, value in (sidecar.get("validation") or {}).items()
+                        if name.startswith(VALIDATION_PREFIXES)
+                    },
                     "parents": parents(state, path, lineage),
                 }
                 new.append(stamp(record))
-                state = replay([*events, *new])
+                state = replay([*events, *new], self.ledger.path)
             version = state.by_digest(digest)
             assert version is not None
             if alias is not None and state.aliases.get(alias) != version.number:
-                refuse_tainted(version, f"an alias ({alias})", "taint it elsewhere first")
+                refuse_tainted(version, f"an alias ({alias})", "register it without --alias")
                 new.append(stamp({"event": "alias", "alias": alias, "version": version.number, "why": "register"}))
             return new
 
@@ -143,7 +178,8 @@ class Registry:
         return version, any(event["event"] == "register" for event in written)
 
     def resolve(self, reference: str, state: State | None = None) -> Version:
-        """The version `reference` names: an alias, a version number (`3` or `v3`) or a checkpoint's path."""
+        """The version `reference` names: a version number (`3` or `v3`), an alias, or a checkpoint's path
+        (hashed: to resolve one under the ledger's lock, `pin` it first)."""
         state = state or self.state()
         number = VERSION.fullmatch(reference)
         if number:
@@ -151,28 +187,40 @@ class Registry:
             if version is None:
                 raise ConfigError(f"the registry {self.directory} has no version {reference} ({describe(state)})")
             return version
-        if ALIAS.fullmatch(reference) and not Path(reference).exists():
-            target = state.aliases.get(reference)
+        if ALIAS.fullmatch(reference):
             if reference not in state.aliases:
-                raise ConfigError(f"the registry {self.directory} has no alias {reference!r} ({describe(state)})")
+                raise ConfigError(
+                    f"{reference!r} is no alias of the registry {self.directory} ({describe(state)}), nor a checkpoint"
+                )
+            target = state.aliases[reference]
             if target is None:
                 raise ConfigError(
                     f"the alias {reference!r} points at no version: its last version was tainted; move it with "
                     f"`pretrain-registry rollback {reference}` or `promote REF {reference}`"
                 )
             return state.versions[target]
-        path = existing_checkpoint(reference).resolve()
-        found = state.by_digest(sidecar_digest(verify(path)))
+        path = Path(reference)
+        if not path.exists():
+            raise ConfigError(f"{reference}: no such checkpoint (a REF is an alias, a version such as v3, or a path)")
+        found = state.by_digest(sidecar_digest(verify(path.resolve())))
         if found is None:
             raise ConfigError(f"{path} is not registered in {self.directory}: `pretrain-registry register {path}`")
         return found
 
+    def pin(self, reference: str) -> str:
+        """`reference` as a version number if it is a path: a checkpoint is hashed before the ledger is locked,
+        not while other writers wait."""
+        if VERSION.fullmatch(reference) or ALIAS.fullmatch(reference):
+            return reference
+        return self.resolve(reference).name
+
     def promote(self, reference: str, alias: str) -> Version | None:
         """Point `alias` at the version `reference` names; None if it already did."""
         check_alias_name(alias)
+        reference = self.pin(reference)
 
         def decide(events: list[Event]) -> list[Event]:
-            state = replay(events)
+            state = replay(events, self.ledger.path)
             version = self.resolve(reference, state)
             refuse_tainted(version, f"an alias ({alias})", "promote an untainted version")
             if state.aliases.get(alias) == version.number:
@@ -185,12 +233,13 @@ class Registry:
         """Mark a version bad: it leaves its aliases, and teachers, `init_from` and exports refuse it."""
         if not why.strip():
             raise ConfigError("say why the version is bad: --why '...'")
+        reference = self.pin(reference)
 
         def decide(events: list[Event]) -> list[Event]:
-            state = replay(events)
+            state = replay(events, self.ledger.path)
             version = self.resolve(reference, state)
             if version.taint is not None:
-                return []
+                raise ConfigError(f"{version.name} is tainted already: {version.taint}")
             cleared = [
                 stamp({"event": "alias", "alias": alias, "version": None, "why": f"taint of {version.name}"})
                 for alias in version.aliases
@@ -198,21 +247,22 @@ class Registry:
             return [stamp({"event": "taint", "version": version.number, "why": why}), *cleared]
 
         written = self.ledger.append(decide)
-        return self.resolve(str(written[0]["version"]) if written else reference)
+        return self.state().versions[written[0]["version"]]
 
     def rollback(self, alias: str) -> Version:
-        """Move `alias` back to the newest version it pointed at before its current one that is not tainted."""
+        """Move `alias` back to the version it pointed at before its current one, passing over tainted ones;
+        rolling back again goes further back."""
 
         def decide(events: list[Event]) -> list[Event]:
-            state = replay(events)
+            state = replay(events, self.ledger.path)
             if alias not in state.aliases:
                 raise ConfigError(f"the registry {self.directory} has no alias {alias!r} ({describe(state)})")
             current = state.aliases[alias]
-            earlier = [event["version"] for event in state.alias_events[alias] if event["version"] is not None]
-            for number in reversed(earlier):
-                if number != current and state.versions[number].taint is None:
+            for number in reversed(state.alias_stacks[alias][:-1]):
+                if number is not None and state.versions[number].taint is None:
                     why = f"rollback from {f'v{current}' if current else 'no version'}"
-                    return [stamp({"event": "alias", "alias": alias, "version": number, "why": why})]
+                    event = {"event": "alias", "alias": alias, "version": number, "why": why, "rollback": True}
+                    return [stamp(event)]
             raise ConfigError(
                 f"the alias {alias!r} has no earlier untainted version to go back to: promote one with "
                 f"`pretrain-registry promote REF {alias}`"
@@ -253,10 +303,10 @@ def check_not_tainted(registry: Registry, digest: str, what: str, use: str, forc
 
 
 def check_alias_name(alias: str) -> None:
-    if not ALIAS.fullmatch(alias) or VERSION.fullmatch(alias):
+    if not ALIAS.fullmatch(alias) or VERSION.fullmatch(alias) or alias in RESERVED_ALIASES:
         raise ConfigError(
-            f"alias {alias!r}: an alias starts with a letter and holds letters, digits, '_', '.' and '-' "
-            "(and is not a version number such as v3)"
+            f"alias {alias!r}: an alias starts with a letter and holds letters, digits, '_' and '-' (and is not a "
+            f"version number such as v3, nor {', '.join(sorted(RESERVED_ALIASES))}, W&B's own)"
         )
 
 
