@@ -214,6 +214,7 @@ def test_a_registered_teacher_whose_file_changed_is_refused(teacher: Path, shard
         train(compose_run(tmp_path, shard_dir, "distill_tiny", "model.teacher=teacher"))
 
 
+@pytest.mark.slow  # about 40 s on 2 cores; the exact resume of the other objectives runs in the default suite
 def test_a_distilled_run_killed_twice_ends_as_an_uninterrupted_one(
     teacher: Path, tmp_path: Path, shard_dir: Path
 ) -> None:
