@@ -25,6 +25,7 @@ from pretraining.objectives import contrastive as contrastive_module
 from pretraining.objectives.contrastive import (
     MAX_LOGIT_SCALE,
     clip_loss,
+    count_nonfinite,
     gather_with_grad,
     retrieval_metrics,
     retrieval_ranks,
@@ -122,6 +123,20 @@ def test_retrieval_ranks_and_metrics_equal_brute_force() -> None:
     )
     assert float(metrics["mrr@100"]) == pytest.approx(sum(1 / r for r in pooled) / 200)
     assert "mrr@1000" not in retrieval_metrics(queries, candidates)
+
+
+def test_a_nan_embedding_ranks_last_and_is_counted() -> None:
+    embeddings = unit(50, 64, seed=7)
+    broken = embeddings.clone()
+    broken[3] = float("nan")  # one query: it would rank 0 (an infinite MRR) if NaN beat every score
+    ranks = retrieval_ranks(broken, embeddings)
+    assert int(ranks[3]) == 50 and all(int(rank) == 1 for i, rank in enumerate(ranks) if i != 3)
+    assert float(retrieval_metrics(broken, embeddings)["recall@1"]) == pytest.approx(49 / 50)
+    nothing = torch.full((50, 64), float("nan"))  # all NaN: the worst model, not a perfect one
+    assert float(retrieval_metrics(nothing, nothing)["mrr"]) == pytest.approx(1 / 50)
+    infinite = embeddings.clone().index_fill_(0, torch.tensor([7]), float("inf"))
+    with pytest.warns(UserWarning, match="2 of 100 validation embeddings hold NaN or Inf: the retrieval metrics rank"):
+        assert float(count_nonfinite(broken, infinite)) == 2
 
 
 def test_perfect_and_constant_embeddings() -> None:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_autograd
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torchmetrics import CatMetric
 
@@ -79,10 +80,12 @@ def sigmoid_loss(
 
 
 def retrieval_ranks(queries: torch.Tensor, candidates: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """1-based rank of candidate i for query i among all candidates; a tie counts against the model."""
+    """1-based rank of candidate i for query i among all candidates; a tie counts against the model, and a
+    non-finite score ranks last (a NaN embedding is the worst case: it would otherwise beat every score)."""
     ranks = []
     for start in range(0, len(queries), chunk):
         scores = queries[start : start + chunk] @ candidates.T
+        scores = scores.masked_fill(~scores.isfinite(), float("-inf"))
         rows = torch.arange(len(scores), device=scores.device)
         correct = scores[rows, rows + start]  # from the same matmul as the rest: no rounding mismatch
         ranks.append((scores >= correct[:, None]).sum(1))
@@ -101,6 +104,17 @@ def retrieval_metrics(
         pooled = [retrieval_ranks(queries[i : i + pool_size], candidates[i : i + pool_size]) for i in pools]
         metrics[f"mrr@{pool_size}"] = (1 / torch.cat(pooled).double()).mean()
     return metrics
+
+
+def count_nonfinite(*embeddings: torch.Tensor) -> torch.Tensor:
+    """How many embeddings (rows) hold a NaN or an infinity, warned about: they rank last in retrieval."""
+    count = sum(int((~rows.isfinite()).any(1).sum()) for rows in embeddings)
+    if count:
+        total = sum(len(rows) for rows in embeddings)
+        rank_zero_warn(
+            f"{count} of {total} validation embeddings hold NaN or Inf: the retrieval metrics rank them last"
+        )
+    return torch.tensor(float(count))
 
 
 class Contrastive(PretrainingObjective):
@@ -224,6 +238,7 @@ class Contrastive(PretrainingObjective):
         queries, passages = totals["query"][order], totals["passage"][order]
         # The loss over the whole validation set: it grows with data.val_size, unlike train/loss.
         metrics = {"loss": self.pair_loss(queries, passages, distributed=False, size_key="data.val_size")}
+        metrics["nonfinite_embeddings"] = count_nonfinite(queries, passages)
         for direction, (asked, answers) in {"q2p": (queries, passages), "p2q": (passages, queries)}.items():
             for name, value in retrieval_metrics(asked, answers, self.recall_at, self.pool_size).items():
                 metrics[f"{direction}_{name}"] = value
