@@ -85,10 +85,13 @@ def pack_blocks(documents: Iterable[list[int]], block_size: int) -> Iterator[Blo
     for number, document in enumerate(documents):
         tokens.extend(document)
         doc_ids.extend([number] * len(document))
-        while len(tokens) > block_size:
-            first_doc = doc_ids[0]
-            yield Block(tokens[: block_size + 1], [d - first_doc for d in doc_ids[: block_size + 1]])
-            del tokens[:block_size], doc_ids[:block_size]
+        start = 0
+        while len(tokens) - start > block_size:
+            end, first_doc = start + block_size + 1, doc_ids[start]
+            yield Block(tokens[start:end], [d - first_doc for d in doc_ids[start:end]])
+            start += block_size
+        # The blocks taken go once per document, not once per block: a long document packs in linear time.
+        del tokens[:start], doc_ids[:start]
 
 
 def block_tensors(block: Block, token_bytes: np.ndarray) -> Tensors:
