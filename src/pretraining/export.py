@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from pretraining.callbacks.lineage import code_revision
-from pretraining.checkpoint import sidecar_digest, verify
+from pretraining.checkpoint import sidecar_checksums, sidecar_digest, verify
 from pretraining.config import PROJECT_ROOT, REGISTRY_DIR
 from pretraining.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from pretraining.errors import ConfigError
@@ -168,11 +168,9 @@ def sentence_transformer_files(model: Contrastive, max_length: int) -> Files:
 
 def lineage_record(path: Path, sidecar: dict[str, Any], lineage: dict[str, Any], kind: str) -> dict[str, Any]:
     """lineage.json: the checkpoint (path, checksum), its lineage and validation, and this export."""
-    files = sidecar.get("files")
-    digest = sidecar["sha256"] if files is None else {name: entry["sha256"] for name, entry in files.items()}
     return {
         "checkpoint": str(path.resolve()),
-        "checkpoint_sha256": digest,
+        "checkpoint_sha256": sidecar_checksums(sidecar),
         "validation": sidecar.get("validation"),
         "lineage": lineage,
         "export": {"kind": kind, "code": code_revision(PROJECT_ROOT), "torch": torch.__version__},

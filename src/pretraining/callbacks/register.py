@@ -59,9 +59,9 @@ class RegisterCheckpoints(Checkpoint):
             self.registry.ledger.check_writable()
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        saver = next(c for c in trainer.checkpoint_callbacks if isinstance(c, StepCheckpoint))
         if trainer.sanity_checking or not trainer.is_global_zero:
             return
+        saver = next(c for c in trainer.checkpoint_callbacks if isinstance(c, StepCheckpoint))
         if saver.saved_step != trainer.global_step or not saver.last_model_path:
             return  # this step was not saved
         path = Path(saver.last_model_path)

@@ -20,6 +20,7 @@ from pretraining.checkpoint.lineage import (
     existing_checkpoint,
     lineage_of,
     read_lineage,
+    sidecar_checksums,
     sidecar_digest,
 )
 from pretraining.checkpoint.sharded import SHARDED_META, load_sharded, load_sharded_into, publish_sharded
@@ -73,6 +74,7 @@ __all__ = [
     "remove",
     "save_file",
     "saved_checkpoints",
+    "sidecar_checksums",
     "sidecar_digest",
     "sidecar_path",
     "storage_fault",

@@ -44,7 +44,12 @@ def checkpoint_digest(checksums: str | dict[str, str]) -> str:
     return hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest()
 
 
+def sidecar_checksums(sidecar: dict[str, Any]) -> str | dict[str, str]:
+    """The SHA-256 a sidecar records: a file's, or each file's of a sharded checkpoint."""
+    files = sidecar.get("files")
+    return sidecar["sha256"] if files is None else {name: entry["sha256"] for name, entry in files.items()}
+
+
 def sidecar_digest(sidecar: dict[str, Any]) -> str:
     """`checkpoint_digest` of the checkpoint a verified sidecar describes."""
-    files = sidecar.get("files")
-    return checkpoint_digest(sidecar["sha256"] if files is None else {name: e["sha256"] for name, e in files.items()})
+    return checkpoint_digest(sidecar_checksums(sidecar))

@@ -145,8 +145,8 @@ def prune(directory: Path, keep_last: int, keep_every: int | None, keep: Path) -
     checkpoints = saved_checkpoints(directory)
     newest = {path for _, path in checkpoints[:keep_last]} | {keep}
     for step, path in checkpoints:
-        permanent = (keep_every is not None and step % keep_every == 0) or "keep" in read_sidecar(path)
-        if path not in newest and not permanent:
+        permanent = keep_every is not None and step % keep_every == 0
+        if path not in newest and not permanent and "keep" not in read_sidecar(path):
             remove(path)
     for leftover in directory.glob(".*.tmp-*"):
         if leftover.is_dir():

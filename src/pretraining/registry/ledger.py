@@ -36,8 +36,12 @@ class Ledger:
 
     def events(self) -> list[Event]:
         """Every complete event (a torn last line, from a writer killed mid-append, is not one)."""
+        return self.read()[0]
+
+    def read(self) -> tuple[list[Event], int]:
+        """The complete events, and the length of the file up to the end of the last one."""
         if not self.path.is_file():
-            return []
+            return [], 0
         data = self.path.read_bytes()
         complete = data[: data.rfind(b"\n") + 1]
         events = []
@@ -49,18 +53,19 @@ class Ledger:
                     f"line {number} of the registry ledger {self.path} is not JSON: the file was edited by hand; "
                     "restore it from a backup (the registry only ever appends to it)"
                 ) from None
-        return events
+        return events, len(complete)
 
     def append(self, decide: Callable[[list[Event]], list[Event]]) -> list[Event]:
         """Under the lock: pass the current events to `decide`, append the events it returns (fsynced), and
         return them."""
         with self.locked():
-            new = decide(self.events())
+            events, complete = self.read()
+            new = decide(events)
             if new:
                 lines = b"".join(json.dumps(event, sort_keys=True).encode() + b"\n" for event in new)
                 created = not self.path.exists()
                 with self.path.open("ab") as file:
-                    file.truncate(complete_length(self.path))  # a torn line of a killed writer goes
+                    file.truncate(complete)  # a torn line of a killed writer goes
                     file.write(lines)
                     file.flush()
                     os.fsync(file.fileno())
@@ -91,11 +96,3 @@ class Ledger:
             yield
         finally:
             os.close(fd)  # releases the lock
-
-
-def complete_length(path: Path) -> int:
-    """The length of `path` up to and including its last newline."""
-    if not path.is_file():
-        return 0
-    data = path.read_bytes()
-    return data.rfind(b"\n") + 1

@@ -163,7 +163,7 @@ class Registry:
                     "parents": parents(state, path, lineage),
                 }
                 new.append(stamp(record))
-                state = replay([*events, *new], self.ledger.path)
+                apply(state, new[-1])
             version = state.by_digest(digest)
             assert version is not None
             if alias is not None and state.aliases.get(alias) != version.number:
@@ -255,8 +255,7 @@ class Registry:
 
         def decide(events: list[Event]) -> list[Event]:
             state = replay(events, self.ledger.path)
-            if alias not in state.aliases:
-                raise ConfigError(f"the registry {self.directory} has no alias {alias!r} ({describe(state)})")
+            self.check_alias_known(alias, state)
             current = state.aliases[alias]
             for number in reversed(state.alias_stacks[alias][:-1]):
                 if number is not None and state.versions[number].taint is None:
@@ -277,9 +276,12 @@ class Registry:
 
     def history(self, alias: str) -> list[Event]:
         state = self.state()
+        self.check_alias_known(alias, state)
+        return state.alias_events[alias]
+
+    def check_alias_known(self, alias: str, state: State) -> None:
         if alias not in state.aliases:
             raise ConfigError(f"the registry {self.directory} has no alias {alias!r} ({describe(state)})")
-        return state.alias_events[alias]
 
     def taint_of(self, digest: str) -> Version | None:
         """The registered version with this digest if it is tainted (no registry: nothing is)."""
@@ -322,7 +324,7 @@ def parents(state: State, path: Path, lineage: dict[str, Any]) -> list[int]:
     same_run = [
         version
         for version in state.versions.values()
-        if version.run == run_of(path) and Path(version.path).parent == path.parent and version.step < lineage["step"]
+        if Path(version.path).parent == path.parent and version.step < lineage["step"]
     ]
     if same_run:
         found.add(max(same_run, key=lambda version: version.step).number)
