@@ -14,38 +14,16 @@ clm_tiny run). The teacher is `--teacher CKPT` if given, else a clm_tiny run tra
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
-from pretraining.checkpoint import newest_verified
 from pretraining.evaluate import build_from_checkpoint
 from pretraining.objectives.distill import distillation_sums
 from pretraining.stored import load_checkpoint
+from trained import pretrain
 
 STUDENT = ["model.backbone.d_model=64"]  # what model/distill.yaml sets: a quarter of clm_tiny's parameters
-
-
-def pretrain(log_dir: Path, run: str, steps: int, data: Path, *overrides: str) -> Path:
-    """Train (or finish) run `run` with `pretrain`; its newest verified checkpoint."""
-    command = [
-        sys.executable,
-        "-m",
-        "pretraining",
-        *overrides,
-        f"trainer.max_steps={steps}",
-        f"data.dir={data}",
-        f"paths.log_dir={log_dir}",
-        f"run_name={run}",
-        "logger=csv",
-    ]
-    print(f"training {run}: {' '.join(command[3:])}", flush=True)
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    found = newest_verified(log_dir / "train" / "runs" / run / "checkpoints")
-    assert found is not None, f"{run} saved no checkpoint"
-    return found[0]
 
 
 @torch.no_grad()
@@ -59,8 +37,9 @@ def validation_scores(student_path: Path, teacher_path: Path) -> tuple[float, fl
     nll = {"student": 0.0, "teacher": 0.0}
     kl, tokens, text_bytes = 0.0, 0, 0
     for batch in datamodule.val_dataloader():
-        inputs, positions, targets = student.scored_inputs(batch, validation=True)
-        hidden, teacher_hidden = student.hidden_at(inputs, positions), teacher.hidden_at(inputs, positions)
+        scored = student.scored_inputs(batch, validation=True)
+        targets = scored.targets
+        hidden, teacher_hidden = student.hidden_at(scored), teacher.hidden_at(scored)
         vocab = student.backbone.vocab_size
         head, teacher_head = student.backbone.token_embedding.weight, teacher.backbone.token_embedding.weight
         student_nll, batch_kl = distillation_sums(

@@ -1,7 +1,8 @@
 """Training throughput on one GPU: the template (its LightningModule through a Lightning Trainer) against a
 plain PyTorch loop over the same model, on synthetic token data (no shards needed).
 
-Cases: GPT-2 small (configs/model/clm_gpt2.yaml, next token, 1024 context), BERT-base (configs/model/mlm_bert.yaml,
+Cases: GPT-2 small (configs/model/clm_gpt2.yaml, next token, 1024 context; again with model.document_masking
+over documents of 256 tokens on average: FlexAttention's block-sparse kernel), BERT-base (configs/model/mlm_bert.yaml,
 masked LM at 128 and 512 context) and a BERT-base-sized contrastive pair model (configs/model/contrastive.yaml,
 64-token queries, 256-token passages). Both loops run bf16 autocast (the Trainer's bf16-mixed), per-block
 torch.compile, fused AdamW and gradient clipping at 1.0, from the same initial weights, in this process.
@@ -13,7 +14,7 @@ padding included), template / plain, the template's MFU (model FLOPs from `Trans
 device's dense bf16 peak), its peak allocated memory, and the share of the timed wall time spent fetching batches
 from the loader (host side; the batches are pre-built, so this is the loop's own cost).
 
-    python scripts/bench_gpu.py [--steps 30 --warmup 10]
+    python scripts/bench_gpu.py [--steps 30 --warmup 10] [--case GPT-2]
     python scripts/bench_gpu.py --smoke    # tiny sizes on the CPU in seconds, float32, no compile: checks the script
 """
 
@@ -52,6 +53,7 @@ class Case:
     block_size: int | None = None  # packed blocks; or pairs:
     pair_lengths: tuple[int, int] | None = None
     overrides: list[str] = field(default_factory=list)
+    document_tokens: int | None = None  # packed documents of this mean length (for model.document_masking)
 
     @property
     def context(self) -> str:
@@ -63,21 +65,40 @@ class Case:
 
         ids = {"sample_id": torch.randint(0, 2**62, (self.batch_size,))}
         if self.pair_lengths is None:
-            return {"tokens": tokens(self.block_size + 1), **ids}  # type: ignore[operator]
+            length = self.block_size + 1  # type: ignore[operator]
+            return {"tokens": tokens(length), "doc_ids": self.documents(length), **ids}
         query, passage = self.pair_lengths
         return {"query": tokens(query), "passage": tokens(passage), **ids}
+
+    def documents(self, length: int) -> torch.Tensor:
+        """Each token's document: one a row, or documents of random lengths averaging `document_tokens`."""
+        if self.document_tokens is None:
+            return torch.zeros(self.batch_size, length, dtype=torch.int64)
+        starts = torch.rand(self.batch_size, length) < 1 / self.document_tokens
+        starts[:, 0] = False
+        return starts.cumsum(1)
 
 
 BERT_BASE = ["backbone.d_model=768", "backbone.n_layer=12", "backbone.n_head=12", "backbone.max_seq_len=512"]
 GPU_CASES = [
     Case("GPT-2 124M next-token", "clm_gpt2", 50257, 16, block_size=1024),
+    Case("GPT-2 124M, documents masked", "clm_gpt2", 50257, 16, 1024, None, ["document_masking=true"], 256),
     Case("BERT-base masked-LM", "mlm_bert", 30522, 256, block_size=128),
     Case("BERT-base masked-LM", "mlm_bert", 30522, 64, block_size=512),
     Case("BERT-base contrastive", "contrastive", 30522, 128, pair_lengths=(64, 256), overrides=BERT_BASE),
 ]
 TINY = ["backbone.d_model=32", "backbone.n_layer=1", "backbone.n_head=2", "backbone.max_seq_len=64"]
 SMOKE_CASES = [
-    Case(case.name, case.model, 300, 4, case.block_size and case.block_size // 32, lengths, [*case.overrides, *TINY])
+    Case(
+        case.name,
+        case.model,
+        300,
+        4,
+        case.block_size and case.block_size // 32,
+        lengths,
+        [*case.overrides, *TINY],
+        case.document_tokens and 8,
+    )
     for case in GPU_CASES
     for lengths in [case.pair_lengths and (8, 16)]
 ]
@@ -242,6 +263,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first (compilation happens here)")
     parser.add_argument("--smoke", action="store_true", help="tiny models on the CPU: checks the script in seconds")
+    parser.add_argument("--case", default="", help="only the cases whose name contains this (GPT-2, BERT, ...)")
     args = parser.parse_args()
     if args.smoke:
         args.steps, args.warmup = min(args.steps, 3), min(args.warmup, 1)
@@ -257,7 +279,10 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     mode = "float32, eager" if args.smoke else "bf16-mixed, compiled blocks, fused AdamW"
     print(f"{name}: {mode}; {args.warmup} warm-up + {args.steps} timed steps per run")
-    print_table([bench_case(case, args, device) for case in (SMOKE_CASES if args.smoke else GPU_CASES)])
+    cases = [case for case in (SMOKE_CASES if args.smoke else GPU_CASES) if args.case in case.name]
+    if not cases:
+        parser.error(f"no case's name contains {args.case!r}: {', '.join(case.name for case in GPU_CASES)}")
+    print_table([bench_case(case, args, device) for case in cases])
 
 
 if __name__ == "__main__":

@@ -4,20 +4,47 @@ The same module serves every objective: `causal=True` for next-token
 prediction, `causal=False` for masked-LM and contrastive encoders. It returns
 hidden states; `logits()` applies the language-model head, whose weight is
 tied to the token embedding.
+
+Packed blocks hold several documents. Given each token's document (`documents`), a position attends
+only within its own document: on CUDA through FlexAttention's block-sparse kernel (whole blocks of the
+score matrix that cross documents are never computed), elsewhere through a boolean SDPA mask.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Annotated
+import operator
+from collections.abc import Callable
+from typing import Annotated, Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from pretraining.errors import ConfigError
 from pretraining.ranges import Positive, Range, checked_ranges
+
+# What attention may see: None (everything, or causal), a boolean mask (batch, 1, query, key) that is True
+# where attention is allowed, or FlexAttention's block-sparse form of one.
+AttentionMask = torch.Tensor | BlockMask | None
+
+
+@functools.cache
+def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` compiled once for every block and step (shapes are fixed), on first use (importing the
+    compiler costs seconds of start-up). FlexAttention and its block masks are fast only compiled."""
+    return torch.compile(function, dynamic=False)
+
+
+def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+    """FlexAttention under a block mask, compiled. Inside a compiled block (`model.compile`) the block's graph
+    takes it in: a compiled function called while another is traced breaks torch.compile's view replay."""
+    if torch.compiler.is_compiling():
+        return cast(torch.Tensor, flex_attention(q, k, v, block_mask=mask))
+    return cast(torch.Tensor, compiled(flex_attention)(q, k, v, block_mask=mask))
 
 
 class SelfAttention(nn.Module):
@@ -32,19 +59,16 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`mask` (batch, 1, length, length) or broadcastable, True where attention is allowed; None for
-        no padding, which keeps the fused causal kernels."""
+    def forward(self, x: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
+        """`mask`: see `AttentionMask`; None keeps the fused (causal) kernels."""
         batch, length, width = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=self.causal and mask is None,
-        )
+        if isinstance(mask, BlockMask):
+            y = document_attention(q, k, v, mask)
+        else:
+            dropout = self.dropout if self.training else 0.0
+            is_causal = self.causal and mask is None
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal)
         return self.proj(y.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -74,13 +98,13 @@ class Block(nn.Module):
         # recompute the rest, trading a second forward for activation memory.
         self.checkpoint_activations = False
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
         if self.checkpoint_activations and torch.is_grad_enabled():
             # Non-reentrant: works under FSDP hooks and torch.compile, and replays the same dropout masks.
             return checkpoint(self.layer, x, mask, use_reentrant=False)
         return self.layer(x, mask)
 
-    def layer(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def layer(self, x: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
         x = x + self.residual_dropout(self.attention(self.attention_norm(x), mask))
         return x + self.mlp(self.mlp_norm(x))
 
@@ -106,6 +130,7 @@ class Transformer(nn.Module):
     ) -> None:
         super().__init__()
         self.vocab_size, self.max_seq_len, self.n_layer, self.causal = vocab_size, max_seq_len, n_layer, causal
+        self.attention_dropout = dropout
         self.d_model, self.n_head = d_model, n_head
         padded_vocab = math.ceil(vocab_size / 64) * 64
         self.token_embedding = nn.Embedding(padded_vocab, d_model)
@@ -125,28 +150,48 @@ class Transformer(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor, attend: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        attend: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Hidden states (batch, length, d_model) for token ids (batch, length).
 
-        `attend` (batch, length) is False at padding: no position attends to it. Packed blocks
-        have no padding and pass None.
+        `attend` (batch, length) is False at padding: no position attends to it. `documents` (batch,
+        length), each token's document in a packed block (non-decreasing along a row): a position attends
+        only within its document. `position_ids` (batch, length) replace 0, 1, ... (`document_positions`
+        restarts them per document). Packed blocks have no padding; padded pairs are no packed documents.
         """
         length = tokens.shape[1]
         if length > self.max_seq_len:
             raise ValueError(f"sequence of {length} tokens exceeds model.backbone.max_seq_len={self.max_seq_len}")
-        positions = torch.arange(length, device=tokens.device)
-        x = self.dropout(self.token_embedding(tokens) + self.position_embedding(positions))
-        mask = None if attend is None else self._attention_mask(attend)
+        if position_ids is None:
+            position_ids = torch.arange(length, device=tokens.device)
+        x = self.dropout(self.token_embedding(tokens) + self.position_embedding(position_ids))
+        mask = self.attention_mask(attend, documents)
         for block in self.blocks:
             x = block(x, mask)
         return self.final_norm(x)
 
-    def _attention_mask(self, attend: torch.Tensor) -> torch.Tensor:
-        mask = attend[:, None, None, :]  # (batch, head, query, key)
+    def attention_mask(self, attend: torch.Tensor | None, documents: torch.Tensor | None) -> AttentionMask:
+        """What each position may attend to (`AttentionMask`): FlexAttention's block mask for documents on
+        CUDA (it has no attention dropout), else a boolean mask, or None when nothing is masked."""
+        if attend is None:
+            if documents is None:
+                return None
+            if documents.is_cuda and not self.attention_dropout:
+                return document_block_mask(documents, self.causal)
+        parts = []  # broadcastable to (batch, query, key)
+        if attend is not None:
+            parts.append(attend[:, None, :])
+        if documents is not None:
+            parts.append(documents[:, :, None] == documents[:, None, :])
         if self.causal:
-            length = attend.shape[1]
-            mask = mask & torch.ones(length, length, dtype=torch.bool, device=attend.device).tril()
-        return mask
+            length = parts[0].shape[-1]
+            parts.append(torch.ones(length, length, dtype=torch.bool, device=parts[0].device).tril())
+        return functools.reduce(operator.and_, parts).unsqueeze(-3)  # a head dimension: (batch, 1, query, key)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied language-model head over the padded vocabulary."""
@@ -168,3 +213,22 @@ class Transformer(nn.Module):
     def head_flops_per_token(self) -> int:
         """Training FLOPs of the tied language-model head for one scored token (padded vocabulary)."""
         return 6 * self.token_embedding.weight.numel()
+
+
+def document_block_mask(documents: torch.Tensor, causal: bool) -> BlockMask:
+    """FlexAttention's block-sparse mask: each position sees its own document (causally when `causal`)."""
+
+    def same_document(batch: torch.Tensor, head: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        inside = documents[batch, query] == documents[batch, key]
+        return inside & (query >= key) if causal else inside
+
+    batch, length = documents.shape
+    return compiled(create_block_mask)(same_document, batch, None, length, length, device=documents.device)
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Position ids restarting at 0 where each document starts in a packed block (batch, length)."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts_here = torch.ones_like(documents, dtype=torch.bool)
+    starts_here[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - torch.where(starts_here, index, 0).cummax(dim=1).values

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from functools import partial
 from typing import Annotated, Any, ClassVar, NamedTuple, cast
 
@@ -36,7 +36,7 @@ from pretraining.data.formats import ExampleFormat, PackedBlocks
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.instantiate import build
-from pretraining.models.transformer import Block, Transformer
+from pretraining.models.transformer import Block, Transformer, document_positions
 from pretraining.plugins import FSDP2Strategy, ShardingPolicy, shard
 from pretraining.ranges import Range, checked_ranges
 
@@ -74,11 +74,22 @@ class PretrainingObjective(LightningModule):
         validation_state: Mapping[str, Metric] | None = None,
         compile: bool = False,
         init_from: str | None = None,
+        document_masking: bool = False,
+        document_positions: bool = False,
     ) -> None:
         """`init_from`: a Hugging Face GPT-2 directory whose weights a fresh run starts from. The run loads
         it (`pretraining.run.starting_weights`), not this constructor: a checkpoint rebuilt from its config
-        has its own weights and must not need the directory."""
+        has its own weights and must not need the directory. `document_masking`: in packed blocks a
+        position attends only within its own document; `document_positions`: positions restart at 0 at
+        each document."""
         super().__init__()
+        if (document_masking or document_positions) and not issubclass(self.example_format, PackedBlocks):
+            raise ConfigError(
+                f"model.document_masking and model.document_positions apply to packed blocks, and "
+                f"{type(self).__name__} trains on {self.example_format.__name__}, where each example is one text: "
+                f"leave both false"
+            )
+        self.document_masking, self.document_positions = document_masking, document_positions
         self.backbone = backbone
         self.optimizer_factory = optimizer
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
@@ -117,21 +128,31 @@ class PretrainingObjective(LightningModule):
     def validation_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def scored_inputs(
-        self, batch: dict[str, torch.Tensor], validation: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """What a language-model objective scores in a batch: (inputs, positions scored (None: every one),
-        their targets). With `hidden_at`, what a distillation needs of its student and teacher."""
+    def scored_inputs(self, batch: dict[str, torch.Tensor], validation: bool = False) -> Scored:
+        """What a language-model objective scores in a batch of packed blocks (`Scored`). With `hidden_at`,
+        what a distillation needs of its student and teacher."""
         raise NotImplementedError(f"{type(self).__name__} does not score token positions")
 
-    def hidden_at(self, inputs: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """The backbone's hidden states of `inputs` at the scored `positions` (None: every one)."""
+    def hidden_at(self, scored: Scored) -> torch.Tensor:
+        """The backbone's hidden states of `scored.inputs` at the scored positions."""
         raise NotImplementedError(f"{type(self).__name__} does not score token positions")
+
+    def packed_hidden(self, tokens: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
+        """The backbone's hidden states of packed `tokens`, whose `documents` are each token's document
+        (None: each row is one): attending within documents with `document_masking`, positions restarting
+        with `document_positions`."""
+        if documents is None:
+            return self.backbone(tokens)
+        return self.backbone(
+            tokens,
+            documents=documents if self.document_masking else None,
+            position_ids=document_positions(documents) if self.document_positions else None,
+        )
 
     def features(self, tokens: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
         """Float32 features (batch, width) of PAD-padded token ids (`attend` False at padding) for probes,
         computed in eval mode without gradients; the module's mode is restored after."""
-        with frozen(self):
+        with frozen(self), uncompiled():
             return self.pooled_features(tokens, attend).float()
 
     def pooled_features(self, tokens: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
@@ -222,10 +243,32 @@ def frozen(module: nn.Module) -> Iterator[None]:
         module.train(was_training)
 
 
+def uncompiled() -> AbstractContextManager[None]:
+    """Compiled blocks run eagerly inside: for the rare calls whose shapes vary (a probe's, a sample's
+    growing text), each of which would otherwise cost a recompilation (`model.compile`)."""
+    return torch.compiler.set_stance("force_eager")
+
+
 def masked_mean(hidden: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
     """The mean of `hidden` (batch, length, width) over the positions where `attend` (batch, length) is True."""
     weights = attend[..., None].to(hidden.dtype)
     return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1)
+
+
+class Scored(NamedTuple):
+    """What a language-model objective scores in a batch of packed blocks."""
+
+    inputs: torch.Tensor  # the token ids the model reads (batch, length)
+    documents: torch.Tensor | None  # each input token's document in its block (batch, length); None: one per row
+    positions: torch.Tensor | None  # the positions scored (batch, k); None: every one
+    targets: torch.Tensor  # their targets, IGNORE where a position counts for nothing
+
+
+def input_documents(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The documents of a batch's input tokens (all but each block's last), if the batch has them: packed
+    blocks from the data do (`doc_ids`); a batch made by hand may not, and is then one document a row."""
+    documents = batch.get("doc_ids")
+    return None if documents is None else documents[:, :-1]
 
 
 class BatchWork(NamedTuple):

@@ -10,7 +10,16 @@ import torch
 from pretraining.data.tokenizer import EOS_ID, Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import ChunkTokens, PretrainingObjective, lm_cross_entropy, sums
+from pretraining.objectives.base import (
+    ChunkTokens,
+    PretrainingObjective,
+    Scored,
+    frozen,
+    input_documents,
+    lm_cross_entropy,
+    sums,
+    uncompiled,
+)
 from pretraining.ranges import checked_ranges
 
 
@@ -32,29 +41,26 @@ class CausalLM(PretrainingObjective):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.backbone.logits(self.backbone(tokens))
 
-    def token_nll(self, tokens: torch.Tensor, reduction: str) -> torch.Tensor:
-        inputs, positions, targets = self.scored_inputs({"tokens": tokens})
+    def token_nll(self, batch: dict[str, torch.Tensor], reduction: str) -> torch.Tensor:
+        scored = self.scored_inputs(batch)
         head = self.backbone.token_embedding.weight
-        return lm_cross_entropy(self.hidden_at(inputs, positions), head, targets, reduction, self.loss_chunk_tokens)
+        return lm_cross_entropy(self.hidden_at(scored), head, scored.targets, reduction, self.loss_chunk_tokens)
 
-    def scored_inputs(
-        self, batch: dict[str, torch.Tensor], validation: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def scored_inputs(self, batch: dict[str, torch.Tensor], validation: bool = False) -> Scored:
         """Every position is scored, in training and validation: its target is the next token."""
         tokens = batch["tokens"]
-        return tokens[:, :-1], None, tokens[:, 1:]
+        return Scored(tokens[:, :-1], input_documents(batch), None, tokens[:, 1:])
 
-    def hidden_at(self, inputs: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        return self.backbone(inputs)
+    def hidden_at(self, scored: Scored) -> torch.Tensor:
+        return self.packed_hidden(scored.inputs, scored.documents)
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.token_nll(batch["tokens"], "mean")
+        return self.token_nll(batch, "mean")
 
     def validation_update(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        tokens = batch["tokens"]
         return {
-            "nll": self.token_nll(tokens, "sum"),
-            "tokens": torch.tensor(tokens[:, 1:].numel(), dtype=torch.float64),
+            "nll": self.token_nll(batch, "sum"),
+            "tokens": torch.tensor(batch["tokens"][:, 1:].numel(), dtype=torch.float64),
             "bytes": batch["target_bytes"].sum(),
         }
 
@@ -82,9 +88,6 @@ class CausalLM(PretrainingObjective):
 
     def complete(self, tokenizer: Tokenizer, prompt: str, max_new_tokens: int = 200, **sampling) -> str:
         """Text continuation of `prompt`, sampled in eval mode."""
-        was_training = self.training
-        self.eval()
         ids = torch.tensor([tokenizer.encode(prompt)], device=self.device)
-        text = tokenizer.decode(self.generate(ids, max_new_tokens, **sampling)[0].tolist())
-        self.train(was_training)
-        return text
+        with frozen(self), uncompiled():
+            return tokenizer.decode(self.generate(ids, max_new_tokens, **sampling)[0].tolist())

@@ -102,21 +102,21 @@ class Distillation(PretrainingObjective):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Summed cross-entropy and KL at `temperature` over the scored positions of `batch`, and their count."""
         assert self.teacher is not None
-        inputs, positions, targets = self.scored_inputs(batch, validation)
-        with frozen(self.teacher.model):
-            teacher_hidden = self.teacher.model.hidden_at(inputs, positions)
+        scored = self.scored_inputs(batch, validation)
+        with frozen(self.teacher.model):  # it reads the documents as it was trained to (its own settings)
+            teacher_hidden = self.teacher.model.hidden_at(scored)
         cross_entropy, kl = distillation_sums(
-            self.hidden_at(inputs, positions),
+            self.hidden_at(scored),
             self.backbone.token_embedding.weight,
             teacher_hidden,
             self.teacher.model.backbone.token_embedding.weight,
-            targets,
+            scored.targets,
             self.backbone.vocab_size,
             temperature,
             self.divergence == "reverse",
             self.kl_chunk_tokens,
         )
-        return cross_entropy, kl, (targets != IGNORE).sum()
+        return cross_entropy, kl, (scored.targets != IGNORE).sum()
 
     def validation_update(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The student's own validation sums, and its KL to the teacher at temperature 1 (the distributions

@@ -18,7 +18,14 @@ import torch.nn.functional as F
 from pretraining.data.tokenizer import MASK_ID, SPECIAL_TOKENS, Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import ChunkTokens, PretrainingObjective, lm_cross_entropy, sums
+from pretraining.objectives.base import (
+    ChunkTokens,
+    PretrainingObjective,
+    Scored,
+    input_documents,
+    lm_cross_entropy,
+    sums,
+)
 from pretraining.ranges import Range, checked_ranges
 
 IGNORE = -100
@@ -144,36 +151,31 @@ class MaskedLM(PretrainingObjective):
             self.random_prob,
         )
 
-    def scored_inputs(
-        self, batch: dict[str, torch.Tensor], validation: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def scored_inputs(self, batch: dict[str, torch.Tensor], validation: bool = False) -> Scored:
         """The masked positions are scored: at `mask_rate` in training, at the fixed validation masks in validation."""
-        if validation:
-            return self.masked_inputs(batch, self.eval_mask_rate, self.eval_seed)
-        return self.masked_inputs(batch, self.mask_rate, self.seed)
+        rate, seed = (self.eval_mask_rate, self.eval_seed) if validation else (self.mask_rate, self.seed)
+        inputs, positions, labels = self.masked_inputs(batch, rate, seed)
+        return Scored(inputs, input_documents(batch), positions, labels)
 
-    def hidden_at(self, inputs: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """Hidden states (batch, k, d_model) at `positions` only: the head never sees the other rows."""
-        assert positions is not None
-        hidden = self.backbone(inputs)
-        return hidden.gather(1, positions[..., None].expand(-1, -1, hidden.shape[-1]))
-
-    def masked_logits(self, inputs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits (batch, k, vocabulary) at `positions` only."""
-        return self.backbone.logits(self.hidden_at(inputs, positions))
+    def hidden_at(self, scored: Scored) -> torch.Tensor:
+        """Hidden states (batch, k, d_model) at the scored positions only: the head never sees the other rows."""
+        assert scored.positions is not None
+        hidden = self.packed_hidden(scored.inputs, scored.documents)
+        return hidden.gather(1, scored.positions[..., None].expand(-1, -1, hidden.shape[-1]))
 
     def head_positions(self, length: int) -> int:
         return masked_count(self.mask_rate, length)
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        inputs, positions, labels = self.scored_inputs(batch)
+        scored = self.scored_inputs(batch)
         head = self.backbone.token_embedding.weight
-        hidden = self.hidden_at(inputs, positions)
-        return lm_cross_entropy(hidden, head, labels, "mean", self.loss_chunk_tokens, ignore_index=IGNORE)
+        hidden = self.hidden_at(scored)
+        return lm_cross_entropy(hidden, head, scored.targets, "mean", self.loss_chunk_tokens, ignore_index=IGNORE)
 
     def validation_update(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        inputs, positions, labels = self.scored_inputs(batch, validation=True)
-        logits = self.masked_logits(inputs, positions)
+        scored = self.scored_inputs(batch, validation=True)
+        logits = self.backbone.logits(self.hidden_at(scored))
+        labels = scored.targets
         counted = labels != IGNORE
         nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
         return {
