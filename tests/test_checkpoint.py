@@ -140,7 +140,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_and_no_unverifiable
 def datamodule(directory: Path, workers: int) -> ShardDataModule:
     # 64-byte blocks: an epoch of the small shards is about 17 batches.
     return ShardDataModule(
-        str(directory), ByteTokenizer(), format=packed_blocks(64), global_batch_size=4, num_workers=workers
+        str(directory), ByteTokenizer(), format=packed_blocks(64), global_batch_size=4, streams=1, num_workers=workers
     )
 
 

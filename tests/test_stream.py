@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from conftest import packed_blocks, tokenized_pairs
 from pretraining.data.corpus import read_source
-from pretraining.data.datamodule import ShardDataModule
+from pretraining.data.datamodule import ShardDataModule, default_streams
 from pretraining.data.formats import Block, PackedBlocks, block_tensors, encode_document, pack_blocks
 from pretraining.data.manifest import Manifest
 from pretraining.data.reader import read_shard
@@ -35,6 +35,7 @@ from pretraining.data.stream import (
     validation_examples,
 )
 from pretraining.data.tokenizer import EOS_ID, ByteTokenizer
+from pretraining.instantiate import build
 
 BLOCK = 32
 SEED = 7
@@ -624,7 +625,9 @@ def test_validation_blocks_pack_across_shards_in_manifest_order(train_urls):
 
 
 def test_datamodule_train_batches(shard_dir):
-    dm = ShardDataModule(str(shard_dir), ByteTokenizer(), format=packed_blocks(32), global_batch_size=4, num_workers=0)
+    dm = ShardDataModule(
+        str(shard_dir), ByteTokenizer(), format=packed_blocks(32), global_batch_size=4, streams=1, num_workers=0
+    )
     loader = dm.train_dataloader()
     assert loader.dataset.source.shuffle_buffer == 4096
     batch = next(iter(loader))
@@ -638,7 +641,7 @@ def test_datamodule_train_batches(shard_dir):
 
 def test_global_batch_in_tokens(shard_dir):
     dm = ShardDataModule(
-        str(shard_dir), ByteTokenizer(), format=packed_blocks(32), global_batch_tokens=128, num_workers=0
+        str(shard_dir), ByteTokenizer(), format=packed_blocks(32), global_batch_tokens=128, streams=1, num_workers=0
     )
     assert dm.global_batch_size == 4 and dm.plan_for(1) == BatchPlan(4, 4, 1, 1)
     with pytest.raises(
@@ -712,3 +715,15 @@ def test_formats_reject_invalid_lengths(format, message):
 def test_datamodule_missing_dir(tmp_path):
     with pytest.raises(ValueError, match="pretrain-data build"):
         ShardDataModule(str(tmp_path), ByteTokenizer(), format=packed_blocks(32), global_batch_size=4)
+
+
+@pytest.mark.parametrize(("global_batch", "streams"), [(12, 4), (16, 8), (64, 8), (6, 2), (7, 1)])
+def test_the_default_streams_divide_the_global_batch(global_batch: int, streams: int) -> None:
+    assert default_streams(global_batch) == streams
+    batch_plan(global_batch, None, default_streams(global_batch), 1)  # accepted
+
+
+def test_a_global_batch_of_12_trains_with_the_default_streams(compose_train) -> None:
+    cfg = compose_train("data.global_batch_size=12", "data.streams=null")
+    data = build(cfg.data, tokenizer=ByteTokenizer())
+    assert data.streams == 4 and data.plan_for(2).chunk == 3

@@ -27,6 +27,7 @@ whole. `check_skips` stops the run once too much was skipped
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from collections.abc import Callable
@@ -52,7 +53,7 @@ class ShardDataModule(LightningDataModule):
 
     Training is an infinite `BatchStream` per rank (train with `max_steps`).
     Validation is the first `val_size` examples of the validation shards, dealt
-    to ranks in equal numbers, the same every time.
+    to ranks in equal numbers, the same every time. `streams` None: `default_streams`.
     """
 
     STATE_FORMAT = 2
@@ -66,7 +67,7 @@ class ShardDataModule(LightningDataModule):
         global_batch_size: Positive | None = None,
         global_batch_tokens: Positive | None = None,
         micro_batch_size: Positive | None = None,
-        streams: Positive = 1,
+        streams: Positive | None = None,
         seed: int = 0,
         num_workers: Annotated[int, Range(ge=0)] = 1,
         shuffle_buffer: Positive = 4096,
@@ -81,6 +82,7 @@ class ShardDataModule(LightningDataModule):
         super().__init__()
         self.tokenizer, self.format = tokenizer, format(tokenizer)
         global_batch_size = global_batch_examples(global_batch_size, global_batch_tokens, self.format.example_tokens)
+        streams = streams or default_streams(global_batch_size)
         batch_plan(global_batch_size, micro_batch_size, streams, 1)  # a config error shows before any work
         self.bad_data, self.max_skip_fraction = bad_data, max_skip_fraction
         self.manifest = Manifest.load(
@@ -287,3 +289,10 @@ def global_batch_examples(examples: int | None, tokens: int | None, example_toke
         f"set exactly one of data.global_batch_size (examples) and data.global_batch_tokens; got {examples} and "
         f"{tokens} (set the other to null)"
     )
+
+
+def default_streams(global_batch: int) -> int:
+    """The streams a step draws from when `data.streams` is null: the largest of 1, 2, 4 and 8 dividing the
+    global batch (8 for 16 or 32, 4 for 12), from the batch alone so that the data order never depends on
+    the number of devices."""
+    return math.gcd(global_batch, 8)
