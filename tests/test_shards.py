@@ -341,11 +341,15 @@ def test_read_source_missing_path(tmp_path):
         read_source(str(missing))
 
 
-def test_read_source_plain_file_is_refused(tmp_path):
+def test_a_text_file_is_one_document_and_a_binary_file_is_refused(tmp_path):
     path = tmp_path / "notes.txt"
     path.write_text("hello")
-    with pytest.raises(CorpusError, match=r"notes\.txt"):
-        read_source(str(path))
+    (document,) = read_source(str(path))
+    assert document.source_id == f"{tmp_path.name}:notes.txt" and document.texts == {"txt": "hello"}
+    archive = tmp_path / "notes.gz"
+    archive.write_bytes(b"\x1f\x8b\x08\x00" + bytes(60))
+    with pytest.raises(CorpusError, match=r"notes\.gz \(gzip\)"):
+        read_source(str(archive))
 
 
 def test_read_text_files_source_ids_and_undecodable(corpus):
@@ -489,3 +493,68 @@ def test_a_full_disk_during_a_build_leaves_the_previous_dataset_and_says_so(corp
     assert f"writing the shards failed: [Errno 27] File too large; {out} is unchanged" in failed.stderr
     assert {path.name: path.read_bytes() for path in out.iterdir()} == before
     assert sorted(path.name for path in tmp_path.iterdir()) == ["shards"]  # no staging directory left
+
+
+def split_texts(out: Path) -> dict[str, dict[str, str]]:
+    """Each split's texts by source id, read back from the shards."""
+    manifest = Manifest.load(out)
+    return {
+        split: {
+            json.loads(sample["json"])["source_id"]: sample["txt"].decode()
+            for url in manifest.urls(split)
+            for sample in read_shard(url)
+        }
+        for split in SPLITS
+    }
+
+
+def test_validation_sources_are_the_validation_split(tmp_path):
+    corpus, held_out = tmp_path / "corpus", tmp_path / "held_out"
+    corpus.mkdir(), held_out.mkdir()
+    for number in range(6):
+        (corpus / f"doc{number}.txt").write_text(f"training document {number}\n" * 5)
+    (held_out / "fresh.txt").write_text("a validation document\n")
+    (held_out / "copy.txt").write_text("training document 3\n" * 5)  # seen in training: dropped
+    out = tmp_path / "shards"
+    cli_main(["build", "--source", str(corpus), "--validation-source", str(held_out), "--out", str(out), "--quiet"])
+    texts = split_texts(out)
+    assert set(texts["validation"]) == {"held_out:fresh.txt"}
+    assert len(texts["train"]) == 6 and all(key.startswith("corpus:") for key in texts["train"])
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["settings"]["validation_sources"] == [str(held_out)]
+    assert manifest["settings"]["validation_fraction"] == 0.0
+    assert manifest["split_rule"] == "validation iff the document was read from validation_sources"
+    assert manifest["dedup"]["exact_duplicates_dropped"] == 1
+
+
+def test_a_validation_tail_holds_out_the_end_of_every_document(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    lines = [f"line {number:02d} of the book" for number in range(40)]
+    (corpus / "book.txt").write_text("\n".join(lines) + "\n")
+    (corpus / "short.txt").write_text("one line only")  # no line starts in its tail: whole, in training
+    out = tmp_path / "shards"
+    cli_main(["build", "--source", str(corpus), "--validation-tail", "0.25", "--out", str(out), "--quiet"])
+    texts = split_texts(out)
+    head, tail = texts["train"]["corpus:book.txt"], texts["validation"]["corpus:book.txt#tail"]
+    assert head + "\n" + tail == normalize("\n".join(lines))
+    assert tail.startswith("line ") and tail.splitlines() == lines[-len(tail.splitlines()) :]
+    assert 0.22 < len(tail) / len(head + "\n" + tail) <= 0.25  # from the first line start in the last 25%
+    assert texts["train"]["corpus:short.txt"] == "one line only" and len(texts["validation"]) == 1
+    manifest = json.loads((out / MANIFEST).read_text())
+    assert manifest["settings"]["validation_tail"] == 0.25 and "#tail" in manifest["split_rule"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--validation-fraction", "0.1", "--validation-tail", "0.1"], "--validation-fraction and --validation-tail"),
+        (["--validation-source", "x", "--validation-tail", "0.1"], "--validation-source and --validation-tail"),
+        (["--validation-tail", "1.5"], r"--validation-tail 1\.5 must be in \(0, 1\)"),
+        (["--pairs", "--validation-tail", "0.1"], "cuts the text of documents, not pairs"),
+    ],
+)
+def test_one_way_of_choosing_validation(tmp_path, flags, message):
+    with pytest.raises(SystemExit, match=message):
+        cli_main(["build", "--source", "stdlib", *flags, "--out", str(tmp_path / "out"), "--quiet"])
+    assert not (tmp_path / "out").exists()

@@ -224,8 +224,9 @@ def data_parser() -> argparse.ArgumentParser:
         "--source",
         action="append",
         default=None,
-        help="'stdlib' (default), a directory of text files, a .jsonl or .parquet file (or a directory of them), "
-        "or a dataset saved by Hugging Face datasets' save_to_disk (one split); repeat to combine sources",
+        help="'stdlib' (default), a text file or a directory of text files, a .jsonl or .parquet file (or a "
+        "directory of them), or a dataset saved by Hugging Face datasets' save_to_disk (one split); repeat to "
+        "combine sources",
     )
     b.add_argument("--out", required=True, help="shard directory (replaced only when the build completes)")
     b.add_argument("--text-field", default="text", help="jsonl field or Parquet/dataset column holding the text")
@@ -246,7 +247,25 @@ def data_parser() -> argparse.ArgumentParser:
         "--passage-field", default="passage", help="jsonl field or column holding the passage (with --pairs)"
     )
     # Left out when not given: pretraining.data.shards.BuildSettings holds the defaults.
-    b.add_argument("--validation-fraction", type=float, default=argparse.SUPPRESS)
+    b.add_argument(
+        "--validation-fraction",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="the share of documents held out for validation, by a hash of each one's id (default 0.05)",
+    )
+    b.add_argument(
+        "--validation-source",
+        action="append",
+        default=argparse.SUPPRESS,
+        dest="validation_sources",
+        help="a source (as --source) whose documents are the validation split, all others training; repeat for more",
+    )
+    b.add_argument(
+        "--validation-tail",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="or hold out the last FRACTION of every document (from a line start) for validation, the rest training",
+    )
     b.add_argument("--shard-samples", type=int, default=argparse.SUPPRESS, dest="max_shard_samples")
     b.add_argument("--shard-bytes", type=int, default=argparse.SUPPRESS, dest="max_shard_bytes")
     b.add_argument("--quiet", action="store_true", help="no progress display")

@@ -36,14 +36,37 @@ def read_documents(source: str, args: argparse.Namespace, counts: PairCounts) ->
     return documents if is_record_source(source) else docstring_pairs(documents, counts)
 
 
-def build(args: argparse.Namespace) -> None:
-    args.source = args.source or ["stdlib"]
-    given = vars(args)  # the settings not given are absent: BuildSettings has their defaults
+# How `pretrain-data build` may choose the validation split: the flag, and its key in BuildSettings.
+VALIDATION_FLAGS = {
+    "--validation-fraction": "validation_fraction",
+    "--validation-source": "validation_sources",
+    "--validation-tail": "validation_tail",
+}
+
+
+def build_settings(args: argparse.Namespace) -> BuildSettings:
+    """The settings given (those not given are absent from `args`: BuildSettings has their defaults), with
+    one way of choosing validation."""
+    given = vars(args)
+    explicit = [flag for flag, key in VALIDATION_FLAGS.items() if key in given]
+    if len(explicit) > 1:
+        raise ShardError(f"{' and '.join(explicit)} are ways to choose the validation split: give one")
+    if args.pairs and "validation_tail" in given:
+        raise ShardError("--validation-tail cuts the text of documents, not pairs: use --validation-source")
     names = [field.name for field in dataclasses.fields(BuildSettings)]
     settings = BuildSettings(**{name: given[name] for name in names if name in given})
+    if settings.validation_sources or settings.validation_tail is not None:
+        settings.validation_fraction = 0.0  # not used: the manifest says so
+    return settings
+
+
+def build(args: argparse.Namespace) -> None:
+    args.source = args.source or ["stdlib"]
+    settings = build_settings(args)
     counts = PairCounts()
     # Every source is opened (and checked) before the first shard is written.
     documents = itertools.chain.from_iterable([read_documents(s, args, counts) for s in args.source])
+    validation = [read_documents(s, args, counts) for s in settings.validation_sources]
     manifest = build_shards(
         documents,
         Path(args.out),
@@ -52,10 +75,14 @@ def build(args: argparse.Namespace) -> None:
         show_progress=not args.quiet,
         fields=PAIR_FIELDS if args.pairs else TEXT_FIELDS,
         provenance=(lambda: {"docstring_pairs": asdict(counts)}) if args.pairs else None,
+        validation_documents=itertools.chain.from_iterable(validation),
     )
     dedup, splits = manifest["dedup"], manifest["splits"]
     if splits["validation"]["documents"] == 0:
-        print("warning: no validation documents; training needs some: raise --validation-fraction")
+        print(
+            "warning: no validation documents; training needs some: raise --validation-fraction or "
+            "--validation-tail, or give a --validation-source with documents"
+        )
     print(
         f"wrote {args.out}: version {manifest['version']}, "
         + ", ".join(f"{name} {s['documents']} docs in {len(s['shards'])} shards" for name, s in splits.items())

@@ -170,8 +170,8 @@ def read_source(
     path = Path(source)
     if not path.exists():
         raise CorpusError(
-            f"corpus source {source!r} does not exist; pass an existing directory, a .jsonl or .parquet file, "
-            f"a dataset saved by datasets' save_to_disk, or 'stdlib' for the Python standard library corpus"
+            f"corpus source {source!r} does not exist; pass an existing text file or directory, a .jsonl or .parquet "
+            f"file, a dataset saved by datasets' save_to_disk, or 'stdlib' for the Python standard library corpus"
         )
     if is_table_source(path):
         return read_table_source(path, text_fields or {"txt": "text"}, id_field)
@@ -182,7 +182,8 @@ def read_source(
         refuse_binary_files(text_files(path))
         return read_text_files(path)
     refuse_binary_files([path])
-    raise CorpusError(f"corpus source {source!r} is a file but not .jsonl or .parquet; pass its directory instead")
+    refuse_id_field(source, id_field)
+    return iter([_read_text_file(path, f"{path.parent.name}:{path.name}")])  # one text file: one document
 
 
 def refuse_id_field(source: str, id_field: str | None) -> None:

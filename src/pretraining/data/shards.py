@@ -33,21 +33,40 @@ from pretraining.files import sha256_of, write_atomically
 
 FORMAT = "pretraining-shards/2"
 SPLIT_RULE = "validation iff int(sha256(source_id)[:16], 16) / 2**64 < validation_fraction"
+SOURCES_RULE = "validation iff the document was read from validation_sources"
+TAIL_RULE = (
+    "each document's last validation_tail of its characters, from the start of a line, is a validation document "
+    "(source id + '#tail'); the rest of it is a training document"
+)
 
 
 @dataclass
 class BuildSettings:
-    """Everything that decides the bytes of the shards."""
+    """Everything that decides the bytes of the shards. The validation split is one of: a hash of each
+    document's source id against `validation_fraction` (the default); the documents of
+    `validation_sources`; or the last `validation_tail` of every document."""
 
     validation_fraction: float = 0.05
     max_shard_samples: int = 10_000
     max_shard_bytes: int = 1_000_000
+    validation_sources: list[str] = field(default_factory=list)
+    validation_tail: float | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ShardError(f"validation_fraction={self.validation_fraction} must be in [0, 1)")
         if self.max_shard_samples < 1 or self.max_shard_bytes < 1:
             raise ShardError("max_shard_samples and max_shard_bytes must be positive")
+        if self.validation_tail is not None and not 0.0 < self.validation_tail < 1.0:
+            raise ShardError(f"--validation-tail {self.validation_tail} must be in (0, 1): the share of each document")
+        if self.validation_sources and self.validation_tail is not None:
+            raise ShardError("--validation-source and --validation-tail are two ways to choose validation: give one")
+
+    @property
+    def split_rule(self) -> str:
+        if self.validation_sources:
+            return SOURCES_RULE
+        return SPLIT_RULE if self.validation_tail is None else TAIL_RULE
 
 
 @dataclass
@@ -65,6 +84,27 @@ def split_of(source_id: str, validation_fraction: float) -> str:
     """The split a document belongs to: a pure function of its source id."""
     position = int(hashlib.sha256(source_id.encode()).hexdigest()[:16], 16) / 2**64
     return "validation" if position < validation_fraction else "train"
+
+
+def split_parts(document: Document, settings: BuildSettings, from_validation: bool) -> list[tuple[str, Document]]:
+    """The (split, document) parts that a kept document becomes under the settings' split rule
+    (`from_validation`: it was read from `validation_sources`)."""
+    if settings.validation_sources:
+        return [("validation" if from_validation else "train", document)]
+    if settings.validation_tail is None:
+        return [(split_of(document.source_id, settings.validation_fraction), document)]
+    assert document.texts is not None and len(document.texts) == 1, "a tail is taken of single-text documents"
+    ((name, text),) = document.texts.items()
+    # The tail starts with the first line that starts at or after the cut, so no line is split.
+    start = round(len(text) * (1 - settings.validation_tail))
+    cut = text.find("\n", start - 1) + 1
+    head, tail = text[:cut].rstrip("\n"), text[cut:]
+    if not head.strip() or not tail.strip():  # no line starts in its tail: it stays whole, in training
+        return [("train", document)]
+    return [
+        ("train", Document(document.source_id, {name: head}, document.meta)),
+        ("validation", Document(f"{document.source_id}#tail", {name: tail}, document.meta)),
+    ]
 
 
 def _member_bytes(size: int) -> int:
@@ -130,13 +170,19 @@ class _ShardWriter:
         self._tar = None
 
 
-def deduplicated(documents: Iterable[Document], counts: BuildCounts) -> Iterator[tuple[Document, dict[str, str]]]:
+def text_digests(texts: dict[str, str]) -> dict[str, str]:
+    return {name: hashlib.sha256(text.encode()).hexdigest() for name, text in texts.items()}
+
+
+def deduplicated(
+    documents: Iterable[Document], counts: BuildCounts, seen: set[str] | None = None
+) -> Iterator[tuple[Document, dict[str, str]]]:
     """Normalise; drop undecodable documents, those with an empty text, and those with any text
-    seen before; yield (document, sha256 of each text).
+    seen before (in `seen` too, which it adds to); yield (document, sha256 of each text).
 
     For pairs a repeated query or passage is dropped too: two pairs sharing a text would be
     each other's false negatives in a contrastive batch."""
-    seen: set[str] = set()
+    seen = set() if seen is None else seen
     for document in documents:
         counts.read += 1
         if document.texts is None:
@@ -146,7 +192,7 @@ def deduplicated(documents: Iterable[Document], counts: BuildCounts) -> Iterator
         if not all(texts.values()):
             counts.empty += 1
             continue
-        digests = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in texts.items()}
+        digests = text_digests(texts)
         if not seen.isdisjoint(digests.values()):
             counts.exact_duplicates += 1
             continue
@@ -162,11 +208,13 @@ def build_shards(
     show_progress: bool = True,
     fields: tuple[str, ...] = TEXT_FIELDS,
     provenance: Callable[[], dict] | None = None,
+    validation_documents: Iterable[Document] = (),
 ) -> dict:
     """Build train/validation shards and the manifest in `out_dir`; return the manifest.
 
     Every document must have exactly `fields`. `provenance`, called once the documents are
-    consumed, adds what the readers counted (e.g. pair extraction) to the manifest."""
+    consumed, adds what the readers counted (e.g. pair extraction) to the manifest.
+    `validation_documents` (read from `settings.validation_sources`) are the validation split."""
     settings = settings or BuildSettings()
     out_dir = out_dir.resolve()
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
@@ -180,7 +228,9 @@ def build_shards(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        manifest = _write_dataset(documents, staging, sources, settings, show_progress, fields, provenance)
+        manifest = _write_dataset(
+            documents, validation_documents, staging, sources, settings, show_progress, fields, provenance
+        )
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)  # out_dir keeps the previous good dataset
         if isinstance(error, OSError):  # a full disk, a directory that cannot be written
@@ -195,6 +245,7 @@ def build_shards(
 
 def _write_dataset(
     documents: Iterable[Document],
+    validation_documents: Iterable[Document],
     staging: Path,
     sources: list[str],
     settings: BuildSettings,
@@ -211,17 +262,21 @@ def _write_dataset(
     with Progress(*columns, disable=not show_progress, transient=True) as progress:
         task = progress.add_task("build", total=None, read=0, mb=0.0)
         text_bytes = 0
-        for document, digests in deduplicated(documents, counts):
-            assert document.texts is not None
-            if tuple(document.texts) != fields:
-                raise ShardError(f"{document.source_id} has fields {tuple(document.texts)}, expected {fields}")
-            split = split_of(document.source_id, settings.validation_fraction)
-            key = f"{split}-{counts.kept[split]:09d}"
-            meta = {"source_id": document.source_id, "sha256": digests, **document.meta}
-            writers[split].write(key, document.texts, meta)
-            counts.kept[split] += 1
-            text_bytes += sum(len(text) for text in document.texts.values())
-            progress.update(task, advance=1, read=counts.read, mb=text_bytes / 1e6)
+        seen: set[str] = set()  # one deduplication over both: a validation text seen in training is dropped
+        for from_validation, read in ((False, documents), (True, validation_documents)):
+            for document, digests in deduplicated(read, counts, seen):
+                assert document.texts is not None
+                if tuple(document.texts) != fields:
+                    raise ShardError(f"{document.source_id} has fields {tuple(document.texts)}, expected {fields}")
+                for split, part in split_parts(document, settings, from_validation):
+                    assert part.texts is not None
+                    key = f"{split}-{counts.kept[split]:09d}"
+                    part_digests = digests if part is document else text_digests(part.texts)
+                    meta = {"source_id": part.source_id, "sha256": part_digests, **part.meta}
+                    writers[split].write(key, part.texts, meta)
+                    counts.kept[split] += 1
+                text_bytes += sum(len(text) for text in document.texts.values())
+                progress.update(task, advance=1, read=counts.read, mb=text_bytes / 1e6)
     shards = {split: writer.close() for split, writer in writers.items()}
     if counts.kept["train"] == 0:
         raise ShardError(
@@ -242,8 +297,9 @@ def _manifest(
         "fields": list(fields),
         "sources": sources,
         "python": platform.python_version(),
-        "settings": asdict(settings),
-        "split_rule": SPLIT_RULE,
+        # The ways of choosing validation not used are left out: a default build writes the manifest it always did.
+        "settings": {key: value for key, value in asdict(settings).items() if value not in (None, [])},
+        "split_rule": settings.split_rule,
         "normalization": "NFC, \\n newlines, trailing whitespace and leading blank lines stripped",
         "dedup": {
             "method": "exact sha256 of each normalised text field; a document repeating any text seen "
