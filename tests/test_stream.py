@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -727,3 +728,21 @@ def test_a_global_batch_of_12_trains_with_the_default_streams(compose_train) -> 
     cfg = compose_train("data.global_batch_size=12", "data.streams=null")
     data = build(cfg.data, tokenizer=ByteTokenizer())
     assert data.streams == 4 and data.plan_for(2).chunk == 3
+
+
+def test_a_document_longer_than_the_shuffle_buffer_is_warned_about(tmp_path) -> None:
+    """A document of 40 blocks behind a buffer of 16: its blocks would train nearly in order."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "large.txt").write_text("x" * (40 * BLOCK))
+    (corpus / "small.txt").write_text("y" * (3 * BLOCK))
+    settings = BuildSettings(validation_fraction=0.0)
+    build_shards(read_source(str(corpus)), tmp_path / "shards", [str(corpus)], settings, show_progress=False)
+    urls = Manifest.load(tmp_path / "shards").urls("train")
+    with pytest.warns(
+        UserWarning, match=r"more than data\.shuffle_buffer=16 blocks in a row.*raise data\.shuffle_buffer"
+    ):
+        list(itertools.islice(stream(urls, shuffle_buffer=16).examples(0, 1, Cursor()), 43))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        list(itertools.islice(stream(urls, shuffle_buffer=64).examples(0, 1, Cursor()), 43))

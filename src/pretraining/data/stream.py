@@ -40,6 +40,7 @@ import collections
 import hashlib
 import itertools
 import random
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
@@ -104,6 +105,32 @@ def buffer_shuffled(items: Iterable[T], buffer_size: int, rng: random.Random) ->
     yield from buffer
 
 
+def warn_on_long_documents(
+    format: ExampleFormat[Any], samples: Iterable[tuple[str, ...]], shuffle_buffer: int, url: str
+) -> Iterator[Any]:
+    """The format's examples of a shard's samples, with a warning when one sample (a document) gives more
+    examples in a row than the shuffle buffer holds: they then leave it nearly in order."""
+    taken = 0
+
+    def counted() -> Iterator[tuple[str, ...]]:
+        nonlocal taken
+        for sample in samples:
+            taken += 1
+            yield sample
+
+    run, last = 0, -1
+    for example in format.examples(counted()):
+        run, last = (run + 1 if taken == last else 1), taken
+        if run == shuffle_buffer + 1:
+            warnings.warn(
+                f"{url}: a document gives more than data.shuffle_buffer={shuffle_buffer} {format.kind} in a row, so "
+                f"they are shuffled only within a window of that many and train nearly in order: raise "
+                f"data.shuffle_buffer above the {format.kind} of the largest documents, or split those documents",
+                stacklevel=2,
+            )
+        yield example
+
+
 # --- the streams ------------------------------------------------------------------------------------
 
 
@@ -153,7 +180,8 @@ class ShardStream:
             epoch, shard = stream_shard(ordinal, stream, streams, len(self.urls), self.seed)
             samples = self.shard_texts(reader, shard)
             rng = seeded_rng(self.seed, epoch, shard)
-            examples = buffer_shuffled(self.format.examples(samples), self.shuffle_buffer, rng)
+            made = warn_on_long_documents(self.format, samples, self.shuffle_buffer, self.urls[shard])
+            examples = buffer_shuffled(made, self.shuffle_buffer, rng)
             first = start.block if ordinal == start.shard else 0
             if first:
                 collections.deque(itertools.islice(examples, first), maxlen=0)  # consumed before the cursor
