@@ -1,18 +1,21 @@
-"""Template overhead vs a plain PyTorch loop, and loader vs model throughput (CPU, one process).
+"""Template overhead vs a plain PyTorch loop with the same safety, and loader vs model throughput (CPU, one process).
 
-1. The clm_tiny CausalLM trains N identical, pre-fetched batches (a) through the template's Trainer (built from
-   configs/trainer/default.yaml, with its LR monitor, throughput callback, data-wait-timing loader and CSV logger)
-   and (b) through a plain loop doing what Lightning does per step: zero_grad, loss, backward,
-   clip_grad_norm_(1.0) over the optimizer's params, optimizer.step, scheduler.step. The two run in lockstep, on
-   separate copies of the model: at the start of Lightning's step i a callback runs plain step i (timed on its
-   own), so both see the same machine state and the slow drift of a shared machine cancels out. Lightning's step i
-   is everything from the end of plain step i to the start of plain step i+1 (hooks, logging, the LR scheduler,
-   fetching the next batch included). The first `--warmup` steps are left out; the step times are medians over
-   all timed steps of all runs, and `template / plain` is the median of the per-step ratios: goal <= 1.03.
+1. The clm_tiny run as `pretrain` builds it (`pretraining.run.build_trainer`: the default callbacks and the CSV
+   logger; the DataModule and its loader; a validation before training and after the last step) against the loop a
+   careful user writes by hand: zero_grad, loss, backward, clip_grad_norm_(1.0), a check that loss and norm are
+   finite (a bad step is skipped), optimizer.step, scheduler.step, over the same batches read ahead. The two run in
+   lockstep on separate copies of the model: at the start of Lightning's step i a callback runs plain step i (timed
+   on its own), so both see the same machine state and the slow drift of a shared machine cancels out. Lightning's
+   step i is everything from the end of plain step i to the start of plain step i+1: its hooks, callbacks, logging,
+   LR scheduler and the fetching of the next batch from its loader. The first `--warmup` steps are left out; the
+   step times are medians over all timed steps of all runs, and `template / plain` is the median of the per-step
+   ratios: goal <= 1.03. Each callback's hooks are timed in the timed steps too (its cost per step), and the run's
+   fixed costs: before the first step (the Trainer's set-up, the first validation and its probe) and after the
+   last (the last validation, the text sample, the final checkpoint).
 2. Both models start from the same weights; after N steps every parameter must be bitwise equal (`torch.equal`).
 3. The training DataLoader (default num_workers) must deliver tokens at >= 10x the rate the model consumes them.
 
-    python scripts/bench_overhead.py --data data/stdlib [--steps 50 --repeats 2 --threads 1]
+    python scripts/bench_overhead.py --data data/stdlib [--steps 50 --repeats 2 --threads 1] [-- hydra overrides]
 """
 
 from __future__ import annotations
@@ -25,27 +28,37 @@ import statistics
 import tempfile
 import time
 import warnings
+from collections import defaultdict
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
-from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
-from lightning.pytorch.callbacks import LearningRateMonitor
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch import Callback, LightningModule, Trainer
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
-from pretraining.callbacks import Throughput
+from pretraining.callbacks import SkippedSamples
 from pretraining.config import CONFIG_DIR  # registers the config resolvers
-from pretraining.data.loader import WaitTimedLoader
-from pretraining.objectives import PretrainingObjective
+from pretraining.objectives import PretrainingObjective, build_objective
+from pretraining.run import build_trainer, fit, prepare_process, run_lineage
 
 Batch = dict[str, torch.Tensor]
+# The hooks a callback may run inside a training step.
+STEP_HOOKS = [
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_before_zero_grad",
+    "on_train_batch_end",
+]
 
 
 class PlainLoop:
-    """One training step the way Lightning does it, in plain PyTorch, with the objective's own optimizer setup."""
+    """One training step as a careful user writes it, with the objective's own optimizer and schedule."""
 
     def __init__(self, model: PretrainingObjective, steps: int) -> None:
         model.trainer = SimpleNamespace(max_steps=steps)  # configure_optimizers reads only trainer.max_steps
@@ -60,49 +73,88 @@ class PlainLoop:
         loss = self.model.training_loss(batch)
         self.optimizer.zero_grad(set_to_none=True)  # Lightning zeroes after the forward, before backward
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
-        self.optimizer.step()
+        norm = torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        if torch.isfinite(loss) and torch.isfinite(norm):  # a bad step changes nothing (one host sync)
+            self.optimizer.step()
         self.scheduler.step()
 
 
 class Lockstep(Callback):
-    """Runs plain step i at the start of Lightning's step i and records when it started and ended."""
+    """Runs plain step i at the start of Lightning's step i, recording when it started and ended, and times
+    every other callback's step hooks in the steps after the warm-up."""
 
-    def __init__(self, plain: PlainLoop, batches: list[Batch]) -> None:
-        self.plain, self.batches = plain, batches
+    def __init__(self, plain: PlainLoop, batches: list[Batch], warmup: int) -> None:
+        self.plain, self.batches, self.warmup = plain, batches, warmup
         self.stamps: list[tuple[float, float]] = []
+        self.callback_seconds: dict[str, float] = defaultdict(float)
+        self.moments: dict[str, list[float]] = defaultdict(list)  # fit start, first and last step, validations
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage != "fit":  # the validation before training sets up too: wrap the hooks once
+            return
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if callback is not self:
+                for hook in STEP_HOOKS:
+                    setattr(callback, hook, self.timed(type(callback).__name__, getattr(callback, hook)))
+
+    def timed(self, name: str, hook: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            result = hook(*args, **kwargs)
+            if self.warmup < len(self.stamps) < len(self.batches):  # the timed steps, without the final save
+                self.callback_seconds[name] += time.perf_counter() - start
+            return result
+
+        return run
 
     def on_train_batch_start(self, trainer: Trainer, module: LightningModule, batch: Batch, batch_idx: int) -> None:
         start = time.perf_counter()
         self.plain.step(self.batches[batch_idx])
         self.stamps.append((start, time.perf_counter()))
 
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.moments["validation_start"].append(time.perf_counter())
 
-def train_both(
-    initial: PretrainingObjective, batches: list[Batch], warmup: int, trainer_config: DictConfig, log_dir: str
-) -> tuple[list[float], list[float], tuple[bool, float]]:
-    """Train copies of `initial` in lockstep, Lightning with the template's trainer config, LR monitor, throughput
-    callback and CSV logger: the timed Lightning and plain step seconds, and `weights_equal`."""
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.moments["validation_end"].append(time.perf_counter())
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self.moments["last_step_end"] = [time.perf_counter()]
+
+
+class Run(SimpleNamespace):
+    lightning: list[float]
+    plain: list[float]
+    equal: tuple[bool, float]
+    callbacks: dict[str, float]  # seconds per timed step
+    before: float  # seconds from fit's start to the first step
+    validation: float  # seconds of the validation before training (with its probe)
+    after: float  # seconds from the last step's end to fit's return
+
+
+def run_both(cfg: DictConfig, initial: PretrainingObjective, batches: list[Batch], warmup: int) -> Run:
+    """Train copies of `initial` in lockstep: the template as `pretrain` builds it, and the plain loop."""
     lightning, plain = copy.deepcopy(initial), PlainLoop(copy.deepcopy(initial), len(batches))
-    lockstep = Lockstep(plain, batches)
-    trainer = instantiate(
-        trainer_config,
-        accelerator="cpu",
-        max_steps=len(batches),
-        max_epochs=1,
-        callbacks=[lockstep, LearningRateMonitor(logging_interval="step"), Throughput()],
-        logger=CSVLogger(log_dir),
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
-    trainer.fit(lightning, train_dataloaders=WaitTimedLoader(batches, batch_size=None))
+    lockstep = Lockstep(plain, batches, warmup)
+    datamodule = instantiate(cfg.data, tokenizer=instantiate(cfg.tokenizer))
+    lineage = run_lineage(cfg, datamodule, None, None, None)
+    trainer = build_trainer(cfg, datamodule, callbacks=[lineage, SkippedSamples(), lockstep])
+    start = time.perf_counter()
+    fit(trainer, lightning, datamodule, validate_first=True, resume=None)
+    end = time.perf_counter()
     assert trainer.global_step == len(batches), f"Lightning ran {trainer.global_step} of {len(batches)} steps"
     assert not weights_equal(initial, plain.model)[0], "training left the weights unchanged"
-    stamps = lockstep.stamps[warmup:]
-    lightning_times = [following[0] - current[1] for current, following in itertools.pairwise(stamps)]
-    return lightning_times, [end - start for start, end in stamps[:-1]], weights_equal(lightning, plain.model)
+    stamps, moments = lockstep.stamps[warmup:], lockstep.moments
+    timed_steps = len(stamps) - 1
+    return Run(
+        lightning=[following[0] - current[1] for current, following in itertools.pairwise(stamps)],
+        plain=[end - start for start, end in stamps[:-1]],
+        equal=weights_equal(lightning, plain.model),
+        callbacks={name: seconds / timed_steps for name, seconds in lockstep.callback_seconds.items()},
+        before=lockstep.stamps[0][0] - start,
+        validation=moments["validation_end"][0] - moments["validation_start"][0],
+        after=end - moments["last_step_end"][0],
+    )
 
 
 def weights_equal(a: torch.nn.Module, b: torch.nn.Module) -> tuple[bool, float]:
@@ -131,6 +183,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="lockstep runs (fresh models and Trainer each)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: least disturbed by other work)")
     parser.add_argument("--loader-batches", type=int, default=200, help="batches timed from the DataLoader")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the clm_tiny run (another shape, ...)")
     args = parser.parse_args()
     if not 0 <= args.warmup < args.steps - 1:
         parser.error("--warmup must be below --steps - 1")
@@ -140,56 +193,79 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
 
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=["experiment=clm_tiny"])
-    if args.steps <= cfg.model.warmup_steps:
-        parser.error(
-            f"--steps must exceed model.warmup_steps={cfg.model.warmup_steps} (the warmup must end within the run)"
-        )
-    seed_everything(cfg.seed, verbose=False)
-    trainer_config = cfg.trainer.copy()
-    trainer_config.default_root_dir = None  # paths.output_dir only resolves inside a Hydra run
-    tokenizer = instantiate(cfg.tokenizer)
-    initial = instantiate(cfg.model, backbone={"vocab_size": tokenizer.vocab_size})
-    fixed = instantiate(cfg.data, dir=args.data, tokenizer=tokenizer, num_workers=0).train_dataloader()
-    batches = list(itertools.islice(fixed, args.steps))
-    tokens_per_step = batches[0]["tokens"][:, :-1].numel()
-
-    times: dict[str, list[float]] = {"lightning": [], "plain": []}
-    per_run: dict[str, list[float]] = {"lightning": [], "plain": []}
-    all_equal, max_diff = True, 0.0
+    runs: list[Run] = []
     for _ in range(args.repeats):
-        with tempfile.TemporaryDirectory() as log_dir:
-            lightning, plain, (equal, diff) = train_both(initial, batches, args.warmup, trainer_config, log_dir)
-        for name, run in [("lightning", lightning), ("plain", plain)]:
-            times[name] += run
-            per_run[name].append(statistics.median(run))
-        all_equal, max_diff = all_equal and equal, max(max_diff, diff)
+        with tempfile.TemporaryDirectory() as out:
+            cfg = run_config(args, out)
+            prepare_process(cfg)
+            tokenizer = instantiate(cfg.tokenizer)
+            initial = build_objective(cfg.model, instantiate(cfg.data, tokenizer=tokenizer).format)
+            twin = instantiate(cfg.data, tokenizer=tokenizer)  # the same data, read ahead for the plain loop
+            batches = list(itertools.islice(twin.train_dataloader(), args.steps))
+            runs.append(run_both(cfg, initial, batches, args.warmup))
+    tokens_per_step = batches[0]["tokens"][:, :-1].numel()
+    print_report(args, runs, tokens_per_step)
 
-    loader = instantiate(cfg.data, dir=args.data, tokenizer=tokenizer, verify_checksums=False).train_dataloader()
+    loader = instantiate(cfg.data, tokenizer=tokenizer, verify_checksums=False).train_dataloader()
     delivered = loader_tokens_per_s(loader, args.loader_batches)
+    consumed = tokens_per_step / statistics.median(t for run in runs for t in run.lightning)
+    print(
+        f"loader delivers {delivered:,.0f} tokens/s (num_workers={loader.num_workers}), model consumes {consumed:,.0f}"
+    )
+    throughput = delivered / consumed
+    print(f"loader / model throughput: {throughput:.1f}x (goal >= 10: {'met' if throughput >= 10 else 'NOT met'})")
 
+
+def run_config(args: argparse.Namespace, out: str) -> DictConfig:
+    """The default clm_tiny run of `--steps` steps, writing into `out`, validated before and after training."""
+    overrides = [
+        "experiment=clm_tiny",
+        f"data.dir={args.data}",
+        f"paths.output_dir={out}",
+        f"paths.log_dir={out}",
+        "logger=csv",
+        f"trainer.max_steps={args.steps}",
+        f"trainer.val_check_interval={args.steps}",
+        *args.overrides,
+    ]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(config_name="train", overrides=overrides)
+    if args.steps <= cfg.model.warmup_steps:
+        raise SystemExit(f"--steps must exceed model.warmup_steps={cfg.model.warmup_steps} (the warmup must end)")
+    return cfg
+
+
+def print_report(args: argparse.Namespace, runs: list[Run], tokens_per_step: int) -> None:
+    times = {name: [t for run in runs for t in getattr(run, name)] for name in ("lightning", "plain")}
     median = {name: statistics.median(run) for name, run in times.items()}
     print(f"threads={args.threads}, {args.repeats} lockstep runs of {args.steps} steps, steps {args.warmup}..", end="")
     print(f"{args.steps - 2} timed, {tokens_per_step} tokens per step")
     print(f"{'loop':<10}{'ms/step':>9}{'tokens/s':>10}   per-run median ms/step")
     for name in times:
-        runs = " ".join(f"{t * 1e3:.1f}" for t in per_run[name])
-        print(f"{name:<10}{median[name] * 1e3:>9.1f}{tokens_per_step / median[name]:>10,.0f}   {runs}")
+        per_run = " ".join(f"{statistics.median(getattr(run, name)) * 1e3:.1f}" for run in runs)
+        print(f"{name:<10}{median[name] * 1e3:>9.1f}{tokens_per_step / median[name]:>10,.0f}   {per_run}")
     ratios = [a / b for a, b in zip(times["lightning"], times["plain"], strict=True)]
     ratio, (low, _, high) = statistics.median(ratios), statistics.quantiles(ratios, n=4)
     verdict = "met" if ratio <= 1.03 else "NOT met"
     print(
         f"template / plain step time: {ratio:.3f} (per-step quartiles {low:.3f}..{high:.3f}; goal <= 1.03: {verdict})"
     )
-    suffix = "" if all_equal else f" (max abs diff {max_diff:.3g})"
-    print(f"weights bitwise equal after {args.steps} steps: {all_equal}{suffix}")
-    consumed = tokens_per_step / median["lightning"]
-    print(
-        f"loader delivers {delivered:,.0f} tokens/s (num_workers={loader.num_workers}), model consumes {consumed:,.0f}"
+    print("per step, in the template's callbacks (mean over the timed steps of all runs):")
+    names = sorted(
+        {name for run in runs for name in run.callbacks}, key=lambda n: -sum(r.callbacks.get(n, 0) for r in runs)
     )
-    throughput = delivered / consumed
-    print(f"loader / model throughput: {throughput:.1f}x (goal >= 10: {'met' if throughput >= 10 else 'NOT met'})")
+    for name in names:
+        print(f"  {name:<22}{statistics.mean(run.callbacks.get(name, 0.0) for run in runs) * 1e3:>8.3f} ms")
+    fixed = {
+        "before the first step": "before",
+        "  of which the first validation": "validation",
+        "after the last step": "after",
+    }
+    for label, key in fixed.items():
+        print(f"{label:<32}{statistics.median(getattr(run, key) for run in runs):>7.2f} s")
+    equal = all(run.equal[0] for run in runs)
+    suffix = "" if equal else f" (max abs diff {max(run.equal[1] for run in runs):.3g})"
+    print(f"weights bitwise equal after {args.steps} steps: {equal}{suffix}")
 
 
 if __name__ == "__main__":

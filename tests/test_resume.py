@@ -8,6 +8,7 @@ import csv
 import itertools
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -22,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from conftest import tiny_run
 from pretraining.callbacks.batch_log import batch_log_differences, read_batch_log
+from pretraining.callbacks.step_seed import seed_all
 from pretraining.checkpoint import CheckpointError, saved_checkpoints
 from pretraining.config import CONFIG_DIR, default_run_name
 from pretraining.data.manifest import Manifest
@@ -353,3 +356,11 @@ def test_a_signal_saves_at_the_next_step_boundary_and_requeues_under_slurm(
     requeued = (tmp_path / "scontrol.log").read_text() if (tmp_path / "scontrol.log").exists() else None
     assert requeued == ("requeue 4242\n" if signum == signal.SIGUSR1 else None)  # Ctrl-C is not requeued
     assert {s: signal.getsignal(s) for s in handlers} == handlers  # the handlers from before training are back
+
+
+def test_reseeding_seeds_as_torch_manual_seed_does() -> None:
+    """`seed_all` skips `torch.manual_seed`'s look for other backends, and draws the same numbers."""
+    seed_all(2024)
+    ours = (random.random(), np.random.rand(), torch.rand(3))
+    random.seed(2024), np.random.seed(2024), torch.manual_seed(2024)
+    assert ours[:2] == (random.random(), np.random.rand()) and torch.equal(ours[2], torch.rand(3))

@@ -19,6 +19,8 @@ from torch.optim import Optimizer
 from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.errors import PretrainingError
+from pretraining.objectives import PretrainingObjective
+from pretraining.objectives.base import logs_written_at
 from pretraining.ranges import Range, checked_ranges
 
 
@@ -73,13 +75,16 @@ class NumericalGuard(Callback):
       that a lasting change of level stops being flagged after about a window.
       `spike_threshold: null` turns this off.
 
-    `train/grad_norm`, the global gradient norm before clipping, is logged too. Steps are numbered
+    `train/grad_norm`, the global gradient norm before clipping, is logged too (at the steps whose logs
+    are written: every `trainer.log_every_n_steps`, and the last). Steps are numbered
     as checkpoints are: step N is the N-th optimizer step. The loss is the step's mean over
     micro-batches and ranks. Every rank decides alike: the loss and norm are averaged over ranks by
     one all-reduce of two numbers (under FSDP2 the norm of the sharded gradients is all-reduced
     first), so a NaN on one rank is seen by all. The cost: one pass over the gradients for the norm,
-    and one transfer of the two numbers to the host, a device sync per step (the rest of the
-    template syncs only at logging steps); removing the callback (`~callbacks.numerics`) removes it.
+    which gradient clipping then reuses (`PretrainingObjective.step_gradient_norm`), and one transfer
+    of the two numbers to the host, a device sync per step (the rest of the template syncs only at
+    logging steps; a loop that skips non-finite steps cannot decide without it); removing the callback
+    (`~callbacks.numerics`) removes it.
     Counters and loss statistics travel in checkpoints, so a resumed run counts as the
     uninterrupted run would.
     """
@@ -109,7 +114,7 @@ class NumericalGuard(Callback):
         self.step_loss = loss if self.step_loss is None else self.step_loss + loss
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
-        loss, norm = self.step_values(trainer, optimizer)
+        loss, norm = self.step_values(trainer, pl_module, optimizer)
         step = trainer.global_step + 1
         if math.isfinite(loss) and math.isfinite(norm):
             self.bad_in_a_row = 0
@@ -118,18 +123,22 @@ class NumericalGuard(Callback):
             pass  # a float16 overflow: the GradScaler skips this step and lowers its scale
         else:
             self.skip(trainer, optimizer, step, loss, norm)
-        pl_module.log_dict(
-            {
-                "train/grad_norm": norm,
-                "train/skipped_steps": float(self.skipped_steps),
-                "train/loss_spikes": float(self.loss_spikes),
-            }
-        )
+        if logs_written_at(trainer, step):  # logging a step whose logs are not written costs a millisecond
+            pl_module.log_dict(
+                {
+                    "train/grad_norm": norm,
+                    "train/skipped_steps": float(self.skipped_steps),
+                    "train/loss_spikes": float(self.loss_spikes),
+                }
+            )
 
-    def step_values(self, trainer: Trainer, optimizer: Optimizer) -> tuple[float, float]:
-        """The step's loss (unscaled) and global gradient norm, averaged over ranks: identical on every rank."""
+    def step_values(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> tuple[float, float]:
+        """The step's loss (unscaled) and global gradient norm, averaged over ranks: identical on every rank.
+        The norm is left to the objective's gradient clipping, which then needs no pass of its own."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
+        if isinstance(pl_module, PretrainingObjective):
+            pl_module.step_gradient_norm = norm
         if isinstance(norm, DTensor):  # FSDP2: each rank holds a shard's norm
             norm = norm.full_tensor()
         assert self.step_loss is not None, "on_before_backward was not called in this step"

@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from pretraining.data.contract import training_data
+from pretraining.objectives.base import logs_written_at
 
 
 class SkippedSamples(Callback):
@@ -25,8 +26,7 @@ class SkippedSamples(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        due = step % trainer.log_every_n_steps == 0 or step >= trainer.max_steps  # type: ignore[attr-defined]
-        if step == self.checked_step or not due:  # mid-accumulation, or already checked at this step
+        if step == self.checked_step or not logs_written_at(trainer, step):  # mid-accumulation, or checked already
             return
         self.checked_step = step
         data = training_data(trainer, "data.bad_data")

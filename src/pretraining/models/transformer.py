@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from collections.abc import Callable
 from typing import Annotated, Any, cast
 
@@ -191,7 +190,10 @@ class Transformer(nn.Module):
         if self.causal:
             length = parts[0].shape[-1]
             parts.append(torch.ones(length, length, dtype=torch.bool, device=parts[0].device).tril())
-        return functools.reduce(operator.and_, parts).unsqueeze(-3)  # a head dimension: (batch, 1, query, key)
+        mask = parts[0]
+        for part in parts[1:]:
+            mask = mask & part
+        return mask.unsqueeze(-3)  # a head dimension: (batch, 1, query, key)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The tied language-model head over the padded vocabulary."""

@@ -218,7 +218,7 @@ class Contrastive(PretrainingObjective):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
-        self.log("train/logit_scale", self.logit_scale.detach().exp().squeeze())
+        self.log_step({"train/logit_scale": self.logit_scale.detach().exp().squeeze()})
         return loss
 
     def optimizer_step(self, *args, **kwargs) -> None:

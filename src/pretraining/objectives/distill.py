@@ -94,7 +94,7 @@ class Distillation(PretrainingObjective):
             raise RuntimeError("a Distill objective trains only with its teacher attached (pretraining.run)")
         cross_entropy, kl, count = self.batch_sums(batch, self.temperature, validation=False)
         cross_entropy, kl = cross_entropy / count, kl / count
-        self.log_dict({"train/kl": kl.detach(), "train/ce": cross_entropy.detach()})
+        self.log_step({"train/kl": kl.detach(), "train/ce": cross_entropy.detach()})
         return self.alpha * self.temperature**2 * kl + (1 - self.alpha) * cross_entropy
 
     def batch_sums(
