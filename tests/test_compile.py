@@ -1,0 +1,61 @@
+"""`model.compile=true` on the CPU: each transformer block compiled by inductor with the machine's C++
+compiler. A compiled model computes what the eager one does, to float rounding, and a compiled run killed
+and restarted ends bitwise as the uninterrupted compiled run."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_run
+from pretraining.callbacks.batch_log import read_batch_log
+from pretraining.models import Transformer
+from pretraining.objectives import CausalLM
+from test_resume import RESUMABLE, TEST_ENV, final_weights, kill_twice_and_compare, pretrain, run_dir
+
+
+def test_compiled_blocks_compute_what_eager_blocks_do() -> None:
+    """Loss and gradients of a compiled model against the same model eager, on the same batch, with documents
+    masked (the boolean SDPA mask path)."""
+    torch.manual_seed(0)
+    backbone = Transformer(vocab_size=64, max_seq_len=32, d_model=32, n_layer=2, n_head=2)
+    settings = {"optimizer": torch.optim.AdamW, "document_masking": True}
+    models = {compiled: CausalLM(copy.deepcopy(backbone), compile=compiled, **settings) for compiled in (False, True)}
+    models[True].configure_model()
+    documents = torch.arange(33).div(10, rounding_mode="floor").expand(4, 33)  # documents of 10 tokens
+    batch = {"tokens": torch.randint(8, 64, (4, 33)), "doc_ids": documents}
+    gradients = {}
+    for compiled, model in models.items():
+        model.zero_grad()
+        loss = model.training_loss(batch)
+        loss.backward()
+        gradients[compiled] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(gradients[True][0], gradients[False][0], rtol=1e-5, atol=1e-6)
+    for compiled_grad, eager_grad in zip(gradients[True][1], gradients[False][1], strict=True):
+        torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_compiled_run_resumes_exactly_and_trains_as_eager(tmp_path: Path, small_shards: Path, monkeypatch) -> None:
+    """Killed twice and restarted, a compiled run (dropout on: inductor draws its own dropout masks from the
+    reseeded generator) ends bitwise as the uninterrupted one; without dropout, a compiled run's losses and
+    weights equal an eager run's to float rounding."""
+    kernels = tmp_path / "inductor"  # where the runs' compiled kernels go: proof that they compiled
+    monkeypatch.setitem(TEST_ENV, "TORCHINDUCTOR_CACHE_DIR", str(kernels))
+    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, f"data.dir={small_shards}", "model.compile=true"]
+    kill_twice_and_compare(tmp_path, overrides, kills=(5, 9), max_steps=12)
+    assert any(path.suffix == ".py" for path in kernels.rglob("*")), "no kernel was compiled"
+
+    no_dropout = [*overrides, "model.backbone.dropout=0.0", "trainer.max_steps=12"]
+    assert pretrain(tmp_path, "compiled", no_dropout) == 0
+    assert pretrain(tmp_path, "eager", [*no_dropout, "model.compile=false"]) == 0
+    logs = {run: read_batch_log(run_dir(tmp_path, run) / "batches" / "rank0.jsonl") for run in ("compiled", "eager")}
+    losses = {run: [float.fromhex(row["loss"]) for row in log.values()] for run, log in logs.items()}
+    assert len(losses["compiled"]) == 12
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4)
+    compiled, eager = final_weights(tmp_path, "compiled"), final_weights(tmp_path, "eager")
+    for name, weight in eager.items():
+        torch.testing.assert_close(compiled[name], weight, rtol=1e-3, atol=1e-4, msg=name)
