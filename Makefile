@@ -25,7 +25,7 @@ SWEEP ?=
 SEARCH ?= $(firstword $(subst _, ,$(EXPERIMENT)))
 
 .DEFAULT_GOAL := help
-.PHONY: help install lock data tokenizer train sweep sweep-optuna sweep-report eval info export registry plot test test-full lint format bench bench-gpu bench-distill chaos clean clean-logs
+.PHONY: help install lock data tokenizer train sweep sweep-optuna sweep-report eval info export registry plot test test-full lint format bench bench-gpu bench-distill bench-documents chaos clean clean-logs
 
 help: ## List the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -131,6 +131,9 @@ bench-gpu: install ## On one GPU: template vs plain PyTorch tokens/s, MFU and me
 
 bench-distill: install data ## A quarter-size student distilled from a trained clm_tiny vs the same student from scratch: bits per byte, KL to the teacher
 	$(BIN)/python scripts/bench_distill.py --data $(DATA_DIR) $(ARGS)
+
+bench-documents: install data ## clm_tiny plain, with document masking and with document positions (two seeds): bits per byte, step cost
+	$(BIN)/python scripts/bench_documents.py --data $(DATA_DIR) --seeds 1234 1 $(ARGS)
 
 chaos: install data ## Kill a run with SIGKILL at random moments, restart it, compare with an uninterrupted run
 	$(BIN)/python scripts/chaos.py --data $(DATA_DIR) $(ARGS)
