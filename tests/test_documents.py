@@ -14,7 +14,6 @@ from pretraining.errors import ConfigError
 from pretraining.models import Transformer
 from pretraining.models.transformer import document_block_mask, document_positions
 from pretraining.objectives import CausalLM, Contrastive, MaskedLM
-from pretraining.run_logs import METRICS_FILE, read_metrics
 from pretraining.train import train
 
 VOCAB = 50
@@ -107,23 +106,37 @@ def test_pairs_have_no_documents_to_mask() -> None:
 
 
 @pytest.mark.parametrize("experiment", ["clm_tiny", "mlm_tiny"])
-def test_a_run_masks_documents_from_the_datas_boundaries(compose_train, tmp_path, experiment: str) -> None:
-    """Through Hydra, the DataModule and the Trainer: the masked run learns differently from the plain one
-    on the same data and seed, so the data's document boundaries reach the attention."""
-    losses = {}
+def test_a_run_masks_documents_from_the_datas_boundaries(compose_train, tmp_path, monkeypatch, experiment: str) -> None:
+    """Through Hydra, the DataModule and the Trainer, the backbone receives the data's document boundaries
+    (blocks holding two documents among them) and positions restarting at each; without the keys, neither."""
+    seen: dict[str, list] = {"documents": [], "position_ids": []}
+    forward = Transformer.forward
+
+    def spy(self, tokens, attend=None, documents=None, position_ids=None):  # type: ignore[no-untyped-def]
+        seen["documents"].append(documents)
+        seen["position_ids"].append(position_ids)
+        return forward(self, tokens, attend, documents, position_ids)
+
+    monkeypatch.setattr(Transformer, "forward", spy)
     for masking in ("false", "true"):
-        cfg = compose_train(
-            f"model.document_masking={masking}",
-            f"model.document_positions={masking}",
-            "trainer.max_steps=6",
-            "trainer.log_every_n_steps=1",
-            f"paths.output_dir={tmp_path / masking}",
-            experiment=experiment,
-        )
-        train(cfg)
-        losses[masking] = read_metrics(tmp_path / masking / METRICS_FILE)["train/loss"].values
-    assert len(losses["true"]) == len(losses["false"]) == 6
-    assert losses["true"] != losses["false"], losses
+        seen["documents"].clear(), seen["position_ids"].clear()
+        keys = [f"model.document_masking={masking}", f"model.document_positions={masking}"]
+        out = f"paths.output_dir={tmp_path / masking}"  # two runs, not one continued
+        train(compose_train(*keys, out, "trainer.max_steps=6", "~callbacks.text_sample", experiment=experiment))
+        packed = [(d, p) for d, p in zip(seen["documents"], seen["position_ids"], strict=True) if d is not None]
+        if masking == "false":
+            assert not packed and all(p is None for p in seen["position_ids"])
+            continue
+        assert packed and any(int(documents.max()) > 0 for documents, _ in packed)  # boundaries inside blocks
+        for documents, position_ids in packed:
+            assert torch.equal(position_ids, document_positions(documents))
+
+
+def test_the_document_keys_need_the_batches_documents() -> None:
+    model = CausalLM(backbone(causal=True), optimizer=adamw, document_masking=True)
+    tokens, _ = packed(9, 14)
+    with pytest.raises(ConfigError, match=r"need each batch's doc_ids.*leave both false"):
+        model.training_loss({"tokens": tokens})
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention trains on CUDA only")

@@ -8,14 +8,17 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from conftest import tiny_run
-from pretraining.callbacks.numerics import LossStatistics, NumericalError, NumericalGuard
+from pretraining.callbacks.batch_log import read_batch_log
+from pretraining.callbacks.numerics import LossStatistics, NumericalError, NumericalGuard, is_global_and_unscaled
 from pretraining.checkpoint import saved_checkpoints, verify
 from pretraining.errors import ConfigError
 from pretraining.files import sha256_of
@@ -270,3 +273,27 @@ def test_loss_statistics_start_as_a_plain_mean_and_variance_then_forget() -> Non
 def test_bad_settings_are_refused_with_the_key(settings: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         NumericalGuard(**settings)
+
+
+def test_a_step_where_training_stops_logs_its_own_values(compose_train, tmp_path: Path) -> None:
+    """Training metrics are logged only at the steps whose logs are kept, and at a step where training stops
+    (preemption) too: with that step's values, not those of the last logging step."""
+    stop_at_7 = ["+callbacks.stop._target_=test_numerics.StopAt", "+callbacks.stop.step=7"]
+    train(compose_train(*stop_at_7, "trainer.log_every_n_steps=5", "callbacks=[default,batch_log]"))
+    batches = read_batch_log(tmp_path / "batches" / "rank0.jsonl")
+    rows = {int(row["step"]): row for row in metric_rows(tmp_path) if row.get("train/loss")}
+    assert sorted(rows) == [4, 6]  # Lightning's rows are numbered from 0: steps 5 and 7
+    for row, batch in ((rows[4], 5), (rows[6], 7)):  # batches are numbered from 1
+        assert float(row["train/loss"]) == pytest.approx(float.fromhex(batches[batch]["loss"]), rel=1e-6)
+    assert float(rows[6]["train/grad_norm"]) != float(rows[4]["train/grad_norm"])
+
+
+def test_clipping_gets_the_guards_norm_only_where_it_is_the_global_norm_of_the_true_gradients() -> None:
+    def trainer(strategy: object, scaler: object = None) -> Any:
+        return SimpleNamespace(strategy=strategy, precision_plugin=SimpleNamespace(scaler=scaler))
+
+    norm = torch.tensor(2.0)
+    assert is_global_and_unscaled(norm, trainer(SingleDeviceStrategy("cpu")))
+    assert is_global_and_unscaled(norm, trainer(DDPStrategy()))
+    assert not is_global_and_unscaled(norm, trainer(SingleDeviceStrategy("cpu"), scaler=object()))  # float16
+    assert not is_global_and_unscaled(norm, trainer(object()))  # a shard's norm, as under FSDP1

@@ -558,3 +558,28 @@ def test_one_way_of_choosing_validation(tmp_path, flags, message):
     with pytest.raises(SystemExit, match=message):
         cli_main(["build", "--source", "stdlib", *flags, "--out", str(tmp_path / "out"), "--quiet"])
     assert not (tmp_path / "out").exists()
+
+
+def test_tail_parts_are_normalised_and_deduplicated(tmp_path):
+    """Each part is normalised as a whole document is, and a tail repeating a text kept before is dropped."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    footer = "\n".join(f"footer line {n}" for n in range(4))
+    for name in ("a", "b"):  # two documents sharing their last quarter
+        body = "\n".join(f"{name} line {n}   " for n in range(12))
+        (corpus / f"{name}.txt").write_text(body + "\n\n\n" + footer)
+    out = tmp_path / "shards"
+    cli_main(["build", "--source", str(corpus), "--validation-tail", "0.25", "--out", str(out), "--quiet"])
+    texts = split_texts(out)
+    (tail,) = texts["validation"].values()  # b's tail, the same end of the footer as a's, was dropped
+    assert footer.endswith(tail) and tail.startswith("footer line")
+    assert all(text == normalize(text) for split in texts.values() for text in split.values())
+    assert json.loads((out / MANIFEST).read_text())["dedup"]["exact_duplicates_dropped"] == 1
+
+
+@pytest.mark.parametrize("suffix", [".json", ".csv", ".tsv"])
+def test_a_record_file_of_another_format_is_not_read_as_text(tmp_path, suffix):
+    path = tmp_path / f"corpus{suffix}"
+    path.write_text('{"text": "hello"}\n')
+    with pytest.raises(CorpusError, match=rf"is a \{suffix} file.*name JSON Lines \.jsonl"):
+        read_source(str(path))

@@ -54,10 +54,7 @@ def build_settings(args: argparse.Namespace) -> BuildSettings:
     if args.pairs and "validation_tail" in given:
         raise ShardError("--validation-tail cuts the text of documents, not pairs: use --validation-source")
     names = [field.name for field in dataclasses.fields(BuildSettings)]
-    settings = BuildSettings(**{name: given[name] for name in names if name in given})
-    if settings.validation_sources or settings.validation_tail is not None:
-        settings.validation_fraction = 0.0  # not used: the manifest says so
-    return settings
+    return BuildSettings(**{name: given[name] for name in names if name in given})
 
 
 def build(args: argparse.Namespace) -> None:

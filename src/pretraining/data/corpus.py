@@ -157,6 +157,10 @@ def jsonl_records(file: Path) -> Iterator[tuple[int, Any]]:
                 yield number, None
 
 
+# Files holding records in formats that are not read: taken as one text document, they would be a mistake.
+RECORD_LOOKALIKES = (".json", ".csv", ".tsv")
+
+
 def read_source(
     source: str, text_fields: dict[str, str] | None = None, id_field: str | None = None
 ) -> Iterator[Document]:
@@ -182,6 +186,11 @@ def read_source(
         refuse_binary_files(text_files(path))
         return read_text_files(path)
     refuse_binary_files([path])
+    if path.suffix.lower() in RECORD_LOOKALIKES:
+        raise CorpusError(
+            f"corpus source {source!r} is a {path.suffix} file, which is read neither as text nor as records: "
+            f"name JSON Lines .jsonl, convert a table to .parquet, or pass a text file or a directory of them"
+        )
     refuse_id_field(source, id_field)
     return iter([_read_text_file(path, f"{path.parent.name}:{path.name}")])  # one text file: one document
 

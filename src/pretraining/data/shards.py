@@ -61,6 +61,8 @@ class BuildSettings:
             raise ShardError(f"--validation-tail {self.validation_tail} must be in (0, 1): the share of each document")
         if self.validation_sources and self.validation_tail is not None:
             raise ShardError("--validation-source and --validation-tail are two ways to choose validation: give one")
+        if self.validation_sources or self.validation_tail is not None:
+            self.validation_fraction = 0.0  # not used: the manifest says so
 
     @property
     def split_rule(self) -> str:
@@ -98,8 +100,8 @@ def split_parts(document: Document, settings: BuildSettings, from_validation: bo
     # The tail starts with the first line that starts at or after the cut, so no line is split.
     start = round(len(text) * (1 - settings.validation_tail))
     cut = text.find("\n", start - 1) + 1
-    head, tail = text[:cut].rstrip("\n"), text[cut:]
-    if not head.strip() or not tail.strip():  # no line starts in its tail: it stays whole, in training
+    head, tail = normalize(text[:cut]), normalize(text[cut:])
+    if not head or not tail:  # no line with text starts in its tail: it stays whole, in training
         return [("train", document)]
     return [
         ("train", Document(document.source_id, {name: head}, document.meta)),
@@ -270,8 +272,12 @@ def _write_dataset(
                     raise ShardError(f"{document.source_id} has fields {tuple(document.texts)}, expected {fields}")
                 for split, part in split_parts(document, settings, from_validation):
                     assert part.texts is not None
-                    key = f"{split}-{counts.kept[split]:09d}"
                     part_digests = digests if part is document else text_digests(part.texts)
+                    if part is not document and not seen.isdisjoint(part_digests.values()):
+                        counts.exact_duplicates += 1  # a head or tail that repeats a text kept before
+                        continue
+                    seen.update(part_digests.values())
+                    key = f"{split}-{counts.kept[split]:09d}"
                     meta = {"source_id": part.source_id, "sha256": part_digests, **part.meta}
                     writers[split].write(key, part.texts, meta)
                     counts.kept[split] += 1
@@ -281,7 +287,8 @@ def _write_dataset(
     if counts.kept["train"] == 0:
         raise ShardError(
             f"no training documents in {sources} ({counts.read} read, {counts.empty} empty, "
-            f"{counts.undecodable} not UTF-8, {counts.exact_duplicates} duplicates); point at a non-empty corpus"
+            f"{counts.undecodable} not UTF-8, {counts.exact_duplicates} duplicates); point at a non-empty corpus, "
+            f"or for a few documents hold out their ends for validation (--validation-tail 0.1)"
         )
     extra = {"provenance": provenance()} if provenance else {}
     manifest = _manifest(sources, settings, counts, shards, fields) | extra

@@ -176,11 +176,16 @@ class Transformer(nn.Module):
 
     def attention_mask(self, attend: torch.Tensor | None, documents: torch.Tensor | None) -> AttentionMask:
         """What each position may attend to (`AttentionMask`): FlexAttention's block mask for documents on
-        CUDA (it has no attention dropout), else a boolean mask, or None when nothing is masked."""
+        CUDA, where its kernels work, else a boolean mask, or None when nothing is masked."""
         if attend is None:
             if documents is None:
                 return None
-            if documents.is_cuda and not self.attention_dropout:
+            # FlexAttention has no dropout, and its kernels need heads of 16 dimensions at least.
+            if (
+                documents.is_cuda
+                and not (self.training and self.attention_dropout)
+                and self.d_model // self.n_head >= 16
+            ):
                 return document_block_mask(documents, self.causal)
         parts = []  # broadcastable to (batch, query, key)
         if attend is not None:

@@ -101,6 +101,7 @@ class PretrainingObjective(LightningModule):
         # This step's global gradient norm, left by a callback that computed it before clipping (NumericalGuard):
         # clipping by norm then scales by it instead of computing it again.
         self.step_gradient_norm: torch.Tensor | None = None
+        self.unlogged: dict[str, tuple[torch.Tensor | float, dict[str, Any]]] = {}  # see log_step
 
     def configure_model(self) -> None:
         """Under FSDP2 (Lightning's `ModelParallelStrategy`), shard the model by the strategy's policy
@@ -145,6 +146,11 @@ class PretrainingObjective(LightningModule):
         (None: each row is one): attending within documents with `document_masking`, positions restarting
         with `document_positions`."""
         if documents is None:
+            if self.document_masking or self.document_positions:
+                raise ConfigError(
+                    "model.document_masking and model.document_positions need each batch's doc_ids, which "
+                    "PackedBlocks makes, and this batch has none: give your example format doc_ids or leave both false"
+                )
             return self.backbone(tokens)
         return self.backbone(
             tokens,
@@ -179,12 +185,24 @@ class PretrainingObjective(LightningModule):
         self.log_step({"train/loss": loss}, prog_bar=True)
         return loss
 
-    def log_step(self, metrics: dict[str, torch.Tensor], **options: Any) -> None:
+    def log_step(self, metrics: Mapping[str, torch.Tensor | float], **options: Any) -> None:
         """Log this optimizer step's training `metrics` if its logs are written (`logs_written_at`): the
-        logger keeps no other step's, and each value logged costs about a millisecond on the CPU."""
+        logger keeps no other step's, and each value logged costs about a millisecond on the CPU. The others
+        are kept until the step ends, in case it is the one where training stops (`on_train_batch_end`)."""
         trainer = self._trainer  # None outside a Trainer (a test, a script), where log_dict only warns
         if trainer is None or logs_written_at(trainer, trainer.global_step + 1):
-            self.log_dict(metrics, **options)
+            self.log_dict(dict(metrics), **options)
+            return
+        for name, value in metrics.items():
+            self.unlogged[name] = (value.detach() if isinstance(value, torch.Tensor) else value, options)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """A step where training stops (preemption) has its logs written too: with this step's values,
+        not those of the last logging step. Runs after every callback's hook, before the logs are written."""
+        if self.trainer.should_stop:
+            for name, (value, options) in self.unlogged.items():
+                self.log(name, value, **options)
+        self.unlogged.clear()
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         for name, value in self.validation_update(batch).items():
@@ -247,9 +265,10 @@ class PretrainingObjective(LightningModule):
 
 
 def logs_written_at(trainer: Trainer, step: int) -> bool:
-    """Whether Lightning writes the logs of optimizer step `step` (counted from 1): every
-    `trainer.log_every_n_steps` steps, and the last."""
-    return step % trainer.log_every_n_steps == 0 or step >= trainer.max_steps  # type: ignore[attr-defined]
+    """Whether the logs of optimizer step `step` (counted from 1) are kept: Lightning writes those of every
+    `trainer.log_every_n_steps`-th step; the last step's values are what a run reports (`callback_metrics`)."""
+    every = trainer.log_every_n_steps  # type: ignore[attr-defined]
+    return (bool(every) and step % every == 0) or step >= trainer.max_steps  # type: ignore[attr-defined]
 
 
 @contextmanager
