@@ -61,6 +61,10 @@ BAD_COMMANDS = [
         "it is a key of the example format, data.format.block_size: write data.format.block_size=4",
     ),
     (["data.text_field=json:text"], "example format, data.format.text_field: write data.format.text_field='json:text'"),
+    (
+        ["experiment=contrastive_tiny", "model.document_masking=true"],
+        "the config leaves model.document_masking at its default, so there is no key to override: add it with +",
+    ),
 ]
 
 

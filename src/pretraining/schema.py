@@ -193,6 +193,11 @@ def unknown_key(key: str, value: Any, what: str, known: list[str]) -> ConfigErro
     close = difflib.get_close_matches(name, known, n=1)
     if key in MOVED_KEYS:
         fix = f"it is a key of the example format, {MOVED_KEYS[key]}: write {MOVED_KEYS[key]}={value!r} instead"
+    elif close == [name]:  # a parameter that this config leaves at its default
+        return ConfigError(
+            f"{key}={value!r}: the config leaves {key} at its default, so there is no key to override: "
+            f"add it with +{key}={value!r}"
+        )
     elif close:
         suggestion = f"{parent}.{close[0]}" if parent else close[0]
         fix = f"did you mean {suggestion}? Write {suggestion}={value!r} instead"
