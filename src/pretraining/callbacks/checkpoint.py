@@ -9,7 +9,8 @@ from typing import Annotated, Any
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 
 from pretraining.checkpoint import (
     CheckpointError,
@@ -22,6 +23,7 @@ from pretraining.checkpoint import (
     sidecar_path,
     storage_fault,
 )
+from pretraining.checkpoint.background import BackgroundWriter, host_copy
 from pretraining.files import temporary_path
 from pretraining.ranges import Positive, Range, checked_ranges
 
@@ -36,7 +38,11 @@ class StepCheckpoint(Checkpoint):
 
     A checkpoint is saved before the validation of its step; once that validation finishes, its metrics
     are added to the sidecar (`record_validation`). A run resumed from a checkpoint whose validation a
-    kill or a signal cut short validates that step first, so the learning curve has no hole."""
+    kill or a signal cut short validates that step first, so the learning curve has no hole.
+
+    With `background` (one device or DDP), the step waits only while the state is copied to host memory;
+    a writer thread writes the copy with the same guarantees (`pretraining.checkpoint.background`), and
+    `last.ckpt` and pruning follow once it is complete. Sharded (FSDP2) and FSDP1 saves are synchronous."""
 
     @checked_ranges("callbacks.checkpoint")
     def __init__(
@@ -45,9 +51,11 @@ class StepCheckpoint(Checkpoint):
         every_n_steps: Positive = 200,
         keep_last: Annotated[int, Range(ge=2, why="a newest checkpoint damaged later then leaves a fallback")] = 2,
         keep_every: Positive | None = None,
+        background: bool = True,
     ) -> None:
         self.dirpath, self.every_n_steps = Path(dirpath), every_n_steps
         self.keep_last, self.keep_every = keep_last, keep_every
+        self.writer = BackgroundWriter() if background else None
         self.saved_step = -1
         self.last_model_path = ""
 
@@ -71,6 +79,7 @@ class StepCheckpoint(Checkpoint):
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Record the validation of the step just saved in its sidecar: see `record_validation`."""
+        self.collect(trainer, wait=True)  # the sidecar is written last
         if trainer.sanity_checking or trainer.global_step != self.saved_step or not self.last_model_path:
             return
         if trainer.is_global_zero:
@@ -82,30 +91,73 @@ class StepCheckpoint(Checkpoint):
         step = trainer.global_step
         if trainer.fast_dev_run:  # type: ignore[attr-defined]  # a smoke test: nothing worth keeping
             return
+        self.collect(trainer, wait=False)
         if step % self.every_n_steps == 0 or step >= trainer.max_steps:
             self.save(trainer)
 
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.collect(trainer, wait=True)
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """A run that stops on an error still completes the checkpoint being written: it is where the run continues."""
+        try:
+            self.collect(trainer, wait=True)
+        except Exception as error:  # the error that stopped the run is the one to report
+            rank_zero_warn(f"the checkpoint being written failed too: {error}")
+
     def save(self, trainer: Trainer) -> None:
-        """Save the current step (once), point `last.ckpt` at it and prune."""
+        """Save the current step (once), point `last.ckpt` at it and prune (once it is written, in the background)."""
         step = trainer.global_step
         if step == self.saved_step:
             return
         path = self.dirpath / f"step-{step:06d}.ckpt"
+        self.collect(trainer, wait=True)  # one write in flight at most
         try:
             if saves_sharded(trainer):
                 save_sharded(trainer, path)
+            elif self.writer is not None and writes_on_rank_zero(trainer):
+                self.write_in_background(trainer, path)
             else:
                 trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; rank zero writes
         except Exception as error:
-            storage = storage_fault(error)
-            if storage is None:
-                raise
-            raise CheckpointError(
-                f"saving {path} failed: {storage}. Nothing was lost: {newest_saved(self.dirpath)}. Free space on "
-                f"that disk or make {self.dirpath} writable (or point paths.log_dir elsewhere and pass "
-                f"ckpt_path=<that checkpoint>), then run the same command to continue"
-            ) from error
+            raise self.failed(path, error) from error
         self.saved_step, self.last_model_path = step, str(path)
+        if self.writer is None or self.writer.in_flight is None:
+            self.published(trainer, path)
+
+    def write_in_background(self, trainer: Trainer, path: Path) -> None:
+        """Rank zero copies the state to host memory and hands the copy to the writer thread."""
+        assert self.writer is not None
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        if trainer.is_global_zero:
+            state, writer = host_copy(checkpoint), trainer.strategy.checkpoint_io
+            self.writer.submit(path, lambda: writer.save_checkpoint(state, path))
+
+    def collect(self, trainer: Trainer, wait: bool) -> None:
+        """Publish the background write once it is complete (waiting for it if `wait`); raise if it failed."""
+        if self.writer is None or self.writer.in_flight is None:
+            return
+        path = self.writer.in_flight
+        try:
+            written = self.writer.finished(wait)
+        except Exception as error:
+            raise self.failed(path, error) from error
+        if written is not None:
+            self.published(trainer, written)
+
+    def failed(self, path: Path, error: Exception) -> Exception:
+        """The error a failed save stops the run with: for a storage fault, what was kept and what to do."""
+        storage = storage_fault(error)
+        if storage is None:
+            return error
+        return CheckpointError(
+            f"saving {path} failed: {storage}. Nothing was lost: {newest_saved(self.dirpath)}. Free space on "
+            f"that disk or make {self.dirpath} writable (or point paths.log_dir elsewhere and pass "
+            f"ckpt_path=<that checkpoint>), then run the same command to continue"
+        )
+
+    def published(self, trainer: Trainer, path: Path) -> None:
+        """Once `path` is written: point `last.ckpt` at it, prune, and tell the loggers (rank zero)."""
         if trainer.is_global_zero:
             if not sidecar_path(path).is_file():  # the writer verified the bytes it wrote before its sidecar
                 raise CheckpointError(
@@ -139,6 +191,12 @@ def validate_in_fit(trainer: Trainer) -> None:
     val_loop.run()
     trainer.training = True
     trainer._logger_connector._first_loop_iter = first_loop_iter
+
+
+def writes_on_rank_zero(trainer: Trainer) -> bool:
+    """Whether rank zero alone writes the whole checkpoint, gathered from no other rank (one device, DDP):
+    then the state it holds can be written in the background."""
+    return type(trainer.strategy) in (SingleDeviceStrategy, DDPStrategy)
 
 
 def saves_sharded(trainer: Trainer) -> bool:

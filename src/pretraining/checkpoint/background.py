@@ -1,0 +1,60 @@
+"""Checkpoints written in the background: the step waits only for a host copy of the state.
+
+As torchtitan and OLMo-core do, every tensor of the checkpoint is copied to host memory and a writer
+thread writes the copy while training goes on. The thread writes it as a synchronous save does
+(`save_file`: temporary file, fsync, read-back SHA-256, rename, sidecar last), so a kill at any moment
+of the write leaves the previous checkpoint the newest that verifies. At most one write is in flight:
+the next save, the end of a validation (which records its metrics in the sidecar) and the end of
+training wait for it, and a write that failed raises its error there, on the training thread.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def host_copy(state: Any) -> Any:
+    """`state` with every tensor copied to the CPU and every container rebuilt (other values deep-copied):
+    nothing the writer reads can change while training goes on."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return type(state)((key, host_copy(value)) for key, value in state.items())
+    if isinstance(state, (list, tuple)) and type(state) in (list, tuple):
+        return type(state)(host_copy(value) for value in state)
+    return copy.deepcopy(state)
+
+
+class BackgroundWriter:
+    """One writer thread and the write in flight on it, if any."""
+
+    def __init__(self) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self.pending: tuple[Path, Future[None]] | None = None
+
+    def submit(self, path: Path, write: Callable[[], None]) -> None:
+        """Start writing `path` with `write()`; the write before must have been collected (`finished`)."""
+        assert self.pending is None, "a checkpoint write is still in flight"
+        self.pending = path, self.executor.submit(write)
+
+    @property
+    def in_flight(self) -> Path | None:
+        return self.pending[0] if self.pending else None
+
+    def finished(self, wait: bool) -> Path | None:
+        """The path of the write in flight once it is done (waiting for it if `wait`), raising the error it
+        failed with; None while it runs (not waiting) or when none is in flight."""
+        if self.pending is None:
+            return None
+        path, future = self.pending
+        if not (wait or future.done()):
+            return None
+        self.pending = None
+        future.result()
+        return path
