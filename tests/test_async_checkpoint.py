@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -55,7 +55,7 @@ class HeldWriter(Callback):
     """Holds each background write (but the last step's) until training has gone past the step it
     saves, and records how many writes ran at once: a write the step waited for never lets it pass."""
 
-    overtaken: list[bool] = []
+    overtaken: ClassVar[list[bool]] = []
     most_at_once = 0
 
     def __init__(self) -> None:
