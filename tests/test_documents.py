@@ -20,9 +20,10 @@ VOCAB = 50
 adamw = partial(torch.optim.AdamW, lr=1e-2)
 
 
-def backbone(causal: bool) -> Transformer:
+def backbone(causal: bool, positions: str = "learned") -> Transformer:
     torch.manual_seed(0)
-    return Transformer(vocab_size=VOCAB, max_seq_len=512, d_model=32, n_layer=2, n_head=2, causal=causal).eval()
+    shape = {"max_seq_len": 512, "d_model": 32, "n_layer": 2, "n_head": 2}
+    return Transformer(vocab_size=VOCAB, **shape, causal=causal, positions=positions).eval()
 
 
 def packed(*lengths: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,11 +40,12 @@ def test_positions_restart_at_each_document() -> None:
     assert document_positions(documents).tolist() == [[0, 1, 2, 0, 1, 0], [0, 0, 1, 2, 3, 4]]
 
 
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_a_document_reads_as_if_it_were_alone(causal: bool) -> None:
+def test_a_document_reads_as_if_it_were_alone(causal: bool, positions: str) -> None:
     """With the mask and restarted positions, each document's hidden states in a packed row equal those
     of the document read on its own; without them, a token of one document changes the next one's."""
-    model = backbone(causal)
+    model = backbone(causal, positions)
     tokens, documents = packed(7, 12, 5)
     masked = model(tokens, documents=documents, position_ids=document_positions(documents))
     for number, (start, end) in enumerate([(0, 7), (7, 19), (19, 24)]):

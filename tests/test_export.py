@@ -36,7 +36,7 @@ from pretraining.data.formats import ExampleFormat, padded
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
 from pretraining.export import export
 from pretraining.hf.directory import SAFETENSORS, write_directory
-from pretraining.hf.weights import from_gpt2, gpt2_config, to_gpt2
+from pretraining.hf.weights import check_gpt2_fits, from_gpt2, gpt2_config, to_gpt2
 from pretraining.instantiate import build
 from pretraining.models import Transformer
 from pretraining.objectives import PretrainingObjective
@@ -520,3 +520,19 @@ def test_a_two_tower_contrastive_model_is_refused(tmp_path: Path, pair_dir: Path
     with pytest.raises(ConfigError, match=r"a tower per side \(model.shared_towers=false\)"):
         export(tmp_path / "checkpoints" / "last.ckpt", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_causal_model_with_rotary_positions_has_no_gpt2_form() -> None:
+    rotary = Transformer(vocab_size=320, d_model=32, n_layer=1, n_head=2, positions="rotary")
+    fix = "cannot be exported as GPT-2: train it with model.backbone.positions=learned"
+    with pytest.raises(
+        ConfigError, match=f"GPT-2 has learned positions and this causal model has rotary ones, so it {fix}"
+    ):
+        gpt2_config(rotary)
+    with pytest.raises(ConfigError, match="cannot be started from model.init_from=gpt2: train it with"):
+        check_gpt2_fits(
+            gpt2_config(Transformer(vocab_size=320, d_model=32, n_layer=1, n_head=2)),
+            rotary,
+            320,
+            "model.init_from=gpt2",
+        )

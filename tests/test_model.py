@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch import Trainer
 
 from conftest import fit_batch
+from pretraining.errors import ConfigError
 from pretraining.models import Transformer
 from pretraining.objectives import CausalLM
 from pretraining.objectives.base import warmup_cosine
@@ -43,6 +44,37 @@ def test_bidirectional_backbone_sees_the_future() -> None:
     changed = tokens.clone()
     changed[0, -1] = 4
     assert not torch.allclose(backbone(tokens)[0, 0], backbone(changed)[0, 0])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_rotary_attention_depends_on_offsets_only(causal: bool) -> None:
+    """Rotary positions: moving the whole sequence along changes nothing (scores depend on the offset
+    between positions), while swapping two tokens changes what their neighbours read; learned
+    positions are absolute, and the shifted sequence reads differently. No position table is kept."""
+    torch.manual_seed(0)
+    tokens = torch.randint(4, 64, (2, 24))
+    rotary = Transformer(
+        vocab_size=64, max_seq_len=64, d_model=32, n_layer=2, n_head=2, causal=causal, positions="rotary"
+    )
+    learned = Transformer(vocab_size=64, max_seq_len=64, d_model=32, n_layer=2, n_head=2, causal=causal)
+    shifted = torch.arange(24) + 9
+    with torch.no_grad():
+        torch.testing.assert_close(rotary.eval()(tokens, position_ids=shifted), rotary(tokens), rtol=0, atol=1e-5)
+        assert not torch.allclose(learned.eval()(tokens, position_ids=shifted), learned(tokens), atol=1e-3)
+        swapped = tokens[:, [1, 0, *range(2, 24)]]
+        assert not torch.allclose(rotary(swapped)[:, 2], rotary(tokens)[:, 2], atol=1e-4)
+    assert (
+        "position_embedding.weight" not in rotary.state_dict() and "position_embedding.weight" in learned.state_dict()
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        assert rotary(tokens).isfinite().all()  # queries rotated in bfloat16 meet bfloat16 values
+
+
+def test_positions_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"positions='sinusoidal' must be one of learned, rotary"):
+        Transformer(vocab_size=64, positions="sinusoidal")
+    with pytest.raises(ConfigError, match=r"d_model=36 / n_head=4 is odd: choose an even head width"):
+        Transformer(vocab_size=64, d_model=36, n_head=4, positions="rotary")
 
 
 def test_tied_head_padded_vocab_and_scaled_residual_init() -> None:

@@ -3,8 +3,9 @@ contrastive export (`trust_remote_code=True`), so the export loads where the `pr
 not installed. It imports only torch and transformers.
 
 Its modules and weight names are the template's own (`pretraining.models.Transformer`): pre-norm blocks
-of `attention` (fused `qkv`, `proj`) and `mlp` (`up`, GELU, `down`), learned positions, a final
-LayerNorm, and a masked-LM head tied to the token embedding. Biases and dropout follow the config.
+of `attention` (fused `qkv`, `proj`) and `mlp` (`up`, GELU, `down`), learned or rotary positions
+(`positions`), a final LayerNorm, and a masked-LM head tied to the token embedding. Biases and dropout
+follow the config.
 """
 
 from __future__ import annotations
@@ -28,12 +29,28 @@ class PretrainingConfig(PretrainedConfig):
         n_head: int = 4,
         bias: bool = False,
         dropout: float = 0.0,
+        positions: str = "learned",
         **kwargs,
     ) -> None:
         self.vocab_size, self.max_seq_len, self.d_model = vocab_size, max_seq_len, d_model
+        self.positions = positions
         self.n_layer, self.n_head, self.bias, self.dropout = n_layer, n_head, bias, dropout
         self.hidden_size = d_model  # the name sentence-transformers and pipelines read
         super().__init__(**kwargs)
+
+
+def rotary_angles(length: int, head_width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosines and sines of the rotary angles of positions 0 .. length - 1 (base 10000)."""
+    exponents = torch.arange(0, head_width, 2, device=device, dtype=torch.float32) / head_width
+    angles = torch.arange(length, device=device, dtype=torch.float32)[:, None] * 10000.0**-exponents
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Queries or keys turned by their positions, the first half of each head's dimensions paired with the second."""
+    cos, sin = (part.to(x.dtype) for part in rotary)
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
 
 
 class SelfAttention(nn.Module):
@@ -43,9 +60,11 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=config.bias)
         self.proj = nn.Linear(config.d_model, config.d_model, bias=config.bias)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, rotary: tuple | None) -> torch.Tensor:
         batch, length, width = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
+        if rotary is not None:
+            q, k = rotate(q, rotary), rotate(k, rotary)
         dropout = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         return self.proj(y.transpose(1, 2).reshape(batch, length, width))
@@ -71,8 +90,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
         self.residual_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        x = x + self.residual_dropout(self.attention(self.attention_norm(x), mask))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None, rotary: tuple | None) -> torch.Tensor:
+        x = x + self.residual_dropout(self.attention(self.attention_norm(x), mask, rotary))
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -93,7 +112,8 @@ class PretrainingModel(PretrainingPreTrainedModel):
     def __init__(self, config: PretrainingConfig) -> None:
         super().__init__(config)
         self.token_embedding = nn.Embedding(config.vocab_size, config.d_model)
-        self.position_embedding = nn.Embedding(config.max_seq_len, config.d_model)
+        if config.positions == "learned":
+            self.position_embedding = nn.Embedding(config.max_seq_len, config.d_model)
         self.dropout = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.final_norm = nn.LayerNorm(config.d_model, bias=config.bias)
@@ -103,12 +123,17 @@ class PretrainingModel(PretrainingPreTrainedModel):
         return self.token_embedding
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **kwargs) -> BaseModelOutput:
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.dropout(self.token_embedding(input_ids) + self.position_embedding(positions))
+        length, config = input_ids.shape[1], self.config
+        x, rotary = self.token_embedding(input_ids), None
+        if config.positions == "learned":
+            x = x + self.position_embedding(torch.arange(length, device=input_ids.device))
+        else:
+            rotary = rotary_angles(length, config.d_model // config.n_head, input_ids.device)
+        x = self.dropout(x)
         # (batch, head, query, key): no position attends to padding.
         mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x, mask, rotary)
         return BaseModelOutput(last_hidden_state=self.final_norm(x))
 
 

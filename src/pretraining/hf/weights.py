@@ -50,6 +50,7 @@ GPT2_OUTSIDE = [("token_embedding", "wte"), ("position_embedding", "wpe"), ("fin
 
 def gpt2_config(backbone: Transformer) -> dict[str, Any]:
     """config.json of the backbone as `GPT2LMHeadModel`."""
+    check_learned_positions(backbone, "exported as GPT-2")
     return {
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
@@ -168,16 +169,27 @@ def encoder_config(backbone: Transformer) -> dict[str, Any]:
         "d_model": backbone.d_model,
         "n_layer": backbone.n_layer,
         "n_head": backbone.n_head,
+        "positions": backbone.positions,
         "bias": backbone.final_norm.bias is not None,
         "dropout": backbone.dropout.p,
         "pad_token_id": PAD_ID,
     }
 
 
+def check_learned_positions(backbone: Transformer, what: str) -> None:
+    """GPT-2 has learned positions: a backbone with rotary ones has no GPT-2 form."""
+    if backbone.positions != "learned":
+        raise ConfigError(
+            f"GPT-2 has learned positions and this causal model has {backbone.positions} ones, so it cannot be "
+            f"{what}: train it with model.backbone.positions=learned"
+        )
+
+
 def check_gpt2_fits(config: dict[str, Any], backbone: Transformer, vocab_size: int, source: str) -> None:
     """Refuse a GPT-2 config.json whose model `backbone` cannot hold exactly, naming what differs and the fix."""
     if not backbone.causal:
         raise ConfigError(f"{source} is GPT-2, a causal model: start a causal objective from it (experiment=clm_tiny)")
+    check_learned_positions(backbone, f"started from {source}")
     ours = {
         "d_model": backbone.d_model,
         "n_layer": backbone.n_layer,

@@ -8,6 +8,12 @@ tied to the token embedding.
 Packed blocks hold several documents. Given each token's document (`documents`), a position attends
 only within its own document: on CUDA through FlexAttention's block-sparse kernel (whole blocks of the
 score matrix that cross documents are never computed), elsewhere through a boolean SDPA mask.
+
+Positions are learned embeddings added to the tokens (GPT-2, BERT), or rotary (RoPE, Su et al. 2021;
+Llama, ModernBERT): each head's queries and keys are rotated by angles proportional to their positions,
+so attention scores depend on the offset between two positions. A bidirectional model learns to read
+its neighbours far sooner with rotary positions: the masked-LM default with learned ones predicted the
+most frequent byte at every masked position for its whole run.
 """
 
 from __future__ import annotations
@@ -29,6 +35,11 @@ from pretraining.ranges import Positive, Range, checked_ranges
 # What attention may see: None (everything, or causal), a boolean mask (batch, 1, query, key) that is True
 # where attention is allowed, or FlexAttention's block-sparse form of one.
 AttentionMask = torch.Tensor | BlockMask | None
+# The cosines and sines of the rotary angles (length, head width / 2), or (batch, 1, length, head width / 2)
+# for positions that differ by row; None with learned positions.
+Rotary = tuple[torch.Tensor, torch.Tensor] | None
+POSITIONS = ("learned", "rotary")
+ROTARY_BASE = 10000.0
 
 
 @functools.cache
@@ -46,6 +57,24 @@ def document_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     return cast(torch.Tensor, compiled(flex_attention)(q, k, v, block_mask=mask))
 
 
+def rotary_angles(position_ids: torch.Tensor, head_width: int) -> Rotary:
+    """The rotary cosines and sines of `position_ids` (length,) or (batch, length): pair i of a head's
+    dimensions turns by position * ROTARY_BASE^(-2i / head_width)."""
+    exponents = torch.arange(0, head_width, 2, device=position_ids.device, dtype=torch.float32) / head_width
+    angles = position_ids[..., None].float() * ROTARY_BASE**-exponents
+    if angles.dim() == 3:
+        angles = angles[:, None]  # a head dimension
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Queries or keys (batch, head, length, width) rotated: the first half of each head's dimensions
+    paired with the second half (GPT-NeoX's and Llama's layout)."""
+    cos, sin = (part.to(x.dtype) for part in rotary)  # bfloat16 queries stay bfloat16 under autocast
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+
+
 class SelfAttention(nn.Module):
     def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, causal: bool) -> None:
         super().__init__()
@@ -58,10 +87,12 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
-    def forward(self, x: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
-        """`mask`: see `AttentionMask`; None keeps the fused (causal) kernels."""
+    def forward(self, x: torch.Tensor, mask: AttentionMask = None, rotary: Rotary = None) -> torch.Tensor:
+        """`mask`: see `AttentionMask`; None keeps the fused (causal) kernels. `rotary`: see `Rotary`."""
         batch, length, width = x.shape
         q, k, v = self.qkv(x).view(batch, length, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
+        if rotary is not None:
+            q, k = rotate(q, rotary), rotate(k, rotary)
         if isinstance(mask, BlockMask):
             y = document_attention(q, k, v, mask)
         else:
@@ -97,19 +128,20 @@ class Block(nn.Module):
         # recompute the rest, trading a second forward for activation memory.
         self.checkpoint_activations = False
 
-    def forward(self, x: torch.Tensor, mask: AttentionMask = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: AttentionMask = None, rotary: Rotary = None) -> torch.Tensor:
         if self.checkpoint_activations and torch.is_grad_enabled():
             # Non-reentrant: works under FSDP hooks and torch.compile, and replays the same dropout masks.
-            return checkpoint(self.layer, x, mask, use_reentrant=False)
-        return self.layer(x, mask)
+            return checkpoint(self.layer, x, mask, rotary, use_reentrant=False)
+        return self.layer(x, mask, rotary)
 
-    def layer(self, x: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
-        x = x + self.residual_dropout(self.attention(self.attention_norm(x), mask))
+    def layer(self, x: torch.Tensor, mask: AttentionMask, rotary: Rotary) -> torch.Tensor:
+        x = x + self.residual_dropout(self.attention(self.attention_norm(x), mask, rotary))
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nn.Module):
-    """Token + learned position embeddings, `n_layer` pre-norm blocks, a final norm.
+    """Token embeddings (plus learned position embeddings, or rotary positions in attention), `n_layer`
+    pre-norm blocks, a final norm.
 
     The embedding table is padded to a multiple of 64 rows for faster matmuls;
     the padded ids never occur in data, and `logits()` can drop them.
@@ -126,14 +158,24 @@ class Transformer(nn.Module):
         dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0,
         bias: bool = False,
         causal: bool = True,
+        positions: str = "learned",
     ) -> None:
         super().__init__()
+        if positions not in POSITIONS:
+            raise ConfigError(f"model.backbone.positions={positions!r} must be one of {', '.join(POSITIONS)}")
+        if positions == "rotary" and d_model % n_head == 0 and d_model // n_head % 2:
+            raise ConfigError(
+                f"rotary positions turn pairs of each head's dimensions, and model.backbone.d_model={d_model} / "
+                f"n_head={n_head} is odd: choose an even head width, or model.backbone.positions=learned"
+            )
+        self.positions = positions
         self.vocab_size, self.max_seq_len, self.n_layer, self.causal = vocab_size, max_seq_len, n_layer, causal
         self.attention_dropout = dropout
         self.d_model, self.n_head = d_model, n_head
         padded_vocab = math.ceil(vocab_size / 64) * 64
         self.token_embedding = nn.Embedding(padded_vocab, d_model)
-        self.position_embedding = nn.Embedding(max_seq_len, d_model)
+        if positions == "learned":
+            self.position_embedding = nn.Embedding(max_seq_len, d_model)
         self.dropout = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(d_model, n_head, dropout, bias, causal) for _ in range(n_layer))
         self.final_norm = nn.LayerNorm(d_model, bias=bias)
@@ -168,10 +210,16 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {length} tokens exceeds model.backbone.max_seq_len={self.max_seq_len}")
         if position_ids is None:
             position_ids = torch.arange(length, device=tokens.device)
-        x = self.dropout(self.token_embedding(tokens) + self.position_embedding(position_ids))
+        x = self.token_embedding(tokens)
+        rotary = None
+        if self.positions == "learned":
+            x = x + self.position_embedding(position_ids)
+        else:
+            rotary = rotary_angles(position_ids, self.d_model // self.n_head)
+        x = self.dropout(x)
         mask = self.attention_mask(attend, documents)
         for block in self.blocks:
-            x = block(x, mask)
+            x = block(x, mask, rotary)
         return self.final_norm(x)
 
     def attention_mask(self, attend: torch.Tensor | None, documents: torch.Tensor | None) -> AttentionMask:
