@@ -180,6 +180,23 @@ def test_validation_sums_use_the_eval_rate_and_seed() -> None:
     metrics = model.validation_metrics({k: v.double() for k, v in sums.items()})
     assert float(metrics["accuracy"]) == pytest.approx(int(sums["correct"]) / int(sums["masked"]))
 
+    # Apart at each kind of selected position: what the model saw there decides the kind.
+    seen = inputs.gather(1, positions)
+    kinds = {"mask": seen == MASK_ID, "kept": seen == labels, "random": (seen != MASK_ID) & (seen != labels)}
+    right = logits.argmax(-1) == labels
+    for kind, where in kinds.items():
+        assert int(sums[f"masked_{kind}"]) == int(where.sum()) > 0, kind
+        assert float(metrics[f"accuracy_{kind}"]) == pytest.approx(int((right & where).sum()) / int(where.sum()))
+    assert sum(int(sums[f"masked_{kind}"]) for kind in kinds) == int(sums["masked"])
+
+
+def test_a_kind_of_position_the_masks_never_draw_is_not_reported() -> None:
+    model = tiny_mlm(mask_prob=1.0, random_prob=0.0)  # every selected position is <mask>
+    sums = model.validation_update({"tokens": random_blocks(3, 65), "sample_id": torch.arange(3)})
+    metrics = model.validation_metrics({k: v.double() for k, v in sums.items()})
+    assert set(metrics) == {"loss", "accuracy", "accuracy_mask"}
+    assert float(metrics["accuracy_mask"]) == pytest.approx(float(metrics["accuracy"]))
+
 
 def test_overfits_a_fixed_batch() -> None:
     torch.manual_seed(0)

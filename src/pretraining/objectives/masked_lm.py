@@ -94,6 +94,17 @@ def mask_tokens(
     return inputs, positions, original.masked_fill(~selectable, IGNORE)
 
 
+SELECTED_KINDS = ("mask", "random", "kept")
+
+
+def selected_kinds(inputs_at: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Which selected positions the model saw as `<mask>`, as another token, or unchanged (a random
+    replacement that drew the original token counts as kept: the model sees no difference)."""
+    mask = inputs_at == MASK_ID
+    kept = inputs_at == labels
+    return {"mask": mask, "random": ~mask & ~kept, "kept": kept}
+
+
 class MaskedLM(PretrainingObjective):
     """BERT-style masked-language model over packed blocks with a bidirectional backbone.
 
@@ -124,7 +135,8 @@ class MaskedLM(PretrainingObjective):
                 f"model.mask_prob={mask_prob} and model.random_prob={random_prob} must have a sum of at most 1 "
                 f"(the rest of the selected tokens stay unchanged)"
             )
-        super().__init__(backbone, validation_state=sums("nll", "masked", "correct"), **settings)
+        counts = [f"{name}_{kind}" for kind in SELECTED_KINDS for name in ("masked", "correct")]
+        super().__init__(backbone, validation_state=sums("nll", "masked", "correct", *counts), **settings)
         self.loss_chunk_tokens = loss_chunk_tokens
         self.mask_rate, self.eval_mask_rate = mask_rate, eval_mask_rate
         self.mask_prob, self.random_prob = mask_prob, random_prob
@@ -177,12 +189,19 @@ class MaskedLM(PretrainingObjective):
         logits = self.backbone.logits(self.hidden_at(scored))
         labels = scored.targets
         counted = labels != IGNORE
+        correct = (logits.argmax(-1) == labels) & counted
         nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
-        return {
-            "nll": nll,
-            "masked": counted.sum(),
-            "correct": ((logits.argmax(-1) == labels) & counted).sum(),
-        }
+        update = {"nll": nll, "masked": counted.sum(), "correct": correct.sum()}
+        for kind, selected in selected_kinds(scored.inputs.gather(1, scored.positions), labels).items():
+            update |= {f"masked_{kind}": (selected & counted).sum(), f"correct_{kind}": (selected & correct).sum()}
+        return update
 
     def validation_metrics(self, totals: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"loss": totals["nll"] / totals["masked"], "accuracy": totals["correct"] / totals["masked"]}
+        """Accuracy over all selected positions, and at each kind apart: only `mask` shows what the model
+        infers from context (`kept` can be copied from the input). A kind the masks never drew is left out."""
+        accuracies = {
+            f"accuracy_{kind}": totals[f"correct_{kind}"] / totals[f"masked_{kind}"]
+            for kind in SELECTED_KINDS
+            if totals[f"masked_{kind}"] > 0
+        }
+        return {"loss": totals["nll"] / totals["masked"], "accuracy": totals["correct"] / totals["masked"]} | accuracies
