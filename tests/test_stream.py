@@ -19,7 +19,15 @@ from torch.utils.data import DataLoader
 from conftest import packed_blocks, tokenized_pairs
 from pretraining.data.corpus import read_source
 from pretraining.data.datamodule import ShardDataModule, default_streams
-from pretraining.data.formats import Block, PackedBlocks, block_tensors, encode_document, pack_blocks
+from pretraining.data.formats import (
+    Block,
+    PackedBlocks,
+    block_tensors,
+    encode_document,
+    middle_lines,
+    pack_blocks,
+    shares,
+)
 from pretraining.data.manifest import Manifest
 from pretraining.data.reader import read_shard
 from pretraining.data.shards import BuildSettings, build_shards
@@ -28,14 +36,16 @@ from pretraining.data.stream import (
     BatchStream,
     Cursor,
     ShardStream,
+    ValidationSet,
     batch_plan,
     buffer_shuffled,
     seeded_rng,
     shard_order,
+    spread,
     stream_shard,
     validation_examples,
 )
-from pretraining.data.tokenizer import EOS_ID, ByteTokenizer
+from pretraining.data.tokenizer import EOS_ID, BPETokenizer, ByteTokenizer, train_bpe
 from pretraining.instantiate import build
 
 BLOCK = 32
@@ -107,7 +117,12 @@ def blocks(dataset: ShardStream, worker: int, workers: int, start: Cursor) -> It
 
 
 def validation_blocks(urls, tokenizer, block_size: int, max_blocks: int) -> list[dict[str, torch.Tensor]]:
-    return validation_examples(urls, PackedBlocks(tokenizer, block_size), max_blocks)
+    return validation_set(urls, tokenizer, block_size, max_blocks).examples
+
+
+def validation_set(urls, tokenizer, block_size: int, max_blocks: int) -> ValidationSet:
+    documents = sum(len(shard_documents(url)) for url in urls)
+    return validation_examples(urls, PackedBlocks(tokenizer, block_size), max_blocks, documents)
 
 
 def take(dataset, count: int) -> list[dict[str, torch.Tensor]]:
@@ -595,27 +610,40 @@ def test_one_empty_shard_of_two_does_not_stop_the_stream(train_urls):
 # --- validation blocks ---------------------------------------------------------------------------------
 
 
-def test_validation_blocks(shard_dir):
-    urls = Manifest.load(shard_dir).urls("validation")
-    tokenizer = ByteTokenizer()
-    everything = validation_blocks(urls, tokenizer, 16, max_blocks=10_000)
-    flat = [t for url in urls for document in shard_documents(url) for t in document]
-    assert len(everything) == (len(flat) - 1) // 16 > 6
-    assert unpack([b["tokens"].tolist() for b in everything]) == flat[: 1 + 16 * len(everything)]
-    assert [int(block["sample_id"]) for block in everything] == list(range(len(everything)))
-    first = validation_blocks(urls, tokenizer, 16, max_blocks=5)
-    assert len(first) == 5
+def test_validation_is_spread_over_the_split_and_the_same_text_for_any_tokenizer(train_urls, tmp_path):
+    urls = train_urls  # any shards: these hold more documents
+    texts = [sample["txt"].decode() for url in urls for sample in read_shard(url)]
+    train_bpe(texts, vocab_size=320, out_path=tmp_path / "tokenizer.json")
+    assert len(texts) > 6
+    small = validation_set(urls, ByteTokenizer(), 16, max_blocks=3)  # 3 documents, 48 characters shared out
+    assert small.documents == 3 and small.split_documents == len(texts)
+    windows = [middle_lines(texts[index], 16) for index in sorted(spread(3, len(texts)))]
+    assert spread(3, len(texts)) == {0, len(texts) // 3, 2 * len(texts) // 3}
+    assert small.text_bytes == sum(len(window.encode()) for window in windows)
+    flat = [token for window in windows for token in encode_document(ByteTokenizer(), window)]
+    assert unpack([block["tokens"].tolist() for block in small.examples]) == flat[: 1 + 16 * len(small.examples)]
 
-    def fields(block: dict[str, torch.Tensor]) -> tuple:
-        return block["tokens"].tolist(), block["doc_ids"].tolist(), int(block["target_bytes"])
+    whole = validation_set(urls, ByteTokenizer(), 16, max_blocks=10_000)  # every document, whole
+    assert whole.documents == len(texts) and whole.text_bytes == sum(len(text.encode()) for text in texts)
+    assert [int(block["sample_id"]) for block in whole.examples] == list(range(len(whole.examples)))
+    bpe = validation_set(urls, BPETokenizer(tmp_path / "tokenizer.json"), 16, max_blocks=64)
+    same = validation_set(urls, ByteTokenizer(), 16, max_blocks=64)
+    assert bpe.text_bytes == same.text_bytes and bpe.documents == same.documents == len(texts)
+    assert len(bpe.examples) < len(same.examples)  # the same text in fewer blocks
+    scored = [sum(int(block["target_bytes"]) for block in chosen.examples) for chosen in (bpe, same)]
+    assert abs(scored[0] - scored[1]) < 16 * 8  # all of it but the tail of a block (UTF-8 bytes per BPE token)
 
-    assert [fields(b) for b in first] == [fields(b) for b in everything[:5]]
-    assert [fields(b) for b in validation_blocks(urls, tokenizer, 16, max_blocks=5)] == [fields(b) for b in first]
+
+def test_middle_lines_and_shares():
+    text = "".join(f"line {number}\n" for number in range(100))  # 7 or 8 characters a line
+    assert middle_lines(text, 30) == "line 48\nline 49\nline 50\n" and middle_lines("short", 30) == "short"
+    assert middle_lines("x" * 100, 10) == "x" * 10  # a single long line is cut
+    assert shares([10, 1000, 50], 300) == [10, 240, 50] and shares([5, 5], 100) == [5, 5]
 
 
 def test_validation_blocks_pack_across_shards_in_manifest_order(train_urls):
     urls = train_urls[:3]
-    blocks = validation_blocks(urls, ByteTokenizer(), 16, max_blocks=10_000)
+    blocks = validation_blocks(urls, ByteTokenizer(), 16, max_blocks=100_000)  # every document, whole
     flat = [t for url in urls for document in shard_documents(url) for t in document]
     assert len(blocks) == (len(flat) - 1) // 16
     assert len(blocks) > sum(len(packed(url, 16)) for url in urls)  # one packer: no tail dropped per shard

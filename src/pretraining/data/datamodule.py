@@ -35,6 +35,7 @@ from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from pretraining.data.formats import ExampleFormat, Tensors
@@ -52,8 +53,9 @@ class ShardDataModule(LightningDataModule):
     with the tokenizer (`pretraining.data.formats`: `data.format` in the config).
 
     Training is an infinite `BatchStream` per rank (train with `max_steps`).
-    Validation is the first `val_size` examples of the validation shards, dealt
-    to ranks in equal numbers, the same every time. `streams` None: `default_streams`.
+    Validation is a fixed sample spread over the whole validation split (`validation_examples`: up to
+    `val_size` documents, evenly spaced; for packed text, `val_size` blocks' worth of characters shared
+    out over them), dealt to ranks in equal numbers, the same every time. `streams` None: `default_streams`.
     """
 
     STATE_FORMAT = 2
@@ -257,8 +259,15 @@ class ShardDataModule(LightningDataModule):
     @cached_property
     def validation_set(self) -> list[Tensors]:
         """All ranks' validation examples, read once however often validation runs."""
-        urls = [self.manifest.url(s) for s in self.manifest.shards("validation") if s.name not in self.refused]
-        return validation_examples(urls, self.format, self.val_size, self.bad_data)
+        shards = [shard for shard in self.manifest.shards("validation") if shard.name not in self.refused]
+        urls, documents = [self.manifest.url(shard) for shard in shards], sum(shard.samples for shard in shards)
+        chosen = validation_examples(urls, self.format, self.val_size, documents, self.bad_data)
+        rank_zero_info(
+            f"validation: {len(chosen.examples)} {self.format.kind} from {chosen.text_bytes:,} bytes of text of "
+            f"{chosen.documents} of the {chosen.split_documents} documents of the validation split, "
+            f"in {len(shards)} shards"
+        )
+        return chosen.examples
 
     def val_dataloader(self) -> DataLoader:
         rank, world_size = self.rank_and_world

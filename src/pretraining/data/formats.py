@@ -15,7 +15,7 @@ example is a new format here, an objective that reads it, and their configs.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Annotated, ClassVar, Protocol, TypeVar
 
@@ -94,6 +94,27 @@ def pack_blocks(documents: Iterable[list[int]], block_size: int) -> Iterator[Blo
         del tokens[:start], doc_ids[:start]
 
 
+def shares(lengths: Sequence[int], budget: int) -> list[int]:
+    """`budget` shared out over documents of `lengths` as evenly as they allow: a short document gives
+    all it has, and the others share what it leaves."""
+    given = [0] * len(lengths)
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    for taken, index in enumerate(order):
+        given[index] = min(lengths[index], budget // (len(order) - taken))
+        budget -= given[index]
+    return given
+
+
+def middle_lines(text: str, length: int) -> str:
+    """About `length` characters of whole lines from the middle of `text` (cut inside a line only where a
+    single line is longer)."""
+    if len(text) <= length:
+        return text
+    start = text.rfind("\n", 0, (len(text) - length) // 2) + 1  # the start of the line there
+    end = text.rfind("\n", start, start + length) + 1 or start + length
+    return text[start:end]
+
+
 def block_tensors(block: Block, token_bytes: np.ndarray) -> Tensors:
     """The tensors of one block, as the objectives receive them (after batching)."""
     tokens = np.asarray(block.tokens, dtype=np.int64)
@@ -119,6 +140,15 @@ class PackedBlocks:
 
     def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Block]:
         return pack_blocks((encode_document(self.tokenizer, text) for (text,) in samples), self.block_size)
+
+    def validation_texts(self, documents: Sequence[tuple[str, ...]], size: int) -> list[tuple[str, ...]]:
+        """The validation text of `size` blocks of one-byte tokens (`size * block_size` characters), shared
+        out evenly over `documents` as a window of whole lines from the middle of each: the same text
+        whatever the tokenizer (a BPE packs it into fewer blocks). Optional in a format: without it,
+        validation reads each chosen document whole."""
+        texts = [text for (text,) in documents]
+        budgets = shares([len(text) for text in texts], size * self.block_size)
+        return [(middle_lines(text, budget),) for text, budget in zip(texts, budgets, strict=True)]
 
     def tensors(self, example: Block) -> Tensors:
         return block_tensors(example, self.tokenizer.token_bytes)

@@ -321,13 +321,36 @@ class BatchStream(IterableDataset):
         return default_collate(tensors) | {name: torch.tensor(count) for name, count in counts.items()}
 
 
+@dataclass(frozen=True)
+class ValidationSet:
+    """The validation examples (each with its position as `sample_id`), the documents they were made from
+    and those of the split, and the UTF-8 bytes of the texts they read."""
+
+    examples: list[Tensors]
+    documents: int
+    split_documents: int
+    text_bytes: int
+
+
+def spread(count: int, total: int) -> set[int]:
+    """`count` of the indices 0 .. total - 1, evenly spaced (all of them when count >= total)."""
+    return {index * total // count for index in range(count)} if count < total else set(range(total))
+
+
 def validation_examples(
-    urls: Sequence[str], format: ExampleFormat, max_examples: int, policy: str = "skip"
-) -> list[Tensors]:
-    """The first `max_examples` examples of the validation shards, read in manifest order as one
-    stream, each with its position as `sample_id`."""
-    examples = format.examples(SampleReader(format.fields, policy).all_texts(urls))
-    return [
+    urls: Sequence[str], format: ExampleFormat, size: int, split_documents: int, policy: str = "skip"
+) -> ValidationSet:
+    """A fixed sample spread over the whole validation split of `split_documents` documents (samples): up
+    to `size` of them, evenly spaced (every one where the split has no more), the format's `validation_texts`
+    of those (packed text takes a window of each, within a budget), made into examples."""
+    chosen = spread(min(size, split_documents), split_documents)
+    samples = itertools.islice(SampleReader(format.fields, policy).all_texts(urls), max(chosen, default=-1) + 1)
+    documents = [sample for index, sample in enumerate(samples) if index in chosen]
+    choose = getattr(format, "validation_texts", None)  # optional: by default each document whole
+    texts = choose(documents, size) if choose else documents
+    examples = [
         format.tensors(example) | {"sample_id": torch.tensor(index)}
-        for index, example in enumerate(itertools.islice(examples, max_examples))
+        for index, example in enumerate(itertools.islice(format.examples(texts), size))
     ]
+    text_bytes = sum(len(field.encode()) for text in texts for field in text)
+    return ValidationSet(examples, len(documents), split_documents, text_bytes)
