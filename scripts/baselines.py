@@ -1,97 +1,247 @@
-"""The floors each objective must beat, on exactly the validation data a run reports on.
+"""The floors each pretraining objective must beat, on exactly the validation examples a run reports on.
 
-    python scripts/baselines.py clm --data data/stdlib                 # unigram bits per byte
-    python scripts/baselines.py mlm --data data/stdlib                 # most-frequent-token accuracy
-    python scripts/baselines.py contrastive --data data/stdlib_pairs   # retrieval by chance
+    python scripts/baselines.py clm [hydra overrides ...]           # experiment=clm_tiny unless one is given
+    python scripts/baselines.py mlm tokenizer=bpe data.dir=...      # experiment=mlm_tiny
+    python scripts/baselines.py contrastive                         # experiment=contrastive_tiny
 
-clm: byte frequencies counted on the training shards (add-one smoothed), scored on the
-validation blocks with the run's definition of `val/bpb`. mlm: always predicting the most
-frequent training token, scored on the validation blocks masked as MaskedLM masks them at
-its evaluation rate and seed (`val/accuracy`), and the unigram loss on those positions
-(`val/loss`). contrastive: MRR and Recall@k of a random ranking of the validation pairs.
+The run's config is composed as `pretrain` composes it (configs/train.yaml and the overrides); the run's
+tokenizer and DataModule are built from it, and the validation examples are the DataModule's
+`validation_set`, the examples the run validates on. Training statistics are counted on the training shards
+the run reads, tokenised as its example format tokenises them. Each line names its metrics as the run logs them.
+
+clm, scored as `CausalLM` scores validation: every block's token t+1 predicted from its token t (`val/loss`: nats
+per token; `val/bpb`: the summed nats / (ln 2 * the UTF-8 bytes behind the targets), comparable across tokenizers):
+- unigram: the training token frequencies, add-one smoothed over the tokenizer's vocabulary;
+- bigram: the training bigram counts interpolated with that unigram by Witten-Bell, which has no parameter
+  (nothing is tuned, on validation or anywhere else).
+
+mlm, on the objective's validation masks (`mask_tokens` at model.eval_mask_rate and model.eval_seed, as
+`MaskedLM.masked_inputs` calls it), positions labelled IGNORE left out; `val/accuracy` over all selected
+positions and `val/accuracy_{mask,random,kept}` at each kind (`selected_kinds`, as `MaskedLM` counts them):
+- most frequent: always the most frequent non-special training token;
+- copy: the visible input token where it is not `<mask>` (kept or randomly replaced), else the most frequent token;
+- unigram: `val/loss`, nats per selected token, of the training frequencies of the non-special tokens, add-one
+  smoothed.
+
+contrastive, the validation pairs in sample_id order ranked by `Contrastive`'s own `retrieval_metrics` (with
+model.recall_at and model.pool_size), queries to passages (q2p) and back (p2q):
+- random: the mean metrics of 10 seeded random Gaussian embeddings (the expected MRR, H_N / N, alongside);
+- bag of tokens: the cosine of the token-count vectors of the two sides (the ids the towers read, special
+  tokens such as CLS and PAD left out);
+- TF-IDF: those counts (raw tf, as scikit-learn's TfidfVectorizer by default) times the smoothed idf
+  ln((1 + N) / (1 + df)) + 1 of the training split, where each training query and each passage is a document
+  (N of them), L2-normalised; cosine.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import time
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 
-from pretraining.data.formats import PackedBlocks, encode_document
-from pretraining.data.manifest import Manifest
+from pretraining.config import CONFIG_DIR  # registers the config resolvers
+from pretraining.data.datamodule import ShardDataModule
+from pretraining.data.formats import PackedBlocks, TokenizedPairs, encode_document
 from pretraining.data.reader import SampleReader
-from pretraining.data.stream import validation_examples
-from pretraining.data.tokenizer import SPECIAL_TOKENS, ByteTokenizer
-from pretraining.objectives.masked_lm import IGNORE, mask_tokens
+from pretraining.data.tokenizer import MASK_ID, SPECIAL_TOKENS
+from pretraining.instantiate import build
+from pretraining.objectives.contrastive import retrieval_metrics
+from pretraining.objectives.masked_lm import IGNORE, mask_tokens, selected_kinds
+
+EXPERIMENTS = {"clm": "clm_tiny", "mlm": "mlm_tiny", "contrastive": "contrastive_tiny"}
+FORMATS = {"clm": PackedBlocks, "mlm": PackedBlocks, "contrastive": TokenizedPairs}
+# The model config keys each reads: a masked-LM's validation masks, a contrastive model's metrics.
+MODEL_KEYS = {
+    "clm": [],
+    "mlm": ["eval_mask_rate", "eval_seed", "mask_prob", "random_prob"],
+    "contrastive": ["recall_at", "pool_size"],
+}
+SPECIALS = len(SPECIAL_TOKENS)  # the first ids: never a masked label, never a token of a bag
+RANDOM_DRAWS = 10
+Metrics = dict[str, float]
+Floors = dict[str, Metrics]  # a floor's description -> its metrics, named as the run logs them
 
 
-def train_token_counts(manifest: Manifest, tokenizer: ByteTokenizer) -> np.ndarray:
-    counts = np.ones(tokenizer.vocab_size)
-    for (text,) in SampleReader(manifest.text_fields()[:1]).all_texts(manifest.urls("train")):
-        counts += np.bincount(encode_document(tokenizer, text), minlength=tokenizer.vocab_size)
+def run_config(objective: str, overrides: Sequence[str]) -> DictConfig:
+    """The root config `train` with `overrides`, after the objective's default experiment unless they name one."""
+    if not any(override.startswith("experiment=") for override in overrides):
+        overrides = [f"experiment={EXPERIMENTS[objective]}", *overrides]
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def run_data(cfg: DictConfig) -> ShardDataModule:
+    """The run's DataModule, built with the run's tokenizer, as `pretraining.train.train` builds it."""
+    return build(cfg.data, tokenizer=build(cfg.tokenizer))
+
+
+def train_texts(data: ShardDataModule) -> Iterator[tuple[str, ...]]:
+    """The texts of the format's fields of every training sample the run can read."""
+    urls = [data.manifest.url(s) for s in data.manifest.shards("train") if s.name not in data.refused]
+    return SampleReader(data.format.fields, data.bad_data).all_texts(urls)
+
+
+def train_tokens(data: ShardDataModule) -> np.ndarray:
+    """The training documents tokenised as `PackedBlocks` tokenises them (each ending in EOS), as one stream."""
+    documents = [np.asarray(encode_document(data.tokenizer, text), np.int64) for (text,) in train_texts(data)]
+    return np.concatenate(documents)
+
+
+def add_one(counts: np.ndarray) -> np.ndarray:
+    return (counts + 1) / (counts + 1).sum()
+
+
+def witten_bell(tokens: np.ndarray, unigram: np.ndarray, context: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """P(target | context) of the bigrams of `tokens` interpolated with `unigram` by Witten-Bell:
+    (c(v, w) + T(v) P(w)) / (c(v) + T(v)), T(v) the number of distinct tokens seen after v; P(w) after an unseen v."""
+    vocab = len(unigram)
+    codes, counts = np.unique(tokens[:-1] * vocab + tokens[1:], return_counts=True)
+    seen_after = np.bincount(codes // vocab, weights=counts, minlength=vocab)[context]
+    types = np.bincount(codes // vocab, minlength=vocab)[context]
+    asked = context * vocab + targets
+    at = np.searchsorted(codes, asked).clip(max=len(codes) - 1)
+    pair_counts = np.where(codes[at] == asked, counts[at], 0)
+    total = seen_after + types
+    return np.where(total > 0, (pair_counts + types * unigram[targets]) / np.maximum(total, 1), unigram[targets])
+
+
+def clm_floors(cfg: DictConfig, data: ShardDataModule) -> Floors:
+    tokens = train_tokens(data)
+    unigram = add_one(np.bincount(tokens, minlength=data.tokenizer.vocab_size))
+    blocks = torch.stack([example["tokens"] for example in data.validation_set]).numpy()
+    target_bytes = sum(int(example["target_bytes"]) for example in data.validation_set)
+    context, targets = blocks[:, :-1].ravel(), blocks[:, 1:].ravel()
+    probabilities = {
+        "unigram, add-one smoothed": unigram[targets],
+        "bigram, Witten-Bell with that unigram": witten_bell(tokens, unigram, context, targets),
+    }
+    floors = {}
+    for name, p in probabilities.items():
+        nll = -np.log(p).sum()
+        floors[name] = {"val/loss": nll / len(targets), "val/bpb": nll / (math.log(2) * target_bytes)}
+    return floors
+
+
+def mlm_floors(cfg: DictConfig, data: ShardDataModule) -> Floors:
+    counts = np.bincount(train_tokens(data), minlength=data.tokenizer.vocab_size)[SPECIALS:]
+    top = SPECIALS + int(counts.argmax())
+    examples = data.validation_set
+    inputs, positions, labels = mask_tokens(
+        torch.stack([example["tokens"][:-1] for example in examples]),
+        torch.stack([example["sample_id"] for example in examples]),
+        cfg.model.eval_mask_rate,
+        cfg.model.eval_seed,
+        data.tokenizer.vocab_size,
+        cfg.model.mask_prob,
+        cfg.model.random_prob,
+    )
+    visible, counted = inputs.gather(1, positions), labels != IGNORE
+    guesses = {
+        f"most frequent token {data.tokenizer.decode([top])!r}": torch.full_like(labels, top),
+        "copy the visible token, else the most frequent": torch.where(visible == MASK_ID, top, visible),
+    }
+    floors = {}
+    for name, guess in guesses.items():
+        correct = (guess == labels) & counted
+        floors[name] = {"val/accuracy": float(correct.sum() / counted.sum())}
+        for kind, selected in selected_kinds(visible, labels).items():
+            if (selected & counted).any():
+                floors[name][f"val/accuracy_{kind}"] = float((selected & correct).sum() / (selected & counted).sum())
+    log_unigram = np.log(add_one(counts))
+    floors["unigram, add-one smoothed"] = {"val/loss": -log_unigram[labels[counted].numpy() - SPECIALS].mean()}
+    return floors
+
+
+def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(rows, vocab_size) counts of the ids of each row, special tokens (CLS, PAD) left out."""
+    counts = torch.zeros(len(ids), vocab_size, dtype=torch.float64).scatter_add_(1, ids, torch.ones_like(ids).double())
+    counts[:, :SPECIALS] = 0
     return counts
 
 
-def validation_tokens(manifest: Manifest, tokenizer: ByteTokenizer, block_size: int, val_size: int) -> list[dict]:
-    return validation_examples(manifest.urls("validation"), PackedBlocks(tokenizer, block_size), val_size)
+def training_idf(data: ShardDataModule) -> torch.Tensor:
+    """Smoothed idf, ln((1 + N) / (1 + df)) + 1, over the N training queries and passages as the format encodes them."""
+    df, documents = np.zeros(data.tokenizer.vocab_size), 0
+    for pair in data.format.examples(train_texts(data)):
+        for side in (pair.query, pair.passage):
+            df[np.unique(side)] += 1
+            documents += 1
+    return torch.from_numpy(np.log((1 + documents) / (1 + df)) + 1)
 
 
-def clm(args: argparse.Namespace) -> None:
-    tokenizer, manifest = ByteTokenizer(), Manifest.load(args.data)
-    counts = train_token_counts(manifest, tokenizer)
-    log_probs = np.log(counts / counts.sum())
-    nll = target_bytes = 0.0
-    for block in validation_tokens(manifest, tokenizer, args.block_size, args.val_size):
-        nll -= log_probs[block["tokens"][1:].numpy()].sum()
-        target_bytes += int(block["target_bytes"])
-    print(f"unigram byte model: {nll / (math.log(2) * target_bytes):.4f} bits per byte (val/bpb)")
+def ranking(name: str, queries: torch.Tensor, passages: torch.Tensor, cfg: DictConfig) -> Floors:
+    """`Contrastive.validation_metrics`' retrieval metrics of these embeddings: a floor each way."""
+    floors = {}
+    for direction, (asked, answers) in {"q2p": (queries, passages), "p2q": (passages, queries)}.items():
+        metrics = retrieval_metrics(asked, answers, tuple(cfg.model.recall_at), cfg.model.pool_size)
+        floors[f"{name}, {direction}"] = {f"val/{direction}_{key}": float(value) for key, value in metrics.items()}
+    return floors
 
 
-def mlm(args: argparse.Namespace) -> None:
-    tokenizer, manifest = ByteTokenizer(), Manifest.load(args.data)
-    counts = train_token_counts(manifest, tokenizer)[len(SPECIAL_TOKENS) :]  # specials are never masked
-    log_probs = np.log(counts / counts.sum())
-    blocks = validation_tokens(manifest, tokenizer, args.block_size, args.val_size)
-    tokens = torch.stack([block["tokens"][:-1] for block in blocks])
-    ids = torch.stack([block["sample_id"] for block in blocks])
-    _, _, labels = mask_tokens(tokens, ids, args.rate, args.seed, tokenizer.vocab_size)
-    labels = labels[labels != IGNORE].numpy() - len(SPECIAL_TOKENS)
-    top = int(counts.argmax())
-    accuracy = np.mean(labels == top)
-    token = tokenizer.decode([top + len(SPECIAL_TOKENS)])
-    print(f"most frequent training token {token!r}: accuracy {accuracy:.4f} (val/accuracy)")
-    print(f"unigram model: loss {-log_probs[labels].mean():.4f} nats per masked token (val/loss)")
+def random_ranking(pairs: int, cfg: DictConfig) -> Floors:
+    """The mean floors of `RANDOM_DRAWS` seeded random Gaussian embeddings (no ties)."""
+    draws = []
+    for seed in range(RANDOM_DRAWS):
+        embeddings = torch.randn(2, pairs, 64, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        draws.append(ranking("", *embeddings, cfg))
+    expected = sum(1 / rank for rank in range(1, pairs + 1)) / pairs
+    name = f"random, mean of {RANDOM_DRAWS} draws (expected mrr {expected:.4f})"
+    return {
+        name + floor: {metric: float(np.mean([draw[floor][metric] for draw in draws])) for metric in metrics}
+        for floor, metrics in draws[0].items()
+    }
 
 
-def contrastive(args: argparse.Namespace) -> None:
-    manifest = Manifest.load(args.data)
-    pairs = min(args.val_size, sum(shard.samples for shard in manifest.shards("validation")))
-    harmonic = sum(1 / rank for rank in range(1, pairs + 1))
-    recalls = ", ".join(f"Recall@{k} {k / pairs:.4f}" for k in (1, 5, 10))
-    print(f"random ranking of {pairs} validation pairs: MRR {harmonic / pairs:.4f} (1/N = {1 / pairs:.4f}), {recalls}")
+def contrastive_floors(cfg: DictConfig, data: ShardDataModule) -> Floors:
+    examples = sorted(data.validation_set, key=lambda example: int(example["sample_id"]))
+    vocab = data.tokenizer.vocab_size
+    queries = token_counts(torch.stack([example["query"] for example in examples]), vocab)
+    passages = token_counts(torch.stack([example["passage"] for example in examples]), vocab)
+    idf = training_idf(data)
+    return (
+        random_ranking(len(examples), cfg)
+        | ranking("bag of tokens, cosine", F.normalize(queries, dim=1), F.normalize(passages, dim=1), cfg)
+        | ranking(
+            "TF-IDF (raw tf, smoothed training idf), cosine",
+            F.normalize(queries * idf, dim=1),
+            F.normalize(passages * idf, dim=1),
+            cfg,
+        )
+    )
 
 
-def main() -> None:
+FLOORS = {"clm": clm_floors, "mlm": mlm_floors, "contrastive": contrastive_floors}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    objectives = parser.add_subparsers(dest="objective", required=True)
-    commands = {}
-    for name, run, data, val_size in [
-        ("clm", clm, "data/stdlib", 64),
-        ("mlm", mlm, "data/stdlib", 64),
-        ("contrastive", contrastive, "data/stdlib_pairs", 1000),
-    ]:
-        commands[name] = objectives.add_parser(name)
-        commands[name].add_argument("--data", default=data)
-        commands[name].add_argument("--val-size", type=int, default=val_size, help="data.val_size of the run")
-        commands[name].set_defaults(run=run)
-    for name in ("clm", "mlm"):
-        commands[name].add_argument("--block-size", type=int, default=256, help="data.format.block_size of the run")
-    commands["mlm"].add_argument("--rate", type=float, default=0.15, help="model.eval_mask_rate of the run")
-    commands["mlm"].add_argument("--seed", type=int, default=0, help="model.eval_seed of the run")
-    args = parser.parse_args()
-    args.run(args)
+    parser.add_argument("objective", choices=FLOORS)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the run, as `pretrain` takes them")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    cfg = run_config(args.objective, args.overrides)
+    if missing := [f"model.{key}" for key in MODEL_KEYS[args.objective] if key not in cfg.model]:
+        raise SystemExit(f"{args.objective} reads {', '.join(missing)}, which this run's model config lacks")
+    data = run_data(cfg)
+    if not isinstance(data.format, FORMATS[args.objective]):
+        wanted, made = FORMATS[args.objective].__name__, type(data.format).__name__
+        raise SystemExit(f"{args.objective} reads {wanted} examples, and this run's data config makes {made}")
+    floors = FLOORS[args.objective](cfg, data)
+    tokenizer = data.tokenizer
+    print(
+        f"{args.objective} floors on {len(data.validation_set)} validation {data.format.kind} of {cfg.data.dir}, "
+        f"{type(tokenizer).__name__} (vocabulary {tokenizer.vocab_size}), {time.perf_counter() - start:.1f} s:"
+    )
+    width = max(len(name) for name in floors)
+    for name, metrics in floors.items():
+        print(f"  {name:<{width}}  " + "  ".join(f"{metric}={value:.4f}" for metric, value in metrics.items()))
 
 
 if __name__ == "__main__":
