@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -18,7 +19,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 import pretraining.files
 from conftest import tiny_run
 from pretraining.checkpoint import newest_verified, saved_checkpoints
-from pretraining.checkpoint.background import host_copy
+from pretraining.checkpoint.background import BackgroundWriter, host_copy
 from pretraining.config import CONFIG_DIR
 from pretraining.train import train
 from test_checkpoint import pretrain_process
@@ -72,7 +73,7 @@ class HeldWriter(Callback):
                 HeldWriter.most_at_once = max(HeldWriter.most_at_once, self.running)
             step = checkpoint["global_step"]
             if step < trainer.max_steps:
-                deadline = time.monotonic() + 60
+                deadline = time.monotonic() + 20
                 while trainer.global_step <= step and time.monotonic() < deadline:
                     time.sleep(0.005)
                 HeldWriter.overtaken.append(trainer.global_step > step)
@@ -130,3 +131,20 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint_the_new
     assert pretrain_process(overrides).returncode == 0  # the same command continues from step 2
     assert [step for step, _ in saved_checkpoints(checkpoints)] == [6, 4]
     assert not list(checkpoints.glob(".*tmp*"))  # pruning removed the leftover
+
+
+def test_a_failed_write_is_reported_once_and_an_unfinished_one_stays_in_flight(tmp_path: Path) -> None:
+    writer, release = BackgroundWriter(), threading.Event()
+    writer.submit(tmp_path / "a.ckpt", lambda: release.wait(10))
+    assert writer.finished(wait=False) is None and writer.in_flight == tmp_path / "a.ckpt"
+    release.set()
+    assert writer.finished(wait=True) == tmp_path / "a.ckpt" and writer.in_flight is None
+
+    def fail() -> None:
+        raise OSError(28, "No space left on device")
+
+    writer.submit(tmp_path / "b.ckpt", fail)
+    with pytest.raises(OSError, match="No space left"):
+        writer.finished(wait=True)
+    assert writer.in_flight is None and writer.finished(wait=True) is None
+    writer.close()

@@ -529,7 +529,7 @@ def test_a_causal_model_with_rotary_positions_has_no_gpt2_form() -> None:
         ConfigError, match=f"GPT-2 has learned positions and this causal model has rotary ones, so it {fix}"
     ):
         gpt2_config(rotary)
-    with pytest.raises(ConfigError, match="cannot be started from model.init_from=gpt2: train it with"):
+    with pytest.raises(ConfigError, match=r"cannot be started from model\.init_from=gpt2: train it with"):
         check_gpt2_fits(
             gpt2_config(Transformer(vocab_size=320, d_model=32, n_layer=1, n_head=2)),
             rotary,

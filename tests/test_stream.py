@@ -634,10 +634,27 @@ def test_validation_is_spread_over_the_split_and_the_same_text_for_any_tokenizer
     assert abs(scored[0] - scored[1]) < 16 * 8  # all of it but the tail of a block (UTF-8 bytes per BPE token)
 
 
+def test_validation_of_multibyte_text_uses_all_the_text_it_chose(tmp_path):
+    """The budget counts UTF-8 bytes, as byte tokens do: every chosen document's window is validated."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for number in range(12):
+        (corpus / f"{number:02d}.txt").write_text(
+            "".join(f"行{number} 日本語のテキスト {line}\n" for line in range(40))
+        )
+    build_shards(read_source(str(corpus)), tmp_path / "shards", [str(corpus)], BuildSettings(), show_progress=False)
+    chosen = validation_set(Manifest.load(tmp_path / "shards").urls("train"), ByteTokenizer(), 32, max_blocks=16)
+    assert chosen.documents == 12 and chosen.text_bytes <= 16 * 32
+    scored = sum(int(block["target_bytes"]) for block in chosen.examples)
+    assert chosen.text_bytes - 32 < scored <= chosen.text_bytes  # all of it but the tail of the last block
+
+
 def test_middle_lines_and_shares():
     text = "".join(f"line {number}\n" for number in range(100))  # 7 or 8 characters a line
     assert middle_lines(text, 30) == "line 48\nline 49\nline 50\n" and middle_lines("short", 30) == "short"
     assert middle_lines("x" * 100, 10) == "x" * 10  # a single long line is cut
+    assert len(middle_lines("a" * 905 + "\n" + "b" * 10 + "\n" + "c" * 1500, 600)) == 600  # lines longer than it
+    assert middle_lines("日本語" * 100, 31).encode() == ("日本語" * 100).encode()[435:465]  # whole characters only
     assert shares([10, 1000, 50], 300) == [10, 240, 50] and shares([5, 5], 100) == [5, 5]
 
 

@@ -119,8 +119,10 @@ def check_fits(
     if saved != parameters:
         differing = sorted(name for name in saved.keys() | parameters.keys() if saved.get(name) != parameters.get(name))
         name = differing[0]
+        positions = "position_embedding.weight" in differing  # one side has rotary positions
+        hint = " (model.backbone.positions: learned positions have a table, rotary ones none)" if positions else ""
         raise CheckpointError(
             f"{checkpoint} holds another model: parameter {name} has shape {saved.get(name)} there and "
             f"{parameters.get(name)} here ({len(differing)} parameters differ); resume with the model config it was "
-            f"trained with, or start a separate run (run_name=<new name> or resume=never)"
+            f"trained with{hint}, or start a separate run (run_name=<new name> or resume=never)"
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
@@ -96,7 +96,17 @@ class StepCheckpoint(Checkpoint):
             self.save(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.wait_until_written(trainer)
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+    def wait_until_written(self, trainer: Trainer) -> None:
+        """Wait for the checkpoint being written, on every rank: no rank may leave the run (a launcher then
+        stops the others) while rank zero writes."""
         self.collect(trainer, wait=True)
+        trainer.strategy.barrier("StepCheckpoint.wait_until_written")
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """A run that stops on an error still completes the checkpoint being written: it is where the run continues."""
@@ -120,13 +130,15 @@ class StepCheckpoint(Checkpoint):
             else:
                 trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; rank zero writes
         except Exception as error:
-            raise self.failed(path, error) from error
+            raise_failed(path, error, self.dirpath)
         self.saved_step, self.last_model_path = step, str(path)
         if self.writer is None or self.writer.in_flight is None:
             self.published(trainer, path)
 
     def write_in_background(self, trainer: Trainer, path: Path) -> None:
-        """Rank zero copies the state to host memory and hands the copy to the writer thread."""
+        """Rank zero copies the state to host memory and hands the copy to the writer thread. The checkpoint
+        is made as `Trainer.save_checkpoint` makes it, whose own write would block: the strategies this
+        runs under (`writes_on_rank_zero`) only hand it to their checkpoint writer on rank zero."""
         assert self.writer is not None
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         if trainer.is_global_zero:
@@ -141,20 +153,9 @@ class StepCheckpoint(Checkpoint):
         try:
             written = self.writer.finished(wait)
         except Exception as error:
-            raise self.failed(path, error) from error
+            raise_failed(path, error, self.dirpath)
         if written is not None:
             self.published(trainer, written)
-
-    def failed(self, path: Path, error: Exception) -> Exception:
-        """The error a failed save stops the run with: for a storage fault, what was kept and what to do."""
-        storage = storage_fault(error)
-        if storage is None:
-            return error
-        return CheckpointError(
-            f"saving {path} failed: {storage}. Nothing was lost: {newest_saved(self.dirpath)}. Free space on "
-            f"that disk or make {self.dirpath} writable (or point paths.log_dir elsewhere and pass "
-            f"ckpt_path=<that checkpoint>), then run the same command to continue"
-        )
 
     def published(self, trainer: Trainer, path: Path) -> None:
         """Once `path` is written: point `last.ckpt` at it, prune, and tell the loggers (rank zero)."""
@@ -169,6 +170,18 @@ class StepCheckpoint(Checkpoint):
             prune(self.dirpath, self.keep_last, self.keep_every, keep=path)
             for logger in trainer.loggers:  # as ModelCheckpoint does: a logger may keep it (W&B artifacts)
                 logger.after_save_checkpoint(self)  # type: ignore[arg-type]  # loggers read last_model_path only
+
+
+def raise_failed(path: Path, error: Exception, directory: Path) -> NoReturn:
+    """Stop the run on a failed save: for a storage fault, saying what was kept and what to do."""
+    storage = storage_fault(error)
+    if storage is None:
+        raise error
+    raise CheckpointError(
+        f"saving {path} failed: {storage}. Nothing was lost: {newest_saved(directory)}. Free space on "
+        f"that disk or make {directory} writable (or point paths.log_dir elsewhere and pass "
+        f"ckpt_path=<that checkpoint>), then run the same command to continue"
+    ) from error
 
 
 def validation_owed(trainer: Trainer, resumed: Path) -> bool:

@@ -229,13 +229,12 @@ def grad_scaler(trainer: Trainer) -> Any:
 
 
 def newest_checkpoint(trainer: Trainer) -> tuple[int, Path] | None:
-    """The step and path of the newest checkpoint the run's `StepCheckpoint` has saved, if any."""
-    saved = [
-        found
-        for callback in trainer.checkpoint_callbacks
-        if isinstance(callback, StepCheckpoint)
-        for found in saved_checkpoints(callback.dirpath)
-    ]
+    """The step and path of the newest checkpoint the run's `StepCheckpoint` has saved, if any (after the
+    one being written, if any, is complete)."""
+    savers = [callback for callback in trainer.checkpoint_callbacks if isinstance(callback, StepCheckpoint)]
+    for saver in savers:
+        saver.collect(trainer, wait=True)
+    saved = [found for saver in savers for found in saved_checkpoints(saver.dirpath)]
     return max(saved) if saved else None
 
 

@@ -103,6 +103,7 @@ class Preemption(Callback):
                 )
             for checkpoint in checkpoints:
                 checkpoint.save(trainer)
+                checkpoint.wait_until_written(trainer)  # within the signal's grace time, before any rank leaves
         self.requeue_job(trainer)
 
     def requeue_job(self, trainer: Trainer) -> None:

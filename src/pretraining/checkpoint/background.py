@@ -11,7 +11,7 @@ training wait for it, and a write that failed raises its error there, on the tra
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,28 +20,45 @@ import torch
 
 
 def host_copy(state: Any) -> Any:
-    """`state` with every tensor copied to the CPU and every container rebuilt (other values deep-copied):
-    nothing the writer reads can change while training goes on."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):
-        return type(state)((key, host_copy(value)) for key, value in state.items())
-    if isinstance(state, (list, tuple)) and type(state) in (list, tuple):
-        return type(state)(host_copy(value) for value in state)
-    return copy.deepcopy(state)
+    """A deep copy of `state` whose tensors are copies in host memory (one per tensor, however often it is
+    referred to): nothing the writer reads can change while training goes on. Containers keep their types
+    and attributes (a state dict's `_metadata`)."""
+    copies: dict[int, Any] = {}
+
+    def find_tensors(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in copies:
+                copies[id(value)] = value.detach().to("cpu", copy=True)
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                find_tensors(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                find_tensors(item)
+
+    find_tensors(state)
+    return copy.deepcopy(state, memo=copies)  # the memo makes deepcopy take each tensor's host copy
 
 
 class BackgroundWriter:
-    """One writer thread and the write in flight on it, if any."""
+    """One writer thread (started with the first write) and the write in flight on it, if any."""
 
     def __init__(self) -> None:
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self.executor: ThreadPoolExecutor | None = None
         self.pending: tuple[Path, Future[None]] | None = None
 
     def submit(self, path: Path, write: Callable[[], None]) -> None:
         """Start writing `path` with `write()`; the write before must have been collected (`finished`)."""
         assert self.pending is None, "a checkpoint write is still in flight"
+        if self.executor is None:
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
         self.pending = path, self.executor.submit(write)
+
+    def close(self) -> None:
+        """End the thread (after the write in flight: `finished` reports it)."""
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)
+            self.executor = None
 
     @property
     def in_flight(self) -> Path | None:
@@ -55,6 +72,9 @@ class BackgroundWriter:
         path, future = self.pending
         if not (wait or future.done()):
             return None
-        self.pending = None
-        future.result()
+        try:
+            future.result()
+        finally:
+            if future.done():  # an interrupt while waiting leaves the write in flight, to be collected again
+                self.pending = None
         return path

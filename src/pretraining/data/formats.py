@@ -106,13 +106,17 @@ def shares(lengths: Sequence[int], budget: int) -> list[int]:
 
 
 def middle_lines(text: str, length: int) -> str:
-    """About `length` characters of whole lines from the middle of `text` (cut inside a line only where a
-    single line is longer)."""
-    if len(text) <= length:
+    """About `length` UTF-8 bytes of whole lines from the middle of `text`, or of the middle itself where
+    whole lines would give less than half of that (lines longer than the window)."""
+    data = text.encode()
+    if len(data) <= length:
         return text
-    start = text.rfind("\n", 0, (len(text) - length) // 2) + 1  # the start of the line there
-    end = text.rfind("\n", start, start + length) + 1 or start + length
-    return text[start:end]
+    middle = (len(data) - length) // 2
+    start = data.rfind(b"\n", 0, middle) + 1  # the start of the line there
+    end = data.rfind(b"\n", start, start + length) + 1
+    if end - start < length // 2:
+        start, end = middle, middle + length
+    return data[start:end].decode(errors="ignore")  # a character cut at either end is left out
 
 
 def block_tensors(block: Block, token_bytes: np.ndarray) -> Tensors:
@@ -142,12 +146,12 @@ class PackedBlocks:
         return pack_blocks((encode_document(self.tokenizer, text) for (text,) in samples), self.block_size)
 
     def validation_texts(self, documents: Sequence[tuple[str, ...]], size: int) -> list[tuple[str, ...]]:
-        """The validation text of `size` blocks of one-byte tokens (`size * block_size` characters), shared
+        """The validation text of `size` blocks of one-byte tokens (`size * block_size` UTF-8 bytes), shared
         out evenly over `documents` as a window of whole lines from the middle of each: the same text
         whatever the tokenizer (a BPE packs it into fewer blocks). Optional in a format: without it,
         validation reads each chosen document whole."""
         texts = [text for (text,) in documents]
-        budgets = shares([len(text) for text in texts], size * self.block_size)
+        budgets = shares([len(text.encode()) for text in texts], size * self.block_size)
         return [(middle_lines(text, budget),) for text, budget in zip(texts, budgets, strict=True)]
 
     def tensors(self, example: Block) -> Tensors:

@@ -346,11 +346,18 @@ def validation_examples(
     chosen = spread(min(size, split_documents), split_documents)
     samples = itertools.islice(SampleReader(format.fields, policy).all_texts(urls), max(chosen, default=-1) + 1)
     documents = [sample for index, sample in enumerate(samples) if index in chosen]
-    choose = getattr(format, "validation_texts", None)  # optional: by default each document whole
+    if len(documents) < len(chosen):
+        warnings.warn(
+            f"validation reads {len(documents)} of the {len(chosen)} documents it chose: the validation shards hold "
+            f"fewer usable samples than their manifest counts (see the bad-data warnings)",
+            stacklevel=2,
+        )
+    choose = getattr(format, "validation_texts", None)  # optional (not in the Protocol): a format's own budget
     texts = choose(documents, size) if choose else documents
+    made = format.examples(texts)
     examples = [
         format.tensors(example) | {"sample_id": torch.tensor(index)}
-        for index, example in enumerate(itertools.islice(format.examples(texts), size))
+        for index, example in enumerate(made if choose else itertools.islice(made, size))
     ]
     text_bytes = sum(len(field.encode()) for text in texts for field in text)
     return ValidationSet(examples, len(documents), split_documents, text_bytes)

@@ -32,6 +32,8 @@ class PretrainingConfig(PretrainedConfig):
         positions: str = "learned",
         **kwargs,
     ) -> None:
+        if positions not in ("learned", "rotary"):
+            raise ValueError(f"positions={positions!r} in config.json must be 'learned' or 'rotary'")
         self.vocab_size, self.max_seq_len, self.d_model = vocab_size, max_seq_len, d_model
         self.positions = positions
         self.n_layer, self.n_head, self.bias, self.dropout = n_layer, n_head, bias, dropout
