@@ -41,6 +41,7 @@ from pretraining.data.stream import (
     buffer_shuffled,
     seeded_rng,
     shard_order,
+    shared_alike,
     spread,
     stream_shard,
     validation_examples,
@@ -634,19 +635,17 @@ def test_validation_is_spread_over_the_split_and_the_same_text_for_any_tokenizer
     assert abs(scored[0] - scored[1]) < 16 * 8  # all of it but the tail of a block (UTF-8 bytes per BPE token)
 
 
-def test_validation_of_multibyte_text_uses_all_the_text_it_chose(tmp_path):
-    """The budget counts UTF-8 bytes, as byte tokens do: every chosen document's window is validated."""
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    for number in range(12):
-        (corpus / f"{number:02d}.txt").write_text(
-            "".join(f"行{number} 日本語のテキスト {line}\n" for line in range(40))
-        )
-    build_shards(read_source(str(corpus)), tmp_path / "shards", [str(corpus)], BuildSettings(), show_progress=False)
-    chosen = validation_set(Manifest.load(tmp_path / "shards").urls("train"), ByteTokenizer(), 32, max_blocks=16)
-    assert chosen.documents == 12 and chosen.text_bytes <= 16 * 32
-    scored = sum(int(block["target_bytes"]) for block in chosen.examples)
-    assert chosen.text_bytes - 32 < scored <= chosen.text_bytes  # all of it but the tail of the last block
+def test_the_validation_budget_counts_utf8_bytes_as_byte_tokens_do():
+    documents = [("".join(f"行{number} 日本語のテキスト {line}\n" for line in range(40)),) for number in range(12)]
+    windows = [len(text.encode()) for (text,) in PackedBlocks(ByteTokenizer(), 32).validation_texts(documents, 16)]
+    assert sum(windows) <= 16 * 32 and min(windows) > 16 * 32 / 12 / 2  # a share of the bytes for each document
+
+
+def test_validation_keeps_examples_that_1_2_4_and_8_devices_share_alike(train_urls):
+    assert [shared_alike(count) for count in (0, 1, 3, 7, 8, 13, 20, 121)] == [0, 1, 2, 4, 8, 8, 16, 120]
+    texts = [(sample["txt"].decode(),) for url in train_urls for sample in read_shard(url)]
+    made = len(list(PackedBlocks(ByteTokenizer(), 16).examples(texts)))
+    assert made % 8 and len(validation_blocks(train_urls, ByteTokenizer(), 16, max_blocks=100_000)) == made - made % 8
 
 
 def test_middle_lines_and_shares():
@@ -662,8 +661,8 @@ def test_validation_blocks_pack_across_shards_in_manifest_order(train_urls):
     urls = train_urls[:3]
     blocks = validation_blocks(urls, ByteTokenizer(), 16, max_blocks=100_000)  # every document, whole
     flat = [t for url in urls for document in shard_documents(url) for t in document]
-    assert len(blocks) == (len(flat) - 1) // 16
-    assert len(blocks) > sum(len(packed(url, 16)) for url in urls)  # one packer: no tail dropped per shard
+    assert len(blocks) == shared_alike((len(flat) - 1) // 16)
+    # One packer: no tail dropped per shard, the tokens run on across shards.
     assert unpack([b["tokens"].tolist() for b in blocks]) == flat[: 1 + 16 * len(blocks)]
 
 
@@ -720,9 +719,9 @@ def test_datamodule_validation_is_split_across_ranks(shard_dir):
         dm = two_stream_datamodule(shard_dir, val_size=7)
         dm.trainer = SimpleNamespace(global_rank=rank, world_size=2)
         mine = [tuple(row) for batch in dm.val_dataloader() for row in batch["tokens"].tolist()]
-        assert mine == [tuple(b["tokens"].tolist()) for b in blocks[rank::2][:3]]
+        assert mine == [tuple(b["tokens"].tolist()) for b in blocks[rank::2]]
         rows.append(mine)
-    assert len(rows[0]) == len(rows[1]) == 3
+    assert len(blocks) == 4 and len(rows[0]) == len(rows[1]) == 2  # 7 asked, 4 kept: an equal share for 1, 2, 4
     assert set(rows[0]).isdisjoint(rows[1])
 
 

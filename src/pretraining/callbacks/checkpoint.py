@@ -4,15 +4,20 @@ sharded checkpoints, written by every rank and published by rank zero (`pretrain
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any, NoReturn, cast
 
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 from pretraining.checkpoint import (
+    SHARDED_META,
     CheckpointError,
     link_last,
     newest_saved,
@@ -56,6 +61,7 @@ class StepCheckpoint(Checkpoint):
         self.dirpath, self.every_n_steps = Path(dirpath), every_n_steps
         self.keep_last, self.keep_every = keep_last, keep_every
         self.writer = BackgroundWriter() if background else None
+        self.checkpoint_group: dist.ProcessGroup | None = None  # for background sharded saves
         self.saved_step = -1
         self.last_model_path = ""
 
@@ -123,7 +129,9 @@ class StepCheckpoint(Checkpoint):
         path = self.dirpath / f"step-{step:06d}.ckpt"
         self.collect(trainer, wait=True)  # one write in flight at most
         try:
-            if saves_sharded(trainer):
+            if saves_sharded(trainer) and self.writer is not None:
+                self.write_shards_in_background(trainer, path)
+            elif saves_sharded(trainer):
                 save_sharded(trainer, path)
             elif self.writer is not None and writes_on_rank_zero(trainer):
                 self.write_in_background(trainer, path)
@@ -144,6 +152,27 @@ class StepCheckpoint(Checkpoint):
         if trainer.is_global_zero:
             state, writer = host_copy(checkpoint), trainer.strategy.checkpoint_io
             self.writer.submit(path, lambda: writer.save_checkpoint(state, path))
+
+    def write_shards_in_background(self, trainer: Trainer, path: Path) -> None:
+        """Every rank's shards are staged in host memory and written by DCP's thread (`dcp.async_save`, over a
+        process group of their own: its collectives must not interleave with training's); once rank zero's
+        save is complete, every rank's is, and rank zero publishes the directory as a synchronous save does.
+        The checkpoint is split as `ModelParallelStrategy.save_checkpoint` splits it."""
+        assert self.writer is not None
+        temporary = Path(trainer.strategy.broadcast(str(temporary_path(path))))  # rank zero's name, on every rank
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        optimizers = enumerate(checkpoint.pop("optimizer_states", []))
+        shards = {"state_dict": checkpoint.pop("state_dict")} | {f"optimizer_{i}": state for i, state in optimizers}
+        temporary.mkdir(parents=True, exist_ok=True)
+        if self.checkpoint_group is None:
+            self.checkpoint_group = dist.new_group(backend="gloo")  # every rank saves here, so every rank makes it
+        # Without an async_stager it stages synchronously and returns the write's Future.
+        saved = cast(Future[Any], dcp.async_save(shards, checkpoint_id=temporary, process_group=self.checkpoint_group))
+        if trainer.is_global_zero:
+            torch.save(checkpoint, temporary / SHARDED_META)
+            self.writer.submit(path, lambda: publish_when_saved(saved, temporary, path))
+        else:
+            self.writer.submit(path, saved.result)
 
     def collect(self, trainer: Trainer, wait: bool) -> None:
         """Publish the background write once it is complete (waiting for it if `wait`); raise if it failed."""
@@ -217,6 +246,17 @@ def saves_sharded(trainer: Trainer) -> bool:
     the trainer's checkpoint writer (FSDP2 with `save_distributed_checkpoint=true`)."""
     strategy = trainer.strategy
     return isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint
+
+
+def publish_when_saved(saved: Future[Any], temporary: Path, path: Path) -> None:
+    """Rank zero's part of a background sharded save: once every rank's shards are written, publish them
+    under `path`; if the save failed, remove what it wrote."""
+    try:
+        saved.result()
+        publish_sharded(temporary, path)
+    finally:
+        if temporary.exists():  # a save that failed (published, it is gone)
+            shutil.rmtree(temporary, ignore_errors=True)
 
 
 def save_sharded(trainer: Trainer, path: Path) -> None:

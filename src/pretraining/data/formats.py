@@ -148,8 +148,9 @@ class PackedBlocks:
     def validation_texts(self, documents: Sequence[tuple[str, ...]], size: int) -> list[tuple[str, ...]]:
         """The validation text of `size` blocks of one-byte tokens (`size * block_size` UTF-8 bytes), shared
         out evenly over `documents` as a window of whole lines from the middle of each: the same text
-        whatever the tokenizer (a BPE packs it into fewer blocks). Optional in a format: without it,
-        validation reads each chosen document whole."""
+        whatever the tokenizer. A BPE packs it into fewer blocks; byte tokens make `size` blocks of it, the
+        separators left over at the end. Optional in a format: without it, validation reads each chosen
+        document whole."""
         texts = [text for (text,) in documents]
         budgets = shares([len(text.encode()) for text in texts], size * self.block_size)
         return [(middle_lines(text, budget),) for text, budget in zip(texts, budgets, strict=True)]

@@ -321,6 +321,11 @@ class BatchStream(IterableDataset):
         return default_collate(tensors) | {name: torch.tensor(count) for name, count in counts.items()}
 
 
+# Validation keeps a multiple of this many examples (of a smaller power of two, if it has fewer): each device
+# validates on an equal share, and examples left over would be left out on some numbers of devices, not others.
+DEVICE_MULTIPLE = 8
+
+
 @dataclass(frozen=True)
 class ValidationSet:
     """The validation examples (each with its position as `sample_id`), the documents they were made from
@@ -330,6 +335,15 @@ class ValidationSet:
     documents: int
     split_documents: int
     text_bytes: int
+
+
+def shared_alike(count: int) -> int:
+    """How many of `count` validation examples to keep: a multiple of `DEVICE_MULTIPLE`, or of the largest
+    power of two below it, so that 1, 2, 4 and 8 devices (as many as can) validate on the same examples."""
+    if count == 0:
+        return 0
+    multiple = min(DEVICE_MULTIPLE, 1 << (count.bit_length() - 1))
+    return count - count % multiple
 
 
 def spread(count: int, total: int) -> set[int]:
@@ -354,10 +368,8 @@ def validation_examples(
         )
     choose = getattr(format, "validation_texts", None)  # optional (not in the Protocol): a format's own budget
     texts = choose(documents, size) if choose else documents
-    made = format.examples(texts)
-    examples = [
-        format.tensors(example) | {"sample_id": torch.tensor(index)}
-        for index, example in enumerate(made if choose else itertools.islice(made, size))
-    ]
+    made = list(itertools.islice(format.examples(texts), size))
+    made = made[: shared_alike(len(made))]
+    examples = [format.tensors(example) | {"sample_id": torch.tensor(index)} for index, example in enumerate(made)]
     text_bytes = sum(len(field.encode()) for text in texts for field in text)
     return ValidationSet(examples, len(documents), split_documents, text_bytes)

@@ -192,6 +192,7 @@ class MaskedLM(PretrainingObjective):
         correct = (logits.argmax(-1) == labels) & counted
         nll = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
         update = {"nll": nll, "masked": counted.sum(), "correct": correct.sum()}
+        assert scored.positions is not None
         for kind, selected in selected_kinds(scored.inputs.gather(1, scored.positions), labels).items():
             update |= {f"masked_{kind}": (selected & counted).sum(), f"correct_{kind}": (selected & correct).sum()}
         return update
