@@ -18,11 +18,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 import pretraining.files
 from conftest import tiny_run
-from pretraining.checkpoint import newest_verified, saved_checkpoints
+from pretraining.checkpoint import load_sharded, newest_verified, saved_checkpoints
 from pretraining.checkpoint.background import BackgroundWriter, host_copy
 from pretraining.config import CONFIG_DIR
 from pretraining.train import train
 from test_checkpoint import pretrain_process
+from test_resume import pretrain, run_dir
+from test_sharded_checkpoint import SHARDED
 
 # Saves at steps 2, 4 and 6; no validation between them (it would wait for the write, see HeldWriter).
 EVERY_TWO = ["trainer.max_steps=6", "callbacks.checkpoint.every_n_steps=2", "trainer.val_check_interval=1000"]
@@ -148,3 +150,20 @@ def test_a_failed_write_is_reported_once_and_an_unfinished_one_stays_in_flight(t
         writer.finished(wait=True)
     assert writer.in_flight is None and writer.finished(wait=True) is None
     writer.close()
+
+
+@pytest.mark.slow
+def test_a_background_sharded_save_holds_what_a_synchronous_one_holds(tmp_path: Path, small_shards: Path) -> None:
+    """FSDP2 on two processes: DCP's async_save writes the shards while training goes on."""
+    overrides = [*tiny_run(), *SHARDED, *EVERY_TWO, f"data.dir={small_shards}"]
+    assert pretrain(tmp_path, "background", overrides) == 0
+    assert pretrain(tmp_path, "synchronous", [*overrides, "callbacks.checkpoint.background=false"]) == 0
+    for step in (4, 6):
+        written, expected = (
+            load_sharded(run_dir(tmp_path, run) / "checkpoints" / f"step-{step:06d}.ckpt")
+            for run in ("background", "synchronous")
+        )
+        assert written["global_step"] == expected["global_step"] == step
+        torch.testing.assert_close(written["state_dict"], expected["state_dict"], rtol=0, atol=0)
+    newest = newest_verified(run_dir(tmp_path, "background") / "checkpoints")
+    assert newest is not None and newest[0].name == "step-000006.ckpt" and newest[0].is_dir()

@@ -45,9 +45,10 @@ class StepCheckpoint(Checkpoint):
     are added to the sidecar (`record_validation`). A run resumed from a checkpoint whose validation a
     kill or a signal cut short validates that step first, so the learning curve has no hole.
 
-    With `background` (one device or DDP), the step waits only while the state is copied to host memory;
-    a writer thread writes the copy with the same guarantees (`pretraining.checkpoint.background`), and
-    `last.ckpt` and pruning follow once it is complete. Sharded (FSDP2) and FSDP1 saves are synchronous."""
+    With `background`, the step waits only while the state is copied to host memory; a writer thread
+    writes the copy with the same guarantees (`pretraining.checkpoint.background`), and `last.ckpt` and
+    pruning follow once it is complete. So on one device, with DDP, and for FSDP2's sharded saves (DCP's
+    `async_save`); FSDP1's and FSDP2's full saves are synchronous."""
 
     @checked_ranges("callbacks.checkpoint")
     def __init__(

@@ -14,8 +14,9 @@ directory beside it, and once all have finished, rank zero checksums every
 file, renames the directory into place and writes the sidecar (which lists each
 file's size and SHA-256) last, with the same guarantees.
 
-On one device or with DDP the write happens in the background (`background`): the step waits only for a
-copy of the state in host memory, and a writer thread writes that copy exactly as above.
+On one device, with DDP and for sharded checkpoints the write happens in the background (`background`):
+the step waits only for a copy of the state in host memory, and a writer thread writes that copy exactly
+as above (DCP's `async_save` writes the shards).
 """
 
 from pretraining.checkpoint.lineage import (
