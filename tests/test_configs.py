@@ -67,7 +67,7 @@ def test_option_composes_and_instantiates(group: str, option: str, compose_train
 
 EXPERIMENTS = sorted(path.stem for path in (CONFIG_DIR / "experiment").glob("*.yaml"))  # what experiment=glob(*) picks
 # The presets sized for a GPU node: the vocabulary their header assumes and the parameters (millions) it states.
-LARGE = {"gpt2_124m": (50257, 124.4), "bert_base": (30522, 108.5), "contrastive_code": (32768, 110.7)}
+LARGE = {"gpt2_124m": (50257, 124.4), "bert_base": (30522, 108.4), "contrastive_code": (32768, 110.7)}
 NODE_GPUS = 8  # the node the large presets are written for
 
 
