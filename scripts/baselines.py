@@ -44,6 +44,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import DictConfig
 
 from pretraining.config import CONFIG_DIR  # registers the config resolvers
@@ -51,6 +52,7 @@ from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.formats import PackedBlocks, TokenizedPairs, encode_document
 from pretraining.data.reader import SampleReader
 from pretraining.data.tokenizer import MASK_ID, SPECIAL_TOKENS
+from pretraining.errors import PretrainingError
 from pretraining.instantiate import build
 from pretraining.objectives.contrastive import retrieval_metrics
 from pretraining.objectives.masked_lm import IGNORE, mask_tokens, selected_kinds
@@ -226,10 +228,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the run, as `pretrain` takes them")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    cfg = run_config(args.objective, args.overrides)
-    if missing := [f"model.{key}" for key in MODEL_KEYS[args.objective] if key not in cfg.model]:
-        raise SystemExit(f"{args.objective} reads {', '.join(missing)}, which this run's model config lacks")
-    data = run_data(cfg)
+    try:
+        cfg = run_config(args.objective, args.overrides)
+        if missing := [f"model.{key}" for key in MODEL_KEYS[args.objective] if key not in cfg.model]:
+            raise SystemExit(f"{args.objective} reads {', '.join(missing)}, which this run's model config lacks")
+        data = run_data(cfg)
+    except (PretrainingError, HydraException, OSError) as error:  # a bad override, data or tokenizer: no traceback
+        raise SystemExit(f"baselines: {error}") from None
     if not isinstance(data.format, FORMATS[args.objective]):
         wanted, made = FORMATS[args.objective].__name__, type(data.format).__name__
         raise SystemExit(f"{args.objective} reads {wanted} examples, and this run's data config makes {made}")

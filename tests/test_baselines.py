@@ -102,6 +102,13 @@ def test_default_experiment_unless_one_is_named() -> None:
     assert baselines.run_config("mlm", ["experiment=clm_tiny"]).model._target_.endswith("CausalLM")
 
 
+def test_bad_input_stops_with_the_message_and_no_traceback(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=rf"^baselines: data\.dir={tmp_path} holds no manifest\.json"):
+        baselines.main(["clm", f"data.dir={tmp_path}"])
+    with pytest.raises(SystemExit, match=r"^baselines: Could not override 'model\.nosuch'"):
+        baselines.main(["clm", "model.nosuch=1"])
+
+
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
 def test_clm_unigram_is_the_hand_count(markov_dir: Path, tokenizer: str) -> None:
     cfg = baselines.run_config("clm", [f"data.dir={markov_dir}", f"tokenizer={tokenizer}", *BLOCKS])
