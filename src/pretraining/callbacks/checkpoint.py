@@ -4,20 +4,16 @@ sharded checkpoints, written by every rank and published by rank zero (`pretrain
 from __future__ import annotations
 
 import shutil
-from concurrent.futures import Future
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, cast
+from typing import Annotated, Any, NoReturn
 
-import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 from pretraining.checkpoint import (
-    SHARDED_META,
     CheckpointError,
     link_last,
     newest_saved,
@@ -25,6 +21,7 @@ from pretraining.checkpoint import (
     publish_sharded,
     read_sidecar,
     record_validation,
+    save_sharded_async,
     sidecar_path,
     storage_fault,
 )
@@ -62,7 +59,8 @@ class StepCheckpoint(Checkpoint):
         self.dirpath, self.every_n_steps = Path(dirpath), every_n_steps
         self.keep_last, self.keep_every = keep_last, keep_every
         self.writer = BackgroundWriter() if background else None
-        self.checkpoint_group: dist.ProcessGroup | None = None  # for background sharded saves
+        self.checkpoint_group: dist.ProcessGroup | None = None  # background sharded saves' own collectives
+        self.writing_shards = False
         self.saved_step = -1
         self.last_model_path = ""
 
@@ -105,9 +103,17 @@ class StepCheckpoint(Checkpoint):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.wait_until_written(trainer)
 
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        # Made before the first step, so that a gloo that cannot connect stops the run before any work.
+        if stage == "fit" and self.writer is not None and saves_sharded(trainer) and self.checkpoint_group is None:
+            self.checkpoint_group = dist.new_group(backend="gloo")
+
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.checkpoint_group is not None:
+            dist.destroy_process_group(self.checkpoint_group)
+            self.checkpoint_group = None
 
     def wait_until_written(self, trainer: Trainer) -> None:
         """Wait for the checkpoint being written, on every rank: no rank may leave the run (a launcher then
@@ -155,30 +161,25 @@ class StepCheckpoint(Checkpoint):
             self.writer.submit(path, lambda: writer.save_checkpoint(state, path))
 
     def write_shards_in_background(self, trainer: Trainer, path: Path) -> None:
-        """Every rank's shards are staged in host memory and written by DCP's thread (`dcp.async_save`, over a
-        process group of their own: its collectives must not interleave with training's); once rank zero's
-        save is complete, every rank's is, and rank zero publishes the directory as a synchronous save does.
-        The checkpoint is split as `ModelParallelStrategy.save_checkpoint` splits it."""
-        assert self.writer is not None
+        """Every rank's shards are staged in host memory and written by DCP's thread over the checkpoint
+        process group; rank zero publishes the directory once they all are (`save_sharded_async`). The
+        checkpoint is split as `ModelParallelStrategy.save_checkpoint` splits it."""
+        assert self.writer is not None and self.checkpoint_group is not None
         temporary = Path(trainer.strategy.broadcast(str(temporary_path(path))))  # rank zero's name, on every rank
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         optimizers = enumerate(checkpoint.pop("optimizer_states", []))
         shards = {"state_dict": checkpoint.pop("state_dict")} | {f"optimizer_{i}": state for i, state in optimizers}
-        temporary.mkdir(parents=True, exist_ok=True)
-        if self.checkpoint_group is None:
-            self.checkpoint_group = dist.new_group(backend="gloo")  # every rank saves here, so every rank makes it
-        # Without an async_stager it stages synchronously and returns the write's Future.
-        saved = cast(Future[Any], dcp.async_save(shards, checkpoint_id=temporary, process_group=self.checkpoint_group))
-        if trainer.is_global_zero:
-            torch.save(checkpoint, temporary / SHARDED_META)
-            self.writer.submit(path, lambda: publish_when_saved(saved, temporary, path))
-        else:
-            self.writer.submit(path, saved.result)
+        meta = host_copy(checkpoint) if trainer.is_global_zero else None
+        self.writer.submit(path, save_sharded_async(shards, meta, temporary, path, self.checkpoint_group))
+        self.writing_shards = True
 
     def collect(self, trainer: Trainer, wait: bool) -> None:
-        """Publish the background write once it is complete (waiting for it if `wait`); raise if it failed."""
-        if self.writer is None or self.writer.in_flight is None:
+        """Publish the background write once it is complete (waiting for it if `wait`); raise if it failed.
+        A sharded write is collected only where every rank waits for it (a save, the end of a validation
+        or of training): a failure seen by each rank at its own step would leave the others hanging."""
+        if self.writer is None or self.writer.in_flight is None or (self.writing_shards and not wait):
             return
+        self.writing_shards = False
         path = self.writer.in_flight
         try:
             written = self.writer.finished(wait)
@@ -247,17 +248,6 @@ def saves_sharded(trainer: Trainer) -> bool:
     the trainer's checkpoint writer (FSDP2 with `save_distributed_checkpoint=true`)."""
     strategy = trainer.strategy
     return isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint
-
-
-def publish_when_saved(saved: Future[Any], temporary: Path, path: Path) -> None:
-    """Rank zero's part of a background sharded save: once every rank's shards are written, publish them
-    under `path`; if the save failed, remove what it wrote."""
-    try:
-        saved.result()
-        publish_sharded(temporary, path)
-    finally:
-        if temporary.exists():  # a save that failed (published, it is gone)
-            shutil.rmtree(temporary, ignore_errors=True)
 
 
 def save_sharded(trainer: Trainer, path: Path) -> None:

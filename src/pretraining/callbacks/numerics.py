@@ -233,7 +233,10 @@ def newest_checkpoint(trainer: Trainer) -> tuple[int, Path] | None:
     one being written, if any, is complete)."""
     savers = [callback for callback in trainer.checkpoint_callbacks if isinstance(callback, StepCheckpoint)]
     for saver in savers:
-        saver.collect(trainer, wait=True)
+        try:
+            saver.collect(trainer, wait=True)
+        except Exception as error:  # the numerical stop is the one to report
+            rank_zero_warn(f"the checkpoint being written failed too: {error}")
     saved = [found for saver in savers for found in saved_checkpoints(saver.dirpath)]
     return max(saved) if saved else None
 

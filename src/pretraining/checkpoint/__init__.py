@@ -27,7 +27,13 @@ from pretraining.checkpoint.lineage import (
     sidecar_checksums,
     sidecar_digest,
 )
-from pretraining.checkpoint.sharded import SHARDED_META, load_sharded, load_sharded_into, publish_sharded
+from pretraining.checkpoint.sharded import (
+    SHARDED_META,
+    load_sharded,
+    load_sharded_into,
+    publish_sharded,
+    save_sharded_async,
+)
 from pretraining.checkpoint.sidecar import (
     LINEAGE_FORMAT,
     READABLE_LINEAGE_FORMATS,
@@ -77,6 +83,7 @@ __all__ = [
     "refusing_code",
     "remove",
     "save_file",
+    "save_sharded_async",
     "saved_checkpoints",
     "sidecar_checksums",
     "sidecar_digest",

@@ -9,11 +9,15 @@ import hashlib
 import io
 import os
 import pickle
+import shutil
 import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -37,6 +41,34 @@ from pretraining.files import fsync_directory, sha256_of
 SHARDED_META = "meta.pt"  # all but the weights and optimizer, as Lightning names it (fabric.utilities.load)
 MODEL_KEY = "state_dict"  # Lightning saves the weights under this key; DCP flattens them to "state_dict.<name>"
 DCP_METADATA = ".metadata"  # DCP's pickled index of every tensor's shards
+
+
+def save_sharded_async(
+    shards: dict[str, Any], meta: dict[str, Any] | None, temporary: Path, path: Path, group: dist.ProcessGroup
+) -> Callable[[], None]:
+    """Start writing this rank's `shards` into the directory `temporary` with DCP's `async_save`, over `group`
+    (a gloo group of the checkpoint's own: its collectives run in DCP's thread and must not interleave with
+    training's). The shards are staged in host memory before it returns. Returns the rest of the save, for a
+    writer thread: wait for the write; on rank zero (which passes `meta`, all but the shards), once its
+    DCP save is complete every rank's is, so write `meta` and publish the directory under `path`; if any of
+    it fails, remove the directory."""
+    temporary.mkdir(parents=True, exist_ok=True)
+    # Without an async_stager, it stages synchronously and returns the write's Future.
+    saved = cast(Future[Any], dcp.async_save(shards, checkpoint_id=temporary, process_group=group))
+
+    def finish() -> None:
+        if meta is None:
+            saved.result()
+            return
+        try:
+            saved.result()
+            torch.save(meta, temporary / SHARDED_META)
+            publish_sharded(temporary, path)
+        finally:
+            if temporary.exists():  # a save that failed (published, it is gone)
+                shutil.rmtree(temporary, ignore_errors=True)
+
+    return finish
 
 
 def publish_sharded(temporary: Path, path: Path) -> None:

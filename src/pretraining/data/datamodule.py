@@ -54,8 +54,9 @@ class ShardDataModule(LightningDataModule):
 
     Training is an infinite `BatchStream` per rank (train with `max_steps`).
     Validation is a fixed sample spread over the whole validation split (`validation_examples`: up to
-    `val_size` documents, evenly spaced; for packed text, `val_size` blocks' worth of characters shared
-    out over them), dealt to ranks in equal numbers, the same every time. `streams` None: `default_streams`.
+    `val_size` documents, evenly spaced; for packed text, `val_size` blocks' worth of UTF-8 bytes shared
+    out over them; a multiple of 8 examples kept), dealt to ranks in equal numbers, the same every time.
+    `streams` None: `default_streams`.
     """
 
     STATE_FORMAT = 2

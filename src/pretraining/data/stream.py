@@ -339,7 +339,7 @@ class ValidationSet:
 
 def shared_alike(count: int) -> int:
     """How many of `count` validation examples to keep: a multiple of `DEVICE_MULTIPLE`, or of the largest
-    power of two below it, so that 1, 2, 4 and 8 devices (as many as can) validate on the same examples."""
+    power of two at most `count`, so that 1, 2, 4 and 8 devices (as many as can) validate on the same examples."""
     if count == 0:
         return 0
     multiple = min(DEVICE_MULTIPLE, 1 << (count.bit_length() - 1))
@@ -369,7 +369,7 @@ def validation_examples(
     choose = getattr(format, "validation_texts", None)  # optional (not in the Protocol): a format's own budget
     texts = choose(documents, size) if choose else documents
     made = list(itertools.islice(format.examples(texts), size))
-    made = made[: shared_alike(len(made))]
+    made = [made[index] for index in sorted(spread(shared_alike(len(made)), len(made)))]  # left out: spread too
     examples = [format.tensors(example) | {"sample_id": torch.tensor(index)} for index, example in enumerate(made)]
     text_bytes = sum(len(field.encode()) for text in texts for field in text)
     return ValidationSet(examples, len(documents), split_documents, text_bytes)
