@@ -11,17 +11,23 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
+from pretraining.callbacks import StepCheckpoint
 from pretraining.data.datamodule import ShardDataModule
 
 
 class KillAt(Callback):
-    """The whole process group dies by SIGKILL after a given training batch (no handler, no cleanup)."""
+    """The whole process group dies by SIGKILL after a given training batch (no handler, no cleanup), once
+    the checkpoint being written in the background is complete: a restart then goes back to the newest
+    save before the kill, whatever the machine's load (tests/test_async_checkpoint.py kills during a write)."""
 
     def __init__(self, batch: int) -> None:
         self.batch = batch
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.datamodule.batches_consumed == self.batch:  # type: ignore[attr-defined]
+            for checkpoint in trainer.checkpoint_callbacks:
+                if isinstance(checkpoint, StepCheckpoint):
+                    checkpoint.wait_until_written(trainer)  # every rank reaches this batch
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
