@@ -27,7 +27,15 @@ PHASES = [
     "report",
 ]
 # Validation after steps 4 and 8 and after the last, 10; checkpoints at 4, 8 and 10.
-OVERRIDES = [*RESUMABLE, "trainer.max_steps=10", "trainer.val_check_interval=4", "data.micro_batch_size=null"]
+# Validation in several batches (of the global batch, 4): a signal in a validation's first batch is seen
+# inside that validation.
+OVERRIDES = [
+    *RESUMABLE,
+    "trainer.max_steps=10",
+    "trainer.val_check_interval=4",
+    "data.micro_batch_size=null",
+    "data.val_size=32",
+]
 
 
 def run_until_signalled(log_dir: Path, run: str, overrides: list[str]) -> tuple[int, float, str]:
