@@ -123,9 +123,14 @@ class StepCheckpoint(Checkpoint):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         """A run that stops on an error still completes the checkpoint being written: it is where the run continues."""
+        self.finish_writing_on_a_stop(trainer)
+
+    def finish_writing_on_a_stop(self, trainer: Trainer) -> None:
+        """Complete the checkpoint being written for a run that stops on another error, which is the one to
+        report: a failed write only warns."""
         try:
             self.collect(trainer, wait=True)
-        except Exception as error:  # the error that stopped the run is the one to report
+        except Exception as error:
             rank_zero_warn(f"the checkpoint being written failed too: {error}")
 
     def save(self, trainer: Trainer) -> None:

@@ -233,10 +233,7 @@ def newest_checkpoint(trainer: Trainer) -> tuple[int, Path] | None:
     one being written, if any, is complete)."""
     savers = [callback for callback in trainer.checkpoint_callbacks if isinstance(callback, StepCheckpoint)]
     for saver in savers:
-        try:
-            saver.collect(trainer, wait=True)
-        except Exception as error:  # the numerical stop is the one to report
-            rank_zero_warn(f"the checkpoint being written failed too: {error}")
+        saver.finish_writing_on_a_stop(trainer)
     saved = [found for saver in savers for found in saved_checkpoints(saver.dirpath)]
     return max(saved) if saved else None
 
