@@ -8,13 +8,13 @@ import random
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
 
 from conftest import packed_blocks, tokenized_pairs
 from pretraining.data.corpus import read_source
@@ -28,6 +28,7 @@ from pretraining.data.formats import (
     pack_blocks,
     shares,
 )
+from pretraining.data.loader import IN_THE_PIPE_BELOW, in_one_buffer, training_loader
 from pretraining.data.manifest import Manifest
 from pretraining.data.reader import read_shard
 from pretraining.data.shards import BuildSettings, build_shards
@@ -499,8 +500,7 @@ def test_batch_plan_derives_the_accumulation():
 def micro_batches(plan: BatchPlan, rank: int, urls, count: int, workers: int = 0, **state) -> list:
     """The first `count` micro-batches of a rank, through a DataLoader with `workers` workers."""
     stream = BatchStream(ShardStream(urls, PackedBlocks(ByteTokenizer(), BLOCK), SEED, BUFFER), plan, rank, **state)
-    loader = DataLoader(stream, batch_size=None, num_workers=workers)
-    return take(loader, count)
+    return take(training_loader(stream, workers, pin_memory=False), count)
 
 
 def global_batches(plan: BatchPlan, urls, steps: int, workers: int = 0) -> list[list[int]]:
@@ -561,6 +561,26 @@ def test_batch_stream_resumes_exactly_on_any_number_of_devices(train_urls, worke
             for s in range(5)
         ]
         assert again == reference[4:]
+
+
+def test_a_batch_crosses_from_a_worker_in_one_buffer_and_arrives_whole() -> None:
+    batch = {
+        "tokens": torch.arange(24).view(4, 6)[:, ::2],  # not contiguous
+        "flags": torch.tensor([True, False, True]),
+        "scale": torch.tensor(2.5, dtype=torch.bfloat16),
+        "empty": torch.zeros(0, 3, dtype=torch.int32),
+        "name": "shard-0",
+        "big": torch.arange(IN_THE_PIPE_BELOW // 8, dtype=torch.float64),
+    }
+    for keys, shared in ((["tokens", "flags", "scale", "empty", "name"], False), (list(batch), True)):
+        sent = in_one_buffer({key: batch[key] for key in keys})
+        # What a worker's queue does: a small buffer crosses by value, a large one in shared memory.
+        arrived = ForkingPickler.loads(ForkingPickler.dumps(sent))
+        assert arrived.buffer.is_shared() == shared
+        unpacked = arrived.batch()
+        assert list(unpacked) == keys and unpacked["name"] == "shard-0"
+        for key in keys[:4] + keys[5:]:
+            assert unpacked[key].dtype == batch[key].dtype and torch.equal(unpacked[key], batch[key])
 
 
 # --- shards too small for a block ----------------------------------------------------------------------

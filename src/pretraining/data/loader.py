@@ -1,13 +1,15 @@
-"""The DataLoaders of the DataModule: training batches timed for the data wait, workers that leave stop
-signals to the main process, memory pinned where a GPU can use it."""
+"""The DataLoaders of the DataModule: training batches timed for the data wait, sent from the workers in
+one buffer, workers that leave stop signals to the main process, memory pinned where a GPU can use it."""
 
 from __future__ import annotations
 
 import signal
 import time
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
@@ -24,10 +26,78 @@ def leave_stop_signals_to_the_main_process(worker_id: int) -> None:
             signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
+class TensorSpec(NamedTuple):
+    """Where a tensor lies in a `OneBuffer`."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+
+
+# Every dtype's element size divides it, so each tensor is read from the buffer as a view.
+ALIGNMENT = 16
+# A buffer below this size crosses in the pipe, by value: cheaper than shared memory up to about 1 MB.
+IN_THE_PIPE_BELOW = 256 * 1024
+
+
+@dataclass(frozen=True)
+class OneBuffer:
+    """A batch as a worker sends it: all its tensors copied into one byte buffer. A tensor sent from a
+    worker crosses in shared memory, and the main process then fetches its file descriptor over a new,
+    authenticated connection to the worker: about 0.6 ms each on a CPU, 4.3 ms a step for the seven
+    tensors of a packed-text batch, 6 % of a small model's step. One buffer crosses once, and a small
+    one by value in the pipe, with no descriptor (1.65 ms against 0.83 ms for a 13 KB batch). `fields`
+    maps each key, in the batch's order, to its tensor's place in the buffer or to its value."""
+
+    buffer: torch.Tensor
+    fields: dict[str, TensorSpec | Any]
+
+    def __reduce__(self) -> tuple[Any, ...]:  # how a worker sends it
+        small = self.buffer.nbytes < IN_THE_PIPE_BELOW
+        return received, (self.buffer.numpy() if small else self.buffer, self.fields)
+
+    def pin_memory(self) -> OneBuffer:  # the DataLoader's pinning thread calls this
+        return replace(self, buffer=self.buffer.pin_memory())
+
+    def batch(self) -> dict[str, Any]:
+        return {
+            name: self.tensor(field) if isinstance(field, TensorSpec) else field for name, field in self.fields.items()
+        }
+
+    def tensor(self, spec: TensorSpec) -> torch.Tensor:
+        size = spec.dtype.itemsize * torch.Size(spec.shape).numel()
+        return self.buffer[spec.offset : spec.offset + size].view(spec.dtype).view(spec.shape)
+
+
+def received(buffer: torch.Tensor | np.ndarray, fields: dict[str, TensorSpec | Any]) -> OneBuffer:
+    return OneBuffer(torch.as_tensor(buffer), fields)
+
+
+def in_one_buffer(batch: Any) -> Any:
+    """The workers' `collate_fn`: a dict batch as a `OneBuffer` (`WaitTimedLoader` unpacks it), anything
+    else as it is."""
+    if not isinstance(batch, dict):
+        return batch
+    fields: dict[str, TensorSpec | Any] = {}
+    size = 0
+    for name, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            fields[name] = TensorSpec(value.dtype, tuple(value.shape), size)
+            size += -(-value.nbytes // ALIGNMENT) * ALIGNMENT
+        else:
+            fields[name] = value
+    packed = OneBuffer(torch.empty(size, dtype=torch.uint8), fields)
+    for name, value in batch.items():
+        if isinstance(value, torch.Tensor):
+            packed.tensor(fields[name]).copy_(value)
+    return packed
+
+
 class WaitTimedLoader(DataLoader):
     """A DataLoader that adds up, in `waited`, the seconds its consumer spends blocked on the next batch:
     the training loop's data wait (`pretraining.callbacks.Throughput` reports its share of step time).
-    Only the host clock is read, so timing costs no device sync."""
+    Only the host clock is read, so timing costs no device sync. It unpacks the batches its workers send
+    in one buffer (`in_one_buffer`)."""
 
     waited = 0.0
 
@@ -46,6 +116,8 @@ class WaitTimedLoader(DataLoader):
                 if message is None:
                     raise
                 raise type(error)(message) from error
+            if isinstance(batch, OneBuffer):
+                batch = batch.batch()
             self.waited += time.perf_counter() - start
             yield batch
 
@@ -68,6 +140,7 @@ def training_loader(stream: Dataset, num_workers: int, pin_memory: bool | None) 
         num_workers=num_workers,
         pin_memory=pinned(pin_memory),
         persistent_workers=num_workers > 0,
+        collate_fn=in_one_buffer if num_workers > 0 else None,
         worker_init_fn=leave_stop_signals_to_the_main_process,
     )
 
