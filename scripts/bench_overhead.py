@@ -9,8 +9,8 @@
    step i is everything from the end of plain step i to the start of plain step i+1: its hooks, callbacks, logging,
    LR scheduler and the fetching of the next batch from its loader. The first `--warmup` steps are left out; the
    step times are medians over all timed steps of all runs, and `template / plain` is the median of the per-step
-   ratios: goal <= 1.03. Each callback's hooks are timed in the timed steps too (its cost per step), and the run's
-   fixed costs: before the first step (the Trainer's set-up, the first validation and its probe) and after the
+   ratios: goal <= 1.03; the ratio of the mean step times follows (the steps that write logs included). Each
+   callback's hooks are timed in the timed steps too (its cost per step), and the run's fixed costs: before the first step (the Trainer's set-up, the first validation and its probe) and after the
    last (the last validation, the text sample, the final checkpoint).
 2. Both models start from the same weights; after N steps every parameter must be bitwise equal (`torch.equal`).
 3. The training DataLoader (default num_workers) must deliver tokens at >= 10x the rate the model consumes them.
@@ -249,6 +249,11 @@ def print_report(args: argparse.Namespace, runs: list[Run], tokens_per_step: int
     verdict = "met" if ratio <= 1.03 else "NOT met"
     print(
         f"template / plain step time: {ratio:.3f} (per-step quartiles {low:.3f}..{high:.3f}; goal <= 1.03: {verdict})"
+    )
+    means = {name: statistics.mean(run) for name, run in times.items()}
+    print(
+        f"template / plain mean step time: {means['lightning'] / means['plain']:.3f} "
+        f"({means['lightning'] * 1e3:.1f} / {means['plain'] * 1e3:.1f} ms: the steps that write logs included)"
     )
     print("per step, in the template's callbacks (mean over the timed steps of all runs):")
     names = sorted(
