@@ -10,8 +10,9 @@
    LR scheduler and the fetching of the next batch from its loader. The first `--warmup` steps are left out; the
    step times are medians over all timed steps of all runs, and `template / plain` is the median of the per-step
    ratios: goal <= 1.03; the ratio of the mean step times follows (the steps that write logs included). Each
-   callback's hooks are timed in the timed steps too (its cost per step), and the run's fixed costs: before the first step (the Trainer's set-up, the first validation and its probe) and after the
-   last (the last validation, the text sample, the final checkpoint).
+   callback's hooks are timed in the timed steps too (its cost per step), and the run's fixed costs: before the
+   first step (the Trainer's set-up, the first validation and its probe) and after the last (the last
+   validation, the text sample, the final checkpoint).
 2. Both models start from the same weights; after N steps every parameter must be bitwise equal (`torch.equal`).
 3. The training DataLoader (default num_workers) must deliver tokens at >= 10x the rate the model consumes them.
 
