@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from torch.utils.data._utils.pin_memory import pin_memory
 
 from conftest import packed_blocks, tokenized_pairs
 from pretraining.data.corpus import read_source
@@ -28,7 +29,7 @@ from pretraining.data.formats import (
     pack_blocks,
     shares,
 )
-from pretraining.data.loader import IN_THE_PIPE_BELOW, in_one_buffer, training_loader
+from pretraining.data.loader import IN_THE_PIPE_BELOW, OneBuffer, in_one_buffer, training_loader
 from pretraining.data.manifest import Manifest
 from pretraining.data.reader import read_shard
 from pretraining.data.shards import BuildSettings, build_shards
@@ -581,6 +582,21 @@ def test_a_batch_crosses_from_a_worker_in_one_buffer_and_arrives_whole() -> None
         assert list(unpacked) == keys and unpacked["name"] == "shard-0"
         for key in keys[:4] + keys[5:]:
             assert unpacked[key].dtype == batch[key].dtype and torch.equal(unpacked[key], batch[key])
+    # Nested tensors and sparse ones cross as torch sends them.
+    for unpackable in ({"nested": [torch.zeros(2)]}, {"sparse": torch.eye(2).to_sparse()}):
+        assert in_one_buffer(unpackable) is unpackable
+
+
+def test_a_training_batch_arrives_in_one_buffer_and_is_pinned_whole(train_urls, monkeypatch) -> None:
+    batch = micro_batches(batch_plan(8, None, 4, 1), 0, train_urls, 1, workers=1)[0]
+    storages = {value.untyped_storage().data_ptr() for value in batch.values()}
+    assert len(batch) >= 5 and len(storages) == 1
+    # On a GPU the DataLoader's pinning thread pins what a worker sent: the buffer, whole.
+    monkeypatch.setattr(torch.Tensor, "pin_memory", torch.Tensor.clone)  # no GPU here: a copy stands in
+    sent = in_one_buffer(batch)
+    pinned = pin_memory(sent)
+    assert isinstance(pinned, OneBuffer) and pinned.buffer.data_ptr() != sent.buffer.data_ptr()
+    assert all(torch.equal(pinned.batch()[key], value) for key, value in batch.items())
 
 
 # --- shards too small for a block ----------------------------------------------------------------------
