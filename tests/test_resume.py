@@ -135,6 +135,7 @@ def test_contrastive(tmp_path: Path, pair_dir: Path) -> None:
     kill_twice_and_compare(tmp_path, overrides, kills=(5, 10), max_steps=12)
 
 
+@pytest.mark.slow  # 35 s; the stream's accumulation layouts resume exactly in tests/test_stream.py
 def test_gradient_accumulation(tmp_path: Path, small_shards: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, f"data.dir={small_shards}"]
     kill_twice_and_compare(tmp_path, overrides, kills=(10, 15), max_steps=8, accumulate=2)
@@ -153,6 +154,7 @@ def test_ddp_on_two_processes_with_two_workers(tmp_path: Path, small_shards: Pat
     assert len(rng_states) == 2 and not torch.equal(rng_states[0]["torch"], rng_states[1]["torch"])
 
 
+@pytest.mark.slow  # 74 s; FSDP2 training, kills during sharded saves and their evaluation stay in the default suite
 def test_fsdp2_on_two_processes(tmp_path: Path, small_shards: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *FSDP, f"data.dir={small_shards}"]
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)

@@ -61,6 +61,7 @@ def validation_rows(log_dir: Path, run: str) -> list[tuple[str, str]]:
         return [(row["step"], row["val/loss"]) for row in csv.DictReader(file) if row.get("val/loss")]
 
 
+@pytest.mark.slow  # 91 s: nine runs; a signal in validation and at step boundaries stay in the default suite
 def test_a_sigterm_in_every_phase_ends_the_run_and_it_continues_exactly(tmp_path: Path, shard_dir: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *OVERRIDES, f"data.dir={shard_dir}"]
     markers = tmp_path / "signalled"

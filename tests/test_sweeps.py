@@ -81,6 +81,7 @@ def test_a_failed_job_is_recorded_and_the_others_still_run(tmp_path: Path, small
     assert "set model.min_lr_ratio within" in rows[1]["error"]
 
 
+@pytest.mark.slow  # 36 s; the grid and failed-job sweeps stay in the default suite
 def test_an_optuna_study_continues_from_its_storage(tmp_path: Path, small_shards: Path) -> None:
     search = [
         "hparams_search=clm",
