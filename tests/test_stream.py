@@ -29,7 +29,14 @@ from pretraining.data.formats import (
     pack_blocks,
     shares,
 )
-from pretraining.data.loader import IN_THE_PIPE_BELOW, OneBuffer, in_one_buffer, training_loader
+from pretraining.data.loader import (
+    BATCHES_PER_MESSAGE,
+    IN_THE_PIPE_BELOW,
+    OneBuffer,
+    dealt,
+    in_one_buffer,
+    training_loader,
+)
 from pretraining.data.manifest import Manifest
 from pretraining.data.reader import read_shard
 from pretraining.data.shards import BuildSettings, build_shards
@@ -49,6 +56,7 @@ from pretraining.data.stream import (
     validation_examples,
 )
 from pretraining.data.tokenizer import EOS_ID, BPETokenizer, ByteTokenizer, train_bpe
+from pretraining.errors import ShardError
 from pretraining.instantiate import build
 
 BLOCK = 32
@@ -564,7 +572,7 @@ def test_batch_stream_resumes_exactly_on_any_number_of_devices(train_urls, worke
         assert again == reference[4:]
 
 
-def test_a_batch_crosses_from_a_worker_in_one_buffer_and_arrives_whole() -> None:
+def test_a_message_of_batches_crosses_from_a_worker_in_one_buffer_and_arrives_whole() -> None:
     batch = {
         "tokens": torch.arange(24).view(4, 6)[:, ::2],  # not contiguous
         "flags": torch.tensor([True, False, True]),
@@ -573,18 +581,68 @@ def test_a_batch_crosses_from_a_worker_in_one_buffer_and_arrives_whole() -> None
         "name": "shard-0",
         "big": torch.arange(IN_THE_PIPE_BELOW // 8, dtype=torch.float64),
     }
+    other = {"tokens": torch.ones(2, 5, dtype=torch.int16), "name": None}
     for keys, shared in ((["tokens", "flags", "scale", "empty", "name"], False), (list(batch), True)):
-        sent = in_one_buffer({key: batch[key] for key in keys})
+        message = [{key: batch[key] for key in keys}, other]
+        sent = in_one_buffer(message)
         # What a worker's queue does: a small buffer crosses by value, a large one in shared memory.
         arrived = ForkingPickler.loads(ForkingPickler.dumps(sent))
         assert arrived.buffer.is_shared() == shared
-        unpacked = arrived.batch()
-        assert list(unpacked) == keys and unpacked["name"] == "shard-0"
+        first, second = arrived.batches()
+        assert list(first) == keys and first["name"] == "shard-0" and second["name"] is None
         for key in keys[:4] + keys[5:]:
-            assert unpacked[key].dtype == batch[key].dtype and torch.equal(unpacked[key], batch[key])
+            assert first[key].dtype == batch[key].dtype and torch.equal(first[key], batch[key])
+        assert second["tokens"].dtype == torch.int16 and torch.equal(second["tokens"], other["tokens"])
     # Nested tensors and sparse ones cross as torch sends them.
     for unpackable in ({"nested": [torch.zeros(2)]}, {"sparse": torch.eye(2).to_sparse()}):
-        assert in_one_buffer(unpackable) is unpackable
+        assert in_one_buffer([other, unpackable]) == [other, unpackable]
+
+
+class Numbered(torch.utils.data.IterableDataset):
+    """Batches numbered in the order a consumer must receive them: worker w of n makes w, w + n, ...; the
+    batch numbered `fail_at`, if any, raises instead."""
+
+    def __init__(self, fail_at: int | None = None, values: int = 4) -> None:
+        self.fail_at, self.values = fail_at, values
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        for index in itertools.count(info.id, info.num_workers):
+            if index == self.fail_at:
+                raise ShardError(f"batch {index} is bad")
+            yield {"index": torch.tensor(index), "values": torch.full((self.values,), float(index))}
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_workers_send_batches_several_to_a_message_and_they_arrive_in_order(workers) -> None:
+    count = 2 * 3 * BATCHES_PER_MESSAGE  # two messages from each of 3 workers, or six from one
+    received = take(training_loader(Numbered(), workers, pin_memory=False), count)
+    assert [int(batch["index"]) for batch in received] == list(range(count))
+    # A worker's consecutive batches came in one message, one buffer: they share its storage.
+    assert len({batch["values"].untyped_storage().data_ptr() for batch in received}) == 6
+    # Batches too big for the pipe come one to a message.
+    big = take(training_loader(Numbered(values=IN_THE_PIPE_BELOW // 4), workers, pin_memory=False), 6)
+    assert [int(batch["index"]) for batch in big] == list(range(6))
+    assert len({batch["values"].untyped_storage().data_ptr() for batch in big}) == 6
+
+
+def test_a_workers_error_arrives_after_the_batches_made_before_it() -> None:
+    loader = iter(training_loader(Numbered(fail_at=10), 2, pin_memory=False))
+    assert [int(batch["index"]) for batch in itertools.islice(loader, 10)] == list(range(10))
+    with pytest.raises(ShardError, match=r"^batch 10 is bad$"):
+        next(loader)
+
+
+@pytest.mark.parametrize("sizes", [[3, 3, 3], [1, 4, 2, 5, 3, 1]])
+def test_dealt_restores_the_order_the_workers_made_whatever_their_messages_hold(sizes) -> None:
+    workers, made = 3, [itertools.count(worker, 3) for worker in range(3)]
+    messages = [[next(made[number % workers]) for _ in range(size)] for number, size in enumerate(sizes * 4)]
+    received = list(dealt(iter(messages), workers))
+    made_by = [
+        sum(sizes[number % len(sizes)] for number in range(worker, len(messages), workers)) for worker in range(3)
+    ]
+    # They end where the first worker to run out would have made its next batch.
+    assert received == list(range(min(workers * count + worker for worker, count in enumerate(made_by))))
 
 
 def test_a_training_batch_arrives_in_one_buffer_and_is_pinned_whole(train_urls, monkeypatch) -> None:
@@ -593,10 +651,11 @@ def test_a_training_batch_arrives_in_one_buffer_and_is_pinned_whole(train_urls, 
     assert len(batch) >= 5 and len(storages) == 1
     # On a GPU the DataLoader's pinning thread pins what a worker sent: the buffer, whole.
     monkeypatch.setattr(torch.Tensor, "pin_memory", torch.Tensor.clone)  # no GPU here: a copy stands in
-    sent = in_one_buffer(batch)
+    sent = in_one_buffer([batch, batch])
     pinned = pin_memory(sent)
     assert isinstance(pinned, OneBuffer) and pinned.buffer.data_ptr() != sent.buffer.data_ptr()
-    assert all(torch.equal(pinned.batch()[key], value) for key, value in batch.items())
+    for arrived in pinned.batches():
+        assert all(torch.equal(arrived[key], value) for key, value in batch.items())
 
 
 # --- shards too small for a block ----------------------------------------------------------------------

@@ -1,8 +1,11 @@
-"""The DataLoaders of the DataModule: training batches timed for the data wait, sent from the workers in
-one buffer, workers that leave stop signals to the main process, memory pinned where a GPU can use it."""
+"""The DataLoaders of the DataModule: training batches timed for the data wait, sent from the workers
+several to a message in one buffer, workers that leave stop signals to the main process, memory pinned
+where a GPU can use it."""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import signal
 import time
 from collections.abc import Iterator
@@ -11,7 +14,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from pretraining.errors import PretrainingError
 
@@ -40,19 +43,23 @@ ALIGNMENT = 16
 # the main process): 0.83 against 1.65 ms in shared memory at 13 KB, 1.23 against 1.48 ms at 260 KB, about
 # even at 1 MB, 19 against 3.2 ms at 4 MB.
 IN_THE_PIPE_BELOW = 256 * 1024
+# A message holds as many batches as fit in the pipe, up to this many. Each message costs the main process
+# about 0.6 ms of its step on a CPU whatever its size (the queue, unpickling, asking the worker for the
+# next), 1 % of a small model's step; more batches to a message would only delay the first step.
+BATCHES_PER_MESSAGE = 8
 
 
 @dataclass(frozen=True)
 class OneBuffer:
-    """A batch as a worker sends it: all its tensors copied into one byte buffer. A tensor sent from a
+    """Batches as a worker sends them: all their tensors copied into one byte buffer. A tensor sent from a
     worker crosses in shared memory, and the main process then fetches its file descriptor over a new,
     authenticated connection to the worker: about 0.6 ms each on a CPU, 4.3 ms for the seven tensors of a
     packed-text batch, 6 % of a small model's step. One buffer crosses once, and a small one by value in
-    the pipe, with no descriptor (0.83 ms for that batch). `fields` maps each key, in the batch's order,
-    to its tensor's place in the buffer or to its value."""
+    the pipe, with no descriptor (0.83 ms for that batch). `fields` maps each key of each batch, in the
+    batch's order, to its tensor's place in the buffer or to its value."""
 
     buffer: torch.Tensor
-    fields: dict[str, TensorSpec | Any]
+    fields: tuple[dict[str, TensorSpec | Any], ...]
 
     def __reduce__(self) -> tuple[Any, ...]:  # how a worker sends it
         small = self.buffer.nbytes < IN_THE_PIPE_BELOW
@@ -61,37 +68,41 @@ class OneBuffer:
     def pin_memory(self) -> OneBuffer:  # the DataLoader's pinning thread calls this
         return replace(self, buffer=self.buffer.pin_memory())
 
-    def batch(self) -> dict[str, Any]:
-        return {
-            name: self.tensor(field) if isinstance(field, TensorSpec) else field for name, field in self.fields.items()
-        }
+    def batches(self) -> list[dict[str, Any]]:
+        return [
+            {name: self.tensor(field) if isinstance(field, TensorSpec) else field for name, field in fields.items()}
+            for fields in self.fields
+        ]
 
     def tensor(self, spec: TensorSpec) -> torch.Tensor:
         size = spec.dtype.itemsize * torch.Size(spec.shape).numel()
         return self.buffer[spec.offset : spec.offset + size].view(spec.dtype).view(spec.shape)
 
 
-def received(buffer: torch.Tensor | np.ndarray, fields: dict[str, TensorSpec | Any]) -> OneBuffer:
+def received(buffer: torch.Tensor | np.ndarray, fields: tuple[dict[str, TensorSpec | Any], ...]) -> OneBuffer:
     return OneBuffer(torch.as_tensor(buffer), fields)
 
 
-def in_one_buffer(batch: Any) -> Any:
-    """The workers' `collate_fn`: a dict of dense CPU tensors and plain values (numbers, strings) as a
-    `OneBuffer` (`WaitTimedLoader` unpacks it); anything else (nested tensors, sparse ones) as it is."""
-    if not isinstance(batch, dict) or not all(map(packable, batch.values())):
-        return batch
-    fields: dict[str, TensorSpec | Any] = {}
+def in_one_buffer(batches: list[Any]) -> OneBuffer | list[Any]:
+    """The workers' `collate_fn`: a message of dicts of dense CPU tensors and plain values (numbers, strings)
+    as a `OneBuffer`; any other (nested tensors, sparse ones) as it is."""
+    if not all(isinstance(batch, dict) and all(map(packable, batch.values())) for batch in batches):
+        return batches
+    fields: list[dict[str, TensorSpec | Any]] = []
     size = 0
-    for name, value in batch.items():
-        if isinstance(value, torch.Tensor):
-            fields[name] = TensorSpec(value.dtype, tuple(value.shape), size)
-            size += -(-value.nbytes // ALIGNMENT) * ALIGNMENT
-        else:
-            fields[name] = value
-    packed = OneBuffer(torch.empty(size, dtype=torch.uint8), fields)
-    for name, value in batch.items():
-        if isinstance(value, torch.Tensor):
-            packed.tensor(fields[name]).copy_(value)
+    for batch in batches:
+        fields.append({})
+        for name, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                fields[-1][name] = TensorSpec(value.dtype, tuple(value.shape), size)
+                size += -(-value.nbytes // ALIGNMENT) * ALIGNMENT
+            else:
+                fields[-1][name] = value
+    packed = OneBuffer(torch.empty(size, dtype=torch.uint8), tuple(fields))
+    for batch, specs in zip(batches, fields, strict=True):
+        for name, value in batch.items():
+            if isinstance(value, torch.Tensor):
+                packed.tensor(specs[name]).copy_(value)
     return packed
 
 
@@ -101,22 +112,65 @@ def packable(value: Any) -> bool:
     return isinstance(value, int | float | str | bool | None)
 
 
+class InMessages(IterableDataset):
+    """An endless stream of batches, as each DataLoader worker sends them: in messages (lists) of as many
+    consecutive batches as fit in the pipe (`IN_THE_PIPE_BELOW`), at most `BATCHES_PER_MESSAGE`.
+    `WaitTimedLoader` deals them out again in the order the workers made them."""
+
+    def __init__(self, batches: IterableDataset) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[list[Any]]:
+        batches = iter(self.batches)
+        for first in batches:
+            message = [first]
+            try:
+                message += itertools.islice(batches, per_message(first) - 1)
+            except Exception:
+                yield message  # the batches made before an error arrive before it, as they would one by one
+                raise
+            yield message
+
+
+def per_message(batch: Any) -> int:
+    """How many batches like `batch` a message holds."""
+    values = batch.values() if isinstance(batch, dict) else ()
+    size = sum(value.nbytes for value in values if isinstance(value, torch.Tensor))
+    return max(1, min(BATCHES_PER_MESSAGE, IN_THE_PIPE_BELOW // max(size, 1)))
+
+
+def dealt(messages: Iterator[list[Any]], workers: int) -> Iterator[Any]:
+    """The batches of the messages of `workers` DataLoader workers, received from each worker in turn,
+    dealt out in the order the workers made them: worker `w` makes batches `w`, `w + workers`, ..."""
+    made_by: list[collections.deque[Any]] = [collections.deque() for _ in range(workers)]
+    senders = itertools.cycle(made_by)
+    for batches in itertools.cycle(made_by):
+        while not batches:
+            message = next(messages, None)
+            if message is None:
+                return
+            next(senders).extend(message)
+        yield batches.popleft()
+
+
 class WaitTimedLoader(DataLoader):
     """A DataLoader that adds up, in `waited`, the seconds its consumer spends blocked on the next batch:
     the training loop's data wait (`pretraining.callbacks.Throughput` reports its share of step time).
-    Only the host clock is read, so timing costs no device sync. It unpacks the batches its workers send
-    in one buffer (`in_one_buffer`)."""
+    Only the host clock is read, so timing costs no device sync. Over an `InMessages` dataset, it unpacks
+    its workers' messages and deals their batches out in order."""
 
     waited = 0.0
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # consumers only call next()
-        return self._timed(super().__iter__())
+        received = self._timed(super().__iter__())
+        return dealt(received, max(self.num_workers, 1)) if isinstance(self.dataset, InMessages) else received
 
-    def _timed(self, batches: Iterator[Any]) -> Iterator[Any]:
+    def _timed(self, received: Iterator[Any]) -> Iterator[Any]:
+        """The batches, or the workers' messages (lists of batches), unpacked."""
         while True:
             start = time.perf_counter()
             try:
-                batch = next(batches)
+                item = next(received)
             except StopIteration:
                 return
             except PretrainingError as error:
@@ -124,10 +178,10 @@ class WaitTimedLoader(DataLoader):
                 if message is None:
                     raise
                 raise type(error)(message) from error
-            if isinstance(batch, OneBuffer):
-                batch = batch.batch()
+            if isinstance(item, OneBuffer):
+                item = item.batches()
             self.waited += time.perf_counter() - start
-            yield batch
+            yield item
 
 
 def worker_message(error: PretrainingError) -> str | None:
@@ -140,10 +194,10 @@ def worker_message(error: PretrainingError) -> str | None:
     return text.rpartition(raised)[2].strip()
 
 
-def training_loader(stream: Dataset, num_workers: int, pin_memory: bool | None) -> WaitTimedLoader:
-    """The loader of a rank's training stream, which yields whole micro-batches."""
+def training_loader(stream: IterableDataset, num_workers: int, pin_memory: bool | None) -> WaitTimedLoader:
+    """The loader of a rank's training stream (endless), which yields whole micro-batches."""
     return WaitTimedLoader(
-        stream,
+        InMessages(stream) if num_workers > 0 else stream,
         batch_size=None,
         num_workers=num_workers,
         pin_memory=pinned(pin_memory),
