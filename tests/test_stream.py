@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import itertools
 import random
 import warnings
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from multiprocessing.reduction import ForkingPickler
@@ -32,9 +35,12 @@ from pretraining.data.formats import (
 from pretraining.data.loader import (
     BATCHES_PER_MESSAGE,
     IN_THE_PIPE_BELOW,
+    Message,
     OneBuffer,
+    StreamEnded,
     dealt,
     in_one_buffer,
+    per_message,
     training_loader,
 )
 from pretraining.data.manifest import Manifest
@@ -599,50 +605,97 @@ def test_a_message_of_batches_crosses_from_a_worker_in_one_buffer_and_arrives_wh
 
 
 class Numbered(torch.utils.data.IterableDataset):
-    """Batches numbered in the order a consumer must receive them: worker w of n makes w, w + n, ...; the
-    batch numbered `fail_at`, if any, raises instead."""
+    """Batches numbered in the order a consumer must receive them: worker w of n makes w, w + n, ... up to
+    `end` (endless if None); the batch numbered `fail_at` raises instead. `big_worker`'s batches are too big
+    to share a message."""
 
-    def __init__(self, fail_at: int | None = None, values: int = 4) -> None:
-        self.fail_at, self.values = fail_at, values
+    def __init__(self, fail_at: int | None = None, end: int | None = None, big_worker: int | None = None) -> None:
+        self.fail_at, self.end, self.big_worker = fail_at, end, big_worker
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
+        values = IN_THE_PIPE_BELOW // 4 if info.id == self.big_worker else 4
         for index in itertools.count(info.id, info.num_workers):
             if index == self.fail_at:
                 raise ShardError(f"batch {index} is bad")
-            yield {"index": torch.tensor(index), "values": torch.full((self.values,), float(index))}
+            if index == self.end:
+                return
+            yield {"index": torch.tensor(index), "values": torch.full((values,), float(index))}
+
+
+def indices(batches) -> list[int]:
+    return [int(batch["index"]) for batch in batches]
 
 
 @pytest.mark.parametrize("workers", [1, 3])
 def test_workers_send_batches_several_to_a_message_and_they_arrive_in_order(workers) -> None:
     count = 2 * 3 * BATCHES_PER_MESSAGE  # two messages from each of 3 workers, or six from one
-    received = take(training_loader(Numbered(), workers, pin_memory=False), count)
-    assert [int(batch["index"]) for batch in received] == list(range(count))
+    loader = training_loader(Numbered(), workers, pin_memory=False)
+    received = take(loader, count)
+    assert indices(received) == list(range(count))
     # A worker's consecutive batches came in one message, one buffer: they share its storage.
     assert len({batch["values"].untyped_storage().data_ptr() for batch in received}) == 6
+    assert indices(take(loader, 5)) == list(range(5))  # iterated again, the persistent workers start again
     # Batches too big for the pipe come one to a message.
-    big = take(training_loader(Numbered(values=IN_THE_PIPE_BELOW // 4), workers, pin_memory=False), 6)
-    assert [int(batch["index"]) for batch in big] == list(range(6))
-    assert len({batch["values"].untyped_storage().data_ptr() for batch in big}) == 6
+    big = take(training_loader(Numbered(big_worker=0), 1, pin_memory=False), 3)
+    assert indices(big) == [0, 1, 2] and len({batch["values"].untyped_storage().data_ptr() for batch in big}) == 3
 
 
-def test_a_workers_error_arrives_after_the_batches_made_before_it() -> None:
-    loader = iter(training_loader(Numbered(fail_at=10), 2, pin_memory=False))
-    assert [int(batch["index"]) for batch in itertools.islice(loader, 10)] == list(range(10))
-    with pytest.raises(ShardError, match=r"^batch 10 is bad$"):
+@pytest.mark.parametrize(
+    ("fail_at", "big_worker"),
+    [(0, None), (11, None), (16, None), (16, 1)],  # worker 1's messages hold one batch each, worker 0's eight
+)
+def test_a_workers_error_arrives_after_the_batches_made_before_it(fail_at, big_worker) -> None:
+    loader = iter(training_loader(Numbered(fail_at, big_worker=big_worker), 2, pin_memory=False))
+    assert indices(itertools.islice(loader, fail_at)) == list(range(fail_at))
+    with pytest.raises(ShardError, match=rf"^batch {fail_at} is bad$"):
         next(loader)
 
 
-@pytest.mark.parametrize("sizes", [[3, 3, 3], [1, 4, 2, 5, 3, 1]])
-def test_dealt_restores_the_order_the_workers_made_whatever_their_messages_hold(sizes) -> None:
+def test_a_message_holds_as_many_batches_as_fit_in_the_pipe() -> None:
+    for nbytes in (1, 1000, IN_THE_PIPE_BELOW // 8 - 32, IN_THE_PIPE_BELOW // 3, IN_THE_PIPE_BELOW):
+        batch = {"tokens": torch.zeros(nbytes, dtype=torch.uint8), "positions": torch.zeros(1, 3, dtype=torch.int64)}
+        count = per_message(batch)
+        assert count == 1 or in_one_buffer([batch] * count).buffer.nbytes < IN_THE_PIPE_BELOW
+        assert count == BATCHES_PER_MESSAGE or in_one_buffer([batch] * (count + 1)).buffer.nbytes >= IN_THE_PIPE_BELOW
+    assert per_message({"nested": [torch.zeros(2)]}) == per_message((torch.zeros(2),)) == 1  # not in one buffer
+
+
+def test_a_workers_error_leaves_no_reference_cycle_to_its_workers() -> None:
+    """Dropping the loader stops its workers at once, not at a later garbage collection (which waits 5 s for
+    each, since the finalizer that stops their queue runs first): torch's own `reraise` leaves such a cycle."""
+    loader = training_loader(Numbered(fail_at=3), 2, pin_memory=False)
+    batches = iter(loader)
+    with contextlib.suppress(ShardError):
+        list(batches)
+    workers = weakref.ref(loader._iterator)  # the persistent workers' iterator (private to torch)
+    gc.disable()
+    try:
+        del loader, batches
+        assert workers() is None
+    finally:
+        gc.enable()
+
+
+def test_the_batches_end_where_the_first_workers_stream_ends() -> None:
+    # Worker 0 ends before batch 10; worker 1 would go on to 39. Later batches would leave a gap.
+    assert indices(training_loader(Numbered(end=10, big_worker=1), 2, pin_memory=False)) == list(range(10))
+
+
+def test_dealt_restores_the_order_the_workers_made_whatever_their_messages_hold_and_their_arrival() -> None:
     workers, made = 3, [itertools.count(worker, 3) for worker in range(3)]
-    messages = [[next(made[number % workers]) for _ in range(size)] for number, size in enumerate(sizes * 4)]
-    received = list(dealt(iter(messages), workers))
-    made_by = [
-        sum(sizes[number % len(sizes)] for number in range(worker, len(messages), workers)) for worker in range(3)
+    sizes = [[1, 4, 2, 5], [3, 3, 3, 3, 3], [2, 1, 8]]  # worker 2 ends first, after its 11th batch
+    sent = [
+        [
+            Message(worker, [next(made[worker]) for _ in range(size)], StreamEnded() if number == len(counts) else None)
+            for number, size in enumerate(counts, start=1)
+        ]
+        for worker, counts in enumerate(sizes)
     ]
-    # They end where the first worker to run out would have made its next batch.
-    assert received == list(range(min(workers * count + worker for worker, count in enumerate(made_by))))
+    arrived, rng = [], random.Random(0)  # each worker's messages in order, the workers' in any order
+    while any(sent):
+        arrived.append(rng.choice([messages for messages in sent if messages]).pop(0))
+    assert list(dealt(iter(arrived), workers)) == list(range(3 * 11 + 2))
 
 
 def test_a_training_batch_arrives_in_one_buffer_and_is_pinned_whole(train_urls, monkeypatch) -> None:

@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset
+from torch._utils import ExceptionWrapper
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pretraining.errors import PretrainingError
 
@@ -43,9 +44,10 @@ ALIGNMENT = 16
 # the main process): 0.83 against 1.65 ms in shared memory at 13 KB, 1.23 against 1.48 ms at 260 KB, about
 # even at 1 MB, 19 against 3.2 ms at 4 MB.
 IN_THE_PIPE_BELOW = 256 * 1024
-# A message holds as many batches as fit in the pipe, up to this many. Each message costs the main process
-# about 0.6 ms of its step on a CPU whatever its size (the queue, unpickling, asking the worker for the
-# next), 1 % of a small model's step; more batches to a message would only delay the first step.
+# A message holds as many batches as its buffer can take below `IN_THE_PIPE_BELOW`, up to this many. Each
+# message costs the main process about 0.6 ms of its step on a CPU whatever its size (the queue, unpickling,
+# asking the worker for the next), about 1 % of a small model's step; more batches to a message would only
+# delay the first step.
 BATCHES_PER_MESSAGE = 8
 
 
@@ -84,9 +86,9 @@ def received(buffer: torch.Tensor | np.ndarray, fields: tuple[dict[str, TensorSp
 
 
 def in_one_buffer(batches: list[Any]) -> OneBuffer | list[Any]:
-    """The workers' `collate_fn`: a message of dicts of dense CPU tensors and plain values (numbers, strings)
-    as a `OneBuffer`; any other (nested tensors, sparse ones) as it is."""
-    if not all(isinstance(batch, dict) and all(map(packable, batch.values())) for batch in batches):
+    """Batches that are dicts of dense CPU tensors and plain values (numbers, strings) as a `OneBuffer`;
+    any others (nested tensors, sparse ones) as they are."""
+    if not all(map(packable, batches)):
         return batches
     fields: list[dict[str, TensorSpec | Any]] = []
     size = 0
@@ -95,7 +97,7 @@ def in_one_buffer(batches: list[Any]) -> OneBuffer | list[Any]:
         for name, value in batch.items():
             if isinstance(value, torch.Tensor):
                 fields[-1][name] = TensorSpec(value.dtype, tuple(value.shape), size)
-                size += -(-value.nbytes // ALIGNMENT) * ALIGNMENT
+                size += aligned(value.nbytes)
             else:
                 fields[-1][name] = value
     packed = OneBuffer(torch.empty(size, dtype=torch.uint8), tuple(fields))
@@ -106,71 +108,129 @@ def in_one_buffer(batches: list[Any]) -> OneBuffer | list[Any]:
     return packed
 
 
-def packable(value: Any) -> bool:
+def packable(batch: Any) -> bool:
+    return isinstance(batch, dict) and all(map(packable_value, batch.values()))
+
+
+def packable_value(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.layout == torch.strided and value.device.type == "cpu" and not value.is_quantized
     return isinstance(value, int | float | str | bool | None)
 
 
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGNMENT) * ALIGNMENT
+
+
+class StreamEnded:
+    """Where a worker's stream ended."""
+
+
+@dataclass(frozen=True)
+class Message:
+    """What a DataLoader worker sends: its next batches (in one buffer where they pack), and whether its
+    stream stops after them: `end` is a `StreamEnded`, or the error the stream raised instead of its next
+    batch, to be raised where that batch would have been."""
+
+    worker: int
+    batches: OneBuffer | list[Any]
+    end: StreamEnded | ExceptionWrapper | None = None
+
+    def unpacked(self) -> list[Any]:
+        batches = self.batches.batches() if isinstance(self.batches, OneBuffer) else self.batches
+        return batches if self.end is None else [*batches, self.end]
+
+
+def in_one_message(message: Message) -> Message:
+    """The workers' `collate_fn`: the message, its batches in one buffer where they pack."""
+    assert isinstance(message.batches, list), "packed already"
+    return replace(message, batches=in_one_buffer(message.batches))
+
+
 class InMessages(IterableDataset):
-    """An endless stream of batches, as each DataLoader worker sends them: in messages (lists) of as many
-    consecutive batches as fit in the pipe (`IN_THE_PIPE_BELOW`), at most `BATCHES_PER_MESSAGE`.
-    `WaitTimedLoader` deals them out again in the order the workers made them."""
+    """A stream of batches as each DataLoader worker sends it: in `Message`s of as many consecutive batches
+    as fit in the pipe (`IN_THE_PIPE_BELOW`), at most `BATCHES_PER_MESSAGE`. `WaitTimedLoader` deals them
+    out again in the order the workers made them."""
 
     def __init__(self, batches: IterableDataset) -> None:
         self.batches = batches
 
-    def __iter__(self) -> Iterator[list[Any]]:
+    def __iter__(self) -> Iterator[Message]:
+        info = get_worker_info()
+        worker = info.id if info else 0
         batches = iter(self.batches)
-        for first in batches:
-            message = [first]
+        while True:
+            made: list[Any] = []
             try:
-                message += itertools.islice(batches, per_message(first) - 1)
+                made.append(next(batches))
+                made.extend(itertools.islice(batches, per_message(made[0]) - 1))  # keeps those made before an error
+            except StopIteration:
+                yield Message(worker, made, end=StreamEnded())
+                return
             except Exception:
-                yield message  # the batches made before an error arrive before it, as they would one by one
-                raise
-            yield message
+                yield Message(worker, made, end=ExceptionWrapper(where=f"in DataLoader worker process {worker}"))
+                return
+            yield Message(worker, made)
 
 
 def per_message(batch: Any) -> int:
-    """How many batches like `batch` a message holds."""
-    values = batch.values() if isinstance(batch, dict) else ()
-    size = sum(value.nbytes for value in values if isinstance(value, torch.Tensor))
-    return max(1, min(BATCHES_PER_MESSAGE, IN_THE_PIPE_BELOW // max(size, 1)))
+    """How many batches like `batch` a message holds: as many as one buffer takes in the pipe."""
+    if not packable(batch):
+        return 1  # its tensors cross one by one, in shared memory
+    size = sum(aligned(value.nbytes) for value in batch.values() if isinstance(value, torch.Tensor))
+    return max(1, min(BATCHES_PER_MESSAGE, (IN_THE_PIPE_BELOW - 1) // max(size, 1)))
 
 
-def dealt(messages: Iterator[list[Any]], workers: int) -> Iterator[Any]:
-    """The batches of the messages of `workers` DataLoader workers, received from each worker in turn,
-    dealt out in the order the workers made them: worker `w` makes batches `w`, `w + workers`, ..."""
+def dealt(messages: Iterator[Message], workers: int) -> Iterator[Any]:
+    """The batches of the messages of `workers` DataLoader workers, dealt out in the order the workers
+    made them: worker `w` makes batches `w`, `w + workers`, ... They end where the first worker's stream
+    ends, and a worker's error is raised where its failed batch would have been."""
     made_by: list[collections.deque[Any]] = [collections.deque() for _ in range(workers)]
-    senders = itertools.cycle(made_by)
     for batches in itertools.cycle(made_by):
         while not batches:
             message = next(messages, None)
             if message is None:
                 return
-            next(senders).extend(message)
-        yield batches.popleft()
+            made_by[message.worker].extend(message.unpacked())
+        batch = batches.popleft()
+        if isinstance(batch, StreamEnded):
+            return
+        if isinstance(batch, ExceptionWrapper):
+            raise raised_again(batch)
+        yield batch
+
+
+def raised_again(error: ExceptionWrapper) -> BaseException:
+    """A worker's error as torch raises it again (its message names the worker and holds its traceback),
+    without the reference cycle of torch's `reraise`, whose frame holds the error: through the frames
+    below it, the cycle would keep the loader's workers alive until a garbage collection, which then
+    waits 5 s for each (the finalizer that stops their queue runs first)."""
+    try:
+        error.reraise()
+    except Exception as again:
+        return again.with_traceback(None)
+    raise AssertionError("ExceptionWrapper.reraise returned")
 
 
 class WaitTimedLoader(DataLoader):
     """A DataLoader that adds up, in `waited`, the seconds its consumer spends blocked on the next batch:
     the training loop's data wait (`pretraining.callbacks.Throughput` reports its share of step time).
-    Only the host clock is read, so timing costs no device sync. Over an `InMessages` dataset, it unpacks
-    its workers' messages and deals their batches out in order."""
+    Only the host clock is read, so timing costs no device sync. Over `InMessages`, it deals out the
+    batches of its workers' messages."""
 
     waited = 0.0
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # consumers only call next()
-        received = self._timed(super().__iter__())
-        return dealt(received, max(self.num_workers, 1)) if isinstance(self.dataset, InMessages) else received
+        batches: Iterator[Any] = super().__iter__()
+        if isinstance(self.dataset, InMessages):
+            batches = dealt(batches, max(self.num_workers, 1))
+        return self._timed(batches)
 
-    def _timed(self, received: Iterator[Any]) -> Iterator[Any]:
-        """The batches, or the workers' messages (lists of batches), unpacked."""
+    def _timed(self, batches: Iterator[Any]) -> Iterator[Any]:
         while True:
             start = time.perf_counter()
             try:
-                item = next(received)
+                batch = next(batches)
             except StopIteration:
                 return
             except PretrainingError as error:
@@ -178,10 +238,8 @@ class WaitTimedLoader(DataLoader):
                 if message is None:
                     raise
                 raise type(error)(message) from error
-            if isinstance(item, OneBuffer):
-                item = item.batches()
             self.waited += time.perf_counter() - start
-            yield item
+            yield batch
 
 
 def worker_message(error: PretrainingError) -> str | None:
@@ -202,7 +260,7 @@ def training_loader(stream: IterableDataset, num_workers: int, pin_memory: bool 
         num_workers=num_workers,
         pin_memory=pinned(pin_memory),
         persistent_workers=num_workers > 0,
-        collate_fn=in_one_buffer if num_workers > 0 else None,
+        collate_fn=in_one_message if num_workers > 0 else None,  # type: ignore[arg-type]  # called on each item
         worker_init_fn=leave_stop_signals_to_the_main_process,
     )
 
