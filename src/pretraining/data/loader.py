@@ -163,7 +163,8 @@ class InMessages(IterableDataset):
             made: list[Any] = []
             try:
                 made.append(next(batches))
-                made.extend(itertools.islice(batches, per_message(made[0]) - 1))  # keeps those made before an error
+                for batch in itertools.islice(batches, per_message(made[0]) - 1):
+                    made.append(batch)  # one by one: those made before an error are sent before it
             except StopIteration:
                 yield Message(worker, made, end=StreamEnded())
                 return
