@@ -9,7 +9,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -17,6 +17,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
 from conftest import tiny_run
+from pretraining.callbacks import ProgressBar
 from pretraining.callbacks.batch_log import read_batch_log
 from pretraining.callbacks.numerics import LossStatistics, NumericalError, NumericalGuard, is_global_and_unscaled
 from pretraining.checkpoint import saved_checkpoints, verify
@@ -286,6 +287,43 @@ def test_a_step_where_training_stops_logs_its_own_values(compose_train, tmp_path
     for row, batch in ((rows[4], 5), (rows[6], 7)):  # batches are numbered from 1
         assert float(row["train/loss"]) == pytest.approx(float.fromhex(batches[batch]["loss"]), rel=1e-6)
     assert float(rows[6]["train/grad_norm"]) != float(rows[4]["train/grad_norm"])
+
+
+class RecordBar(Callback):
+    """Records the loss the progress bar shows at the end of every step (its last micro-batch)."""
+
+    shown: ClassVar[dict[int, float]] = {}
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        (bar,) = (callback for callback in trainer.callbacks if isinstance(callback, ProgressBar))  # type: ignore[attr-defined]
+        RecordBar.shown.setdefault(trainer.global_step, bar.get_metrics(trainer, pl_module)["train/loss"])
+
+
+def test_each_logged_step_writes_its_last_micro_batchs_values_once_also_after_a_resume(
+    compose_train, tmp_path: Path
+) -> None:
+    """With gradient accumulation (2 micro-batches a step), the values of a logged step are written once, at its
+    end, with its last micro-batch's loss; the last step is logged too, and is what the run reports. A run resumed
+    at a logged step (6) writes no row for it again. The progress bar shows the current step's loss."""
+    run = ["trainer.log_every_n_steps=3", "data.micro_batch_size=2", "callbacks=[default,batch_log]"]
+    record = ["+callbacks.bar._target_=test_numerics.RecordBar"]
+    stop_at_6 = ["+callbacks.stop._target_=test_numerics.StopAt", "+callbacks.stop.step=6"]
+    train(compose_train(*run, *record, *stop_at_6, "trainer.max_steps=13"))
+    reported = train(compose_train(*run, *record, "trainer.max_steps=13"))  # from step 6
+    batches = read_batch_log(tmp_path / "batches" / "rank0.jsonl")
+
+    def loss_of(step: int) -> float:  # the logged loss: the step's last micro-batch's, not divided by 2
+        return 2 * float.fromhex(batches[2 * step]["loss"])
+
+    rows = [row for row in metric_rows(tmp_path) if row.get("train/loss")]
+    steps = [int(row["step"]) + 1 for row in rows]  # Lightning numbers rows from 0
+    assert [step for step in steps if step > 6] == [9, 12, 13]
+    assert set(steps) <= {3, 6, 9, 12, 13}
+    for row, step in zip(rows, steps, strict=True):
+        assert float(row["train/loss"]) == pytest.approx(loss_of(step), rel=1e-6), step
+        assert row["train/grad_norm"] and row["data/samples_read"]  # one row holds all of the step's values
+    assert reported["train/loss"] == pytest.approx(loss_of(13), rel=1e-6)
+    assert RecordBar.shown[10] == pytest.approx(loss_of(10), rel=1e-6)
 
 
 def test_clipping_gets_the_guards_norm_only_where_it_is_the_global_norm_of_the_true_gradients() -> None:

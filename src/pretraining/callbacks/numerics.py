@@ -21,6 +21,7 @@ from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.errors import PretrainingError
 from pretraining.objectives import PretrainingObjective
+from pretraining.objectives.base import log_step_values
 from pretraining.ranges import Range, checked_ranges
 
 
@@ -128,10 +129,7 @@ class NumericalGuard(Callback):
             "train/skipped_steps": float(self.skipped_steps),
             "train/loss_spikes": float(self.loss_spikes),
         }
-        if isinstance(pl_module, PretrainingObjective):
-            pl_module.log_step(values)  # only at the steps whose logs are kept: a logged value costs a millisecond
-        else:
-            pl_module.log_dict(values)
+        log_step_values(pl_module, values)
 
     def step_values(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> tuple[float, float]:
         """The step's loss (unscaled) and global gradient norm, averaged over ranks: identical on every rank.

@@ -9,6 +9,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 from pretraining.callbacks.throughput import Throughput
+from pretraining.objectives import PretrainingObjective
 
 
 class ProgressBar(TQDMProgressBar):
@@ -29,6 +30,8 @@ class ProgressBar(TQDMProgressBar):
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)  # the logger's version: the run directory already says which run this is
         throughput = next((c for c in trainer.callbacks if isinstance(c, Throughput)), None)  # type: ignore[attr-defined]
+        if isinstance(pl_module, PretrainingObjective):  # this step's values, written to the logs at its end
+            metrics |= pl_module.bar_values()
         if throughput is not None and throughput.latest:
             metrics["tok/s"] = f"{throughput.latest['perf/tokens_per_s']:,.0f}"
         return metrics

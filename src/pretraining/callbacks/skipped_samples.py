@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from pretraining.data.contract import training_data
-from pretraining.objectives.base import logs_written_at
+from pretraining.objectives.base import log_step_values, logs_written_at
 
 
 class SkippedSamples(Callback):
@@ -32,5 +32,5 @@ class SkippedSamples(Callback):
         data = training_data(trainer, "data.bad_data")
         counts = torch.tensor([data.samples_read, data.samples_skipped], device=pl_module.device)
         read, skipped = trainer.strategy.reduce(counts, reduce_op="sum").tolist()
-        pl_module.log_dict({"data/samples_read": float(read), "data/skipped_samples": float(skipped)})
+        log_step_values(pl_module, {"data/samples_read": read, "data/skipped_samples": skipped})
         data.check_skips(skipped, read)

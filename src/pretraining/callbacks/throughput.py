@@ -24,6 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from pretraining.data.loader import WaitTimedLoader
 from pretraining.errors import ConfigError
+from pretraining.objectives.base import write_logs
 from pretraining.plugins import FSDP2Strategy
 
 # Dense (no 2:4 sparsity) peaks per device name fragment, checked before Lightning's table, whose H200
@@ -166,10 +167,9 @@ class Throughput(Callback):
         if self.peak:
             metrics["perf/mfu"] = self.flops * ranks / seconds / (self.peak * trainer.world_size)
         metrics |= memory_metrics(pl_module.device)
-        # Straight to the loggers (rank zero), as LearningRateMonitor does, at the step Lightning logs the
-        # loss of this batch with: `self.log` would repeat these values at every later logging step.
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.fit_loop.epoch_loop._batches_that_stepped)
+        # Straight to the loggers, as LearningRateMonitor does: `self.log` would repeat these values at every later
+        # logging step.
+        write_logs(trainer, metrics)
         self.latest = metrics
         self.started, self.waited = now, waited
         self.samples, self.tokens, self.flops, self.steps = 0, 0, 0, 0
