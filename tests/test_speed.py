@@ -168,9 +168,10 @@ def seven_step_trainer(callbacks: list[Callback], logger: Logger, **options: Any
 
 
 def test_throughput_is_counted_tokens_over_measured_time() -> None:
+    """Batches of two shapes, each counted as its own (the work of a shape is worked out once)."""
     torch.manual_seed(0)
     model = CausalLM(backbone(), optimizer=adamw())
-    batch_list = [blocks(4, 16) for _ in range(7)]
+    batch_list = [blocks(4, 16) if index % 3 else blocks(2, 8) for index in range(7)]
     ticks = itertools.count(step=0.5)  # every clock reading is half a second after the one before
     callback = Throughput(log_every_n_steps=2, peak_flops=1e9, clock=lambda: next(ticks))
     recorder = Recorder()
@@ -179,16 +180,18 @@ def test_throughput_is_counted_tokens_over_measured_time() -> None:
     perf = [(step, row) for step, row in recorder.rows if "perf/tokens_per_s" in row]
     # The clock starts at the end of step 1 and is read at steps 2, 4 and 6: 1, 2, 2 steps per half second.
     assert [step for step, _ in perf] == [1, 3, 5]
-    flops = model.batch_work(batch_list[0]).flops
-    for (_, row), steps in zip(perf, [1, 2, 2], strict=True):
-        assert row["perf/tokens_per_s"] == pytest.approx(steps * 4 * 16 / 0.5)
-        assert row["perf/samples_per_s"] == pytest.approx(steps * 4 / 0.5)
+    for (_, row), batches in zip(perf, [[1], [2, 3], [4, 5]], strict=True):
+        work = [model.batch_work(batch_list[index]) for index in batches]
+        steps = len(batches)
+        assert row["perf/tokens_per_s"] == pytest.approx(sum(w.tokens for w in work) / 0.5)
+        assert row["perf/samples_per_s"] == pytest.approx(sum(w.samples for w in work) / 0.5)
         assert row["perf/step_time"] == pytest.approx(0.5 / steps)
-        assert row["perf/mfu"] == pytest.approx(steps * flops / 0.5 / 1e9)
+        assert row["perf/mfu"] == pytest.approx(sum(w.flops for w in work) / 0.5 / 1e9)
         assert row["perf/tokens_per_s_per_device"] == row["perf/tokens_per_s"]  # one device
         assert row["perf/samples_per_s_per_device"] == row["perf/samples_per_s"]
         assert row["perf/peak_host_memory_gb"] > 0.01  # this process holds torch: tens of MB at least
         assert "perf/data_wait" not in row  # a plain DataLoader does not time its waits
+    assert [row["perf/tokens_per_s"] for _, row in perf] == pytest.approx([128, 160, 256])
 
 
 class Delayed(Dataset):

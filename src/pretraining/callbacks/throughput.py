@@ -24,7 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from pretraining.data.loader import WaitTimedLoader
 from pretraining.errors import ConfigError
-from pretraining.objectives.base import write_logs
+from pretraining.objectives.base import BatchWork, write_logs
 from pretraining.plugins import FSDP2Strategy
 
 # Dense (no 2:4 sparsity) peaks per device name fragment, checked before Lightning's table, whose H200
@@ -124,6 +124,8 @@ class Throughput(Callback):
         self.latest: dict[str, float] = {}
         self.steps_seen = 0
         self.samples = self.tokens = self.flops = self.steps = 0
+        # A batch's work depends on its shapes alone (`batch_work`): worked out once a shape, not at every step.
+        self.work_by_shapes: dict[tuple[torch.Size, ...], BatchWork] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.every = self.every or trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning
@@ -134,7 +136,10 @@ class Throughput(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        work = pl_module.batch_work(batch)  # type: ignore[operator]
+        shapes = tuple(value.shape for value in batch.values())
+        work = self.work_by_shapes.get(shapes)
+        if work is None:
+            work = self.work_by_shapes[shapes] = pl_module.batch_work(batch)  # type: ignore[operator]
         self.samples, self.tokens, self.flops = (
             self.samples + work.samples,
             self.tokens + work.tokens,

@@ -98,6 +98,7 @@ class ShardDataModule(LightningDataModule):
             "shards (data=text, data=pairs)",
         )
         self.global_batch_size, self.micro_batch_size, self.streams = global_batch_size, micro_batch_size, streams
+        self.plans: dict[int, BatchPlan] = {}  # by world size: the plan is asked for at every step (StepSeed)
         self.seed, self.num_workers = seed, num_workers
         self.shuffle_buffer, self.pin_memory = shuffle_buffer, pin_memory
         self.val_size, self.val_batch_size = val_size, val_batch_size
@@ -135,7 +136,9 @@ class ShardDataModule(LightningDataModule):
 
     def plan_for(self, world_size: int) -> BatchPlan:
         """How the global batch is split over `world_size` devices (a ConfigError if it cannot be)."""
-        return batch_plan(self.global_batch_size, self.micro_batch_size, self.streams, world_size)
+        if world_size not in self.plans:
+            self.plans[world_size] = batch_plan(self.global_batch_size, self.micro_batch_size, self.streams, world_size)
+        return self.plans[world_size]
 
     @property
     def plan(self) -> BatchPlan:

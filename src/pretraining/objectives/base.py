@@ -174,7 +174,8 @@ class PretrainingObjective(LightningModule):
 
     def batch_work(self, batch: dict[str, torch.Tensor]) -> BatchWork:
         """Samples, tokens and training FLOPs of a batch of packed blocks, from its shapes alone (no
-        device sync); the head scores `head_positions` of each block."""
+        device sync; `Throughput` works it out once for each set of shapes); the head scores
+        `head_positions` of each block."""
         samples, length = batch["tokens"][:, :-1].shape
         backbone_flops = samples * length * self.backbone.flops_per_token(length)
         head_flops = samples * self.head_positions(length) * self.backbone.head_flops_per_token()
