@@ -4,6 +4,7 @@ exactly as without the guard."""
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from collections.abc import Sequence
@@ -289,24 +290,37 @@ def test_a_step_where_training_stops_logs_its_own_values(compose_train, tmp_path
     assert float(rows[6]["train/grad_norm"]) != float(rows[4]["train/grad_norm"])
 
 
-class RecordBar(Callback):
-    """Records the loss the progress bar shows at the end of every step (its last micro-batch)."""
+class RecordSteps(Callback):
+    """Records, at the end of every step (its last micro-batch), the loss the progress bar shows, the loss in
+    `trainer.callback_metrics`, and the steps whose training rows are on disk in metrics.csv."""
 
-    shown: ClassVar[dict[int, float]] = {}
+    bar: ClassVar[dict[int, float]] = {}
+    callback_metrics: ClassVar[dict[int, float]] = {}
+    on_disk: ClassVar[dict[int, list[int]]] = {}
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step in RecordSteps.bar:  # a micro-batch of the next step
+            return
         (bar,) = (callback for callback in trainer.callbacks if isinstance(callback, ProgressBar))  # type: ignore[attr-defined]
-        RecordBar.shown.setdefault(trainer.global_step, bar.get_metrics(trainer, pl_module)["train/loss"])
+        RecordSteps.bar[step] = bar.get_metrics(trainer, pl_module)["train/loss"]
+        RecordSteps.callback_metrics[step] = float(trainer.callback_metrics.get("train/loss", math.nan))
+        csv_file = Path(trainer.logger.experiment.metrics_file_path)  # type: ignore[union-attr]
+        rows = list(csv.DictReader(csv_file.open())) if csv_file.exists() else []
+        RecordSteps.on_disk[step] = [int(row["step"]) + 1 for row in rows if row.get("train/loss")]
 
 
 def test_each_logged_step_writes_its_last_micro_batchs_values_once_also_after_a_resume(
     compose_train, tmp_path: Path
 ) -> None:
     """With gradient accumulation (2 micro-batches a step), the values of a logged step are written once, at its
-    end, with its last micro-batch's loss; the last step is logged too, and is what the run reports. A run resumed
-    at a logged step (6) writes no row for it again. The progress bar shows the current step's loss."""
+    end, with its last micro-batch's loss, and reach the disk; the last step is logged too, and is what the run
+    reports. A run resumed at a logged step (6) writes no row for it again. The progress bar shows the current
+    step's loss, and callbacks see a logged step's values in `trainer.callback_metrics` during that step."""
+    for recorded in (RecordSteps.bar, RecordSteps.callback_metrics, RecordSteps.on_disk):
+        recorded.clear()
     run = ["trainer.log_every_n_steps=3", "data.micro_batch_size=2", "callbacks=[default,batch_log]"]
-    record = ["+callbacks.bar._target_=test_numerics.RecordBar"]
+    record = ["+callbacks.record._target_=test_numerics.RecordSteps"]
     stop_at_6 = ["+callbacks.stop._target_=test_numerics.StopAt", "+callbacks.stop.step=6"]
     train(compose_train(*run, *record, *stop_at_6, "trainer.max_steps=13"))
     reported = train(compose_train(*run, *record, "trainer.max_steps=13"))  # from step 6
@@ -317,13 +331,14 @@ def test_each_logged_step_writes_its_last_micro_batchs_values_once_also_after_a_
 
     rows = [row for row in metric_rows(tmp_path) if row.get("train/loss")]
     steps = [int(row["step"]) + 1 for row in rows]  # Lightning numbers rows from 0
-    assert [step for step in steps if step > 6] == [9, 12, 13]
-    assert set(steps) <= {3, 6, 9, 12, 13}
+    assert steps == [3, 6, 9, 12, 13]
     for row, step in zip(rows, steps, strict=True):
         assert float(row["train/loss"]) == pytest.approx(loss_of(step), rel=1e-6), step
         assert row["train/grad_norm"] and row["data/samples_read"]  # one row holds all of the step's values
     assert reported["train/loss"] == pytest.approx(loss_of(13), rel=1e-6)
-    assert RecordBar.shown[10] == pytest.approx(loss_of(10), rel=1e-6)
+    assert RecordSteps.bar[10] == pytest.approx(loss_of(10), rel=1e-6)
+    assert RecordSteps.callback_metrics[9] == pytest.approx(loss_of(9), rel=1e-6)
+    assert RecordSteps.on_disk[10] == [3, 6, 9]  # step 9's row reached the disk at its end
 
 
 def test_clipping_gets_the_guards_norm_only_where_it_is_the_global_norm_of_the_true_gradients() -> None:

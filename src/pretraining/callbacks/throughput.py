@@ -125,7 +125,7 @@ class Throughput(Callback):
         self.steps_seen = 0
         self.samples = self.tokens = self.flops = self.steps = 0
         # A batch's work depends on its shapes alone (`batch_work`): worked out once a shape, not at every step.
-        self.work_by_shapes: dict[tuple[torch.Size, ...], BatchWork] = {}
+        self.work_by_shapes: dict[tuple[torch.Size | None, ...], BatchWork] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.every = self.every or trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning
@@ -136,7 +136,7 @@ class Throughput(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        shapes = tuple(value.shape for value in batch.values())
+        shapes = tuple(getattr(value, "shape", None) for value in batch.values())
         work = self.work_by_shapes.get(shapes)
         if work is None:
             work = self.work_by_shapes[shapes] = pl_module.batch_work(batch)  # type: ignore[operator]

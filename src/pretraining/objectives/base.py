@@ -9,7 +9,7 @@ default), its own settings (the shared ones pass through as `**settings`), the
 validation states it keeps (passed to `__init__`), `training_loss`,
 `validation_update` (what to add to those states per validation batch) and
 `validation_metrics` (what to report from the reduced states). It may override `pooled_features`,
-what a probe reads (`pretraining.callbacks.LinearProbe`).
+what a probe reads (`pretraining.callbacks.LinearProbe`), and log per-step values with `log_step`.
 """
 
 from __future__ import annotations
@@ -101,11 +101,11 @@ class PretrainingObjective(LightningModule):
         # This step's global gradient norm, left by a callback that computed it before clipping (NumericalGuard):
         # clipping by norm then scales by it instead of computing it again.
         self.step_gradient_norm: torch.Tensor | None = None
-        # This optimizer step's training values (see log_step), the ones the progress bar shows, and the
-        # optimizer steps whose end on_train_batch_end has seen.
+        # This optimizer step's training values (see log_step), the ones the progress bar shows, and the last
+        # optimizer step whose end on_train_batch_end has seen.
         self.step_values: dict[str, torch.Tensor | float] = {}
         self.bar_names: set[str] = set()
-        self.steps_ended = 0
+        self.last_step_ended = 0
 
     def configure_model(self) -> None:
         """Under FSDP2 (Lightning's `ModelParallelStrategy`), shard the model by the strategy's policy
@@ -191,26 +191,36 @@ class PretrainingObjective(LightningModule):
         return loss
 
     def log_step(self, metrics: Mapping[str, torch.Tensor | float], prog_bar: bool = False) -> None:
-        """Log training `metrics` of this optimizer step (under gradient accumulation, the last micro-batch's
-        value of each): written to the loggers, `trainer.callback_metrics` and, with `prog_bar`, the progress
-        bar, at the end of the steps whose logs are kept (`logs_written_at`) and of a step where training stops
+        """Log training `metrics` of this optimizer step, numbers or one-element tensors (under gradient
+        accumulation, the last micro-batch's value of each). At the steps whose logs are kept (`logs_written_at`)
+        they enter `trainer.callback_metrics` at once, as with `self.log`, and go to the loggers (and, with
+        `prog_bar`, to the progress bar) at the step's end, with those of a step where training stops
         (preemption). Not through `self.log`: on a CPU each value logged that way costs about 0.6 ms, and
-        Lightning's bookkeeping of logged values 0.1 ms at every step."""
+        Lightning's bookkeeping of logged values 0.1 ms at every step; use `self.log` for its other options
+        (`sync_dist`, `on_epoch`)."""
         for name, value in metrics.items():
+            if isinstance(value, torch.Tensor) and value.numel() != 1:
+                raise ValueError(f"log_step: {name} must be one number, not a tensor of shape {tuple(value.shape)}")
             self.step_values[name] = value.detach() if isinstance(value, torch.Tensor) else value
         if prog_bar:
             self.bar_names.update(metrics)
+        trainer = self._trainer  # None outside a Trainer (a test, a script)
+        if trainer is not None and logs_written_at(trainer, self.last_step_ended + 1):  # the step under way
+            # For this step's callbacks (a ModelCheckpoint monitoring train/loss), still on the device: no sync.
+            values = {name: self.step_values[name] for name in metrics}
+            trainer.callback_metrics.update({name: torch.as_tensor(value).float() for name, value in values.items()})
 
     def on_train_start(self) -> None:
-        self.steps_ended = self.trainer.global_step
+        """A subclass that overrides this or `on_train_batch_end` calls `super()`: they write the training logs."""
+        self.last_step_ended = self.trainer.global_step
         self.step_values.clear()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         """Write the step's `log_step` values at its end, after every callback's hook (theirs are in)."""
         trainer = self.trainer
-        if trainer.global_step == self.steps_ended:  # accumulating gradients: the step goes on
+        if trainer.global_step == self.last_step_ended:  # accumulating gradients: the step goes on
             return
-        self.steps_ended = trainer.global_step
+        self.last_step_ended = trainer.global_step
         if self.step_values and (logs_written_at(trainer, trainer.global_step) or trainer.should_stop):
             values = self.read_step_values()
             write_logs(trainer, values)
@@ -220,7 +230,11 @@ class PretrainingObjective(LightningModule):
 
     def read_step_values(self) -> dict[str, float]:
         """This step's `log_step` values as numbers, read off the device at once (one sync)."""
-        tensors = [value.float().reshape(()) for value in self.step_values.values() if isinstance(value, torch.Tensor)]
+        tensors = [
+            value.to(self.device, torch.float32).reshape(())
+            for value in self.step_values.values()
+            if isinstance(value, torch.Tensor)
+        ]
         read = iter(torch.stack(tensors).tolist() if tensors else [])
         return {
             name: next(read) if isinstance(value, torch.Tensor) else float(value)
@@ -293,10 +307,11 @@ class PretrainingObjective(LightningModule):
 
 def write_logs(trainer: Trainer, metrics: Mapping[str, float]) -> None:
     """Write `metrics` to every logger (which write on rank zero only), at the step Lightning writes the logs
-    of the current batch at."""
+    of the current batch at, and save them as Lightning does (a CSV logger keeps its rows in memory until then)."""
     step = trainer.fit_loop.epoch_loop._batches_that_stepped
     for logger in trainer.loggers:
         logger.log_metrics(dict(metrics), step=step)
+        logger.save()
 
 
 def log_step_values(module: LightningModule, metrics: Mapping[str, torch.Tensor | float]) -> None:
