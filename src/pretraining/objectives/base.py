@@ -207,8 +207,7 @@ class PretrainingObjective(LightningModule):
         trainer = self._trainer  # None outside a Trainer (a test, a script)
         if trainer is not None and logs_written_at(trainer, self.last_step_ended + 1):  # the step under way
             # For this step's callbacks (a ModelCheckpoint monitoring train/loss), still on the device: no sync.
-            values = {name: self.step_values[name] for name in metrics}
-            trainer.callback_metrics.update({name: torch.as_tensor(value).float() for name, value in values.items()})
+            trainer.callback_metrics.update({name: torch.as_tensor(self.step_values[name]).float() for name in metrics})
 
     def on_train_start(self) -> None:
         """A subclass that overrides this or `on_train_batch_end` calls `super()`: they write the training logs."""
@@ -224,6 +223,7 @@ class PretrainingObjective(LightningModule):
         if self.step_values and (logs_written_at(trainer, trainer.global_step) or trainer.should_stop):
             values = self.read_step_values()
             write_logs(trainer, values)
+            # Those of a step where training stops too (not logged before its end), now as host values.
             trainer.callback_metrics.update({name: torch.tensor(value) for name, value in values.items()})
             trainer.progress_bar_metrics.update({name: values[name] for name in self.bar_names if name in values})
         self.step_values.clear()
