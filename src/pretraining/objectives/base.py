@@ -200,7 +200,10 @@ class PretrainingObjective(LightningModule):
         (`sync_dist`, `on_epoch`)."""
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor) and value.numel() != 1:
-                raise ValueError(f"log_step: {name} must be one number, not a tensor of shape {tuple(value.shape)}")
+                raise ValueError(
+                    f"log_step: {name} must be one number, not a tensor of shape {tuple(value.shape)}: "
+                    f"log a reduction of it (its .mean(), say)"
+                )
             self.step_values[name] = value.detach() if isinstance(value, torch.Tensor) else value
         if prog_bar:
             self.bar_names.update(metrics)
