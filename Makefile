@@ -106,11 +106,11 @@ plot: install ## Learning curves as PNG: make plot RUN=logs/train/runs/<run> (or
 	@test -n "$(RUN)" || { echo "usage: make plot RUN=logs/train/runs/<run> or RUN=logs/train/multiruns/<sweep>"; exit 2; }
 	$(BIN)/pretrain-plot $(RUN) $(ARGS)
 
-test: install ## Run the fast tests
-	$(BIN)/pytest $(ARGS)
+test: install ## Run the core's fast tests (tests/README.md)
+	$(BIN)/pytest -m "not slow and not distributed and not extras" $(ARGS)
 
-test-full: install ## Run all tests, slow ones included
-	$(BIN)/pytest -m "" $(ARGS)
+test-full: install ## Run every test: the core's slow and distributed ones, and the extras'
+	$(BIN)/pytest $(ARGS)
 
 lint: install ## Check style, formatting and types
 	$(BIN)/ruff check src tests scripts

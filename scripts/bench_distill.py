@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from pretraining.evaluate import build_from_checkpoint
-from pretraining.objectives.distill import distillation_sums
+from pretraining.extras.distill.objectives import distillation_sums
 from pretraining.stored import load_checkpoint
 from trained import pretrain
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from pretraining.evaluate import build_from_checkpoint
-from pretraining.objectives import CausalLM
+from pretraining.objectives.causal_lm import CausalLM
 from pretraining.stored import load_checkpoint
 from trained import pretrain
 

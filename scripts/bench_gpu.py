@@ -38,7 +38,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 from pretraining.callbacks.throughput import peak_flops
 from pretraining.config import CONFIG_DIR  # registers the config resolvers
-from pretraining.objectives import PretrainingObjective
+from pretraining.objectives.base import PretrainingObjective
 
 Batch = dict[str, torch.Tensor]
 FIRST_ORDINARY_ID = 8  # above the special tokens, so that masking can select every position
@@ -182,7 +182,8 @@ def run_plain(
     """What the Trainer does per step, in plain PyTorch: autocast forward, backward, clip, step, schedule."""
     model.configure_model()  # compiles the blocks, as Lightning's call does for the template
     model.to(device).train()
-    model.trainer = SimpleNamespace(max_steps=loader.count)  # configure_optimizers reads only trainer.max_steps
+    # configure_optimizers reads only these of the trainer
+    model.trainer = SimpleNamespace(max_steps=loader.count, precision_plugin=None, gradient_clip_val=1.0)
     config = model.configure_optimizers()
     model.trainer = None
     optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]

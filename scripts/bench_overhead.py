@@ -11,7 +11,7 @@
    step times are medians over all timed steps of all runs, and `template / plain` is the median of the per-step
    ratios: goal <= 1.03; the ratio of the mean step times follows (the steps that write logs included). Each
    callback's hooks are timed in the timed steps too (its cost per step), and the run's fixed costs: before the
-   first step (the Trainer's set-up, the first validation and its probe) and after the last (the last
+   first step (the Trainer's set-up, the first validation) and after the last (the last
    validation, the text sample, the final checkpoint).
 2. Both models start from the same weights; after N steps every parameter must be bitwise equal (`torch.equal`).
 3. The training DataLoader (default num_workers) must deliver tokens at >= 10x the rate the model consumes them.
@@ -41,9 +41,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
-from pretraining.callbacks import SkippedSamples
+from pretraining.callbacks.skipped_samples import SkippedSamples
 from pretraining.config import CONFIG_DIR  # registers the config resolvers
-from pretraining.objectives import PretrainingObjective, build_objective
+from pretraining.objectives.base import PretrainingObjective, build_objective
 from pretraining.run import build_trainer, fit, prepare_process, run_lineage
 
 Batch = dict[str, torch.Tensor]
@@ -62,7 +62,8 @@ class PlainLoop:
     """One training step as a careful user writes it, with the objective's own optimizer and schedule."""
 
     def __init__(self, model: PretrainingObjective, steps: int) -> None:
-        model.trainer = SimpleNamespace(max_steps=steps)  # configure_optimizers reads only trainer.max_steps
+        # configure_optimizers reads only these of the trainer
+        model.trainer = SimpleNamespace(max_steps=steps, precision_plugin=None, gradient_clip_val=1.0)
         config = model.configure_optimizers()
         model.trainer = None
         self.model, self.optimizer = model.train(), config["optimizer"]
@@ -129,7 +130,7 @@ class Run(SimpleNamespace):
     equal: tuple[bool, float]
     callbacks: dict[str, float]  # seconds per timed step
     before: float  # seconds from fit's start to the first step
-    validation: float  # seconds of the validation before training (with its probe)
+    validation: float  # seconds of the validation before training
     after: float  # seconds from the last step's end to fit's return
 
 
@@ -138,7 +139,7 @@ def run_both(cfg: DictConfig, initial: PretrainingObjective, batches: list[Batch
     lightning, plain = copy.deepcopy(initial), PlainLoop(copy.deepcopy(initial), len(batches))
     lockstep = Lockstep(plain, batches, warmup)
     datamodule = instantiate(cfg.data, tokenizer=instantiate(cfg.tokenizer))
-    lineage = run_lineage(cfg, datamodule, None, None, None)
+    lineage = run_lineage(cfg, datamodule, None)
     trainer = build_trainer(cfg, datamodule, callbacks=[lineage, SkippedSamples(), lockstep])
     start = time.perf_counter()
     fit(trainer, lightning, datamodule, validate_first=True, resume=None)

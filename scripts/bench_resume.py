@@ -33,7 +33,7 @@ from pretraining.checkpoint import saved_checkpoints
 from pretraining.checkpoint.background import BackgroundWriter, host_copy
 from pretraining.data.manifest import Manifest
 from pretraining.models import Transformer
-from pretraining.plugins import AtomicCheckpointIO
+from pretraining.plugins.checkpoint_io import AtomicCheckpointIO
 
 RUN = [
     "experiment=clm_tiny",

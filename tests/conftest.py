@@ -1,5 +1,6 @@
 """Shared fixtures: small real shards (a few standard-library packages), a BPE
-tokenizer trained on them, and a composer for tiny, fast training configs."""
+tokenizer trained on them, and a composer for tiny, fast training configs. Each test under
+tests/extras/<name>/ is marked `extras` and `<name>` (tests/README.md)."""
 
 from __future__ import annotations
 
@@ -16,12 +17,24 @@ from omegaconf import DictConfig
 
 from pretraining.config import CONFIG_DIR
 from pretraining.data.commands import train_texts
-from pretraining.data.corpus import PAIR_FIELDS, Document, docstring_pairs, read_text_files, stdlib_root
+from pretraining.data.corpus import Document, docstring_pairs, read_text_files, stdlib_root
 from pretraining.data.formats import PackedBlocks, TokenizedPairs
-from pretraining.data.manifest import Manifest
+from pretraining.data.manifest import PAIR_FIELDS, Manifest
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.tokenizer import Tokenizer, train_bpe
-from pretraining.objectives import PretrainingObjective
+from pretraining.objectives.base import PretrainingObjective
+
+EXTRAS = Path(__file__).parent / "extras"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark the tests of each extra with its name and `extras`: `make test` runs the core's alone."""
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.is_relative_to(EXTRAS):
+            item.add_marker("extras")
+            item.add_marker(path.relative_to(EXTRAS).parts[0])
+
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
@@ -42,7 +55,6 @@ TINY = [
     "trainer.val_check_interval=6",
     "callbacks.checkpoint.every_n_steps=6",
     "callbacks.text_sample.max_new_tokens=16",
-    "~callbacks.probe",  # some test shards hold no Python; tests/test_probe.py runs it
 ]
 TINY_PAIRS = ["data.format.query_len=24", "data.format.passage_len=64", "data.val_batch_size=4"]
 

@@ -11,7 +11,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
-from pretraining.callbacks import StepCheckpoint
+from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.data.datamodule import ShardDataModule
 
 

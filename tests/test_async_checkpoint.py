@@ -8,8 +8,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import pytest
 import torch
@@ -66,24 +67,28 @@ class HeldWriter(Callback):
         self.lock = threading.Lock()
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        writer = trainer.strategy.checkpoint_io
-        write = writer.save_checkpoint
+        writer = trainer.checkpoint_callback.writer  # type: ignore[union-attr]  # StepCheckpoint's
+        submit = writer.submit
 
-        def held(checkpoint: dict[str, Any], path: Any, *args: Any, **kwargs: Any) -> None:
-            with self.lock:
-                self.running += 1
-                HeldWriter.most_at_once = max(HeldWriter.most_at_once, self.running)
-            step = checkpoint["global_step"]
-            if step < trainer.max_steps:
-                deadline = time.monotonic() + 20
-                while trainer.global_step <= step and time.monotonic() < deadline:
-                    time.sleep(0.005)
-                HeldWriter.overtaken.append(trainer.global_step > step)
-            write(checkpoint, path, *args, **kwargs)
-            with self.lock:
-                self.running -= 1
+        def held_submit(path: Path, write: Callable[[], None]) -> None:
+            step = trainer.global_step  # the step being saved
 
-        writer.save_checkpoint = held  # type: ignore[method-assign]
+            def held() -> None:
+                with self.lock:
+                    self.running += 1
+                    HeldWriter.most_at_once = max(HeldWriter.most_at_once, self.running)
+                if step < trainer.max_steps:
+                    deadline = time.monotonic() + 20
+                    while trainer.global_step <= step and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                    HeldWriter.overtaken.append(trainer.global_step > step)
+                write()
+                with self.lock:
+                    self.running -= 1
+
+            submit(path, held)
+
+        writer.submit = held_submit  # type: ignore[method-assign]
 
 
 def test_training_goes_on_while_a_checkpoint_is_written_and_the_file_holds_its_steps_state(

@@ -23,10 +23,10 @@ import torch
 
 from conftest import ComposeTrain, packed_blocks, tiny_run
 from pretraining.checkpoint import saved_checkpoints, verify
-from pretraining.data.corpus import TEXT_FIELDS, Document, stdlib_root
+from pretraining.data.corpus import Document, stdlib_root
 from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.formats import PackedBlocks
-from pretraining.data.manifest import MANIFEST, Manifest
+from pretraining.data.manifest import MANIFEST, TEXT_FIELDS, Manifest
 from pretraining.data.reader import SampleReader, ShardReadError, read_shard
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.stream import Cursor, ShardStream, stream_shard

@@ -27,8 +27,7 @@ from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.stream import Cursor
 from pretraining.data.tokenizer import ByteTokenizer
 from pretraining.files import sha256_of
-from pretraining.plugins import AtomicCheckpointIO
-from pretraining.plugins.checkpoint_io import on_cpu
+from pretraining.plugins.checkpoint_io import AtomicCheckpointIO, on_cpu
 from pretraining.train import train
 
 
@@ -112,7 +111,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_and_no_unverifiable
     code = textwrap.dedent(f"""
         import os, signal, torch
         from pathlib import Path
-        from pretraining.plugins import AtomicCheckpointIO
+        from pretraining.plugins.checkpoint_io import AtomicCheckpointIO
 
         class DieWhilePickled:
             def __reduce__(self):

@@ -13,7 +13,7 @@ import torch
 from conftest import tiny_run
 from pretraining.callbacks.batch_log import read_batch_log
 from pretraining.models import Transformer
-from pretraining.objectives import CausalLM
+from pretraining.objectives.causal_lm import CausalLM
 from test_resume import RESUMABLE, TEST_ENV, final_weights, kill_twice_and_compare, pretrain, run_dir
 
 

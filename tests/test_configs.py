@@ -16,8 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError
-from pretraining.objectives import PretrainingObjective
-from pretraining.run import check_config
+from pretraining.objectives.base import PretrainingObjective
+from pretraining.run import FILLED_BY_THE_RUN, check_config, unset_keys
 
 GROUPS = ("data", "tokenizer", "model", "trainer", "callbacks", "logger", "experiment", "hparams_search", "debug")
 GPU_ONLY = {("trainer", "fsdp1")}  # Lightning's classic FSDP needs CUDA to build: tests/test_launch.py composes it
@@ -36,13 +36,13 @@ def test_every_group_has_options() -> None:
 
 def on_test_data(cfg: DictConfig, bpe_path: Path) -> DictConfig:
     """`cfg` (composed by `compose_train`, so on the test shards) made to run on this machine: the test
-    BPE where a BPE is read from the text shards (the pair shards hold their own), and the CPU for a
-    GPU trainer (CUDA or Apple's) when there is no such GPU (the rest of the trainer preset is still
-    instantiated)."""
+    BPE where a BPE is read from the text shards (the pair shards hold their own), a stand-in for each value
+    left to you, and the CPU for a GPU trainer (CUDA or Apple's) when there is no such GPU (the rest of the
+    trainer preset is still instantiated)."""
     if cfg.tokenizer._target_.endswith("BPETokenizer") and cfg.data.format._target_.endswith("PackedBlocks"):
         cfg.tokenizer.path = str(bpe_path)
-    if OmegaConf.is_missing(cfg.model, "teacher"):  # a distillation's: read only when a run attaches it
-        cfg.model.teacher = "teacher.ckpt"
+    for key in set(unset_keys(cfg)) - FILLED_BY_THE_RUN:  # left to you (a teacher, a directory): read by a run only
+        OmegaConf.update(cfg, key, "stand-in")
     absent = {"gpu": not torch.cuda.is_available(), "mps": not torch.backends.mps.is_available()}
     if absent.get(cfg.trainer.accelerator):
         cfg.trainer.accelerator = "cpu"

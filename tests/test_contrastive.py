@@ -20,10 +20,11 @@ from pretraining.data.formats import PackedBlocks, TokenizedPairs
 from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
 from pretraining.errors import ConfigError
 from pretraining.models import Transformer
-from pretraining.objectives import Contrastive, build_objective
 from pretraining.objectives import contrastive as contrastive_module
+from pretraining.objectives.base import build_objective
 from pretraining.objectives.contrastive import (
     MAX_LOGIT_SCALE,
+    Contrastive,
     clip_loss,
     count_nonfinite,
     gather_with_grad,
@@ -183,7 +184,8 @@ def test_logit_scale_init_clamp_and_no_weight_decay() -> None:
     assert float(clip.logit_scale) == pytest.approx(math.log(1 / 0.07))
     assert float(siglip.logit_scale) == pytest.approx(math.log(10)) and float(siglip.logit_bias) == -10.0
     assert clip.logit_bias is None
-    clip.trainer = SimpleNamespace(max_steps=10)  # configure_optimizers reads the run length
+    # configure_optimizers reads the run length, the precision and the clipping
+    clip.trainer = SimpleNamespace(max_steps=10, precision_plugin=None, gradient_clip_val=None)
     optimizer = clip.configure_optimizers()["optimizer"]
     (no_decay,) = [g for g in optimizer.param_groups if any(p is clip.logit_scale for p in g["params"])]
     assert no_decay["weight_decay"] == 0.0
@@ -305,6 +307,7 @@ def _rank_main(rank: int, world: int, port: int, batch: dict[str, torch.Tensor],
         dist.destroy_process_group()
 
 
+@pytest.mark.distributed
 @pytest.mark.timeout(120)
 def test_two_process_gradients_equal_one_process_on_the_concatenated_batch() -> None:
     batch = pair_batch(8, seed=3)

@@ -13,7 +13,9 @@ from pretraining.data.tokenizer import EOS_ID
 from pretraining.errors import ConfigError
 from pretraining.models import Transformer
 from pretraining.models.transformer import document_block_mask, document_positions
-from pretraining.objectives import CausalLM, Contrastive, MaskedLM
+from pretraining.objectives.causal_lm import CausalLM
+from pretraining.objectives.masked_lm import MaskedLM
+from pretraining.run import check_config
 from pretraining.train import train
 
 VOCAB = 50
@@ -102,9 +104,10 @@ def test_the_objectives_read_documents_only_when_asked(objective: type) -> None:
     assert plain.training_loss({k: v for k, v in batch.items() if k != "doc_ids"}).item() == losses[False]
 
 
-def test_pairs_have_no_documents_to_mask() -> None:
-    with pytest.raises(ConfigError, match=r"model\.document_masking .* leave both false"):
-        Contrastive(backbone(causal=False), optimizer=adamw, document_masking=True)
+def test_pairs_have_no_documents_to_mask(compose_train) -> None:
+    cfg = compose_train("+model.document_masking=true", experiment="contrastive_tiny")
+    with pytest.raises(ConfigError, match=r"model\.document_masking is not a parameter of .*\.Contrastive"):
+        check_config(cfg)
 
 
 @pytest.mark.parametrize("experiment", ["clm_tiny", "mlm_tiny"])

@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from pretraining.models import Transformer
-from pretraining.objectives import CausalLM
+from pretraining.objectives.causal_lm import CausalLM
 
 CLIP = 1e-3  # far under the gradient norm of an untrained model, so that clipping always acts
 

@@ -24,7 +24,6 @@ from pretraining.cli import data as pretrain_data
 from pretraining.data.corpus import stdlib_root
 from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.formats import PackedBlocks
-from pretraining.data.labels import PythonDefinitions
 from pretraining.data.manifest import MANIFEST, Manifest
 from pretraining.data.reader import SampleReader
 from pretraining.data.tokenizer import ByteTokenizer, Tokenizer
@@ -71,7 +70,7 @@ def test_tarwriter_shards_are_indexed_in_place_and_read_as_written(tmp_path: Pat
     manifest = Manifest.load(tmp_path / "index")
     assert manifest.fields == ("json", "json:text", "txt")  # `n` is a number, not a text field
     assert "fields of every sample: json, json:text, txt" in printed
-    assert f"pretrain data.dir={tmp_path / 'index'} ~callbacks.probe" in printed
+    assert f"pretrain data.dir={tmp_path / 'index'} data.format.text_field=" not in printed  # txt is read as is
     train, validation = manifest.shards("train"), manifest.shards("validation")
     assert len(train) == 6 and len(validation) == 2 and all(shard.samples == 3 for shard in train + validation)
     # The shards stay where they are, named by absolute path, with their real size and checksum.
@@ -287,10 +286,3 @@ def test_changing_the_field_read_changes_the_topology_a_resume_compares(tmp_path
     index(str(tmp_path / "shards"), "--validation-fraction", "0.25", "--out", str(tmp_path / "shards"))
     txt, json_text = datamodule(tmp_path / "shards"), datamodule(tmp_path / "shards", text_field="json:text")
     assert txt.topology != json_text.topology and txt.topology["text_field"] == "txt"
-
-
-def test_the_probe_labels_reindexed_built_shards_as_built(pair_dir: Path, tmp_path: Path) -> None:
-    index(f"{pair_dir}/train-*.tar", "--validation", f"{pair_dir}/validation-*.tar", "--out", str(tmp_path / "i"))
-    reindexed, built = Manifest.load(tmp_path / "i"), Manifest.load(pair_dir)
-    assert reindexed.fields != built.fields and reindexed.version != built.version
-    assert PythonDefinitions("kind")(reindexed) == PythonDefinitions("kind")(built) != []

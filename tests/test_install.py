@@ -14,7 +14,6 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 import pretraining
-from pretraining.cli import plot
 from pretraining.config import CONFIG_DIR, PROJECT_ROOT
 from pretraining.errors import MissingExtraError
 from pretraining.run import check_config
@@ -82,30 +81,6 @@ def test_make_install_installed_the_pinned_versions() -> None:
     assert {name: metadata.version(name) for name in pins()} == pins()
 
 
-def test_plot_without_matplotlib_names_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(SystemExit, match=r"needs the optional dependencies of the 'plots' extra: pip install"):
-        plot([str(tmp_path)])
-
-
-# Imports what pretraining.sweeps needs but the plots first (torchmetrics loads matplotlib where it finds it,
-# and skips it where it is not installed), then hides matplotlib from the import of the plots.
-WITHOUT_MATPLOTLIB = """
-import sys
-import pretraining.checkpoint, pretraining.launch
-for name in [name for name in sys.modules if name.split(".")[0] == "matplotlib"]:
-    del sys.modules[name]
-sys.modules["matplotlib"] = None
-from pretraining import sweeps
-print(sweeps.NO_PLOTS)
-"""
-
-
-def test_a_sweep_report_without_matplotlib_leaves_out_only_the_overlay() -> None:
-    done = subprocess.run([sys.executable, "-c", WITHOUT_MATPLOTLIB], capture_output=True, text=True, check=True)
-    assert "the sweep's overlay plot (matplotlib) needs the optional dependencies of the 'plots' extra" in done.stdout
-
-
 def test_the_tensorboard_logger_without_its_extra_is_refused_first(monkeypatch: pytest.MonkeyPatch) -> None:
     for module in ("tensorboardX", "tensorboard"):
         monkeypatch.setitem(sys.modules, module, None)
@@ -113,18 +88,6 @@ def test_the_tensorboard_logger_without_its_extra_is_refused_first(monkeypatch: 
         cfg = compose("train", overrides=["experiment=clm_tiny", "logger=tensorboard"])
     with pytest.raises(MissingExtraError, match=r"logger=tensorboard needs .* 'tensorboard' extra"):
         check_config(cfg)
-
-
-def test_an_optuna_search_without_optuna_is_refused_before_any_job(tmp_path: Path) -> None:
-    hide = tmp_path / "hide"
-    hide.mkdir()
-    (hide / "sitecustomize.py").write_text("import sys\nsys.modules['optuna'] = None\n")  # as if not installed
-    command = [str(Path(sys.executable).parent / "pretrain"), "-m", "experiment=clm_tiny", "hparams_search=clm"]
-    env = os.environ | {"PYTHONPATH": str(hide)}
-    done = subprocess.run([*command, f"paths.log_dir={tmp_path}"], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
-    assert "hparams_search (the Optuna sweeper) needs the optional dependencies of the 'sweeps' extra" in done.stderr
-    assert not list(tmp_path.glob("train/multiruns/*/0")), "a job started"
 
 
 def test_the_version_is_pyprojects() -> None:

@@ -148,6 +148,7 @@ def test_paths_are_quoted_for_hydra() -> None:
 # --- one run directory, whoever starts the ranks ------------------------------------------------------------
 
 
+@pytest.mark.distributed
 def test_ddp_run_has_one_directory_that_the_child_rank_uses(tmp_path: Path, small_shards: Path) -> None:
     logs = tmp_path / "logs"
     # quiet=false: Lightning's "Initializing distributed: GLOBAL_RANK: N" lines tell whose lines a log holds
@@ -162,6 +163,7 @@ def test_ddp_run_has_one_directory_that_the_child_rank_uses(tmp_path: Path, smal
     assert "GLOBAL_RANK: 0" in log and "GLOBAL_RANK: 1" not in log
 
 
+@pytest.mark.distributed
 def test_multirun_jobs_each_start_their_own_ranks(tmp_path: Path, small_shards: Path) -> None:
     logs = tmp_path / "logs"
     pretrain(tmp_path, "-m", *SHORT_DDP, f"data.dir={small_shards}", f"paths.log_dir={logs}", "seed=1,2", "quiet=false")
@@ -191,6 +193,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.distributed
 def test_torchrun_starts_every_rank_and_lightning_none(tmp_path: Path, small_shards: Path) -> None:
     logs = tmp_path / "logs"
     overrides = [o for o in SHORT_DDP if o != "trainer=ddp_cpu"]

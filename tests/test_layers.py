@@ -1,6 +1,7 @@
 """The package's import floors follow the data path (README, "The map"): a module imports only from its
 own floor and the floors below, never upward, without cycles, and never from inside a function, except
-the console commands (`pretraining.cli`), which import their work when they have work to do."""
+the console commands (`cli.py`), which import their work when they have work to do. The core never
+imports an extra (`pretraining.extras`); an extra imports the core and other extras, each on its own."""
 
 from __future__ import annotations
 
@@ -15,24 +16,22 @@ PACKAGE = PROJECT_ROOT / "src" / "pretraining"
 # Lowest first. A module is on the floor of the longest prefix of its name listed here.
 FLOORS = [
     ("ground", ["errors", "ranges", "files", "distributed", "instantiate", "checkpoint", "run_lock", "quiet"]),
-    ("registry", ["registry"]),
     ("data", ["data"]),
     ("models", ["models"]),
-    ("hf", ["hf"]),
+    ("internals", ["internals"]),
     ("plugins", ["plugins"]),
     ("objectives", ["objectives"]),
     ("callbacks", ["callbacks", "loggers"]),
-    ("run set-up", ["config", "schema", "settings", "resume", "stored", "teacher", "run", "launch"]),
-    (
-        "entry points",
-        ["train", "evaluate", "info", "export", "plots", "run_logs", "sweeps", "data.commands", "registry.commands"],
-    ),
+    ("run set-up", ["config", "schema", "settings", "resume", "stored", "run", "report", "launch", "job_status"]),
+    ("entry points", ["train", "evaluate", "info", "data.commands"]),
     ("commands", ["cli", "__main__"]),
+    ("extras", ["extras"]),
 ]
-# The one module whose imports of the package may wait inside a function: for a fast `--help`.
-DEFERS_IMPORTS = "cli"
+# The modules whose imports of the package may wait inside a function (the core's and each extra's
+# commands): for a fast `--help`.
+DEFERS_IMPORTS = ("cli", "extras.hf.cli", "extras.plots.cli", "extras.registry.cli", "extras.sweeps.cli")
 # The floors without Lightning, and the names it is imported under.
-NO_LIGHTNING = ("ground", "registry", "models", "hf")
+NO_LIGHTNING = ("ground", "models")
 LIGHTNING = {"lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics"}
 
 
@@ -80,13 +79,21 @@ def test_a_module_imports_only_its_own_floor_and_those_below(module: str) -> Non
         top = name.split(".")[0]
         if top == "pretraining":
             imported = name.removeprefix("pretraining").lstrip(".")
-            assert not in_function or module == DEFERS_IMPORTS, f"pretraining.{module} imports {name} inside a function"
+            assert not in_function or module in DEFERS_IMPORTS, f"pretraining.{module} imports {name} inside a function"
             assert floor_of(imported) <= floor, (
                 f"pretraining.{module} ({FLOORS[floor][0]}) imports {name} ({FLOORS[floor_of(imported)][0]}), "
                 "a floor above it"
             )
         elif FLOORS[floor][0] in NO_LIGHTNING:
             assert top not in LIGHTNING, f"pretraining.{module} ({FLOORS[floor][0]}) imports {name}"
+
+
+def test_the_core_imports_no_extra() -> None:
+    """A fork deletes an extra's folder and nothing else breaks (README, "What to delete")."""
+    for module, path in MODULES.items():
+        if not module.startswith("extras"):
+            for name, _ in imports(path):
+                assert not name.startswith("pretraining.extras"), f"pretraining.{module} (the core) imports {name}"
 
 
 def test_the_backbone_imports_only_torch_and_the_checks_of_its_settings() -> None:

@@ -18,9 +18,9 @@ from pretraining.data.stream import BatchStream, ShardStream, batch_plan
 from pretraining.data.tokenizer import EOS_ID, MASK_ID, SPECIAL_TOKENS, ByteTokenizer
 from pretraining.errors import ConfigError
 from pretraining.models import Transformer
-from pretraining.objectives import MaskedLM, build_objective
-from pretraining.objectives.base import Scored
-from pretraining.objectives.masked_lm import IGNORE, hashed_uniform, mask_tokens
+from pretraining.objectives.base import build_objective
+from pretraining.objectives.language_model import Scored
+from pretraining.objectives.masked_lm import IGNORE, MaskedLM, hashed_uniform, mask_tokens
 
 VOCAB = 260
 SPECIAL = len(SPECIAL_TOKENS)

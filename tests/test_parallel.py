@@ -1,4 +1,4 @@
-"""FSDP2 through `pretraining.plugins.FSDP2Strategy` on two CPU processes (gloo)."""
+"""FSDP2 through `pretraining.plugins.fsdp.FSDP2Strategy` on two CPU processes (gloo)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import pytest
 
 from conftest import tiny_run
 from pretraining.callbacks.batch_log import batch_log_differences, read_batch_log
+
+pytestmark = pytest.mark.distributed  # two processes (gloo)
 
 
 def pretrain(log_dir: Path, run: str, overrides: list[str]) -> Path:

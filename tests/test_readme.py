@@ -11,6 +11,8 @@ command no rule covers fails the test, so a new command cannot go unchecked. The
 from __future__ import annotations
 
 import csv
+import importlib
+import importlib.util
 import os
 import re
 import shlex
@@ -41,13 +43,22 @@ EXTERNAL = {
 }
 
 
-# Console scripts with an argparse command `(argv)`, by function of `pretraining.cli`.
+# Console scripts with an argparse command `(argv)`, as pyproject.toml names them. An extra's (under
+# pretraining.extras) is checked where this fork keeps the extra.
 ENTRY_POINTS = {
-    "pretrain-info": cli.info,
-    "pretrain-export": cli.export,
-    "pretrain-plot": cli.plot,
-    "pretrain-sweep-report": cli.sweep_report,
+    "pretrain-info": "pretraining.cli:info",
+    "pretrain-export": "pretraining.extras.hf.cli:main",
+    "pretrain-plot": "pretraining.extras.plots.cli:main",
+    "pretrain-sweep-report": "pretraining.extras.sweeps.cli:main",
 }
+
+
+def entry_point(program: str) -> Callable[[list[str]], None] | None:
+    """The function `program` runs, or None for an extra this fork has deleted."""
+    module, _, function = ENTRY_POINTS[program].partition(":")
+    if importlib.util.find_spec(module) is None:
+        return None
+    return getattr(importlib.import_module(module), function)
 
 
 def code_blocks(language: str) -> list[str]:
@@ -145,9 +156,12 @@ def check(command: str, config_dir: Path) -> None:
     elif program == "pretrain-data":
         cli.data_parser().parse_args(args)
     elif program == "pretrain-registry":  # parsed only: run, it would write to this checkout's registry
-        cli.registry_parser().parse_args(args)
+        if importlib.util.find_spec("pretraining.extras.registry"):
+            importlib.import_module("pretraining.extras.registry.cli").registry_parser().parse_args(args)
     elif program in ENTRY_POINTS:
-        check_entry_point(ENTRY_POINTS[program], args)
+        main = entry_point(program)
+        if main is not None:
+            check_entry_point(main, args)
     elif program == "sbatch" or program.startswith("scripts/"):
         script, overrides = (args[0], args[1:]) if program == "sbatch" else (program, args)
         subprocess.run(["bash", "-n", str(PROJECT_ROOT / script)], check=True)

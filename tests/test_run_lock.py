@@ -308,6 +308,7 @@ def test_a_holder_killed_by_sigkill_does_not_block_the_same_command_again(tmp_pa
     assert newest_step(directory) == 4
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_a_ddp_job_is_one_holder_and_a_second_job_is_refused(tmp_path: Path, shard_dir: Path) -> None:
     command = held_command(tmp_path, shard_dir, "ddp", "trainer=ddp_cpu")

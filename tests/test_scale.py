@@ -17,6 +17,8 @@ OBJECTIVES = {"clm_tiny": "small_shards", "mlm_tiny": "shard_dir", "contrastive_
 # Dropout on: StepSeed keys it on each micro-batch's place in the global batch, not on the rank.
 COMMON = ["callbacks=[default,batch_log]", "model.backbone.dropout=0.1", f"trainer.max_steps={STEPS}"]
 
+pytestmark = pytest.mark.distributed  # two processes (gloo)
+
 
 def micro_batch(experiment: str) -> list[str]:
     """Two micro-batches of 2 on one process, one on each of two. Contrastive takes the whole global

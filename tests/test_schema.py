@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError
-from pretraining.objectives import CausalLM
+from pretraining.objectives.causal_lm import CausalLM
 from pretraining.ranges import Range
 from pretraining.run import check_config
 from pretraining.schema import check_schema, signature

@@ -177,6 +177,7 @@ def last_validation(run: Path) -> dict[str, float]:
     return {key: float(value) for key, value in rows[-1].items() if key.startswith("val/")}
 
 
+@pytest.mark.distributed
 def test_one_process_evaluates_a_two_process_sharded_checkpoint(tmp_path: Path, small_shards: Path) -> None:
     assert pretrain(tmp_path, "fsdp", [*tiny_run("clm_tiny"), *SHARDED, f"data.dir={small_shards}"]) == 0
     last = run_dir(tmp_path, "fsdp") / "checkpoints" / "last.ckpt"
@@ -190,6 +191,7 @@ def test_one_process_evaluates_a_two_process_sharded_checkpoint(tmp_path: Path, 
         assert result[key] == pytest.approx(value, rel=1e-6), key
 
 
+@pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp2_sharded_run_killed_twice_resumes_exactly(tmp_path: Path, small_shards: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *SHARDED, f"data.dir={small_shards}"]

@@ -19,7 +19,8 @@ import pytest
 
 from pretraining.cli import data as cli_main
 from pretraining.data import commands
-from pretraining.data.corpus import PAIR_FIELDS, binary_kind
+from pretraining.data.corpus import binary_kind
+from pretraining.data.manifest import PAIR_FIELDS
 from pretraining.data.shards import split_of
 
 FRACTION = 0.3

@@ -21,7 +21,7 @@ from pretraining.cli import info as info_main
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import CheckpointError, ConfigError, ShardError
 from pretraining.evaluate import evaluate
-from pretraining.objectives import CausalLM
+from pretraining.objectives.causal_lm import CausalLM
 from pretraining.stored import load_checkpoint
 from pretraining.train import train
 
@@ -44,7 +44,7 @@ def test_train_then_evaluate_reproduces_validation_loss(compose_train, tmp_path:
     assert (checkpoints / "last.ckpt").resolve() == checkpoints / "step-000012.ckpt"
 
     logged = metrics_rows_with(tmp_path, "val/loss")
-    assert [int(row["step"]) for row in logged] == [0, 5, 11]  # before training, after steps 6 and 12
+    assert [int(row["step"]) for row in logged] == [0, 6, 12]  # before training, after steps 6 and 12
     assert float(logged[-1]["val/bpb"]) < float(logged[0]["val/bpb"])
     assert float(logged[-1]["val/loss"]) == pytest.approx(metrics["val/loss"], abs=1e-6)
 
@@ -79,7 +79,7 @@ def test_each_objective_trains_and_evaluate_reproduces_it(
     metrics = train(compose_train(experiment=experiment))
     assert math.isfinite(metrics["train/loss"])
     logged = metrics_rows_with(tmp_path, "val/loss")
-    assert [int(row["step"]) for row in logged] == [0, 5, 11]
+    assert [int(row["step"]) for row in logged] == [0, 6, 12]
     last = tmp_path / "checkpoints" / "last.ckpt"
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         eval_cfg = compose("eval", overrides=[f"ckpt_path={last}", f"paths.output_dir={tmp_path}"])
@@ -121,11 +121,13 @@ def test_cli_run_directory_checkpoint_csv_and_offline_wandb_continued_on_resume(
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     assert metrics_rows_with(run_dir, "train/loss")
-    (offline_run,) = (run_dir / "wandb").glob("offline-run-*")
-    assert f"wandb sync {offline_run}" in output
-
-    pretrain("trainer.max_steps=12", "trainer.log_every_n_steps=2")  # the same run, continued: the same W&B run id
     run_id = (run_dir / "wandb_run_id").read_text()
+    assert (
+        f"wandb sync {run_dir}/wandb/offline-run-*-{run_id}" in output
+    )  # every start of the run, as the shell expands it
+
+    output = pretrain("trainer.max_steps=12", "trainer.log_every_n_steps=2")  # continued: the same W&B run id
+    assert f"wandb sync {run_dir}/wandb/offline-run-*-{run_id}" in output
     offline_runs = sorted((run_dir / "wandb").glob("offline-run-*"))
     assert len(offline_runs) == 2 and all(run.name.endswith(f"-{run_id}") for run in offline_runs)
     lineage = load_checkpoint(run_dir / "checkpoints" / "last.ckpt")["lineage"]
@@ -136,7 +138,7 @@ def test_cli_run_directory_checkpoint_csv_and_offline_wandb_continued_on_resume(
 def test_final_step_is_validated_when_off_the_interval(compose_train, tmp_path: Path) -> None:
     metrics = train(compose_train("trainer.max_steps=8"))
     steps = [int(row["step"]) for row in metrics_rows_with(tmp_path, "val/loss")]
-    assert steps == [0, 5, 8]  # before training, after step 6, and the final weights after step 8
+    assert steps == [0, 6, 8]  # before training, after step 6, and the final weights after step 8
     assert "val/bpb" in metrics
 
 

@@ -1,17 +1,15 @@
-"""The console commands (pyproject's `[project.scripts]`): each parses its arguments, then imports the
-module that does its work.
+"""The core's console commands (pyproject's `[project.scripts]`; each extra has a `cli.py` of its own): each
+parses its arguments, then imports the module that does its work.
 
-The imports of the work are the only ones inside functions in this package, and on purpose: torch,
-Lightning and W&B take seconds to load, so a command that only prints its `--help`, refuses its usage
-or prints a config (`pretrain ... --cfg job`) loads none of them (`scripts/bench_startup.py` measures
-it, `tests/test_cli.py` checks it).
+The imports of the work are the only ones inside functions in this package (here and in the extras'
+`cli.py`), and on purpose: torch, Lightning and W&B take seconds to load, so a command that only prints its
+`--help`, refuses its usage or prints a config (`pretrain ... --cfg job`) loads none of them
+(`scripts/bench_startup.py` measures it, `tests/test_cli.py` checks it).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,11 +17,8 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from pretraining.config import CONFIG_DIR, REGISTRY_DIR
-from pretraining.errors import MissingExtraError, PretrainingError
-from pretraining.schema import suggest_overridden_keys
-
-suggest_overridden_keys()  # before Hydra composes: an override of a misspelt key names the key meant
+from pretraining.config import CONFIG_DIR
+from pretraining.errors import PretrainingError
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
@@ -67,138 +62,6 @@ def info(argv: Sequence[str] | None = None) -> None:
         print_info(args.checkpoint, args.config, args.json)
     except (FileNotFoundError, PretrainingError) as error:
         sys.exit(f"pretrain-info: {error}")
-
-
-def export(argv: Sequence[str] | None = None) -> None:
-    """`pretrain-export CKPT OUT`: a Hugging Face model directory."""
-    parser = argparse.ArgumentParser(
-        prog="pretrain-export", description="Export a checkpoint as a Hugging Face model directory."
-    )
-    parser.add_argument("checkpoint", type=Path, help="a checkpoint file or sharded directory (or last.ckpt)")
-    parser.add_argument("out", type=Path, help="the directory to write (new, or empty)")
-    parser.add_argument("--tokenizer", help="where the run's BPE tokenizer.json is now, if it moved")
-    parser.add_argument(
-        "--trusted-targets", nargs="*", default=[], help="modules whose classes the stored config may build"
-    )
-    registry_options(parser)
-    parser.add_argument("--allow-tainted", action="store_true", help="export a checkpoint the registry marks tainted")
-    args = parser.parse_args(argv)
-    if args.registry != REGISTRY_DIR and not args.registry.is_dir():  # a mistyped one would find no taint
-        parser.error(f"--registry {args.registry}: no such directory")
-    from pretraining.export import export, usage
-
-    try:
-        kind = export(
-            args.checkpoint, args.out, args.tokenizer, args.trusted_targets, args.registry, args.allow_tainted
-        )
-    except (PretrainingError, OSError) as error:  # OSError: also a disk that fills or a directory not writable
-        sys.exit(f"pretrain-export: {error}")
-    print(f"wrote {args.out} ({kind}); load it with:\n{usage(kind, args.out)}")
-
-
-def registry(argv: Sequence[str] | None = None) -> None:
-    """`pretrain-registry VERB ...`: register checkpoints, move aliases, taint and roll back."""
-    args = registry_parser().parse_args(argv)
-    from pretraining.registry import commands
-    from pretraining.registry.versions import Registry
-
-    try:
-        getattr(commands, args.verb)(Registry(args.registry), args)
-    except (PretrainingError, OSError) as error:  # OSError: a disk that fills, a directory not writable
-        sys.exit(f"pretrain-registry {args.command}: {error}")
-
-
-def registry_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--registry",
-        type=Path,
-        default=REGISTRY_DIR,
-        metavar="DIR",
-        help="the registry's directory (default: logs/registry, as paths.registry_dir)",
-    )
-
-
-def registry_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="pretrain-registry",
-        description="A ledger of chosen checkpoints: versions, aliases that move with history, taints, rollback.",
-    )
-    registry_options(parser)
-    parser.add_argument("--wandb-project", help="the W&B project it is mirrored to (default: pretraining)")
-    parser.add_argument("--wandb-artifact", help="the W&B model artifact's name (default: pretraining-models)")
-    verbs = parser.add_subparsers(dest="command", required=True, metavar="VERB")
-    reference = "an alias, a version (3 or v3) or a checkpoint path"
-
-    def verb(name: str, function: str, text: str) -> argparse.ArgumentParser:
-        sub = verbs.add_parser(name, help=text, description=text)
-        sub.set_defaults(verb=function)
-        return sub
-
-    sub = verb("register", "register", "add a checkpoint (it must verify against its sidecar)")
-    sub.add_argument("checkpoint", type=Path)
-    sub.add_argument("--alias", help="also point this alias at it")
-    verb("list", "list_versions", "every version, with its aliases and taint")
-    sub = verb("show", "show", "one version: its record, lineage, and whether its file is still there")
-    sub.add_argument("reference", help=reference)
-    sub.add_argument("--json", action="store_true", help="as JSON")
-    sub.add_argument("--config", action="store_true", help="with the full config it was trained with")
-    sub = verb("promote", "promote", "point an alias at a version")
-    sub.add_argument("reference", help=reference)
-    sub.add_argument("alias")
-    sub = verb("taint", "taint", "mark a version bad: off its aliases, refused as teacher, init_from or export")
-    sub.add_argument("reference", help=reference)
-    sub.add_argument("--why", required=True, help="the reason, recorded")
-    sub = verb("rollback", "rollback", "move an alias back to its previous untainted version")
-    sub.add_argument("alias")
-    sub = verb("history", "history", "where an alias has pointed, when and why")
-    sub.add_argument("alias")
-    verb("mirror", "mirror_waiting", "log the versions W&B has not seen (online, or offline with WANDB_MODE=offline)")
-    return parser
-
-
-def plot(argv: Sequence[str] | None = None) -> None:
-    """`pretrain-plot RUN_DIR`: learning curves as PNG."""
-    parser = argparse.ArgumentParser(prog="pretrain-plot", description="Learning curves from the CSV logs, as PNG.")
-    parser.add_argument(
-        "run_dir",
-        type=Path,
-        help="a run directory (logs/train/runs/<run>) or a directory of runs (logs/train/multiruns/<sweep>)",
-    )
-    parser.add_argument(
-        "--out", type=Path, metavar="DIR", help="write the figures under this directory instead of each run's plots/"
-    )
-    args = parser.parse_args(argv)
-    logging.basicConfig(format="pretrain-plot: %(message)s")
-    if importlib.util.find_spec("matplotlib") is None:
-        sys.exit(f"pretrain-plot: {MissingExtraError('drawing learning curves (matplotlib)', 'plots')}")
-    from pretraining.plots import plot
-    from pretraining.run_logs import PlotError
-
-    try:
-        written = plot(args.run_dir, args.out)
-    except PlotError as error:
-        sys.exit(f"pretrain-plot: {error}")
-    for path in written:
-        print(path)
-
-
-def sweep_report(argv: Sequence[str] | None = None) -> None:
-    """`pretrain-sweep-report SWEEP_DIR`: a sweep's jobs ranked."""
-    parser = argparse.ArgumentParser(
-        prog="pretrain-sweep-report", description="A sweep's jobs ranked, as report.md, report.csv and an overlay plot."
-    )
-    parser.add_argument("sweep_dir", type=Path, help="a multirun directory, such as logs/train/multiruns/<sweep>")
-    args = parser.parse_args(argv)
-    logging.basicConfig(format="pretrain-sweep-report: %(message)s")
-    from pretraining.run_logs import PlotError
-    from pretraining.sweeps import SweepError, write_report
-
-    try:
-        write_report(args.sweep_dir)
-    except (SweepError, PlotError) as error:
-        sys.exit(f"pretrain-sweep-report: {error}")
-    print((args.sweep_dir / "report.md").read_text(), end="")
-    print(f"written: {args.sweep_dir / 'report.md'}, {args.sweep_dir / 'report.csv'}")
 
 
 INDEX_DESCRIPTION = """\

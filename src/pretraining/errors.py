@@ -8,7 +8,7 @@ builtin base a caller may already catch: a `ConfigError` is a `ValueError`, a `M
 
 from __future__ import annotations
 
-from hydra.errors import CompactHydraException, ConfigCompositionException
+from hydra.errors import CompactHydraException
 
 
 class PretrainingError(CompactHydraException):
@@ -27,10 +27,6 @@ class MissingExtraError(ConfigError):
             f"{feature} needs the optional dependencies of the '{extra}' extra: pip install 'pretraining[{extra}]' "
             "(or `make install`, which installs every extra)"
         )
-
-
-class OverrideError(ConfigError, ConfigCompositionException):
-    """A command-line override Hydra cannot apply; the message names the key meant."""
 
 
 class MissingFileError(FileNotFoundError, ConfigError):

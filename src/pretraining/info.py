@@ -1,8 +1,9 @@
 """What produced a checkpoint: `pretrain-info CKPT` (or `make info CKPT=...`).
 
 Prints the checkpoint's lineage (step, code revision, data version, tokenizer, data topology, W&B
-run) and its ancestry: the checkpoint each run continued from, back to the first start. `--config`
-adds the full resolved config it was trained with, `--json` prints everything as JSON. The
+run, and what the extras added: the weights a run started from, a distillation's teacher) and its
+ancestry: the checkpoint each run continued from, back to the first start. `--config` adds the full
+resolved config it was trained with, `--json` prints everything as JSON. The
 checkpoint is verified against its sidecar first; tensors are not read (memory-mapped, or, for a
 sharded directory, only its `meta.pt`).
 """
@@ -16,7 +17,9 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from pretraining.checkpoint import CheckpointError, read_lineage, verify
-from pretraining.hf.init_from import describe_origin
+
+# The lineage keys `Lineage` writes; any other was added by a callback or the objective (an extra's).
+OWN_KEYS = {"format", "config", "code", "data_version", "tokenizer_fingerprint", "parent", "step", "topology"}
 
 
 def ancestry(path: Path) -> list[dict[str, Any]]:
@@ -58,14 +61,9 @@ def describe(chain: list[dict[str, Any]]) -> str:
         ("data", f"version {lineage.get('data_version')} from {config.get('data', {}).get('dir')}"),
         ("tokenizer", f"fingerprint {lineage.get('tokenizer_fingerprint')}"),
         ("topology", ", ".join(f"{key} {value}" for key, value in (lineage.get("topology") or {}).items())),
-        ("weights from", describe_origin(lineage.get("origin"))),
     ]
-    teacher = lineage.get("teacher")
-    if teacher:
-        version = f", registry v{teacher['registry_version']}" if teacher.get("registry_version") else ""
-        rows.append(
-            ("distilled from", f"{teacher['path']} (step {teacher['step']}{version}; given as {teacher['reference']})")
-        )
+    added = {key: value for key, value in lineage.items() if key not in OWN_KEYS | {"wandb_run_id"} and value}
+    rows += [(key, value.get("summary", value) if isinstance(value, dict) else value) for key, value in added.items()]
     ancestors = [
         f"{a['path']} (no longer exists)"
         if a["lineage"] is None

@@ -24,13 +24,19 @@ from pretraining.errors import ConfigError, PretrainingError
 PACKAGE = "pretraining"
 OPTIMIZERS = "torch.optim"
 # Classes of this package that moved since a stored config named them: 0.1.0 imported these from
-# `pretraining.data` itself, which now imports nothing (so that `pretrain-data` does not load Lightning).
+# `pretraining.data` itself, which now imports nothing (so that `pretrain-data` does not load Lightning);
+# 0.5 named the objectives by their package, 0.6 by their modules (a run loads only its own).
 MOVED_TARGETS = {
     "pretraining.data.ShardDataModule": "pretraining.data.datamodule.ShardDataModule",
     "pretraining.data.PackedBlocks": "pretraining.data.formats.PackedBlocks",
     "pretraining.data.TokenizedPairs": "pretraining.data.formats.TokenizedPairs",
     "pretraining.data.ByteTokenizer": "pretraining.data.tokenizer.ByteTokenizer",
     "pretraining.data.BPETokenizer": "pretraining.data.tokenizer.BPETokenizer",
+    "pretraining.objectives.CausalLM": "pretraining.objectives.causal_lm.CausalLM",
+    "pretraining.objectives.MaskedLM": "pretraining.objectives.masked_lm.MaskedLM",
+    "pretraining.objectives.Contrastive": "pretraining.objectives.contrastive.Contrastive",
+    "pretraining.objectives.Distill": "pretraining.extras.distill.objectives.Distill",
+    "pretraining.objectives.DistillMasked": "pretraining.extras.distill.objectives.DistillMasked",
 }
 
 

@@ -24,10 +24,10 @@ import torch.distributed as dist
 from hydra.conf import HydraConf
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd, to_absolute_path
-from lightning.pytorch.strategies.launchers import subprocess_script
 from omegaconf import DictConfig, ListConfig
 
 from pretraining.errors import ConfigError
+from pretraining.internals import start_ranks_with
 
 # What Lightning's launcher sets in the environment of the process that starts the ranks. Left there,
 # they would tell the next job of a multirun that its processes were started already.
@@ -42,7 +42,7 @@ def distributed_job() -> Iterator[None]:
     """Run one Hydra job (of a run or a multirun) as a distributed job of its own: its extra ranks
     run its config in its directory, only rank zero writes the run's log file, and on the way out
     the job's process group and launcher variables go, so that the next job starts its own."""
-    install_rank_command()
+    start_ranks_with(rank_command)
     with log_file_on_rank_zero(), own_process_group():
         yield
 
@@ -85,24 +85,11 @@ def log_file_on_rank_zero() -> Iterator[None]:
             logger.removeHandler(handler)
 
 
-def install_rank_command() -> None:
-    """Make Lightning start the extra ranks of a Hydra job with `rank_command`.
-
-    Lightning's own command (`_hydra_subprocess_cmd`) repeats `sys.argv`: in a multirun every rank
-    would run the whole sweep (`-m`, the lists of values) instead of its job. Lightning offers no hook
-    for this command, so the name its PyTorch launcher module calls is replaced, here only."""
-    if not hasattr(subprocess_script, "_hydra_subprocess_cmd"):
-        raise RuntimeError(
-            "lightning.pytorch.strategies.launchers.subprocess_script._hydra_subprocess_cmd is gone in this "
-            "Lightning version: update pretraining.launch.install_rank_command for it"
-        )
-    subprocess_script._hydra_subprocess_cmd = rank_command
-
-
 def rank_command(local_rank: int) -> tuple[list[str], str]:
     """The command that starts local rank `local_rank` of the current Hydra job, and its working
     directory: the same program, config and overrides as the job, as a single run (no `-m`) in the
-    job's output directory, which it leaves to rank zero (no `.hydra/` of its own)."""
+    job's output directory, which it leaves to rank zero (no `.hydra/` of its own). Lightning's own repeats
+    `sys.argv`, a whole sweep in a multirun (`pretraining.internals.start_ranks_with`)."""
     hydra = HydraConfig.get()
     overrides = [o for o in hydra.overrides.hydra if not o.startswith("hydra.mode=")]
     output_dir = hydra_quote(hydra.runtime.output_dir)

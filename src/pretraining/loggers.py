@@ -1,25 +1,26 @@
-"""Loggers: W&B that goes offline by itself when there are no credentials and keeps one run
-across restarts, and a CSV logger that continues its file when the run resumes."""
+"""Loggers: W&B that goes offline by itself when there are no credentials and keeps one run across
+restarts, and a CSV file of every metric that a resumed run continues."""
 
 from __future__ import annotations
 
 import csv
 import io
+import netrc
 import os
 import secrets
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.loggers.logger import rank_zero_experiment
-from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
-from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+from lightning.pytorch.loggers import Logger, WandbLogger
 from lightning.pytorch.utilities import rank_zero_only
 
 from pretraining.checkpoint import read_sidecar, sidecar_path
 from pretraining.errors import ConfigError
 from pretraining.files import write_atomically
-from pretraining.registry.mirror import wandb_credentials_available
+from pretraining.internals import drop_wandb_anonymous
+
+CHECKPOINT_ARTIFACTS = (None, "reference", "upload")
 
 
 class WandbRunLogger(WandbLogger):
@@ -53,8 +54,8 @@ class WandbRunLogger(WandbLogger):
             # the run's report has the sync command. Settings given in the config win.
             kwargs["settings"] = {"quiet": True, "silent": offline, **kwargs.get("settings", {})}
         super().__init__(save_dir=save_dir, offline=offline, id=id, resume="allow", **kwargs)
-        self._wandb_init.pop("anonymous", None)  # Lightning passes it always, and W&B warns that it does nothing
-        self.checkpoint_artifacts = checkpoint_artifacts
+        drop_wandb_anonymous(self)
+        self.logs_offline, self.checkpoint_artifacts = offline, checkpoint_artifacts
 
     @rank_zero_only
     def after_save_checkpoint(self, checkpoint_callback: Any) -> None:
@@ -76,8 +77,23 @@ class WandbRunLogger(WandbLogger):
         artifact.add_file(str(sidecar_path(path)))  # so that a download can be verified (`verify`)
         self.experiment.log_artifact(artifact, aliases=["latest", f"step-{sidecar['step']}"])
 
+    def sync_command(self) -> str | None:
+        """The command that uploads this run's offline W&B files, once it has some: every start of the run
+        (each restart writes a directory of its own, under the same run id)."""
+        runs = Path(str(self.save_dir)) / "wandb"
+        if not self.logs_offline or not any(runs.glob(f"offline-run-*-{self.version}")):
+            return None
+        return f"wandb sync {runs}/offline-run-*-{self.version}"
 
-CHECKPOINT_ARTIFACTS = (None, "reference", "upload")
+
+def wandb_credentials_available() -> bool:
+    """True if an API key is in the environment or in ~/.netrc (as `wandb login` writes it)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators("api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 def run_id(run_dir: Path) -> str:
@@ -89,43 +105,71 @@ def run_id(run_dir: Path) -> str:
     return path.read_text().strip()
 
 
-def wandb_sync_hint(loggers: list[Logger]) -> str | None:
-    """The command that uploads an offline W&B run, if one was logged."""
-    for logger in loggers:
-        if isinstance(logger, WandbLogger) and logger._offline and logger._experiment is not None:
-            return f"wandb sync {Path(logger.experiment.dir).parent}"
-    return None
+class ResumableCSVLogger(Logger):
+    """`<save_dir>/<name>/metrics.csv`: one row per logging call, a column per metric (empty where that row
+    has none), the step in `step`. A resumed run appends to it: steps replayed after a crash appear twice,
+    and the later row is the one that counts. A new metric rewrites the file with its column, atomically.
 
+    Not Lightning's `CSVLogger`, which deletes metrics.csv when a run resumes, and rewrites it in place
+    (a crash then loses every row) when a metric is added."""
 
-class ContinuedExperimentWriter(ExperimentWriter):
-    """Lightning's CSV writer, except that an existing metrics file is continued, not deleted, and
-    that the rewrite a new metric's column needs replaces the file atomically (Lightning's rewrites it
-    in place: a crash then would lose the rows logged so far)."""
-
-    def _check_log_dir_exists(self) -> None:
-        if self._fs.isfile(self.metrics_file_path):
-            with self._fs.open(self.metrics_file_path, "r", newline="") as file:
-                self.metrics_keys = next(csv.reader(file), [])
-
-    def _rewrite_with_new_header(self, fieldnames: list[str]) -> None:
-        path = Path(self.metrics_file_path)
-        with path.open(newline="") as file:
-            rows = list(csv.DictReader(file))
-        text = io.StringIO(newline="")
-        writer = csv.DictWriter(text, fieldnames=fieldnames)
-        writer.writeheader()
-        writer.writerows(rows)
-        write_atomically(path, text.getvalue().encode())
-
-
-class ResumableCSVLogger(CSVLogger):
-    """A `CSVLogger` whose `metrics.csv` keeps the rows of the run before a resume (Lightning's
-    deletes them). Steps replayed after a crash appear twice; the later row is the one that counts."""
+    def __init__(self, save_dir: str, name: str = "csv", version: str = "") -> None:
+        super().__init__()
+        self.directory = Path(save_dir) / name / version
+        self.path = self.directory / "metrics.csv"
+        self.rows: list[dict[str, Any]] = []
+        self.columns: list[str] = []
 
     @property
-    @rank_zero_experiment
-    def experiment(self) -> ExperimentWriter:
-        if not isinstance(self._experiment, ContinuedExperimentWriter):
-            self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = ContinuedExperimentWriter(log_dir=self.log_dir)
-        return self._experiment
+    def name(self) -> str:
+        return self.directory.parent.name
+
+    @property
+    def version(self) -> str:
+        return self.directory.name
+
+    @property
+    def log_dir(self) -> str:
+        return str(self.directory)
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        """Nothing: the config is the run's `.hydra/config.yaml` and every checkpoint's lineage."""
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
+        self.rows.append({**{name: float(value) for name, value in metrics.items()}, "step": step})
+
+    @rank_zero_only
+    def save(self) -> None:
+        """Write the rows logged since the last save."""
+        if not self.rows:
+            return
+        if not self.columns and self.path.is_file():  # a resumed run: its columns so far
+            with self.path.open(newline="") as file:
+                self.columns = next(csv.reader(file), [])
+        new = sorted({name for row in self.rows for name in row} - set(self.columns))
+        if new or not self.path.is_file():
+            self.columns = sorted([*self.columns, *new])
+            self.rewrite()
+        else:
+            with self.path.open("a", newline="") as file:
+                csv.DictWriter(file, fieldnames=self.columns).writerows(self.rows)
+        self.rows = []
+
+    def rewrite(self) -> None:
+        """The file with every row so far under the current columns, replaced atomically."""
+        earlier = []
+        if self.path.is_file():
+            with self.path.open(newline="") as file:
+                earlier = list(csv.DictReader(file))
+        text = io.StringIO(newline="")
+        writer = csv.DictWriter(text, fieldnames=self.columns)
+        writer.writeheader()
+        writer.writerows([*earlier, *self.rows])
+        self.directory.mkdir(parents=True, exist_ok=True)
+        write_atomically(self.path, text.getvalue().encode())
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        self.save()

@@ -19,13 +19,10 @@ from collections import abc
 from collections.abc import Callable
 from typing import Annotated, Any, Union, get_args, get_origin
 
-from hydra._internal.config_loader_impl import ConfigLoaderImpl
-from hydra.core.override_parser.types import Override
-from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pretraining.errors import ConfigError, OverrideError
+from pretraining.errors import ConfigError
 from pretraining.ranges import Range, describe, fits, item_annotation, mapping, out_of_range, range_problem, type_hints
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
@@ -193,65 +190,9 @@ def unknown_key(key: str, value: Any, what: str, known: list[str]) -> ConfigErro
     close = difflib.get_close_matches(name, known, n=1)
     if key in MOVED_KEYS:
         fix = f"it is a key of the example format, {MOVED_KEYS[key]}: write {MOVED_KEYS[key]}={value!r} instead"
-    elif close == [name]:  # a parameter that this config leaves at its default
-        return ConfigError(
-            f"{key}={value!r}: the config leaves {key} at its default, so there is no key to override: "
-            f"add it with +{key}={value!r}"
-        )
     elif close:
         suggestion = f"{parent}.{close[0]}" if parent else close[0]
         fix = f"did you mean {suggestion}? Write {suggestion}={value!r} instead"
     else:
         fix = f"the keys there are {', '.join(known)}; remove it (~{key})"
     return ConfigError(f"{key}={value!r}: {key} is not {what}: {fix}")
-
-
-def override_error(key: str, value: Any, cfg: DictConfig) -> ConfigError | None:
-    """The error for a command-line override of `key`, which the composed `cfg` does not have
-    (`data.globl_batch_size=4`, without the `+` that adds a key): the key it moved to, or the closest key of
-    its node and of the parameters of the node's `_target_`; None if there is neither."""
-    parent, _, name = key.rpartition(".")
-    node = OmegaConf.select(cfg, parent, throw_on_missing=False) if parent else cfg
-    if not isinstance(node, DictConfig):
-        return None
-    known = {str(item) for item in node} - HYDRA_KEYS
-    what = f"a key of {parent or 'the config'}"
-    target = node.get("_target_")
-    if isinstance(target, str):
-        try:
-            known |= set(signature(locate(target, parent))[0])
-            what = f"a parameter of {target}"
-        except ConfigError:  # the check at startup names a target that cannot be imported
-            pass
-    if key not in MOVED_KEYS and not difflib.get_close_matches(name, sorted(known), n=1):
-        return None
-    return unknown_key(key, value, what, sorted(known))
-
-
-def suggest_overridden_keys() -> None:
-    """Make Hydra's refusal of an override of a key the config lacks (`data.globl_batch_size=4`, or the
-    moved `data.block_size=...`, without the `+` that adds a key) name the key meant, as the schema
-    check does for added keys (`override_error`). Composition happens before any
-    code of an entry point runs and Hydra offers no hook for its errors, so the step of its config
-    loader that applies the overrides is wrapped, here only: for every Hydra app and `compose` call
-    of this package, as importing this module does (every entry point imports it to check its config)."""
-    apply = ConfigLoaderImpl._apply_overrides_to_config
-    if getattr(apply, "suggests_keys", False):
-        return
-
-    def apply_overrides(overrides: list[Override], cfg: DictConfig) -> None:
-        try:
-            apply(overrides, cfg)
-        except ConfigCompositionException as error:
-            key = getattr(error.__cause__, "full_key", None)
-            refused = [o for o in overrides if o.key_or_group == key and not o.is_add() and not o.is_delete()]
-            better = override_error(refused[0].key_or_group, refused[0].value(), cfg) if refused else None
-            if better is None:
-                raise
-            raise OverrideError(str(better)) from None
-
-    apply_overrides.suggests_keys = True  # type: ignore[attr-defined]
-    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_overrides)  # type: ignore[method-assign]
-
-
-suggest_overridden_keys()

@@ -23,7 +23,7 @@ from pretraining.data.formats import ExampleFormat
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
 from pretraining.instantiate import build, check_targets, with_current_targets
-from pretraining.objectives import PretrainingObjective, build_objective
+from pretraining.objectives.base import PretrainingObjective, build_objective
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -47,6 +47,7 @@ def stored_config(checkpoint: dict[str, Any], source: str, trusted_targets: Sequ
     """The config a checkpoint was trained with, read from `source`, refused if it names any class not
     trusted in its tokenizer, data or model groups (the ones rebuilt from it)."""
     run = OmegaConf.create(with_current_targets(checkpoint["lineage"]["config"]))
+    run.model.pop("init_from", None)  # an objective of 0.5 took it; a run now starts from one with callbacks.init_from
     for group in ("tokenizer", "data", "model"):
         check_targets(run.get(group), group, trusted_targets, f"the config stored in {source}")
     return run

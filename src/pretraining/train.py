@@ -2,7 +2,8 @@
 (`pretraining.cli.train` composes the config and calls `train_job`).
 
 Running the same command again continues the run from its newest verified
-checkpoint (see `pretraining.resume`); the steps between are `pretraining.run`'s.
+checkpoint (see `pretraining.resume`); the steps between are `pretraining.run`'s, the end
+`pretraining.report`'s.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from pretraining.callbacks import SkippedSamples
+from pretraining.callbacks.skipped_samples import SkippedSamples
 from pretraining.instantiate import build
 from pretraining.launch import distributed_job, is_rank_zero_process
-from pretraining.objectives import build_objective
+from pretraining.objectives.base import build_objective
+from pretraining.report import report
 from pretraining.resume import checkpoint_to_resume, start_over
 from pretraining.run import (
     build_trainer,
@@ -30,12 +32,10 @@ from pretraining.run import (
     fit_warmup,
     log_hyperparameters,
     prepare_process,
-    report,
     run_lineage,
-    starting_weights,
+    validation_owed,
 )
 from pretraining.run_lock import own_run_directory
-from pretraining.teacher import attach_teacher
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
@@ -46,25 +46,25 @@ def train(cfg: DictConfig) -> dict[str, float]:
     check_config(cfg)
     prepare_process(cfg)
     fit_warmup(cfg)  # a smoke run shorter than the default warmup
-    resume = checkpoint_to_resume(cfg.resume, cfg.ckpt_path, Path(cfg.paths.checkpoint_dir))
+    checkpoints = Path(cfg.paths.checkpoint_dir)
+    resume = checkpoint_to_resume(cfg.resume, cfg.ckpt_path, checkpoints)
     tokenizer = build(cfg.tokenizer)
     check_example_lengths(cfg, tokenizer)
     datamodule = build(cfg.data, tokenizer=tokenizer)
     model = build_objective(cfg.model, datamodule.format)
     describe_model(model)
-    origin = starting_weights(model, tokenizer, resume, cfg)  # model.init_from, on a fresh start
-    teacher = attach_teacher(model, cfg, datamodule.format, resume)  # model.teacher, for a distillation
     if cfg.resume == "never":
         start_over(Path(cfg.paths.output_dir))  # only now: a start refused above leaves the earlier run in place
-    lineage = run_lineage(cfg, datamodule, resume, origin, teacher)
-    # SkippedSamples enforces the data config's bad-data policy: every run has it.
+    lineage = run_lineage(cfg, datamodule, resume)
+    # Every run stamps its checkpoints (Lineage) and keeps to the data config's bad-data policy (SkippedSamples).
     trainer = build_trainer(cfg, datamodule, callbacks=[lineage, SkippedSamples()])
     if resume:
         check_resume(trainer, datamodule, model, resume, list(cfg.resume_allow))
-        if finished(resume, Path(cfg.paths.checkpoint_dir), cfg.trainer.max_steps):  # before a logger starts a run
+        if finished(resume, checkpoints, cfg.trainer.max_steps):  # before a logger starts a run
             return dict(resume.sidecar["validation"])
     log_hyperparameters(trainer, lineage)
-    metrics = fit(trainer, model, datamodule, cfg.validate_before_training and not resume, resume, not cfg.quiet)
+    validate_first = validation_owed(trainer, resume, checkpoints) if resume else cfg.validate_before_training
+    metrics = fit(trainer, model, datamodule, validate_first, resume, not cfg.quiet)
     report(trainer, metrics)
     return metrics
 

@@ -1,31 +1,5 @@
-"""Callbacks: checkpoints at step boundaries, lineage, per-batch seeding, preemption, numerical faults,
-an audit log of batches, text samples, throughput, the progress bar, a linear probe, the skipped-sample
-count and limit."""
-
-from pretraining.callbacks.batch_log import BatchLog
-from pretraining.callbacks.checkpoint import StepCheckpoint
-from pretraining.callbacks.lineage import Lineage
-from pretraining.callbacks.numerics import NumericalGuard
-from pretraining.callbacks.preemption import Preemption
-from pretraining.callbacks.probe import LinearProbe
-from pretraining.callbacks.progress import ProgressBar
-from pretraining.callbacks.register import RegisterCheckpoints
-from pretraining.callbacks.skipped_samples import SkippedSamples
-from pretraining.callbacks.step_seed import StepSeed
-from pretraining.callbacks.text_sample import TextSample
-from pretraining.callbacks.throughput import Throughput
-
-__all__ = [
-    "BatchLog",
-    "Lineage",
-    "LinearProbe",
-    "NumericalGuard",
-    "Preemption",
-    "ProgressBar",
-    "RegisterCheckpoints",
-    "SkippedSamples",
-    "StepCheckpoint",
-    "StepSeed",
-    "TextSample",
-    "Throughput",
-]
+"""The Trainer's callbacks a run relies on: checkpoints at step boundaries (`checkpoint`), preemption
+(`preemption`), per-batch seeding for exact resume (`step_seed`), numerical faults (`numerics`), lineage
+(`lineage`), throughput and MFU (`throughput`), the progress bar (`progress`), the skipped-sample count and
+limit (`skipped_samples`), a text sample (`text_sample`) and an audit log of batches (`batch_log`).
+Configs name each by its module (`pretraining.callbacks.checkpoint.StepCheckpoint`), so a run loads only its own."""

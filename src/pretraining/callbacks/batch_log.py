@@ -19,7 +19,7 @@ class BatchLog(Callback):
 
     A restarted run appends the batches it replays again; the later line wins.
     Off by default (it syncs with the device every step): add it with
-    `+callbacks.batch_log._target_=pretraining.callbacks.BatchLog +callbacks.batch_log.dir=...`.
+    `+callbacks.batch_log._target_=pretraining.callbacks.batch_log.BatchLog +callbacks.batch_log.dir=...`.
     """
 
     def __init__(self, dir: str) -> None:

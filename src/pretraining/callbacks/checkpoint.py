@@ -1,16 +1,15 @@
-"""Checkpoints at step boundaries, through the trainer's writer (`AtomicCheckpointIO`) or, for FSDP2's
-sharded checkpoints, written by every rank and published by rank zero (`pretraining.checkpoint`)."""
+"""Checkpoints at step boundaries, through `Trainer.save_checkpoint`: the trainer's writer
+(`AtomicCheckpointIO`) or, for FSDP2's sharded checkpoints, the strategy (`FSDP2Strategy`) writes each one
+whole or not at all (`pretraining.checkpoint`); this callback decides when, and publishes it."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint
-from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 from pretraining.checkpoint import (
@@ -18,15 +17,13 @@ from pretraining.checkpoint import (
     link_last,
     newest_saved,
     prune,
-    publish_sharded,
-    read_sidecar,
     record_validation,
-    save_sharded_async,
     sidecar_path,
     storage_fault,
 )
-from pretraining.checkpoint.background import BackgroundWriter, host_copy
-from pretraining.files import temporary_path
+from pretraining.checkpoint.background import BackgroundWriter
+from pretraining.objectives.base import PretrainingObjective
+from pretraining.plugins.fsdp import FSDP2Strategy
 from pretraining.ranges import Positive, Range, checked_ranges
 
 
@@ -40,12 +37,17 @@ class StepCheckpoint(Checkpoint):
 
     A checkpoint is saved before the validation of its step; once that validation finishes, its metrics
     are added to the sidecar (`record_validation`). A run resumed from a checkpoint whose validation a
-    kill or a signal cut short validates that step first, so the learning curve has no hole.
+    kill or a signal cut short validates that step first (`pretraining.run.fit`), so the learning curve
+    has no hole.
 
     With `background`, the step waits only while the state is copied to host memory; a writer thread
-    writes the copy with the same guarantees (`pretraining.checkpoint.background`), and `last.ckpt` and
-    pruning follow once it is complete. So on one device, with DDP, and for FSDP2's sharded saves (DCP's
-    `async_save`); FSDP1's and FSDP2's full saves are synchronous."""
+    writes the copy with the same guarantees (`pretraining.checkpoint.background`, handed to the writer as
+    `Trainer.save_checkpoint`'s `storage_options`), and `last.ckpt` and pruning follow once it is complete.
+    So on one device, with DDP and with FSDP2 (sharded saves through DCP's `async_save`); FSDP1's saves are
+    synchronous.
+
+    Not Lightning's `ModelCheckpoint`: its saves are not verified before a resume trusts them, it cannot
+    record a step's validation after saving it, and it prunes before the newer checkpoint is complete."""
 
     @checked_ranges("callbacks.checkpoint")
     def __init__(
@@ -59,7 +61,6 @@ class StepCheckpoint(Checkpoint):
         self.dirpath, self.every_n_steps = Path(dirpath), every_n_steps
         self.keep_last, self.keep_every = keep_last, keep_every
         self.writer = BackgroundWriter() if background else None
-        self.checkpoint_group: dist.ProcessGroup | None = None  # background sharded saves' own collectives
         self.writing_shards = False
         self.saved_step = -1
         self.last_model_path = ""
@@ -72,20 +73,12 @@ class StepCheckpoint(Checkpoint):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.saved_step = trainer.global_step
-        if self.last_model_path and validation_owed(trainer, Path(self.last_model_path)):
-            validate_in_fit(trainer)
-
-    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        # Lightning counts the step it logs at one short after restoring a checkpoint saved at a step
-        # boundary, until the loop advances: resumed at its last step, it never does, and the final
-        # validation would be logged a step early.
-        epoch_loop = trainer.fit_loop.epoch_loop
-        epoch_loop._batches_that_stepped = max(epoch_loop._batches_that_stepped, trainer.global_step)
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Record the validation of the step just saved in its sidecar: see `record_validation`."""
         self.collect(trainer, wait=True)  # the sidecar is written last
-        if trainer.sanity_checking or trainer.global_step != self.saved_step or not self.last_model_path:
+        validated = pl_module.trained_steps if isinstance(pl_module, PretrainingObjective) else trainer.global_step
+        if trainer.sanity_checking or validated != self.saved_step or not self.last_model_path:
             return
         if trainer.is_global_zero:
             # All of them (train/, probe/ too): what `fit` returns, for a finished run run again.
@@ -103,17 +96,9 @@ class StepCheckpoint(Checkpoint):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.wait_until_written(trainer)
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        # Made before the first step, so that a gloo that cannot connect stops the run before any work.
-        if stage == "fit" and self.writer is not None and saves_sharded(trainer) and self.checkpoint_group is None:
-            self.checkpoint_group = dist.new_group(backend="gloo")
-
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.writer is not None:
             self.writer.close()
-        if self.checkpoint_group is not None:
-            dist.destroy_process_group(self.checkpoint_group)
-            self.checkpoint_group = None
 
     def wait_until_written(self, trainer: Trainer) -> None:
         """Wait for the checkpoint being written, on every rank: no rank may leave the run (a launcher then
@@ -140,43 +125,15 @@ class StepCheckpoint(Checkpoint):
             return
         path = self.dirpath / f"step-{step:06d}.ckpt"
         self.collect(trainer, wait=True)  # one write in flight at most
+        writer = self.writer if writes_through_storage_options(trainer) else None
         try:
-            if saves_sharded(trainer) and self.writer is not None:
-                self.write_shards_in_background(trainer, path)
-            elif saves_sharded(trainer):
-                save_sharded(trainer, path)
-            elif self.writer is not None and writes_on_rank_zero(trainer):
-                self.write_in_background(trainer, path)
-            else:
-                trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; rank zero writes
+            trainer.save_checkpoint(path, weights_only=False, storage_options=writer)
         except Exception as error:
             raise_failed(path, error, self.dirpath)
+        self.writing_shards = writer is not None and saves_sharded(trainer)
         self.saved_step, self.last_model_path = step, str(path)
-        if self.writer is None or self.writer.in_flight is None:
+        if writer is None or writer.in_flight is None:
             self.published(trainer, path)
-
-    def write_in_background(self, trainer: Trainer, path: Path) -> None:
-        """Rank zero copies the state to host memory and hands the copy to the writer thread. The checkpoint
-        is made as `Trainer.save_checkpoint` makes it, whose own write would block: the strategies this
-        runs under (`writes_on_rank_zero`) only hand it to their checkpoint writer on rank zero."""
-        assert self.writer is not None
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        if trainer.is_global_zero:
-            state, writer = host_copy(checkpoint), trainer.strategy.checkpoint_io
-            self.writer.submit(path, lambda: writer.save_checkpoint(state, path))
-
-    def write_shards_in_background(self, trainer: Trainer, path: Path) -> None:
-        """Every rank's shards are staged in host memory and written by DCP's thread over the checkpoint
-        process group; rank zero publishes the directory once they all are (`save_sharded_async`). The
-        checkpoint is split as `ModelParallelStrategy.save_checkpoint` splits it."""
-        assert self.writer is not None and self.checkpoint_group is not None
-        temporary = Path(trainer.strategy.broadcast(str(temporary_path(path))))  # rank zero's name, on every rank
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        optimizers = enumerate(checkpoint.pop("optimizer_states", []))
-        shards = {"state_dict": checkpoint.pop("state_dict")} | {f"optimizer_{i}": state for i, state in optimizers}
-        meta = host_copy(checkpoint) if trainer.is_global_zero else None
-        self.writer.submit(path, save_sharded_async(shards, meta, temporary, path, self.checkpoint_group))
-        self.writing_shards = True
 
     def collect(self, trainer: Trainer, wait: bool) -> None:
         """Publish the background write once it is complete (waiting for it if `wait`); raise if it failed.
@@ -220,49 +177,12 @@ def raise_failed(path: Path, error: Exception, directory: Path) -> NoReturn:
     ) from error
 
 
-def validation_owed(trainer: Trainer, resumed: Path) -> bool:
-    """Whether the step of the checkpoint resumed from is one the loop validates after, but its
-    validation did not finish (a kill or a signal came first). The last step is validated after `fit`."""
-    step, batches = trainer.global_step, trainer.global_step * trainer.accumulate_grad_batches
-    validates = trainer.val_check_batch not in (None, float("inf")) and batches % trainer.val_check_batch == 0
-    sidecar = read_sidecar(resumed)
-    return validates and 0 < step < (trainer.max_steps or 0) and "validation" not in sidecar
-
-
-def validate_in_fit(trainer: Trainer) -> None:
-    """Run the validation loop inside `fit`, as Lightning's training loop does after a step (logged at
-    the same step): Lightning itself resumes from a checkpoint saved at a step boundary as if the
-    validation after that step had finished."""
-    trainer.validating = True
-    first_loop_iter = trainer._logger_connector._first_loop_iter
-    val_loop = trainer.fit_loop.epoch_loop.val_loop
-    val_loop.restarting = False  # from its first batch (a save inside a validation restores its progress)
-    val_loop.run()
-    trainer.training = True
-    trainer._logger_connector._first_loop_iter = first_loop_iter
-
-
-def writes_on_rank_zero(trainer: Trainer) -> bool:
-    """Whether rank zero alone writes the whole checkpoint, gathered from no other rank (one device, DDP):
-    then the state it holds can be written in the background."""
-    return type(trainer.strategy) in (SingleDeviceStrategy, DDPStrategy)
+def writes_through_storage_options(trainer: Trainer) -> bool:
+    """Whether the strategy hands `Trainer.save_checkpoint`'s `storage_options` to the checkpoint writer
+    (rank zero's, or FSDP2's for its shards), which then writes in the background."""
+    return type(trainer.strategy) in (SingleDeviceStrategy, DDPStrategy, FSDP2Strategy)
 
 
 def saves_sharded(trainer: Trainer) -> bool:
-    """Whether the strategy writes each checkpoint as a directory of shards from every rank, bypassing
-    the trainer's checkpoint writer (FSDP2 with `save_distributed_checkpoint=true`)."""
-    strategy = trainer.strategy
-    return isinstance(strategy, ModelParallelStrategy) and strategy._save_distributed_checkpoint
-
-
-def save_sharded(trainer: Trainer, path: Path) -> None:
-    """Every rank writes its shards into a fresh temporary directory beside `path`; the save ends with a
-    barrier, after which rank zero publishes the complete directory under `path`."""
-    temporary = Path(trainer.strategy.broadcast(str(temporary_path(path))))  # rank zero's name, on every rank
-    try:
-        trainer.save_checkpoint(temporary, weights_only=False)
-        if trainer.is_global_zero:
-            publish_sharded(temporary, path)
-    finally:
-        if trainer.is_global_zero and temporary.exists():  # a save that failed (published, it is gone)
-            shutil.rmtree(temporary, ignore_errors=True)
+    """Whether every rank writes its shards of each checkpoint (FSDP2 with `save_distributed_checkpoint=true`)."""
+    return isinstance(trainer.strategy, FSDP2Strategy) and trainer.strategy.sharded_saves

@@ -28,20 +28,14 @@ def code_revision(directory: Path) -> dict[str, Any]:
 class Lineage(Callback):
     """Adds `checkpoint["lineage"]`: the resolved config, code revision, data
     version, tokenizer fingerprint, the checkpoint this run continued from
-    (`parent`), the weights it started from (`origin`), the teacher it was
-    distilled from, the W&B run id, the step and the data topology, so every
+    (`parent`), the W&B run id, the step and the data topology, so every
     checkpoint can be traced back, rebuilt by `evaluate.py`, and checked
-    against a run that would resume it."""
+    against a run that would resume it. Another callback, or the objective, may
+    add what it knows to the same record in its `on_save_checkpoint` (the
+    weights a run started from, a distillation's teacher)."""
 
     def __init__(
-        self,
-        config: dict,
-        data_version: str,
-        tokenizer_fingerprint: str,
-        code: dict[str, Any],
-        parent: str | None,
-        origin: dict[str, Any] | None,
-        teacher: dict[str, Any] | None,
+        self, config: dict, data_version: str, tokenizer_fingerprint: str, code: dict[str, Any], parent: str | None
     ) -> None:
         self.record = {
             "format": LINEAGE_FORMAT,
@@ -50,15 +44,13 @@ class Lineage(Callback):
             "data_version": data_version,
             "tokenizer_fingerprint": tokenizer_fingerprint,
             "parent": parent,
-            "origin": origin,
-            "teacher": teacher,
         }
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         wandb_ids = [logger.version for logger in trainer.loggers if isinstance(logger, WandbLogger)]
-        checkpoint["lineage"] = {
-            **self.record,
-            "step": trainer.global_step,
-            "topology": training_data(trainer, "lineage").topology,
-            "wandb_run_id": wandb_ids[0] if wandb_ids else None,
-        }
+        checkpoint.setdefault("lineage", {}).update(
+            self.record,
+            step=trainer.global_step,
+            topology=training_data(trainer, "lineage").topology,
+            wandb_run_id=wandb_ids[0] if wandb_ids else None,
+        )

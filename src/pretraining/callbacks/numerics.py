@@ -12,7 +12,6 @@ from typing import Annotated, Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -20,8 +19,7 @@ from torch.optim import Optimizer
 from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.errors import PretrainingError
-from pretraining.objectives import PretrainingObjective
-from pretraining.objectives.base import log_step_values
+from pretraining.objectives.base import logs_this_step
 from pretraining.ranges import Range, checked_ranges
 
 
@@ -76,16 +74,14 @@ class NumericalGuard(Callback):
       that a lasting change of level stops being flagged after about a window.
       `spike_threshold: null` turns this off.
 
-    `train/grad_norm`, the global gradient norm before clipping, is logged too (`PretrainingObjective.log_step`:
-    at the steps whose logs are kept). Steps are numbered
-    as checkpoints are: step N is the N-th optimizer step. The loss is the step's mean over
-    micro-batches and ranks. Every rank decides alike: the loss and norm are averaged over ranks by
-    one all-reduce of two numbers (under FSDP2 the norm of the sharded gradients is all-reduced
-    first), so a NaN on one rank is seen by all. The cost: one pass over the gradients for the norm,
-    which gradient clipping then reuses (`PretrainingObjective.step_gradient_norm`), and one transfer
-    of the two numbers to the host, a device sync per step (the rest of the template syncs only at
-    logging steps; a loop that skips non-finite steps cannot decide without it); removing the callback
-    (`~callbacks.numerics`) removes it.
+    `train/grad_norm`, the global gradient norm before clipping, is logged too, at the steps whose logs
+    Lightning writes. Steps are numbered as checkpoints are: step N is the N-th optimizer step. The loss
+    is the step's mean over micro-batches and ranks. Every rank decides alike: the loss and norm are
+    averaged over ranks by one all-reduce of two numbers (under FSDP2 the norm of the sharded gradients
+    is all-reduced first), so a NaN on one rank is seen by all. The cost: one pass over the gradients for
+    the norm, and one transfer of the two numbers to the host, a device sync per step (the rest of the
+    template syncs only at logging steps; a loop that skips non-finite steps cannot decide without it);
+    removing the callback (`~callbacks.numerics`) removes it.
     Counters and loss statistics travel in checkpoints, so a resumed run counts as the
     uninterrupted run would.
     """
@@ -124,20 +120,14 @@ class NumericalGuard(Callback):
             pass  # a float16 overflow: the GradScaler skips this step and lowers its scale
         else:
             self.skip(trainer, optimizer, step, loss, norm)
-        values = {
-            "train/grad_norm": norm,
-            "train/skipped_steps": float(self.skipped_steps),
-            "train/loss_spikes": float(self.loss_spikes),
-        }
-        log_step_values(pl_module, values)
+        if logs_this_step(pl_module):
+            counts = {"train/skipped_steps": float(self.skipped_steps), "train/loss_spikes": float(self.loss_spikes)}
+            pl_module.log_dict({"train/grad_norm": norm, **counts})
 
     def step_values(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> tuple[float, float]:
-        """The step's loss (unscaled) and global gradient norm, averaged over ranks: identical on every rank.
-        The norm is left to the objective's gradient clipping, which then needs no pass of its own."""
+        """The step's loss (unscaled) and global gradient norm, averaged over ranks: identical on every rank."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
-        if isinstance(pl_module, PretrainingObjective) and is_global_and_unscaled(norm, trainer):
-            pl_module.step_gradient_norm = norm
         if isinstance(norm, DTensor):  # FSDP2: each rank holds a shard's norm
             norm = norm.full_tensor()
         assert self.step_loss is not None, "on_before_backward was not called in this step"
@@ -211,14 +201,6 @@ class NumericalGuard(Callback):
         self.bad_in_a_row, self.first_bad_step = state_dict["bad_in_a_row"], state_dict["first_bad_step"]
         # The window is the config's: a run continued with another one keeps the statistics so far.
         self.statistics = LossStatistics(self.statistics.window, **state_dict["loss_statistics"])
-
-
-def is_global_and_unscaled(norm: torch.Tensor, trainer: Trainer) -> bool:
-    """Whether `norm`, over this rank's gradients, is the norm that clipping by norm must use: the global
-    norm (gradients replicated on every rank, or FSDP2's DTensor norm; not a shard's, as under FSDP1) of
-    the true gradients (no float16 loss scale, which a fused optimizer would unscale only in its step)."""
-    replicated = isinstance(trainer.strategy, SingleDeviceStrategy | DDPStrategy)
-    return (replicated or isinstance(norm, DTensor)) and grad_scaler(trainer) is None
 
 
 def grad_scaler(trainer: Trainer) -> Any:

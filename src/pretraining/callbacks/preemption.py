@@ -15,6 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from pretraining.callbacks.checkpoint import StepCheckpoint
+from pretraining.internals import install_signal_handlers_instead
 
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
 
@@ -34,8 +35,8 @@ class Preemption(Callback):
     step. A second Ctrl-C stops at once, without saving.
 
     The handlers stand in for Lightning's (whose SIGTERM path runs a collective inside the handler and
-    can hang a DDP job, lets a validation run to its end, and can end the run with status 0 unsaved)
-    for the whole of each stage, from its `setup` to its teardown: Lightning's are never installed.
+    can hang a DDP job, and can end the run with status 0 unsaved) for the whole of each stage, from its
+    `setup` to its teardown: Lightning's are never installed (`pretraining.internals`).
     Before the trainer runs (building the data, verifying its checksums) and between its stages, a
     signal's default action ends the process at once: nothing has been written there that a restart
     would miss. DataLoader workers ignore these signals
@@ -57,7 +58,7 @@ class Preemption(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         # Lightning registers its own handlers just before the stage runs (after this hook, and after the
         # restore of a checkpoint); here it installs ours instead, so that its handler is never active.
-        trainer._signal_connector.register_signal_handlers = self.install_handlers  # type: ignore[method-assign]
+        install_signal_handlers_instead(trainer, self.install_handlers)
         self.install_handlers()
 
     def install_handlers(self) -> None:
@@ -153,3 +154,9 @@ def requeue_slurm_job(job_id: str) -> None:
         rank_zero_info(f"requeued SLURM job {job_id}")
     else:
         rank_zero_warn(f"could not requeue SLURM job {job_id}: {result.stderr.strip()}")
+
+
+def stop_signal(trainer: Trainer) -> int:
+    """0, or 128 + the signal that stopped training (as the shell reports it), as `Preemption` saw it."""
+    preemption = [c for c in trainer.callbacks if isinstance(c, Preemption)]  # type: ignore[attr-defined]
+    return preemption[0].exit_code if preemption else 0

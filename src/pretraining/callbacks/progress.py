@@ -1,5 +1,5 @@
 """The training progress bar: counts toward `max_steps`, so it shows the time left, and shows the loss
-and tokens/s."""
+and tokens/s (Lightning's `TQDMProgressBar` counts to the end of an epoch, which an infinite stream has not)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,11 @@ from typing import Any
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import TQDMProgressBar
 
-from pretraining.callbacks.throughput import Throughput
-from pretraining.objectives import PretrainingObjective
-
 
 class ProgressBar(TQDMProgressBar):
     """Lightning's bar over training batches, with `max_steps` (in micro-batches) as its total, so
     that its estimate of the time left is the run's (an infinite stream has no epoch to count to),
-    starting where a resumed run starts; and the latest tokens/s of the `Throughput` callback."""
+    starting where a resumed run starts; the tokens/s that `Throughput` logs as `tok/s`."""
 
     def on_train_epoch_start(self, trainer: Trainer, *args: Any) -> None:
         super().on_train_epoch_start(trainer, *args)
@@ -29,9 +26,7 @@ class ProgressBar(TQDMProgressBar):
     def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, int | str | float | dict]:
         metrics = super().get_metrics(trainer, pl_module)
         metrics.pop("v_num", None)  # the logger's version: the run directory already says which run this is
-        throughput = next((c for c in trainer.callbacks if isinstance(c, Throughput)), None)  # type: ignore[attr-defined]
-        if isinstance(pl_module, PretrainingObjective):  # this step's values, written to the logs at its end
-            metrics |= pl_module.bar_values()
-        if throughput is not None and throughput.latest:
-            metrics["tok/s"] = f"{throughput.latest['perf/tokens_per_s']:,.0f}"
+        tokens_per_s = metrics.pop("perf/tokens_per_s", None)
+        if isinstance(tokens_per_s, float):
+            metrics["tok/s"] = f"{tokens_per_s:,.0f}"
         return metrics

@@ -8,11 +8,10 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from pretraining.data.contract import training_data
-from pretraining.objectives.base import log_step_values, logs_written_at
 
 
 class SkippedSamples(Callback):
-    """Every `trainer.log_every_n_steps` optimizer steps and at the last, sum over all ranks the
+    """Every `trainer.log_every_n_steps` optimizer steps, sum over all ranks the
     samples the training stream read and skipped (`ShardDataModule.samples_read`, `samples_skipped`),
     log `data/skipped_samples` and `data/samples_read`, and stop the run if too many were skipped
     (`ShardDataModule.check_skips`). One small all-reduce, at the same steps on every rank, so that
@@ -26,11 +25,11 @@ class SkippedSamples(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        if step == self.checked_step or not logs_written_at(trainer, step):  # mid-accumulation, or checked already
-            return
+        if step == self.checked_step or step % trainer.log_every_n_steps:  # type: ignore[attr-defined]
+            return  # mid-accumulation, checked already, or not a logging step
         self.checked_step = step
         data = training_data(trainer, "data.bad_data")
         counts = torch.tensor([data.samples_read, data.samples_skipped], device=pl_module.device)
         read, skipped = trainer.strategy.reduce(counts, reduce_op="sum").tolist()
-        log_step_values(pl_module, {"data/samples_read": read, "data/skipped_samples": skipped})
+        pl_module.log_dict({"data/samples_read": read, "data/skipped_samples": skipped})
         data.check_skips(skipped, read)

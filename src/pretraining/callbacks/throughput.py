@@ -23,9 +23,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from pretraining.data.loader import WaitTimedLoader
-from pretraining.errors import ConfigError
-from pretraining.objectives.base import BatchWork, write_logs
-from pretraining.plugins import FSDP2Strategy
+from pretraining.objectives.base import BatchWork
+from pretraining.plugins.fsdp import FSDP2Strategy
 
 # Dense (no 2:4 sparsity) peaks per device name fragment, checked before Lightning's table, whose H200
 # entries are the sparse figures and which does not recognise every H200 name.
@@ -95,7 +94,7 @@ def data_waited(trainer: Trainer) -> float | None:
 
 
 class Throughput(Callback):
-    """Every `log_every_n_steps` optimizer steps (default: the Trainer's), log
+    """At the steps whose logs Lightning writes (every `trainer.log_every_n_steps`), log
 
     - `perf/tokens_per_s` and `perf/samples_per_s` over all data-parallel ranks, and each
       `..._per_device`;
@@ -106,29 +105,21 @@ class Throughput(Callback):
     - `perf/peak_host_memory_gb` of this process and, on CUDA, `perf/peak_device_memory_gb`.
 
     The clock starts after the first step (compilation, allocator warm-up) and stops during
-    validation. `latest` holds the last values (the progress bar shows them). `peak_flops` (per
-    device) overrides the lookup, for a device Lightning's table lacks. `clock` is for tests."""
+    validation; the progress bar shows the tokens/s. `peak_flops` (per device) overrides the lookup, for a
+    device Lightning's table lacks. `clock` is for tests.
 
-    def __init__(
-        self,
-        log_every_n_steps: int | None = None,
-        peak_flops: float | None = None,
-        clock: Callable[[], float] = time.perf_counter,
-    ) -> None:
-        if log_every_n_steps is not None and log_every_n_steps < 1:
-            raise ConfigError(f"callbacks.throughput.log_every_n_steps={log_every_n_steps} must be positive or null")
-        self.every, self.peak, self.clock = log_every_n_steps, peak_flops, clock
+    Not Lightning's `ThroughputMonitor`, which synchronises CUDA at every batch, counts micro-batches as
+    steps under gradient accumulation and has no data wait."""
+
+    def __init__(self, peak_flops: float | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.peak, self.clock = peak_flops, clock
         self.started: float | None = None
         self.paused: float | None = None
         self.waited: float | None = None
-        self.latest: dict[str, float] = {}
         self.steps_seen = 0
         self.samples = self.tokens = self.flops = self.steps = 0
-        # A batch's work depends on its shapes alone (`batch_work`): worked out once a shape, not at every step.
-        self.work_by_shapes: dict[tuple[torch.Size | None, ...], BatchWork] = {}
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.every = self.every or trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning
         if self.peak is None:
             self.peak = peak_flops(pl_module.device, compute_dtype(trainer))
         self.started, self.steps_seen = None, trainer.global_step
@@ -136,10 +127,7 @@ class Throughput(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        shapes = tuple(getattr(value, "shape", None) for value in batch.values())
-        work = self.work_by_shapes.get(shapes)
-        if work is None:
-            work = self.work_by_shapes[shapes] = pl_module.batch_work(batch)  # type: ignore[operator]
+        work: BatchWork = pl_module.batch_work(batch)  # type: ignore[operator]
         self.samples, self.tokens, self.flops = (
             self.samples + work.samples,
             self.tokens + work.tokens,
@@ -152,7 +140,7 @@ class Throughput(Callback):
         if self.started is None:  # the first step is warm-up: start the clock at its end
             self.started, self.waited = self.read_clock(pl_module), data_waited(trainer)
             self.samples = self.tokens = self.flops = self.steps = 0
-        elif trainer.global_step % self.every == 0:  # type: ignore[operator]
+        elif trainer.global_step % trainer.log_every_n_steps == 0:  # type: ignore[attr-defined]
             self.log_interval(trainer, pl_module)
 
     def log_interval(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -172,10 +160,10 @@ class Throughput(Callback):
         if self.peak:
             metrics["perf/mfu"] = self.flops * ranks / seconds / (self.peak * trainer.world_size)
         metrics |= memory_metrics(pl_module.device)
-        # Straight to the loggers, as LearningRateMonitor does: `self.log` would repeat these values at every later
-        # logging step.
-        write_logs(trainer, metrics)
-        self.latest = metrics
+        # Logged only where Lightning writes: a value logged at another step would stand in its later rows too.
+        tokens_per_s = metrics.pop("perf/tokens_per_s")
+        pl_module.log_dict(metrics)
+        pl_module.log("perf/tokens_per_s", tokens_per_s, prog_bar=True)
         self.started, self.waited = now, waited
         self.samples, self.tokens, self.flops, self.steps = 0, 0, 0, 0
 

@@ -32,6 +32,7 @@ from pretraining.checkpoint.sharded import (
     load_sharded,
     load_sharded_into,
     publish_sharded,
+    save_sharded,
     save_sharded_async,
 )
 from pretraining.checkpoint.sidecar import (
@@ -83,6 +84,7 @@ __all__ = [
     "refusing_code",
     "remove",
     "save_file",
+    "save_sharded",
     "save_sharded_async",
     "saved_checkpoints",
     "sidecar_checksums",

@@ -43,6 +43,21 @@ MODEL_KEY = "state_dict"  # Lightning saves the weights under this key; DCP flat
 DCP_METADATA = ".metadata"  # DCP's pickled index of every tensor's shards
 
 
+def save_sharded(shards: dict[str, Any], meta: dict[str, Any] | None, temporary: Path, path: Path) -> None:
+    """Write this rank's `shards` into the directory `temporary` with DCP; on rank zero (which passes `meta`,
+    all but the shards), once its DCP save is complete every rank's is: write `meta` and publish the
+    directory under `path`. If any of it fails, the directory is removed."""
+    temporary.mkdir(parents=True, exist_ok=True)
+    try:
+        dcp.save(shards, checkpoint_id=temporary)
+        if meta is not None:
+            torch.save(meta, temporary / SHARDED_META)
+            publish_sharded(temporary, path)
+    finally:
+        if meta is not None and temporary.exists():  # a save that failed (published, it is gone)
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
 def save_sharded_async(
     shards: dict[str, Any], meta: dict[str, Any] | None, temporary: Path, path: Path, group: dist.ProcessGroup
 ) -> Callable[[], None]:

@@ -32,12 +32,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any, cast
 
 from pretraining.data.documents import CorpusError, Document
+from pretraining.data.manifest import SHARD_SUFFIXES
 from pretraining.data.tables import is_table_source, read_table_source
-
-TEXT_FIELDS: tuple[str, ...] = ("txt",)
-# WebDataset splits a member name at its first dot: key "train-000000001", field "query.txt".
-PAIR_FIELDS: tuple[str, ...] = ("query.txt", "passage.txt")
-
 
 # Where a binary file gives itself away, in its first SNIFF_BYTES: a NUL byte, or one of these signatures.
 SNIFF_BYTES = 8192
@@ -52,7 +48,6 @@ SIGNATURES = {  # at the start of the file; tar's is at offset 257 (see binary_k
     "GIF": rb"GIF8[79]a",
     "PDF": rb"%PDF-",
 }
-SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # the names of tar shards
 
 
 def normalize(text: str) -> str:

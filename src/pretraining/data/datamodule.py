@@ -22,7 +22,7 @@ shards with a warning and counts them (`samples_read`, `samples_skipped`, kept i
 the checkpoint with the position); `raise` stops on the first. A shard missing
 or altered at start-up keeps its place in the stream order and is skipped
 whole. `check_skips` stops the run once too much was skipped
-(`pretraining.callbacks.SkippedSamples` calls it with the totals of all ranks).
+(`pretraining.callbacks.skipped_samples.SkippedSamples` calls it with the totals of all ranks).
 """
 
 from __future__ import annotations

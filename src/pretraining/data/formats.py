@@ -22,7 +22,7 @@ from typing import Annotated, ClassVar, Protocol, TypeVar
 import numpy as np
 import torch
 
-from pretraining.data.corpus import PAIR_FIELDS, TEXT_FIELDS
+from pretraining.data.manifest import PAIR_FIELDS, TEXT_FIELDS
 from pretraining.data.tokenizer import CLS_ID, EOS_ID, PAD_ID, Tokenizer
 from pretraining.ranges import Positive, Range, checked_ranges
 

@@ -30,8 +30,7 @@ import webdataset as wds
 from braceexpand import braceexpand
 from rich.progress import Progress
 
-from pretraining.data.corpus import PAIR_FIELDS, SHARD_SUFFIXES
-from pretraining.data.manifest import MANIFEST, SPLITS, ShardInfo, is_command, is_remote
+from pretraining.data.manifest import MANIFEST, PAIR_FIELDS, SHARD_SUFFIXES, SPLITS, ShardInfo, is_command, is_remote
 from pretraining.data.reader import Digest, ShardReadError, read_shard
 from pretraining.data.shards import FORMAT
 from pretraining.errors import ShardError
@@ -236,8 +235,6 @@ def training_overrides(manifest: dict) -> list[str]:
     elif "txt" not in fields:
         text = next((field for field in ("text", "json:text") if field in fields), "FIELD")
         overrides.append(f"data.format.text_field={text}")
-    if "json:source_id" not in fields:  # the default probe labels Python files by the name built shards record
-        overrides.append("~callbacks.probe")
     names = [shard["name"] for split in manifest["splits"].values() for shard in split["shards"]]
     if any(is_command(name) for name in names):
         overrides.append("data.trust_pipe_commands=true")

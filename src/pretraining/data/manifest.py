@@ -14,11 +14,14 @@ from pathlib import Path
 
 import webdataset as wds
 
-from pretraining.data.corpus import PAIR_FIELDS, SHARD_SUFFIXES, TEXT_FIELDS
 from pretraining.data.reader import Digest, described
 from pretraining.errors import ShardError
 from pretraining.files import sha256_of
 
+TEXT_FIELDS: tuple[str, ...] = ("txt",)  # the sample field of built text shards
+# WebDataset splits a member name at its first dot: key "train-000000001", field "query.txt".
+PAIR_FIELDS: tuple[str, ...] = ("query.txt", "passage.txt")  # the sample fields of built pair shards
+SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # the names of tar shards
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"  # where `pretrain-data tokenizer` puts a BPE by default
 SPLITS = ("train", "validation")

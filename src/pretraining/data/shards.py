@@ -26,8 +26,8 @@ from pathlib import Path
 
 from rich.progress import Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
-from pretraining.data.corpus import TEXT_FIELDS, Document, normalize
-from pretraining.data.manifest import MANIFEST, SPLITS, TOKENIZER, ShardInfo
+from pretraining.data.corpus import Document, normalize
+from pretraining.data.manifest import MANIFEST, SPLITS, TEXT_FIELDS, TOKENIZER, ShardInfo
 from pretraining.errors import ShardError
 from pretraining.files import sha256_of, write_atomically
 

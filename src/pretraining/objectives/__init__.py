@@ -1,19 +1,3 @@
-"""One LightningModule per pretraining objective, over a shared base."""
-
-from pretraining.objectives.base import PretrainingObjective, build_objective
-from pretraining.objectives.causal_lm import CausalLM
-from pretraining.objectives.contrastive import Contrastive
-from pretraining.objectives.distill import Distill, Distillation, DistillMasked, FrozenTeacher
-from pretraining.objectives.masked_lm import MaskedLM
-
-__all__ = [
-    "CausalLM",
-    "Contrastive",
-    "Distill",
-    "DistillMasked",
-    "Distillation",
-    "FrozenTeacher",
-    "MaskedLM",
-    "PretrainingObjective",
-    "build_objective",
-]
+"""One LightningModule per pretraining objective, over a shared base (`base`): next-token (`causal_lm`) and
+masked-LM (`masked_lm`) over what language models share (`language_model`), and contrastive (`contrastive`).
+Configs name each by its module (`pretraining.objectives.causal_lm.CausalLM`), so a run loads only its own."""

@@ -10,56 +10,35 @@ import torch
 from pretraining.data.tokenizer import EOS_ID, Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import (
-    ChunkTokens,
-    PretrainingObjective,
-    Scored,
-    frozen,
-    input_documents,
-    lm_cross_entropy,
-    sums,
-    uncompiled,
-)
-from pretraining.ranges import checked_ranges
+from pretraining.objectives.base import frozen, sums, uncompiled
+from pretraining.objectives.language_model import LanguageModel, Scored, input_documents
 
 
-class CausalLM(PretrainingObjective):
+class CausalLM(LanguageModel):
     """GPT-style language model: predict token t+1 from tokens up to t.
 
     Validation reports the token-mean loss, perplexity and bits per byte, all
     from summed negative log-likelihood, token and byte counts.
     """
 
-    @checked_ranges("model")
-    def __init__(self, backbone: Transformer, *, loss_chunk_tokens: ChunkTokens = None, **settings: Any) -> None:
-        """`settings`: what every objective takes (`PretrainingObjective`: optimizer, warmup, ...)."""
+    def __init__(self, backbone: Transformer, **settings: Any) -> None:
+        """`settings`: what every language model takes (`LanguageModel`: document masking, loss chunks, the
+        optimizer, warmup, ...)."""
         if not backbone.causal:
             raise ConfigError("CausalLM needs a causal backbone: set model.backbone.causal=true")
         super().__init__(backbone, validation_state=sums("nll", "tokens", "bytes"), **settings)
-        self.loss_chunk_tokens = loss_chunk_tokens
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.backbone.logits(self.backbone(tokens))
-
-    def token_nll(self, batch: dict[str, torch.Tensor], reduction: str) -> torch.Tensor:
-        scored = self.scored_inputs(batch)
-        head = self.backbone.token_embedding.weight
-        return lm_cross_entropy(self.hidden_at(scored), head, scored.targets, reduction, self.loss_chunk_tokens)
 
     def scored_inputs(self, batch: dict[str, torch.Tensor], validation: bool = False) -> Scored:
         """Every position is scored, in training and validation: its target is the next token."""
         tokens = batch["tokens"]
         return Scored(tokens[:, :-1], input_documents(batch), None, tokens[:, 1:])
 
-    def hidden_at(self, scored: Scored) -> torch.Tensor:
-        return self.packed_hidden(scored.inputs, scored.documents)
-
-    def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.token_nll(batch, "mean")
-
     def validation_update(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {
-            "nll": self.token_nll(batch, "sum"),
+            "nll": self.scored_loss(batch, "sum", validation=True),
             "tokens": torch.tensor(batch["tokens"][:, 1:].numel(), dtype=torch.float64),
             "bytes": batch["target_bytes"].sum(),
         }

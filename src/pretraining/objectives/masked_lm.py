@@ -18,17 +18,10 @@ import torch.nn.functional as F
 from pretraining.data.tokenizer import MASK_ID, SPECIAL_TOKENS, Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import (
-    ChunkTokens,
-    PretrainingObjective,
-    Scored,
-    input_documents,
-    lm_cross_entropy,
-    sums,
-)
+from pretraining.objectives.base import sums
+from pretraining.objectives.language_model import IGNORE, LanguageModel, Scored, input_documents
 from pretraining.ranges import Range, checked_ranges
 
-IGNORE = -100
 MaskRate = Annotated[float, Range(gt=0, lt=1)]
 Probability = Annotated[float, Range(ge=0, le=1)]
 _M32 = 0xFFFFFFFF
@@ -105,7 +98,7 @@ def selected_kinds(inputs_at: torch.Tensor, labels: torch.Tensor) -> dict[str, t
     return {"mask": mask, "random": ~mask & ~kept, "kept": kept}
 
 
-class MaskedLM(PretrainingObjective):
+class MaskedLM(LanguageModel):
     """BERT-style masked-language model over packed blocks with a bidirectional backbone.
 
     Trains at `mask_rate` (0.3, as MosaicBERT found best) and validates at the standard
@@ -124,10 +117,10 @@ class MaskedLM(PretrainingObjective):
         random_prob: Probability = 0.1,
         seed: int = 0,
         eval_seed: int = 0,
-        loss_chunk_tokens: ChunkTokens = None,
         **settings: Any,
     ) -> None:
-        """`settings`: what every objective takes (`PretrainingObjective`: optimizer, warmup, ...)."""
+        """`settings`: what every language model takes (`LanguageModel`: document masking, loss chunks, the
+        optimizer, warmup, ...)."""
         if backbone.causal:
             raise ConfigError("MaskedLM needs a bidirectional backbone: set model.backbone.causal=false")
         if mask_prob + random_prob > 1:
@@ -137,7 +130,6 @@ class MaskedLM(PretrainingObjective):
             )
         counts = [f"{name}_{kind}" for kind in SELECTED_KINDS for name in ("masked", "correct")]
         super().__init__(backbone, validation_state=sums("nll", "masked", "correct", *counts), **settings)
-        self.loss_chunk_tokens = loss_chunk_tokens
         self.mask_rate, self.eval_mask_rate = mask_rate, eval_mask_rate
         self.mask_prob, self.random_prob = mask_prob, random_prob
         self.seed, self.eval_seed = seed, eval_seed
@@ -169,20 +161,9 @@ class MaskedLM(PretrainingObjective):
         inputs, positions, labels = self.masked_inputs(batch, rate, seed)
         return Scored(inputs, input_documents(batch), positions, labels)
 
-    def hidden_at(self, scored: Scored) -> torch.Tensor:
-        """Hidden states (batch, k, d_model) at the scored positions only: the head never sees the other rows."""
-        assert scored.positions is not None
-        hidden = self.packed_hidden(scored.inputs, scored.documents)
-        return hidden.gather(1, scored.positions[..., None].expand(-1, -1, hidden.shape[-1]))
-
     def head_positions(self, length: int) -> int:
+        """Only the masked positions reach the head: the others' hidden states are never gathered."""
         return masked_count(self.mask_rate, length)
-
-    def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        scored = self.scored_inputs(batch)
-        head = self.backbone.token_embedding.weight
-        hidden = self.hidden_at(scored)
-        return lm_cross_entropy(hidden, head, scored.targets, "mean", self.loss_chunk_tokens, ignore_index=IGNORE)
 
     def validation_update(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         scored = self.scored_inputs(batch, validation=True)

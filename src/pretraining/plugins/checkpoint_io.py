@@ -8,13 +8,24 @@ from typing import Any
 from lightning.fabric.plugins import TorchCheckpointIO
 
 from pretraining.checkpoint import refusing_code, remove, save_file, verify
+from pretraining.checkpoint.background import BackgroundWriter, host_copy
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes each checkpoint whole or not at all, with its sidecar last; reads only one that verifies."""
+    """Writes each checkpoint whole or not at all, with its sidecar last; reads only one that verifies. Given a
+    `BackgroundWriter` as `storage_options` (`StepCheckpoint` passes its own), it copies the state to host
+    memory, and the writer's thread writes the copy while training goes on.
+
+    Not Lightning's `AsyncCheckpointIO`, which copies the state on its device, tells no one when a write is
+    complete (`last.ckpt` and pruning wait for that), and raises a failed write only at the next save."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        save_file(checkpoint, Path(path))
+        path = Path(path)
+        if not isinstance(storage_options, BackgroundWriter):
+            save_file(checkpoint, path)
+            return
+        state = host_copy(checkpoint)
+        storage_options.submit(path, lambda: save_file(state, path))
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
         verify(Path(path))

@@ -1,12 +1,13 @@
 """FSDP2 with a sharding policy: mixed precision, activation checkpointing and CPU offload.
 
-`FSDP2Strategy` is Lightning's `ModelParallelStrategy` plus the policy; the objective applies it
-in `configure_model` (`shard`): each transformer `Block` becomes one FSDP unit (its parameters
-all-gathered just before it runs, freed after), then the rest of the objective another.
+`FSDP2Strategy` is Lightning's `ModelParallelStrategy` plus the policy, and checkpoints written whole
+or not at all; the objective applies the policy in `configure_model` (`shard`): each transformer `Block`
+becomes one FSDP unit (its parameters all-gathered just before it runs, freed after), then the rest of the
+objective another.
 
     trainer:
       strategy:
-        _target_: pretraining.plugins.FSDP2Strategy
+        _target_: pretraining.plugins.fsdp.FSDP2Strategy
         mixed_precision: bf16          # null | bf16 | fp16
         activation_checkpointing: true
         cpu_offload: false
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -29,10 +31,13 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
-from torch.distributed.tensor import DTensor
+from torchmetrics import Metric
 
-from pretraining.checkpoint import load_sharded_into, refusing_code
+from pretraining.checkpoint import load_sharded_into, refusing_code, save_sharded, save_sharded_async
+from pretraining.checkpoint.background import BackgroundWriter, host_copy
 from pretraining.errors import ConfigError
+from pretraining.files import temporary_path
+from pretraining.internals import shard_every_rank
 from pretraining.models.transformer import Block
 
 PARAM_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -103,10 +108,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         mixed_precision: str | None = None,
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
+        save_distributed_checkpoint: bool = True,
         **kwargs: Any,
     ) -> None:
-        super().__init__(**kwargs)
+        super().__init__(save_distributed_checkpoint=save_distributed_checkpoint, **kwargs)
         self.policy = ShardingPolicy(mixed_precision, activation_checkpointing, cpu_offload)
+        self.sharded_saves = save_distributed_checkpoint
+        self.checkpoint_group: dist.ProcessGroup | None = None  # background sharded saves' own collectives
 
     def setup_environment(self) -> None:
         if self.policy.mixed_precision is not None and self.precision_plugin.precision != "32-true":
@@ -114,9 +122,35 @@ class FSDP2Strategy(ModelParallelStrategy):
                 f"trainer.strategy.mixed_precision={self.policy.mixed_precision} casts already; "
                 f"trainer.precision={self.precision_plugin.precision} would cast again: set trainer.precision=32-true"
             )
-        if self._data_parallel_size == "auto" and isinstance(self._tensor_parallel_size, int):
-            self._data_parallel_size = self.world_size // self._tensor_parallel_size
+        shard_every_rank(self)
         super().setup_environment()
+        if self.sharded_saves:  # made now, so that a gloo that cannot connect stops the run before any work
+            self.checkpoint_group = dist.new_group(backend="gloo")
+
+    def teardown(self) -> None:
+        if self.checkpoint_group is not None:
+            dist.destroy_process_group(self.checkpoint_group)
+            self.checkpoint_group = None
+        super().teardown()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Lightning's save, whole or not at all: a full checkpoint (gathered on rank zero) through the
+        checkpoint writer (`AtomicCheckpointIO`), as every other strategy saves; a sharded one as a directory
+        of every rank's shards, published by rank zero with its sidecar (`pretraining.checkpoint.sharded`).
+        `storage_options` may be a `BackgroundWriter`: the checkpoint is then written while training goes on."""
+        path = Path(self.broadcast(str(filepath)))
+        if not self.sharded_saves:  # ModelParallelStrategy's own save would refuse storage_options
+            return super(ModelParallelStrategy, self).save_checkpoint(checkpoint, path, storage_options)
+        temporary = Path(self.broadcast(str(temporary_path(path))))  # rank zero's name, on every rank
+        optimizers = enumerate(checkpoint.pop("optimizer_states", []))
+        shards = {"state_dict": checkpoint.pop("state_dict")} | {f"optimizer_{i}": state for i, state in optimizers}
+        meta = checkpoint if self.is_global_zero else None  # all but the shards, written by rank zero
+        if not isinstance(storage_options, BackgroundWriter):
+            return save_sharded(shards, meta, temporary, path)
+        assert self.checkpoint_group is not None
+        finish = save_sharded_async(shards, host_copy(meta), temporary, path, self.checkpoint_group)
+        storage_options.submit(path, finish)
+        return None
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Lightning's loader, except that nothing in a checkpoint can run code: a file loads weights-only
@@ -131,6 +165,11 @@ class FSDP2Strategy(ModelParallelStrategy):
     def model_to_device(self) -> None:
         if not self.policy.cpu_offload:
             return super().model_to_device()
-        # The offload policy keeps the sharded parameters (DTensors) on the host; everything else moves.
+        # The offload policy keeps the sharded parameters on the host; buffers and metric states move.
         assert self.model is not None
-        self.model._apply(lambda t: t if isinstance(t, DTensor) else t.to(self.root_device))
+        for module in self.model.modules():
+            if isinstance(module, Metric):
+                module.to(self.root_device)  # its states are no buffers
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(self.root_device))
+        return None

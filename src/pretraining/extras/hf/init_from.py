@@ -1,0 +1,139 @@
+"""`callbacks=[default,init_from] callbacks.init_from.path=DIR`: a fresh run starts from the weights of a
+Hugging Face GPT-2 directory, for continued pretraining: one `pretrain-export` wrote, or one of your own that
+computes what the backbone computes and reads the run's tokenizer (a stock GPT-2 does neither: `gelu_new`,
+and no `<pad>`, `<eos>`, `<mask>`, `<cls>` at ids 0-3). Its sizes and tokenizer are checked against the
+run's before any weights are loaded; the run's lineage records where it started (`origin`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+from pretraining.checkpoint import checkpoint_digest, read_sidecar
+from pretraining.data.contract import training_data
+from pretraining.data.tokenizer import Tokenizer
+from pretraining.errors import ConfigError, MissingFileError
+from pretraining.extras.hf.directory import LINEAGE, read_config, read_json, read_weights, weight_files
+from pretraining.extras.hf.tokenizer import check_same_tokenizer
+from pretraining.extras.hf.weights import check_gpt2_fits, from_gpt2
+from pretraining.files import sha256_of
+from pretraining.models.transformer import Transformer
+
+try:  # the registry extra, where this fork keeps it: a model exported from a tainted checkpoint is refused
+    from pretraining.extras.registry import versions as registry
+except ModuleNotFoundError:
+    registry = None  # type: ignore[assignment]
+
+KEY = "callbacks.init_from"
+
+
+class InitFrom(Callback):
+    """Load the GPT-2 directory `path` into a fresh run's backbone at set-up, before any validation or step;
+    a resumed run keeps its checkpoint's weights, and must name the directory it started from. A directory
+    exported from a checkpoint that the registry in `registry_dir` marks tainted is refused unless
+    `allow_tainted`."""
+
+    def __init__(self, path: str, registry_dir: str | None = None, allow_tainted: bool = False) -> None:
+        self.path, self.registry_dir, self.allow_tainted = path, registry_dir, allow_tainted
+        self.origin: dict[str, Any] | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.origin is not None:  # loaded already (a validation before training, then fit)
+            return
+        if trainer.ckpt_path:
+            recorded = read_sidecar(Path(trainer.ckpt_path)).get("lineage", {}).get("origin")
+            check_same_origin(self.path, recorded, Path(trainer.ckpt_path))
+            self.origin = recorded
+            return
+        tokenizer = training_data(trainer, KEY).tokenizer
+        self.origin = initialise_from(pl_module.backbone, self.path, tokenizer)  # type: ignore[arg-type]
+        exported = (self.origin["exported_from"] or {}).get("checkpoint_sha256")
+        if exported and registry is not None and self.registry_dir is not None and not self.allow_tainted:
+            what = f"{KEY}.path={self.path} (exported from {self.origin['exported_from']['checkpoint']})"
+            registry.check_not_tainted(
+                registry.Registry(self.registry_dir), checkpoint_digest(exported), what, "a start", "allow_tainted=true"
+            )
+        rank_zero_info(f"starting from the weights of {self.origin['init_from']} ({KEY})")
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint.setdefault("lineage", {})["origin"] = self.origin
+
+
+def check_same_origin(init_from: str, origin: dict[str, Any] | None, checkpoint: Path) -> None:
+    """Refuse a `path` that the run being continued did not start from: its checkpoint's weights win, and the
+    lineage would name a start that never happened. The directory is named as it was then, or as the same
+    place now (it need not exist any more)."""
+    if origin and is_origin(init_from, origin):
+        return
+    started = f"{KEY}.path={origin['given']}" if origin else f"no {KEY} (random weights)"
+    raise ConfigError(
+        f"{KEY}.path={init_from} applies to a fresh run, and this one continues from {checkpoint}, whose run "
+        f"started from {started}: pass that to continue it, or resume=never (or another run_name) to start "
+        f"afresh from {init_from}"
+    )
+
+
+def initialise_from(backbone: Transformer, given: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    """Load the GPT-2 model in the directory `given` (as `callbacks.init_from.path` names it) into `backbone`;
+    return its origin record for the lineage."""
+    directory, source = Path(given), f"{KEY}.path={given}"
+    if not directory.is_dir():
+        raise MissingFileError(f"{source}: no such directory; name a Hugging Face GPT-2 model directory")
+    config = read_config(directory)
+    if config.get("model_type") != "gpt2":
+        raise ConfigError(
+            f"{source} holds a {config.get('model_type')!r} model: {KEY} starts from GPT-2 models "
+            "(model_type gpt2, as `pretrain-export` writes a next-token model)"
+        )
+    check_gpt2_fits(config, backbone, tokenizer.vocab_size, source)
+    check_same_tokenizer(
+        directory / "tokenizer.json",
+        tokenizer,
+        "the run must read text as the model was trained to: pass the "
+        "tokenizer it was trained with (tokenizer=bytes, or tokenizer=bpe tokenizer.path=...)",
+    )
+    files = weight_files(directory)
+    origin = {
+        "given": given,
+        "init_from": str(directory.resolve()),
+        "weights_sha256": {path.name: sha256_of(path) for path in files},
+        "exported_from": exported_from(directory),
+    }
+    origin["summary"] = describe_origin(origin)  # what `pretrain-info` shows
+    weights = read_weights(files)
+    backbone.load_state_dict(from_gpt2(weights, backbone, source))
+    return origin
+
+
+def is_origin(given: str, origin: dict[str, Any]) -> bool:
+    """Whether `given` names the directory of `origin`: as it was named then, or the same place now."""
+    return given == origin.get("given") or str(Path(given).resolve()) == origin["init_from"]
+
+
+def describe_origin(origin: dict[str, Any] | None) -> str:
+    """Where a run's first weights came from, in a line: the directory (and the checkpoint it was exported from)."""
+    if not origin:
+        return "random initialisation"
+    exported = origin.get("exported_from")
+    source = f", exported from {exported['checkpoint']} (step {exported['step']})" if exported else ""
+    return f"{origin['init_from']} ({KEY}){source}"
+
+
+def exported_from(directory: Path) -> dict[str, Any] | None:
+    """The checkpoint a `pretrain-export` directory came from (its path, step, code and data), if it says."""
+    path = directory / LINEAGE
+    if not path.is_file():
+        return None
+    record = read_json(path)
+    lineage = record.get("lineage")
+    lineage = lineage if isinstance(lineage, dict) else {}
+    return {
+        "checkpoint": record.get("checkpoint"),
+        "checkpoint_sha256": record.get("checkpoint_sha256"),
+        "step": lineage.get("step"),
+        "code": lineage.get("code"),
+        "data_version": lineage.get("data_version"),
+    }

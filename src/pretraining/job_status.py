@@ -1,0 +1,77 @@
+"""Every job's outcome beside its outputs: `<run dir>/status.json`, written by a Hydra callback
+(configs/hydra/default.yaml) when a job starts (`running`, with its process) and when it ends (`completed`,
+with the value returned to the sweeper, or `failed`, with the error). A scheduler, a person or a sweep's
+report (the sweeps extra) reads it."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from pretraining.errors import RunLockedError
+from pretraining.files import write_atomically
+from pretraining.internals import failed_job_error
+from pretraining.launch import is_rank_zero_process
+from pretraining.run_lock import STATUS_FILE, RunLock, acquire, release
+
+
+class RecordJobStatus(Callback):
+    """Record each job's outcome in `<job>/status.json` (rank zero only)."""
+
+    # The record is the run directory's, so it is written under the job's lock on it (`pretraining.run_lock`,
+    # which `pretrain` holds too): a second job started on a directory in use neither marks it `running`
+    # nor `failed` with its refusal, and a refused command's removed directory is not made again.
+    lock: RunLock | None = None
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if not is_rank_zero_process():
+            return
+        job_dir = Path(config.hydra.runtime.output_dir)
+        try:
+            self.lock = acquire(job_dir)
+        except RunLockedError:  # the job itself stops with it
+            return
+        write_status(
+            job_dir, {"status": "running", "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        )
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if not is_rank_zero_process():
+            return
+        lock, self.lock = self.lock, None
+        if lock is None:  # refused: the directory is another job's
+            return
+        try:
+            job_dir = Path(config.hydra.runtime.output_dir)
+            if job_dir.is_dir():
+                write_status(job_dir, {**read_status(job_dir), **outcome(job_return), "finished": time.time()})
+        finally:
+            release(lock)
+
+
+def outcome(job_return: JobReturn) -> dict[str, Any]:
+    """`completed` with the value the job returned (a number, for a sweeper), or `failed` with its error."""
+    if job_return.status != JobStatus.COMPLETED:
+        error = failed_job_error(job_return)
+        return {"status": "failed", "error": f"{type(error).__name__}: {error}"}
+    value = job_return.return_value
+    return {"status": "completed", "value": float(value) if isinstance(value, int | float) else None}
+
+
+def read_status(job_dir: Path) -> dict[str, Any]:
+    """The job's status record as written; `unknown` where it has none."""
+    path = job_dir / STATUS_FILE
+    return json.loads(path.read_text()) if path.is_file() else {"status": "unknown"}
+
+
+def write_status(job_dir: Path, record: dict[str, Any]) -> None:
+    job_dir.mkdir(parents=True, exist_ok=True)
+    write_atomically(job_dir / STATUS_FILE, json.dumps(record, indent=2).encode())

@@ -1,0 +1,78 @@
+"""The end of a training run, for `pretraining.train`: where the run is, its last checkpoint, the commands
+for both, its final metrics and how to upload an offline W&B run; then the exit status of a run a signal
+stopped."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import sys
+from pathlib import Path
+
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities import rank_zero_info
+
+from pretraining.callbacks.preemption import stop_signal
+from pretraining.launch import hydra_quote
+from pretraining.loggers import ResumableCSVLogger, WandbRunLogger
+
+
+def report(trainer: Trainer, metrics: dict[str, float]) -> None:
+    """Print where the run is, its last checkpoint and the commands for both (evaluate, info, and those of
+    the extras a fork keeps: export, plot), run from this directory, its final metrics and how to upload an
+    offline W&B run; then, if a signal stopped it, exit with 128 + the signal's number (after saving)."""
+    run = shown(Path(trainer.default_root_dir))
+    lines = [f"run directory: {run}"]
+    last = getattr(trainer.checkpoint_callback, "last_model_path", "")
+    if last and Path(last).exists():
+        last = shown(Path(last))
+        lines += [
+            f"last checkpoint: {last}",
+            f"  evaluate it:    {command('pretrain-eval', f'ckpt_path={override_value(last)}')}",
+            f"  what made it:   {command('pretrain-info', last)}",
+        ]
+        if has_extra("hf"):
+            lines.append(f"  export it:      {command('pretrain-export', last, Path('exports') / export_name(run))}")
+    if has_extra("plots") and any(isinstance(logger, ResumableCSVLogger) for logger in trainer.loggers):
+        lines.append(f"learning curves: {command('pretrain-plot', run)}")
+    lines += [
+        f"{name} = {value:.0f}" if value.is_integer() else f"{name} = {value:.5g}"
+        for name, value in sorted(metrics.items())
+    ]
+    syncs = [logger.sync_command() for logger in trainer.loggers if isinstance(logger, WandbRunLogger)]
+    if any(syncs):
+        hint = next(filter(None, syncs))
+        lines.append(f"W&B logged offline (no credentials, or WANDB_MODE=offline); upload the run with: {hint}")
+    rank_zero_info("\n".join(lines))
+    status = stop_signal(trainer)
+    if status:
+        rank_zero_info(f"stopped by a signal at step {trainer.global_step}; run the same command to continue")
+        raise SystemExit(status)
+
+
+def has_extra(name: str) -> bool:
+    """Whether this fork keeps the extra `pretraining.extras.<name>` (it is not imported)."""
+    return importlib.util.find_spec(f"pretraining.extras.{name}") is not None
+
+
+def command(script: str, *args: str | Path) -> str:
+    """A shell command line running the console script `script`: the one beside this Python (`.venv/bin/...`),
+    else the one on PATH."""
+    beside = Path(sys.executable).parent / script
+    return shlex.join([str(shown(beside)) if beside.exists() else script, *map(str, args)])
+
+
+def override_value(path: Path) -> str:
+    """`path` as the value of a Hydra override: as it is when Hydra reads it so, else quoted."""
+    return str(path) if re.fullmatch(r"[A-Za-z0-9_./-]+", str(path)) else hydra_quote(str(path))
+
+
+def export_name(run: Path) -> str:
+    """A name for an export of `run`: its directory's, with its sweep's for a job of a multirun (`0`, `1`)."""
+    return f"{run.parent.name}-{run.name}" if run.name.isdigit() else run.name
+
+
+def shown(path: Path) -> Path:
+    """`path` as the user will type it: relative to the current directory when it is below it."""
+    return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path

@@ -1,0 +1,202 @@
+"""scripts/baselines.py: each floor checked against an independent computation on a tiny corpus built for it."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+import re
+import string
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from pretraining.config import PROJECT_ROOT
+from pretraining.data.documents import Document
+from pretraining.data.manifest import PAIR_FIELDS
+from pretraining.data.reader import SampleReader
+from pretraining.data.shards import BuildSettings, build_shards
+from pretraining.data.tokenizer import EOS_ID, MASK_ID, SPECIAL_TOKENS, train_bpe
+from pretraining.objectives.base import build_objective
+from pretraining.objectives.masked_lm import IGNORE
+
+BLOCKS = ["model.backbone.max_seq_len=64", "data.val_size=8"]
+
+
+def load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("baselines", PROJECT_ROOT / "scripts" / "baselines.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+baselines = load_script()
+
+
+def markov_text(rng: random.Random, successor: dict[str, str], length: int) -> str:
+    """Letters where each is followed by its fixed successor 9 times in 10, else by any letter."""
+    text = [rng.choice(string.ascii_lowercase)]
+    for _ in range(length - 1):
+        text.append(successor[text[-1]] if rng.random() < 0.9 else rng.choice(string.ascii_lowercase))
+    return "".join(text)
+
+
+def build(documents: list[Document], validation: list[Document], out: Path, fields: tuple[str, ...]) -> Path:
+    settings = BuildSettings(validation_sources=["validation"])
+    build_shards(
+        documents, out, ["train"], settings, show_progress=False, fields=fields, validation_documents=validation
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def markov_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Text shards of a strong bigram structure, and a BPE tokenizer.json trained on them."""
+    rng = random.Random(0)
+    letters = list(string.ascii_lowercase)
+    successor = dict(zip(letters, rng.sample(letters, len(letters)), strict=True))
+    texts = [markov_text(rng, successor, 600) for _ in range(30)]
+    train = [Document(f"train{i}", {"txt": text}) for i, text in enumerate(texts[:24])]
+    validation = [Document(f"validation{i}", {"txt": text}) for i, text in enumerate(texts[24:])]
+    out = build(train, validation, tmp_path_factory.mktemp("markov") / "shards", ("txt",))
+    train_bpe(texts[:24], vocab_size=300, out_path=out / "tokenizer.json")
+    return out
+
+
+@pytest.fixture(scope="module")
+def pairs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Pairs whose query and passage share a rare byte of their own, amid words common to every pair."""
+    rng = random.Random(1)
+    common = ["def", "return", "self", "the", "value", "import", "for"]
+
+    def pair(rare: str) -> dict[str, str]:
+        query = " ".join([rare * 2, *rng.choices(common, k=rng.randint(3, 6))])
+        passage = " ".join([rare * 2, *rng.choices(common, k=rng.randint(8, 16))])
+        return dict(zip(PAIR_FIELDS, (query, passage), strict=True))
+
+    train = [Document(f"train{i}", pair(rng.choice(string.ascii_lowercase))) for i in range(60)]
+    rare = string.ascii_uppercase + string.digits + "!#$%"  # one for each validation pair, none in training
+    validation = [Document(f"validation{i}", pair(byte)) for i, byte in enumerate(rare)]
+    return build(train, validation, tmp_path_factory.mktemp("pairs") / "shards", PAIR_FIELDS)
+
+
+def printed(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, dict[str, float]]:
+    """The floors `main` prints: {the line's description: {metric: value}}."""
+    baselines.main(list(argv))
+    floors = {}
+    for line in capsys.readouterr().out.splitlines()[1:]:
+        name = re.split(r"\s{2,}val/", line.strip())[0]
+        floors[name] = {metric: float(value) for metric, value in re.findall(r"(val/\S+)=([-\d.]+)", line)}
+    return floors
+
+
+def test_default_experiment_unless_one_is_named() -> None:
+    assert baselines.run_config("mlm", []).model._target_.endswith("MaskedLM")
+    assert baselines.run_config("contrastive", []).model._target_.endswith("Contrastive")
+    assert baselines.run_config("mlm", ["experiment=clm_tiny"]).model._target_.endswith("CausalLM")
+
+
+def test_bad_input_stops_with_the_message_and_no_traceback(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=rf"^baselines: data\.dir={tmp_path} holds no manifest\.json"):
+        baselines.main(["clm", f"data.dir={tmp_path}"])
+    with pytest.raises(SystemExit, match=r"^baselines: Could not override 'model\.nosuch'"):
+        baselines.main(["clm", "model.nosuch=1"])
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_clm_unigram_is_the_hand_count(markov_dir: Path, tokenizer: str) -> None:
+    cfg = baselines.run_config("clm", [f"data.dir={markov_dir}", f"tokenizer={tokenizer}", *BLOCKS])
+    data = baselines.run_data(cfg)
+    floors = baselines.clm_floors(cfg, data)
+    assert data.tokenizer.vocab_size == (300 if tokenizer == "bpe" else 256 + len(SPECIAL_TOKENS))
+    counts: Counter[int] = Counter()
+    for shard in data.manifest.shards("train"):
+        for (text,) in SampleReader(["txt"]).texts(data.manifest.url(shard)):
+            counts.update([*data.tokenizer.encode(text), EOS_ID])
+    total = sum(counts.values()) + data.tokenizer.vocab_size
+    nll = target_bytes = targets = 0
+    for block in data.validation_set:
+        for token in block["tokens"][1:].tolist():
+            nll -= math.log((counts[token] + 1) / total)
+            target_bytes += int(data.tokenizer.token_bytes[token])
+            targets += 1
+    unigram = floors["unigram, add-one smoothed"]
+    assert unigram["val/bpb"] == pytest.approx(nll / (math.log(2) * target_bytes), rel=1e-9)
+    assert unigram["val/loss"] == pytest.approx(nll / targets, rel=1e-9)
+
+
+def test_clm_bigram_beats_unigram_on_bigram_text(markov_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    floors = printed(capsys, "clm", f"data.dir={markov_dir}", *BLOCKS)
+    unigram, bigram = floors["unigram, add-one smoothed"], floors["bigram, Witten-Bell with that unigram"]
+    assert unigram["val/bpb"] > 4.5  # about log2(26): the letters are about equally frequent
+    assert bigram["val/bpb"] < 1.5  # the successor 9 times in 10
+    bpe = printed(capsys, "clm", f"data.dir={markov_dir}", "tokenizer=bpe", *BLOCKS)
+    assert bpe["unigram, add-one smoothed"]["val/bpb"] != pytest.approx(unigram["val/bpb"], rel=1e-3)
+
+
+def test_witten_bell_is_a_distribution() -> None:
+    tokens = np.array([5, 6, 5, 6, 5, 7, 8, 5, 6])
+    unigram = baselines.add_one(np.bincount(tokens, minlength=10))
+    for context in (5, 6, 9):  # seen with several successors, with one, never
+        p = baselines.witten_bell(tokens, unigram, np.full(10, context), np.arange(10))
+        assert p.sum() == pytest.approx(1.0)
+    p = baselines.witten_bell(tokens, unigram, np.array([5, 9]), np.array([6, 6]))
+    assert p[0] == pytest.approx((3 + 2 * unigram[6]) / (4 + 2))  # 5 -> 6 three times, 5 -> 7 once
+    assert p[1] == pytest.approx(unigram[6])
+
+
+def test_mlm_floors_on_the_objectives_masks(markov_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = [f"data.dir={markov_dir}", *BLOCKS, "data.val_size=16"]
+    cfg = baselines.run_config("mlm", overrides)
+    data = baselines.run_data(cfg)
+    letters = Counter(letter for (text,) in baselines.train_texts(data) for letter in text)  # a letter is a byte
+    (top,) = data.tokenizer.encode(letters.most_common(1)[0][0])
+    # The masks of the objective itself, validating.
+    model = build_objective(OmegaConf.merge(cfg.model, {"backbone": {"d_model": 32, "n_layer": 1}}), data.format)
+    batch = {key: torch.stack([example[key] for example in data.validation_set]) for key in data.validation_set[0]}
+    scored = model.scored_inputs(batch, validation=True)
+    counted = scored.targets != IGNORE
+    labels, visible = scored.targets[counted], scored.inputs.gather(1, scored.positions)[counted]
+    kinds = {"mask": visible == MASK_ID, "kept": visible == labels}
+    kinds["random"] = ~kinds["mask"] & ~kinds["kept"]
+    assert all(selected.any() for selected in kinds.values())
+
+    floors = printed(capsys, "mlm", *overrides)
+    frequent = floors[f"most frequent token {data.tokenizer.decode([top])!r}"]
+    copy = floors["copy the visible token, else the most frequent"]
+    assert frequent["val/accuracy"] == pytest.approx(float((labels == top).double().mean()), abs=1e-4)
+    for kind, selected in kinds.items():
+        assert frequent[f"val/accuracy_{kind}"] == pytest.approx(
+            float((labels[selected] == top).double().mean()), abs=1e-4
+        )
+    right = kinds["kept"].sum() + (kinds["mask"] & (labels == top)).sum()
+    assert copy["val/accuracy"] == pytest.approx(float(right / len(labels)), abs=1e-4)
+    assert copy["val/accuracy_kept"] == 1.0 and copy["val/accuracy_random"] == 0.0
+    assert copy["val/accuracy_mask"] == frequent["val/accuracy_mask"]
+    total = sum(letters.values()) + 256  # add-one over the byte tokens, the special ones never masked
+    loss = -np.mean([math.log((letters[data.tokenizer.decode([label])] + 1) / total) for label in labels.tolist()])
+    assert floors["unigram, add-one smoothed"]["val/loss"] == pytest.approx(loss, abs=1e-4)
+
+
+def test_contrastive_tfidf_finds_the_shared_rare_words(pairs_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = ["tokenizer=bytes", f"data.dir={pairs_dir}", "model.pool_size=10"]
+    floors = printed(capsys, "contrastive", *overrides)
+    pairs = 40
+    for direction in ("q2p", "p2q"):
+        tfidf = floors[f"TF-IDF (raw tf, smoothed training idf), cosine, {direction}"]
+        assert tfidf[f"val/{direction}_mrr"] == 1.0 and tfidf[f"val/{direction}_mrr@10"] == 1.0
+        expected = sum(1 / rank for rank in range(1, pairs + 1)) / pairs
+        (random_floor,) = [
+            metrics for name, metrics in floors.items() if name.startswith("random") and direction in name
+        ]
+        assert random_floor[f"val/{direction}_mrr"] == pytest.approx(expected, abs=0.04)
+        assert random_floor[f"val/{direction}_recall@10"] == pytest.approx(10 / pairs, abs=0.06)
+        assert random_floor[f"val/{direction}_mrr@10"] == pytest.approx(sum(1 / r for r in range(1, 11)) / 10, abs=0.06)
+        bag = floors[f"bag of tokens, cosine, {direction}"]
+        assert bag[f"val/{direction}_mrr"] < 1.0  # the common words drown the rare one without idf
