@@ -12,9 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import fit_batch
+from pretraining.data.batches import BatchStream, batch_plan
 from pretraining.data.formats import PackedBlocks
 from pretraining.data.manifest import Manifest
-from pretraining.data.stream import BatchStream, ShardStream, batch_plan
+from pretraining.data.stream import ShardStream
 from pretraining.data.tokenizer import EOS_ID, MASK_ID, SPECIAL_TOKENS, ByteTokenizer
 from pretraining.errors import ConfigError
 from pretraining.models import Transformer

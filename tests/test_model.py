@@ -12,8 +12,8 @@ from lightning.pytorch import Trainer
 from conftest import fit_batch
 from pretraining.errors import ConfigError
 from pretraining.models import Transformer
+from pretraining.objectives.base import warmup_cosine
 from pretraining.objectives.causal_lm import CausalLM
-from pretraining.objectives.optimization import warmup_cosine
 
 
 def tiny_lm(**backbone: object) -> CausalLM:

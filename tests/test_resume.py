@@ -8,23 +8,22 @@ import csv
 import itertools
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
+from lightning.pytorch import Callback
 
 from conftest import tiny_run
 from pretraining.callbacks.batch_log import batch_log_differences, read_batch_log
-from pretraining.callbacks.step_seed import seed_all
 from pretraining.checkpoint import CheckpointError, saved_checkpoints
 from pretraining.config import CONFIG_DIR, default_run_name
 from pretraining.data.manifest import Manifest
@@ -147,12 +146,10 @@ def test_ddp_on_two_processes_with_two_workers(tmp_path: Path, small_shards: Pat
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *DDP, f"data.dir={small_shards}", "data.num_workers=2"]
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
     # Rank zero's checkpoint holds every rank's data position (each rank reads one of the 2 streams,
-    # in 2 sub-streams, one per worker) and, for inspection, RNG states.
+    # in 2 sub-streams, one per worker).
     checkpoint = torch.load(run_dir(tmp_path, "killed") / "checkpoints" / "last.ckpt", weights_only=True)
     position = checkpoint["ShardDataModule"]
     assert position["steps"] == 14 and [sub for sub, _, _ in position["cursors"]] == [0, 1, 2, 3]
-    rng_states = checkpoint["callbacks"]["StepSeed"]["rng_states_by_rank"]
-    assert len(rng_states) == 2 and not torch.equal(rng_states[0]["torch"], rng_states[1]["torch"])
 
 
 @pytest.mark.distributed
@@ -162,10 +159,20 @@ def test_fsdp2_on_two_processes(tmp_path: Path, small_shards: Path) -> None:
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
 
 
+class Unseeded(Callback):
+    """Draws every batch's randomness afresh, after the DataModule seeded it from the step: as a run that
+    did not key its randomness on the data position."""
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
 @pytest.mark.slow  # keeps the default suite near 10 minutes on 2 cores
 def test_without_reseeding_the_losses_differ(tmp_path: Path, small_shards: Path) -> None:
-    """The negative control: the same kills without `StepSeed` give the same batches, other losses."""
-    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, f"data.dir={small_shards}", "~callbacks.step_seed"]
+    """The negative control: the same kills without the DataModule's reseeding give the same batches, other
+    losses."""
+    unseeded = "+callbacks.unseeded._target_=test_resume.Unseeded"
+    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, f"data.dir={small_shards}", unseeded]
     with pytest.raises(AssertionError, match="batches or losses differ"):
         kill_twice_and_compare(tmp_path, overrides, kills=(6, 10), max_steps=12)
     reference, resumed = batch_logs(tmp_path, "reference"), batch_logs(tmp_path, "killed")
@@ -360,11 +367,3 @@ def test_a_signal_saves_at_the_next_step_boundary_and_requeues_under_slurm(
     requeued = (tmp_path / "scontrol.log").read_text() if (tmp_path / "scontrol.log").exists() else None
     assert requeued == ("requeue 4242\n" if signum == signal.SIGUSR1 else None)  # Ctrl-C is not requeued
     assert {s: signal.getsignal(s) for s in handlers} == handlers  # the handlers from before training are back
-
-
-def test_reseeding_seeds_as_torch_manual_seed_does() -> None:
-    """`seed_all` skips `torch.manual_seed`'s look for other backends, and draws the same numbers."""
-    seed_all(2024)
-    ours = (random.random(), np.random.rand(), torch.rand(3))
-    random.seed(2024), np.random.seed(2024), torch.manual_seed(2024)
-    assert ours[:2] == (random.random(), np.random.rand()) and torch.equal(ours[2], torch.rand(3))

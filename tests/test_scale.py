@@ -14,7 +14,7 @@ from test_resume import final_weights, pretrain, run_dir
 
 STEPS = 6
 OBJECTIVES = {"clm_tiny": "small_shards", "mlm_tiny": "shard_dir", "contrastive_tiny": "pair_dir"}
-# Dropout on: StepSeed keys it on each micro-batch's place in the global batch, not on the rank.
+# Dropout on: the DataModule keys it on each micro-batch's place in the global batch, not on the rank.
 COMMON = ["callbacks=[default,batch_log]", "model.backbone.dropout=0.1", f"trainer.max_steps={STEPS}"]
 
 pytestmark = pytest.mark.distributed  # two processes (gloo)

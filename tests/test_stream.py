@@ -21,8 +21,9 @@ import torch
 from torch.utils.data._utils.pin_memory import pin_memory
 
 from conftest import packed_blocks, tokenized_pairs
+from pretraining.data.batches import BatchPlan, BatchStream, batch_plan, default_streams
 from pretraining.data.corpus import read_source
-from pretraining.data.datamodule import ShardDataModule, default_streams
+from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.formats import (
     Block,
     PackedBlocks,
@@ -46,22 +47,9 @@ from pretraining.data.loader import (
 from pretraining.data.manifest import Manifest
 from pretraining.data.reader import read_shard
 from pretraining.data.shards import BuildSettings, build_shards
-from pretraining.data.stream import (
-    BatchPlan,
-    BatchStream,
-    Cursor,
-    ShardStream,
-    ValidationSet,
-    batch_plan,
-    buffer_shuffled,
-    seeded_rng,
-    shard_order,
-    shared_alike,
-    spread,
-    stream_shard,
-    validation_examples,
-)
+from pretraining.data.stream import Cursor, ShardStream, buffer_shuffled, seeded_rng, shard_order, stream_shard
 from pretraining.data.tokenizer import EOS_ID, BPETokenizer, ByteTokenizer, train_bpe
+from pretraining.data.validation import ValidationSet, shared_alike, spread, validation_examples
 from pretraining.errors import ShardError
 from pretraining.instantiate import build
 

@@ -52,8 +52,8 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     trusted = list(cfg.trusted_targets)
     model, datamodule = build_from_checkpoint(checkpoint, str(cfg.ckpt_path), overrides, cfg.tokenizer_path, trusted)
     trainer = Trainer(accelerator=cfg.accelerator, devices=1, logger=False, enable_checkpointing=False)
-    (metrics,) = trainer.validate(model, datamodule=datamodule, verbose=not cfg.quiet)
-    metrics.pop("step", None)  # the logging step of a validation: the checkpoint's is below
+    (validated,) = trainer.validate(model, datamodule=datamodule, verbose=not cfg.quiet)
+    metrics = {name: value for name, value in validated.items() if name != "step"}  # the checkpoint's is below
     result: dict[str, Any] = {"checkpoint": str(cfg.ckpt_path), "step": checkpoint["global_step"], **metrics}
     if cfg.prompt and isinstance(model, CausalLM):
         torch.manual_seed(cfg.seed)

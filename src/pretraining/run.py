@@ -66,12 +66,12 @@ def check_config(cfg: DictConfig) -> None:
 def unset_keys(node: DictConfig | ListConfig, prefix: str = "") -> Iterator[str]:
     """The keys under `node` whose value is `???`, read without resolving any interpolation (which may need
     a Hydra run, or point at one of these)."""
-    for key in node.keys() if isinstance(node, DictConfig) else range(len(node)):
-        name = f"{prefix}{key}"
+    keys: list[Any] = list(node.keys()) if isinstance(node, DictConfig) else list(range(len(node)))
+    for key in keys:
         if OmegaConf.is_missing(node, key):
-            yield name
+            yield f"{prefix}{key}"
         elif not OmegaConf.is_interpolation(node, key) and isinstance(node[key], DictConfig | ListConfig):
-            yield from unset_keys(node[key], f"{name}.")
+            yield from unset_keys(node[key], f"{prefix}{key}.")
 
 
 def prepare_process(cfg: DictConfig) -> None:

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
-from pretraining.data.corpus import Document, PairCounts, docstring_pairs, is_record_source, read_source
+from pretraining.data.corpus import Document, is_record_source, read_source
 from pretraining.data.index import index_shards, summary
 from pretraining.data.manifest import PAIR_FIELDS, TEXT_FIELDS, TOKENIZER, Manifest
+from pretraining.data.pairs import PairCounts, docstring_pairs
 from pretraining.data.reader import SampleReader
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.tokenizer import train_bpe

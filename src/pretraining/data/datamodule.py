@@ -5,7 +5,7 @@ The batch is configured globally: `global_batch_size` examples (or
 `global_batch_tokens`) per optimizer step over all devices, run in
 micro-batches of `micro_batch_size` per device; the gradient accumulation
 follows from the number of devices (`plan`), and so do the examples each
-device reads (`pretraining.data.stream.BatchPlan`): the same config trains on
+device reads (`pretraining.data.batches.BatchPlan`): the same config trains on
 the same examples, step by step, on any number of devices.
 
 The DataModule also owns the training data position. It sees every batch the
@@ -17,6 +17,15 @@ holds all of them, and `train_dataloader()` always starts from them: after a
 restore, each stream skips its finished shards by arithmetic and re-reads only
 its current shard, whatever the number of devices now.
 
+It keys the randomness of training on the same position: before each training
+micro-batch it seeds every generator from (seed, step, slot), the micro-batch's
+place in the step's global batch, the same on any number of devices. Dropout
+and any other draw of a step then depend only on where the run is, not on its
+history or layout: a run resumed from a checkpoint draws exactly what the
+uninterrupted run drew, whatever happened in between (validation, a sample, a
+restart), and one process accumulating gradients draws what several devices
+draw. (Per-sample randomness in the data, MLM masks, is keyed on sample ids.)
+
 Bad data follows `bad_data`: `skip` (the default) skips unusable samples and
 shards with a warning and counts them (`samples_read`, `samples_skipped`, kept in
 the checkpoint with the position); `raise` stops on the first. A shard missing
@@ -27,24 +36,28 @@ whole. `check_skips` stops the run once too much was skipped
 
 from __future__ import annotations
 
-import math
 import os
+import random
 import warnings
 from collections.abc import Callable
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
+import numpy as np
+import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
+from pretraining.data.batches import BatchPlan, BatchStream, batch_plan, default_streams, global_batch_examples
 from pretraining.data.formats import ExampleFormat, Tensors
 from pretraining.data.loader import training_loader, validation_loader
 from pretraining.data.manifest import Manifest
-from pretraining.data.stream import BatchPlan, BatchStream, Cursor, ShardStream, batch_plan, validation_examples
+from pretraining.data.stream import Cursor, ShardStream, stable_hash
 from pretraining.data.tokenizer import Tokenizer
+from pretraining.data.validation import validation_examples
 from pretraining.distributed import gather
-from pretraining.errors import CheckpointError, ConfigError, ShardError
+from pretraining.errors import CheckpointError, ShardError
 from pretraining.ranges import Positive, Range, checked_ranges
 
 
@@ -98,7 +111,6 @@ class ShardDataModule(LightningDataModule):
             "shards (data=text, data=pairs)",
         )
         self.global_batch_size, self.micro_batch_size, self.streams = global_batch_size, micro_batch_size, streams
-        self.plans: dict[int, BatchPlan] = {}  # by world size: the plan is asked for at every step (StepSeed)
         self.seed, self.num_workers = seed, num_workers
         self.shuffle_buffer, self.pin_memory = shuffle_buffer, pin_memory
         self.val_size, self.val_batch_size = val_size, val_batch_size
@@ -136,9 +148,7 @@ class ShardDataModule(LightningDataModule):
 
     def plan_for(self, world_size: int) -> BatchPlan:
         """How the global batch is split over `world_size` devices (a ConfigError if it cannot be)."""
-        if world_size not in self.plans:
-            self.plans[world_size] = batch_plan(self.global_batch_size, self.micro_batch_size, self.streams, world_size)
-        return self.plans[world_size]
+        return batch_plan(self.global_batch_size, self.micro_batch_size, self.streams, world_size)
 
     @property
     def plan(self) -> BatchPlan:
@@ -175,7 +185,7 @@ class ShardDataModule(LightningDataModule):
     @property
     def batch_slot(self) -> tuple[int, int]:
         """(step, slot) of the micro-batch consumed last: where it sits in the global batch, the same
-        on any number of devices (randomness keyed on it is too: `StepSeed`)."""
+        on any number of devices (its randomness is keyed on it too: `seed_step`)."""
         return self.plan.slot_of(self.rank_and_world[0], self.batches_consumed - 1)
 
     def train_dataloader(self) -> DataLoader:
@@ -205,6 +215,7 @@ class ShardDataModule(LightningDataModule):
             self.batches_consumed += 1
             self.samples_read += int(batch.pop("read"))
             self.samples_skipped += int(batch.pop("skipped"))
+            seed_step(stable_hash("batch", self.seed, *self.batch_slot))
         return batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -287,25 +298,8 @@ class ShardDataModule(LightningDataModule):
         return validation_loader(examples[rank::world_size][:per_rank], batch_size, self.pin_memory)
 
 
-def global_batch_examples(examples: int | None, tokens: int | None, example_tokens: int) -> int:
-    """The global batch in examples, from exactly one of its size in examples and in tokens."""
-    if examples is not None and tokens is None:
-        return examples
-    if tokens is not None and examples is None:
-        if tokens % example_tokens:
-            raise ConfigError(
-                f"data.global_batch_tokens={tokens} must be a multiple of the {example_tokens} tokens of one example "
-                f"(data.format's lengths)"
-            )
-        return tokens // example_tokens
-    raise ConfigError(
-        f"set exactly one of data.global_batch_size (examples) and data.global_batch_tokens; got {examples} and "
-        f"{tokens} (set the other to null)"
-    )
-
-
-def default_streams(global_batch: int) -> int:
-    """The streams a step draws from when `data.streams` is null: the largest of 1, 2, 4 and 8 dividing the
-    global batch (8 for 16 or 32, 4 for 12), from the batch alone so that the data order never depends on
-    the number of devices."""
-    return math.gcd(global_batch, 8)
+def seed_step(seed: int) -> None:
+    """Seed Python's `random`, NumPy and torch (the CPU and every CUDA device)."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)

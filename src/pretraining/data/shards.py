@@ -14,12 +14,10 @@ a crash never leaves a half-written shard or manifest where a good one was.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import platform
 import shutil
-import tarfile
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,9 +25,10 @@ from pathlib import Path
 from rich.progress import Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
 from pretraining.data.corpus import Document, normalize
-from pretraining.data.manifest import MANIFEST, SPLITS, TEXT_FIELDS, TOKENIZER, ShardInfo
+from pretraining.data.manifest import MANIFEST, SPLITS, TEXT_FIELDS, TOKENIZER
+from pretraining.data.shard_writer import ShardWriter
 from pretraining.errors import ShardError
-from pretraining.files import sha256_of, write_atomically
+from pretraining.files import write_atomically
 
 FORMAT = "pretraining-shards/2"
 SPLIT_RULE = "validation iff int(sha256(source_id)[:16], 16) / 2**64 < validation_fraction"
@@ -107,69 +106,6 @@ def split_parts(document: Document, settings: BuildSettings, from_validation: bo
         ("train", Document(document.source_id, {name: head}, document.meta)),
         ("validation", Document(f"{document.source_id}#tail", {name: tail}, document.meta)),
     ]
-
-
-def _member_bytes(size: int) -> int:
-    """A tar member's header plus its data padded to whole blocks."""
-    return tarfile.BLOCKSIZE + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
-
-
-def _tar_bytes(members_end: int) -> int:
-    """The size of a closed tar whose members end at `members_end`: two end blocks, padded to a record."""
-    return -(-(members_end + 2 * tarfile.BLOCKSIZE) // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
-
-
-class _ShardWriter:
-    """Writes one split's samples into size-bounded, byte-reproducible tar shards."""
-
-    def __init__(self, directory: Path, split: str, settings: BuildSettings) -> None:
-        self.directory, self.split, self.settings = directory, split, settings
-        self.shards: list[ShardInfo] = []
-        self._tar: tarfile.TarFile | None = None
-
-    def write(self, key: str, texts: dict[str, str], meta: dict) -> None:
-        members = {name: text.encode() for name, text in texts.items()}
-        members["json"] = json.dumps(meta, sort_keys=True).encode()
-        size = sum(_member_bytes(len(data)) for data in members.values())
-        if self._tar is None or self._full(size):
-            self._finish_shard()
-            self._start_shard()
-        assert self._tar is not None
-        for extension, data in members.items():
-            info = tarfile.TarInfo(f"{key}.{extension}")
-            info.size, info.mtime, info.mode = len(data), 0, 0o444
-            self._tar.addfile(info, io.BytesIO(data))
-        self._samples += 1
-        self._text_bytes += sum(len(members[name]) for name in texts)
-
-    def close(self) -> list[ShardInfo]:
-        self._finish_shard()
-        return self.shards
-
-    def _full(self, next_size: int) -> bool:
-        assert self._tar is not None
-        over_bytes = _tar_bytes(self._tar.offset + next_size) > self.settings.max_shard_bytes
-        return self._samples > 0 and (over_bytes or self._samples >= self.settings.max_shard_samples)
-
-    def _start_shard(self) -> None:
-        self._name = f"{self.split}-{len(self.shards):06d}.tar"
-        self._file = (self.directory / (self._name + ".tmp")).open("wb")
-        self._tar = tarfile.open(fileobj=self._file, mode="w", format=tarfile.USTAR_FORMAT)  # noqa: SIM115 (open across writes)
-        self._samples = self._text_bytes = 0
-
-    def _finish_shard(self) -> None:
-        if self._tar is None:
-            return
-        self._tar.close()
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        final = self.directory / self._name
-        os.replace(self.directory / (self._name + ".tmp"), final)
-        self.shards.append(
-            ShardInfo(self._name, self._samples, final.stat().st_size, sha256_of(final), self._text_bytes)
-        )
-        self._tar = None
 
 
 def text_digests(texts: dict[str, str]) -> dict[str, str]:
@@ -256,7 +192,9 @@ def _write_dataset(
     provenance: Callable[[], dict] | None,
 ) -> dict:
     """Write shards and manifest into `staging`; return the manifest."""
-    writers = {split: _ShardWriter(staging, split, settings) for split in SPLITS}
+    writers = {
+        split: ShardWriter(staging, split, settings.max_shard_bytes, settings.max_shard_samples) for split in SPLITS
+    }
     counts = BuildCounts()
     # A corpus's size is unknown until it is read: the display counts what has been done, and how fast.
     status = "building shards: {task.fields[read]:,} documents read, {task.completed:,} kept, {task.fields[mb]:,.1f} MB"

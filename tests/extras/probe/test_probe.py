@@ -16,9 +16,10 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
 from conftest import packed_blocks, tiny_run
-from pretraining.data.corpus import docstring_pairs, read_text_files
+from pretraining.data.corpus import read_text_files
 from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.manifest import PAIR_FIELDS, Manifest
+from pretraining.data.pairs import docstring_pairs
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
 from pretraining.errors import ConfigError

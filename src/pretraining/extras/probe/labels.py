@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Protocol
 
-from pretraining.data.corpus import SourceBytes, definitions, jsonl_records
+from pretraining.data.corpus import jsonl_records
 from pretraining.data.manifest import PAIR_FIELDS, TEXT_FIELDS, Manifest
+from pretraining.data.pairs import SourceBytes, definitions
 from pretraining.data.reader import SampleReader
 from pretraining.data.stream import stable_hash
 from pretraining.errors import ConfigError

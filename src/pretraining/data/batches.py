@@ -1,0 +1,170 @@
+"""A step's global batch, read from the shard streams and shared out over devices and micro-batches.
+
+A step's global batch takes the next `global_batch / streams` examples of each
+of `data.streams` streams, in stream order (`BatchPlan`); each device runs a
+contiguous part of it, in one forward or in several (gradient accumulation).
+So the examples of a step depend on the seed, the global batch, the number of
+streams and of DataLoader workers, never on the number of devices or the
+micro-batch: one process with accumulation trains on exactly what two DDP
+processes train on, and each device reads only its own streams (`BatchStream`).
+Each micro-batch carries, for the sub-streams it read, the `Cursor` where they
+continue (`positions`), and how many samples were read and skipped while it
+was made (`read`, `skipped`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import IterableDataset, default_collate, get_worker_info
+
+from pretraining.data.formats import Tensors
+from pretraining.data.stream import Cursor, ShardStream, StreamExample
+from pretraining.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How each optimizer step's global batch is read and split over devices (see module doc).
+
+    The global batch is `streams` chunks of `chunk` consecutive examples, one per stream, in stream
+    order; slot `s` (one forward on one device) covers its examples `[s * micro_batch, (s + 1) *
+    micro_batch)`; rank `r` runs slots `r * accumulation` to `(r + 1) * accumulation - 1`, in turn.
+    """
+
+    global_batch: int
+    micro_batch: int
+    streams: int
+    world_size: int = 1
+
+    @property
+    def chunk(self) -> int:
+        return self.global_batch // self.streams
+
+    @property
+    def accumulation(self) -> int:
+        return self.global_batch // (self.world_size * self.micro_batch)
+
+    def slot_of(self, rank: int, index: int) -> tuple[int, int]:
+        """(step, slot) of a rank's `index`-th micro-batch."""
+        step, accumulated = divmod(index, self.accumulation)
+        return step, rank * self.accumulation + accumulated
+
+    def streams_of(self, slot: int) -> range:
+        per_slot = self.micro_batch // self.chunk
+        return range(slot * per_slot, (slot + 1) * per_slot)
+
+    def streams_of_rank(self, rank: int) -> range:
+        per_rank = self.streams // self.world_size
+        return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+def batch_plan(global_batch: int, micro_batch: int | None, streams: int, world_size: int) -> BatchPlan:
+    """The plan for `world_size` devices, or a ConfigError naming the one `data.` key to change (and the
+    devices only where their number is what breaks it: with one device, the checks that hold on any).
+
+    `micro_batch` None means no accumulation: each device takes its whole share in one forward.
+    """
+    devices = f"the {world_size} devices" if world_size > 1 else "1 device"
+    if global_batch % world_size:
+        raise ConfigError(
+            f"data.global_batch_size={global_batch} is not divisible by {devices}: make it a multiple of "
+            f"{world_size} or run on a number of devices that divides it"
+        )
+    per_device = global_batch // world_size
+    micro = micro_batch or per_device
+    if per_device % micro:
+        share = f"over {devices} is {per_device} per device, " if world_size > 1 else ""
+        raise ConfigError(
+            f"data.global_batch_size={global_batch} {share}not a multiple of data.micro_batch_size={micro}: "
+            f"choose a micro-batch that divides {per_device}"
+        )
+    if global_batch % streams:
+        raise ConfigError(
+            f"data.streams={streams} does not divide data.global_batch_size={global_batch} (each stream gives a step "
+            f"the same number of examples): change data.streams or the global batch"
+        )
+    if streams % world_size:
+        raise ConfigError(
+            f"data.streams={streams} is not a multiple of {devices} (each device reads its own streams): "
+            f"change data.streams to a multiple of {world_size} that divides data.global_batch_size={global_batch}"
+        )
+    if micro % (global_batch // streams):
+        raise ConfigError(
+            f"data.micro_batch_size={micro} must be a multiple of the {global_batch // streams} examples each of "
+            f"the data.streams={streams} streams gives a step: raise data.streams or the micro-batch"
+        )
+    return BatchPlan(global_batch, micro, streams, world_size)
+
+
+class BatchStream(IterableDataset):
+    """A rank's infinite sequence of micro-batches, continuing after its first `start` ones.
+
+    Inside DataLoader worker `w` of `n`, it yields the rank's micro-batches `start + w`, `start + w +
+    n`, ... (the DataLoader takes them in turn). A stream's chunks at steps congruent to `j` modulo
+    `n` are sub-stream `j * streams + stream`: each sub-stream is then always read by the same
+    worker, and which examples make a step depends on the loader's worker count, never on the
+    number of devices or the micro-batch.
+    """
+
+    def __init__(
+        self,
+        examples: ShardStream,
+        plan: BatchPlan,
+        rank: int = 0,
+        cursors: Mapping[int, Cursor] | None = None,
+        start: int = 0,
+    ) -> None:
+        self.source, self.plan, self.rank = examples, plan, rank
+        self.cursors, self.start = dict(cursors or {}), start
+
+    def __iter__(self) -> Iterator[Tensors]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        readers: dict[int, Iterator[StreamExample]] = {}
+        plan, total = self.plan, self.plan.streams * workers
+        for index in itertools.count(self.start + worker, workers):
+            step, slot = plan.slot_of(self.rank, index)
+            rows: list[StreamExample] = []
+            positions = []
+            for stream in plan.streams_of(slot):
+                sub = (step % workers) * plan.streams + stream
+                if sub not in readers:
+                    readers[sub] = self.source.examples(sub, total, self.cursors.get(sub, Cursor()))
+                chunk = list(itertools.islice(readers[sub], plan.chunk))
+                rows += chunk
+                positions.append([sub, chunk[-1].cursor.shard, chunk[-1].cursor.block])
+            yield self.collate(rows) | {"positions": torch.tensor(positions)}
+
+    def collate(self, rows: list[StreamExample]) -> Tensors:
+        tensors = [self.source.format.tensors(row.example) | {"sample_id": torch.tensor(row.sample_id)} for row in rows]
+        counts = {"read": sum(row.read for row in rows), "skipped": sum(row.skipped for row in rows)}
+        return default_collate(tensors) | {name: torch.tensor(count) for name, count in counts.items()}
+
+
+def global_batch_examples(examples: int | None, tokens: int | None, example_tokens: int) -> int:
+    """The global batch in examples, from exactly one of its size in examples and in tokens."""
+    if examples is not None and tokens is None:
+        return examples
+    if tokens is not None and examples is None:
+        if tokens % example_tokens:
+            raise ConfigError(
+                f"data.global_batch_tokens={tokens} must be a multiple of the {example_tokens} tokens of one example "
+                f"(data.format's lengths)"
+            )
+        return tokens // example_tokens
+    raise ConfigError(
+        f"set exactly one of data.global_batch_size (examples) and data.global_batch_tokens; got {examples} and "
+        f"{tokens} (set the other to null)"
+    )
+
+
+def default_streams(global_batch: int) -> int:
+    """The streams a step draws from when `data.streams` is null: the largest of 1, 2, 4 and 8 dividing the
+    global batch (8 for 16 or 32, 4 for 12), from the batch alone so that the data order never depends on
+    the number of devices."""
+    return math.gcd(global_batch, 8)

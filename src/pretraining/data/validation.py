@@ -1,0 +1,67 @@
+"""The validation set: a fixed sample spread over the whole validation split, the same every time and on
+any number of devices."""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pretraining.data.formats import ExampleFormat, Tensors
+from pretraining.data.reader import SampleReader
+
+# Validation keeps a multiple of this many examples (of a smaller power of two, if it has fewer): each device
+# validates on an equal share, and examples left over would be left out on some numbers of devices, not others.
+DEVICE_MULTIPLE = 8
+
+
+@dataclass(frozen=True)
+class ValidationSet:
+    """The validation examples (each with its position as `sample_id`), the documents they were made from
+    and those of the split, and the UTF-8 bytes of the texts they read."""
+
+    examples: list[Tensors]
+    documents: int
+    split_documents: int
+    text_bytes: int
+
+
+def shared_alike(count: int) -> int:
+    """How many of `count` validation examples to keep: a multiple of `DEVICE_MULTIPLE`, or of the largest
+    power of two at most `count`, so that 1, 2, 4 and 8 devices (as many as can) validate on the same examples."""
+    if count == 0:
+        return 0
+    multiple = min(DEVICE_MULTIPLE, 1 << (count.bit_length() - 1))
+    return count - count % multiple
+
+
+def spread(count: int, total: int) -> set[int]:
+    """`count` of the indices 0 .. total - 1, evenly spaced (all of them when count >= total)."""
+    return {index * total // count for index in range(count)} if count < total else set(range(total))
+
+
+def validation_examples(
+    urls: Sequence[str], format: ExampleFormat, size: int, split_documents: int, policy: str = "skip"
+) -> ValidationSet:
+    """A fixed sample spread over the whole validation split of `split_documents` documents (samples): up
+    to `size` of them, evenly spaced (every one where the split has no more), the format's `validation_texts`
+    of those (packed text takes a window of each, within a budget), made into examples."""
+    chosen = spread(min(size, split_documents), split_documents)
+    samples = itertools.islice(SampleReader(format.fields, policy).all_texts(urls), max(chosen, default=-1) + 1)
+    documents = [sample for index, sample in enumerate(samples) if index in chosen]
+    if len(documents) < len(chosen):
+        warnings.warn(
+            f"validation reads {len(documents)} of the {len(chosen)} documents it chose: the validation shards hold "
+            f"fewer usable samples than their manifest counts (see the bad-data warnings)",
+            stacklevel=2,
+        )
+    choose = getattr(format, "validation_texts", None)  # optional (not in the Protocol): a format's own budget
+    texts = choose(documents, size) if choose else documents
+    made = list(itertools.islice(format.examples(texts), size))
+    made = [made[index] for index in sorted(spread(shared_alike(len(made)), len(made)))]  # left out: spread too
+    examples = [format.tensors(example) | {"sample_id": torch.tensor(index)} for index, example in enumerate(made)]
+    text_bytes = sum(len(field.encode()) for text in texts for field in text)
+    return ValidationSet(examples, len(documents), split_documents, text_bytes)
