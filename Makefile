@@ -18,17 +18,12 @@ PAIRS_DIR ?= data/stdlib_pairs
 EXPERIMENT ?= clm_tiny
 ARGS ?=
 CKPT ?=
-OUT ?=
-RUN ?=
-SWEEP ?=
-# The Optuna search preset (configs/hparams_search/) of the experiment's objective: clm_tiny -> clm.
-SEARCH ?= $(firstword $(subst _, ,$(EXPERIMENT)))
 
 .DEFAULT_GOAL := help
-.PHONY: help install lock data tokenizer train sweep sweep-optuna sweep-report eval info export registry plot test test-full lint format bench bench-gpu bench-distill bench-documents chaos clean clean-logs
+.PHONY: help install lock data tokenizer train sweep eval info test test-full lint format chaos clean clean-logs
 
 help: ## List the targets
-	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
 install: $(VENV)/.installed ## Create .venv: torch pinned first (CUDA build where there is a driver), then the package with every extra and the dev tools
 
@@ -80,13 +75,6 @@ train: install data ## Train (EXPERIMENT=clm_tiny, mlm_tiny, contrastive_tiny; d
 sweep: install data ## A Hydra multirun, each job in logs/train/multiruns/<sweep>/<job>: make sweep ARGS="model.optimizer.lr=1e-3,3e-3"
 	$(BIN)/pretrain -m experiment=$(EXPERIMENT) $(ARGS)
 
-sweep-optuna: install data ## An Optuna search (configs/hparams_search/, by objective: SEARCH=clm for clm_tiny); run again to continue
-	$(BIN)/pretrain -m experiment=$(EXPERIMENT) hparams_search=$(SEARCH) $(ARGS)
-
-sweep-report: install ## A sweep's jobs ranked, as report.md/report.csv and plots/overlay.png: make sweep-report SWEEP=<dir>
-	@test -n "$(SWEEP)" || { echo "usage: make sweep-report SWEEP=logs/train/multiruns/<sweep>"; exit 2; }
-	$(BIN)/pretrain-sweep-report $(SWEEP)
-
 eval: install ## Evaluate a checkpoint: make eval CKPT=path/to/last.ckpt [ARGS="..."]
 	@test -n "$(CKPT)" || { echo "usage: make eval CKPT=logs/train/runs/<run>/checkpoints/last.ckpt"; exit 2; }
 	$(BIN)/pretrain-eval ckpt_path=$(CKPT) $(ARGS)
@@ -94,17 +82,6 @@ eval: install ## Evaluate a checkpoint: make eval CKPT=path/to/last.ckpt [ARGS="
 info: install ## What produced a checkpoint: make info CKPT=path/to/last.ckpt [ARGS="--config"]
 	@test -n "$(CKPT)" || { echo "usage: make info CKPT=logs/train/runs/<run>/checkpoints/last.ckpt"; exit 2; }
 	$(BIN)/pretrain-info $(CKPT) $(ARGS)
-
-export: install ## A Hugging Face model directory: make export CKPT=path/to/last.ckpt OUT=exports/<name>
-	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "usage: make export CKPT=logs/train/runs/<run>/checkpoints/last.ckpt OUT=exports/<name>"; exit 2; }
-	$(BIN)/pretrain-export $(CKPT) $(OUT) $(ARGS)
-
-registry: install ## The model registry: make registry ARGS="list" (register CKPT, show REF, promote REF ALIAS, taint REF --why ..., rollback ALIAS, history ALIAS, mirror)
-	$(BIN)/pretrain-registry $(or $(ARGS),list)
-
-plot: install ## Learning curves as PNG: make plot RUN=logs/train/runs/<run> (or a multirun directory)
-	@test -n "$(RUN)" || { echo "usage: make plot RUN=logs/train/runs/<run> or RUN=logs/train/multiruns/<sweep>"; exit 2; }
-	$(BIN)/pretrain-plot $(RUN) $(ARGS)
 
 test: install ## Run the core's fast tests (tests/README.md)
 	$(BIN)/pytest -m "not slow and not distributed and not extras" $(ARGS)
@@ -121,20 +98,6 @@ format: install ## Fix style and formatting
 	$(BIN)/ruff check --fix src tests scripts
 	$(BIN)/ruff format src tests scripts
 
-bench: install data ## Command start-up, template overhead vs plain PyTorch, loader throughput, resume start-up and checkpoint save times
-	$(BIN)/python scripts/bench_startup.py
-	$(BIN)/python scripts/bench_overhead.py --data $(DATA_DIR) $(ARGS)
-	$(BIN)/python scripts/bench_resume.py --data $(DATA_DIR)
-
-bench-gpu: install ## On one GPU: template vs plain PyTorch tokens/s, MFU and memory for GPT-2, BERT-base and a pair model
-	$(BIN)/python scripts/bench_gpu.py $(ARGS)
-
-bench-distill: install data ## A quarter-size student distilled from a trained clm_tiny vs the same student from scratch: bits per byte, KL to the teacher
-	$(BIN)/python scripts/bench_distill.py --data $(DATA_DIR) $(ARGS)
-
-bench-documents: install data ## clm_tiny plain, with document masking and with document positions (two seeds): bits per byte, step cost
-	$(BIN)/python scripts/bench_documents.py --data $(DATA_DIR) --seeds 1234 1 $(ARGS)
-
 chaos: install data ## Kill a run with SIGKILL at random moments, restart it, compare with an uninterrupted run
 	$(BIN)/python scripts/chaos.py --data $(DATA_DIR) $(ARGS)
 
@@ -144,3 +107,6 @@ clean-logs: ## Delete run outputs under logs/, but the model registry (logs/regi
 clean: clean-logs ## Delete the venv, built data and caches
 	rm -rf $(VENV) $(LOCK_VENV) data .pytest_cache .ruff_cache .mypy_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+# The extras' verbs: one file each, deleted with its extra (README, "What to delete").
+-include make/*.mk

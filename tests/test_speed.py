@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
-import re
 import statistics
-import subprocess
-import sys
 import time
 from functools import partial
 from typing import Any
@@ -21,7 +18,6 @@ from lightning.pytorch.loggers import Logger
 from torch.utils.data import DataLoader, Dataset
 
 from pretraining.callbacks.throughput import Throughput, peak_flops
-from pretraining.config import PROJECT_ROOT
 from pretraining.data.loader import WaitTimedLoader
 from pretraining.errors import ConfigError
 from pretraining.models.transformer import Transformer
@@ -267,18 +263,3 @@ def test_fsdp_refuses_a_model_without_blocks_and_a_second_cast() -> None:
     trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, precision="bf16-mixed", logger=False)
     with pytest.raises(ConfigError, match=r"set trainer\.precision=32-true"):
         trainer.strategy.setup_environment()
-
-
-def test_the_gpu_benchmark_prints_every_row_in_smoke_mode() -> None:
-    script = PROJECT_ROOT / "scripts" / "bench_gpu.py"
-    finished = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300)
-    assert finished.returncode == 0, finished.stderr[-3000:]
-    rows = [re.split(r"\s{2,}", line.strip()) for line in finished.stdout.splitlines()[3:]]  # cells: 2+ spaces apart
-    expected = [
-        ("GPT-2 124M next-token", "32"),
-        ("GPT-2 124M, documents masked", "32"),
-        ("BERT-base masked-LM", "4"),
-        ("BERT-base masked-LM", "16"),
-    ]
-    assert [(row[0], row[1]) for row in rows] == [*expected, ("BERT-base contrastive", "8+16")]
-    assert all(len(row) == 8 and float(row[4]) > 0 for row in rows)  # row[4]: template / plain tokens per second

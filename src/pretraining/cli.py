@@ -4,7 +4,7 @@ parses its arguments, then imports the module that does its work.
 The imports of the work are the only ones inside functions in this package (here and in the extras'
 `cli.py`), and on purpose: torch, Lightning and W&B take seconds to load, so a command that only prints its
 `--help`, refuses its usage or prints a config (`pretrain ... --cfg job`) loads none of them
-(`scripts/bench_startup.py` measures it, `tests/test_cli.py` checks it).
+(`scripts/bench/bench_startup.py` measures it, `tests/test_cli.py` checks it).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""scripts/baselines.py: each floor checked against an independent computation on a tiny corpus built for it."""
+"""scripts/bench/baselines.py: each floor checked against an independent computation on a tiny corpus built for it."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ BLOCKS = ["model.backbone.max_seq_len=64", "data.val_size=8"]
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("baselines", PROJECT_ROOT / "scripts" / "baselines.py")
+    spec = importlib.util.spec_from_file_location("baselines", PROJECT_ROOT / "scripts" / "bench" / "baselines.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

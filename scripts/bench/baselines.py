@@ -1,8 +1,8 @@
 """The floors each pretraining objective must beat, on exactly the validation examples a run reports on.
 
-    python scripts/baselines.py clm [hydra overrides ...]           # experiment=clm_tiny unless one is given
-    python scripts/baselines.py mlm tokenizer=bpe data.dir=...      # experiment=mlm_tiny
-    python scripts/baselines.py contrastive                         # experiment=contrastive_tiny
+    python scripts/bench/baselines.py clm [hydra overrides ...]           # experiment=clm_tiny unless one is given
+    python scripts/bench/baselines.py mlm tokenizer=bpe data.dir=...      # experiment=mlm_tiny
+    python scripts/bench/baselines.py contrastive                         # experiment=contrastive_tiny
 
 The run's config is composed as `pretrain` composes it (configs/train.yaml and the overrides); the run's
 tokenizer and DataModule are built from it, and the validation examples are the DataModule's

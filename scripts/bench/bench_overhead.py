@@ -16,7 +16,7 @@
 2. Both models start from the same weights; after N steps every parameter must be bitwise equal (`torch.equal`).
 3. The training DataLoader (default num_workers) must deliver tokens at >= 10x the rate the model consumes them.
 
-    python scripts/bench_overhead.py --data data/stdlib [--steps 50 --repeats 2 --threads 1] [-- hydra overrides]
+    python scripts/bench/bench_overhead.py --data data/stdlib [--steps 50 --repeats 2 --threads 1] [-- hydra overrides]
 """
 
 from __future__ import annotations

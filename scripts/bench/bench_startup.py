@@ -1,6 +1,6 @@
 """How long each console command takes to start, as a ratio to `python -c "import torch"` on this machine.
 
-    python scripts/bench_startup.py [--repeats 5]
+    python scripts/bench/bench_startup.py [--repeats 5]
 
 `--help` and `--cfg job` should load no torch (`pretraining.cli`): their ratio stays well below 1. The
 commands that do work (here `pretrain-info` of a file that is not there, and a `pretrain` refused at its

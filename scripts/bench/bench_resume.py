@@ -13,7 +13,7 @@
    state to host memory and the hand-over to the writer thread, as a ratio to the synchronous atomic
    save (goal: at most 0.2).
 
-    python scripts/bench_resume.py --data data/stdlib [--repeats 2]
+    python scripts/bench/bench_resume.py --data data/stdlib [--repeats 2]
 """
 
 from __future__ import annotations

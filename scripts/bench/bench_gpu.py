@@ -14,8 +14,8 @@ padding included), template / plain, the template's MFU (model FLOPs from `Trans
 device's dense bf16 peak), its peak allocated memory, and the share of the timed wall time spent fetching batches
 from the loader (host side; the batches are pre-built, so this is the loop's own cost).
 
-    python scripts/bench_gpu.py [--steps 30 --warmup 10] [--case GPT-2]
-    python scripts/bench_gpu.py --smoke    # tiny sizes on the CPU in seconds, float32, no compile: checks the script
+    python scripts/bench/bench_gpu.py [--steps 30 --warmup 10] [--case GPT-2]
+    python scripts/bench/bench_gpu.py --smoke    # tiny sizes on the CPU in seconds, float32, no compile: checks the script
 """
 
 from __future__ import annotations
