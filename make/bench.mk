@@ -1,5 +1,5 @@
 # The benchmark scripts' verbs (scripts/bench/).
-.PHONY: bench bench-gpu bench-distill bench-documents
+.PHONY: bench bench-gpu bench-documents
 
 bench: install data ## Command start-up, template overhead vs plain PyTorch, loader throughput, resume start-up and checkpoint save times
 	$(BIN)/python scripts/bench/bench_startup.py
@@ -8,9 +8,6 @@ bench: install data ## Command start-up, template overhead vs plain PyTorch, loa
 
 bench-gpu: install ## On one GPU: template vs plain PyTorch tokens/s, MFU and memory for GPT-2, BERT-base and a pair model
 	$(BIN)/python scripts/bench/bench_gpu.py $(ARGS)
-
-bench-distill: install data ## A quarter-size student distilled from a trained clm_tiny vs the same student from scratch: bits per byte, KL to the teacher
-	$(BIN)/python scripts/bench/bench_distill.py --data $(DATA_DIR) $(ARGS)
 
 bench-documents: install data ## clm_tiny plain, with document masking and with document positions (two seeds): bits per byte, step cost
 	$(BIN)/python scripts/bench/bench_documents.py --data $(DATA_DIR) --seeds 1234 1 $(ARGS)
