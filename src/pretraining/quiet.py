@@ -36,7 +36,7 @@ LIBRARY_WARNINGS = (
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"lightning\.pytorch\.utilities\._pytree"),
     # Lightning asks for more DataLoader workers wherever the machine has more than 2 CPUs (a 16-core GPU
     # machine: "num_workers=15"), whatever the loader's wait; data.num_workers also sets the data order, and
-    # the run's perf/data_wait says when the loader is the bottleneck (0.7% in the default run on an H200).
+    # the run's perf/data_wait says when the loader is the bottleneck.
     (r"The '\w+' does not have many workers", UserWarning, r"lightning\.pytorch\.trainer\.connectors\.data_connector"),
 )
 

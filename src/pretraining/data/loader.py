@@ -3,8 +3,8 @@ several to a message in one buffer, workers that leave stop signals to the main 
 where a GPU can use it.
 
 Not torch's own worker-to-main transport for the training batches: it sends each tensor of a batch
-through a file descriptor of its own, which costs the main process about 0.6 ms a tensor on a CPU (4.3 ms
-a step for a packed-text batch of seven), and one message per batch."""
+through a file descriptor of its own, which the main process fetches over a new connection to the worker,
+and one message per batch (docs/benchmarks.md has the costs measured on a CPU)."""
 
 from __future__ import annotations
 
@@ -43,14 +43,12 @@ class TensorSpec(NamedTuple):
 
 # Every dtype's element size divides it, so each tensor is read from the buffer as a view.
 ALIGNMENT = 16
-# A buffer below this size crosses in the pipe, by value. Measured on a CPU (a worker's batch received in
-# the main process): 0.83 against 1.65 ms in shared memory at 13 KB, 1.23 against 1.48 ms at 260 KB, about
-# even at 1 MB, 19 against 3.2 ms at 4 MB.
+# A buffer below this size crosses in the pipe, by value (faster there than in shared memory up to about
+# 1 MB, on a CPU).
 IN_THE_PIPE_BELOW = 256 * 1024
-# A message holds as many batches as its buffer can take below `IN_THE_PIPE_BELOW`, up to this many. Each
-# message costs the main process about 0.6 ms of its step on a CPU whatever its size (the queue, unpickling,
-# asking the worker for the next), about 1 % of a small model's step; more batches to a message would only
-# delay the first step.
+# A message holds as many batches as its buffer can take below `IN_THE_PIPE_BELOW`, up to this many: each
+# message costs the main process the same whatever its size (the queue, unpickling, asking the worker for
+# the next); more batches to a message would only delay the first step.
 BATCHES_PER_MESSAGE = 8
 
 
@@ -58,10 +56,9 @@ BATCHES_PER_MESSAGE = 8
 class OneBuffer:
     """Batches as a worker sends them: all their tensors copied into one byte buffer. A tensor sent from a
     worker crosses in shared memory, and the main process then fetches its file descriptor over a new,
-    authenticated connection to the worker: about 0.6 ms each on a CPU, 4.3 ms for the seven tensors of a
-    packed-text batch, 6 % of a small model's step. One buffer crosses once, and a small one by value in
-    the pipe, with no descriptor (0.83 ms for that batch). `fields` maps each key of each batch, in the
-    batch's order, to its tensor's place in the buffer or to its value."""
+    authenticated connection to the worker, one tensor at a time. One buffer crosses once, and a small one by
+    value in the pipe, with no descriptor. `fields` maps each key of each batch, in the batch's order, to its
+    tensor's place in the buffer or to its value."""
 
     buffer: torch.Tensor
     fields: tuple[dict[str, TensorSpec | Any], ...]

@@ -266,8 +266,8 @@ class Transformer(nn.Module):
 
     @functools.cached_property
     def block_matmul_weights(self) -> int:
-        """The weights of the blocks' linear layers (their count is fixed; counting them costs 60 us, at every
-        step of the throughput count)."""
+        """The weights of the blocks' linear layers, counted once: their count is fixed, and asked for at every
+        step (the throughput count)."""
         return sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
 
     def head_flops_per_token(self) -> int:

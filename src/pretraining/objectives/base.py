@@ -232,7 +232,7 @@ def clips_unscaled(plugin: Precision, optimizer: Optimizer, value: float | None,
 def logs_this_step(module: LightningModule) -> bool:
     """Whether the optimizer step under way is one whose training values are worth logging: every
     `trainer.log_every_n_steps`-th, which Lightning writes to the loggers, and the last, which the run reports.
-    Values logged at other steps would cost Lightning's bookkeeping (about 0.6 ms a value on a CPU) for nothing."""
+    Values logged at other steps would cost Lightning's per-value bookkeeping for nothing."""
     trainer = module.trainer
     step = trainer.global_step + 1
     return step % trainer.log_every_n_steps == 0 or step >= trainer.max_steps  # type: ignore[attr-defined]
