@@ -1,11 +1,14 @@
-"""The README's commands work as written.
+"""The commands of the README and of every file in docs/ work as written.
 
-Every line of its bash blocks, and every inline `make ...` or `pretrain ...` command without a
+Every line of their bash blocks, and every inline `make ...` or `pretrain ...` command without a
 placeholder, is checked here: `pretrain` lines are composed by Hydra and pass the template's config
 checks (sweep values: the first of each), `pretrain-*` lines are parsed by their real argument
-parsers, `make` lines name existing targets and their `ARGS` compose, scripts exist and parse. A
-command no rule covers fails the test, so a new command cannot go unchecked. The Python examples
-(your own reader, the z-loss objective, a new kind of example) are run, and `make help` is run as written.
+parsers, `make` lines name existing targets (in the Makefile and make/*.mk) and their `ARGS` compose,
+scripts exist and parse, and the `rm -r` lines of the README's "What to delete" name paths that exist. A
+command no rule covers fails the test, so a new command cannot go unchecked. A command of an extra this
+checkout has deleted (README, "What to delete") is left out, so that a fork without it still passes.
+The Python examples (a new objective, a new data source, a new backbone, a new kind of example) are run,
+`make help` is run as written, and the links between these files resolve.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import IntervalSweep
@@ -32,7 +36,11 @@ from pretraining.config import CONFIG_DIR, PROJECT_ROOT
 from pretraining.data.manifest import Manifest
 from pretraining.run import check_config
 
-README = (PROJECT_ROOT / "README.md").read_text()
+# The README and the docs, by path relative to the project root.
+DOCUMENTS = {
+    path.relative_to(PROJECT_ROOT).as_posix(): path.read_text()
+    for path in [PROJECT_ROOT / "README.md", *sorted((PROJECT_ROOT / "docs").glob("*.md"))]
+}
 ENVIRONMENT_ASSIGNMENT = re.compile(r"^[A-Z_]+=")
 PLACEHOLDER = re.compile(r"<|\.\.\.|\$|\*")
 # Commands of other tools: what each relies on is checked elsewhere, as named.
@@ -53,38 +61,98 @@ ENTRY_POINTS = {
 }
 
 
-def entry_point(program: str) -> Callable[[list[str]], None] | None:
-    """The function `program` runs, or None for an extra this fork has deleted."""
+# What names an extra in a command (its commands, make targets, config options and keys), and the extras
+# it needs besides. The bench extra is scripts/bench; the others are packages under pretraining.extras.
+EXTRA_MENTIONS = {
+    "registry": r"pretrain-registry|\bmake registry\b|\bregister\b",
+    "hf": r"pretrain-export|\bmake export\b|init_from",
+    "distill": r"distill|model\.teacher",
+    "sweeps": r"hparams_search|sweep-optuna|sweep-report|hydra/sweeper=optuna",
+    "plots": r"pretrain-plot|\bmake plot\b",
+    "probe": r"\bprobe\b",
+    "bench": r"\bmake bench|scripts/bench/",
+}
+EXTRA_NEEDS = {"sweeps": {"plots"}}
+
+
+def extra_kept(extra: str, makefile: bool) -> bool:
+    """Whether this checkout keeps `extra` (a fork may delete it): its folder, and with `makefile` (for one
+    of its make targets) its make/<extra>.mk."""
+    if makefile and not (PROJECT_ROOT / "make" / f"{extra}.mk").is_file():
+        return False
+    if extra == "bench":
+        return (PROJECT_ROOT / "scripts" / "bench").is_dir()
+    try:
+        return importlib.util.find_spec(f"pretraining.extras.{extra}") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def named_extras(text: str) -> set[str]:
+    """The extras `text` names, and those they need."""
+    named = {extra for extra, mention in EXTRA_MENTIONS.items() if re.search(mention, text)}
+    return named | {needed for extra in named for needed in EXTRA_NEEDS.get(extra, set())}
+
+
+def deleted_extras(command: str) -> list[str]:
+    """The extras `command` names that this checkout does not keep (for an extra's make target: its folder
+    and its make file)."""
+    argv = command.split()
+    targets = named_extras(f"make {argv[1]}") if argv[0] == "make" and len(argv) > 1 else set()
+    return sorted(extra for extra in named_extras(command) if not extra_kept(extra, extra in targets))
+
+
+def entry_point(program: str) -> Callable[[list[str]], None]:
+    """The function `program` runs."""
     module, _, function = ENTRY_POINTS[program].partition(":")
-    if importlib.util.find_spec(module) is None:
-        return None
     return getattr(importlib.import_module(module), function)
 
 
 def code_blocks(language: str) -> list[str]:
-    return [body for lang, body in re.findall(r"```(\w*)\n(.*?)```", README, re.S) if lang == language]
+    """The code blocks of `language` in the README and the docs."""
+    return [
+        body
+        for text in DOCUMENTS.values()
+        for lang, body in re.findall(r"```(\w*)\n(.*?)```", text, re.S)
+        if lang == language
+    ]
 
 
-def readme_commands() -> list[str]:
+def prose(text: str) -> str:
+    """`text` without its code blocks."""
+    return re.sub(r"```.*?```", "", text, flags=re.S)
+
+
+def documented_commands() -> list[str]:
     """The commands of the bash blocks (continued lines joined, comments dropped) and the inline
-    `make`, `pretrain`, `sbatch` and `scripts/` commands without placeholders."""
+    `make`, `pretrain`, `sbatch` and `scripts/` commands without placeholders, of every document."""
     commands = []
     for block in code_blocks("bash"):
         for line in block.replace("\\\n", " ").splitlines():
             if shlex.split(line, comments=True):
                 commands.append(line.strip())
-    prose = re.sub(r"```.*?```", "", README, flags=re.S)
-    for span in re.findall(r"`([^`\n]+)`", prose):
-        if re.match(r"(make|pretrain|sbatch) \S|scripts/\S+\.sh", span) and not PLACEHOLDER.search(span):
-            commands.append(span)
+    for text in DOCUMENTS.values():
+        for span in re.findall(r"`([^`\n]+)`", prose(text)):
+            if re.match(r"(make|pretrain|sbatch) \S|scripts/\S+\.sh", span) and not PLACEHOLDER.search(span):
+                commands.append(span)
     return list(dict.fromkeys(commands))
 
 
-COMMANDS = readme_commands()
+COMMANDS = documented_commands()
 
 
 def makefile_targets() -> set[str]:
-    return set(re.findall(r"^([a-z][a-z-]*):", (PROJECT_ROOT / "Makefile").read_text(), re.M))
+    """The targets of the Makefile and of the extras' make/*.mk it includes."""
+    makefiles = [PROJECT_ROOT / "Makefile", *sorted((PROJECT_ROOT / "make").glob("*.mk"))]
+    return {target for path in makefiles for target in re.findall(r"^([a-z][a-z-]*):", path.read_text(), re.M)}
+
+
+def what_to_delete() -> list[list[str]]:
+    """The paths of each `rm -r` line of the README's "What to delete" section, one list a line."""
+    section = re.search(r"^## What to delete\n(.*?)(?=^## |\Z)", DOCUMENTS["README.md"], re.S | re.M)
+    assert section, 'the README has no "## What to delete" section'
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", section[1], re.S) for line in block.splitlines()]
+    return [shlex.split(line, comments=True)[2:] for line in lines if line.startswith("rm -r ")]
 
 
 def first_of_each_sweep(overrides: list[str]) -> list[str]:
@@ -144,7 +212,28 @@ def check_entry_point(main: Callable[[list[str]], None], args: list[str]) -> Non
         assert error.code != 2, f"usage error for {args}"
 
 
+def check_deletion(args: list[str]) -> None:
+    """An `rm -r` line of "What to delete": one of the README's own, naming paths inside the project that all
+    exist, or, in a fork that deleted that extra, none of which does (a path under one another extra's line
+    deletes may be gone with that extra)."""
+    assert args[:1] == ["-r"] and args[1:] in what_to_delete(), f"rm {' '.join(args)}: not a line of 'What to delete'"
+    paths = args[1:]
+    for path in paths:
+        assert not Path(path).is_absolute() and ".." not in Path(path).parts and not PLACEHOLDER.search(path), path
+    kept = (PROJECT_ROOT / paths[0]).exists()
+    elsewhere = [Path(other) for line in what_to_delete() if line != paths for other in line]
+    for path in paths[1:]:
+        gone_with_another = any(Path(path).is_relative_to(other) for other in elsewhere)
+        exists = (PROJECT_ROOT / path).exists()
+        assert exists == kept or (kept and not exists and gone_with_another), (
+            f"rm -r ... {path}: {'missing' if kept else 'still there, though its extra is deleted'}"
+        )
+
+
 def check(command: str, config_dir: Path) -> None:
+    missing = deleted_extras(command)
+    if missing:
+        pytest.skip(f"the {', '.join(missing)} extra is not in this checkout")
     argv = shlex.split(command, comments=True)
     while ENVIRONMENT_ASSIGNMENT.match(argv[0]):
         argv = argv[1:]
@@ -156,12 +245,11 @@ def check(command: str, config_dir: Path) -> None:
     elif program == "pretrain-data":
         cli.data_parser().parse_args(args)
     elif program == "pretrain-registry":  # parsed only: run, it would write to this checkout's registry
-        if importlib.util.find_spec("pretraining.extras.registry"):
-            importlib.import_module("pretraining.extras.registry.cli").registry_parser().parse_args(args)
+        importlib.import_module("pretraining.extras.registry.cli").registry_parser().parse_args(args)
     elif program in ENTRY_POINTS:
-        main = entry_point(program)
-        if main is not None:
-            check_entry_point(main, args)
+        check_entry_point(entry_point(program), args)
+    elif program == "rm":
+        check_deletion(args)
     elif program == "sbatch" or program.startswith("scripts/"):
         script, overrides = (args[0], args[1:]) if program == "sbatch" else (program, args)
         subprocess.run(["bash", "-n", str(PROJECT_ROOT / script)], check=True)
@@ -210,7 +298,62 @@ def test_a_misspelt_override_in_a_command_would_fail(example_config_dir: Path) -
 def test_make_help_runs_as_written() -> None:
     result = subprocess.run(["make", "help"], cwd=PROJECT_ROOT, capture_output=True, text=True, check=True)
     listed = set(re.findall(r"^  (\S+)", result.stdout, re.M))
-    assert {"train", "test", "sweep", "sweep-optuna", "sweep-report"} <= listed
+    assert {"train", "test", "test-full", "sweep"} <= listed
+    if extra_kept("sweeps", makefile=True):
+        assert {"sweep-optuna", "sweep-report"} <= listed
+
+
+def test_what_to_delete_names_every_extra_once() -> None:
+    """Each line deletes one extra: its folder first (a package under pretraining.extras, or scripts/bench)."""
+    firsts = [paths[0] for paths in what_to_delete()]
+    extras = {f"src/pretraining/extras/{extra}" for extra in EXTRA_MENTIONS if extra != "bench"} | {"scripts/bench"}
+    assert sorted(firsts) == sorted(extras)
+    for paths in what_to_delete():
+        check_deletion(["-r", *paths])
+
+
+def test_a_backbone_that_is_no_transformer_is_refused(example_config_dir: Path) -> None:
+    """README, "A new backbone": the schema refuses a class that is not a Transformer subclass."""
+    with pytest.raises(Exception, match="does not make a Transformer"):
+        check("pretrain model.backbone._target_=torch.nn.Identity", example_config_dir)
+
+
+def slug(heading: str) -> str:
+    """A heading's anchor, as GitHub makes it."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_docs_resolve() -> None:
+    anchors = {
+        name: {slug(heading) for heading in re.findall(r"^#+ (.+)$", prose(text), re.M)}
+        for name, text in DOCUMENTS.items()
+    }
+    for name, text in DOCUMENTS.items():
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose(text)):
+            if re.match(r"[a-z]+://", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (PROJECT_ROOT / name).parent / path if path else PROJECT_ROOT / name
+            assert linked.exists(), f"{name}: a link to {target}, which does not exist"
+            key = linked.resolve().relative_to(PROJECT_ROOT).as_posix()
+            assert not anchor or anchor in anchors.get(key, set()), f"{name}: a link to {target}, no such heading"
+
+
+def test_every_doc_says_what_it_covers_and_the_readme_links_it() -> None:
+    for name, text in DOCUMENTS.items():
+        if name.startswith("docs/"):
+            title, blank, statement, after = [*text.splitlines(), "", "", ""][:4]
+            assert title.startswith("# ") and not blank and statement and not after, (
+                f"{name} starts with its title and a one-line statement of what it covers"
+            )
+            assert f"({name})" in DOCUMENTS["README.md"], f"the README does not link {name}"
+
+
+def test_no_inline_code_is_cut_by_a_line_break() -> None:
+    """A code span over two lines would hide its command from these checks."""
+    for name, text in DOCUMENTS.items():
+        for line in prose(text).splitlines():
+            assert line.count("`") % 2 == 0, f"{name}: a code span cut at a line break: {line}"
 
 
 def test_your_own_reader_example_builds_shards(tmp_path: Path) -> None:
@@ -256,6 +399,17 @@ def test_the_worked_objective_example_trains(tmp_path: Path, small_shards: Path,
     assert z_losses and all(value > 0 for value in z_losses)
 
 
+def test_the_backbone_example_trains(tmp_path: Path, small_shards: Path, example_config_dir: Path) -> None:
+    overrides = ["model.backbone._target_=my_backbone.SwiGLUTransformer"]
+    result = run_example("my_backbone.py", overrides, tmp_path, small_shards, example_config_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(logged(tmp_path, "val/loss")) == 3
+    checkpoint = tmp_path / "logs" / "train" / "runs" / "example" / "checkpoints" / "last.ckpt"
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
+    assert "backbone.blocks.0.mlp.gate.weight" in state
+
+
+@pytest.mark.slow  # the README's two examples train in the fast suite
 def test_the_new_kind_of_example_trains_and_other_data_is_refused(
     tmp_path: Path, small_shards: Path, example_config_dir: Path
 ) -> None:
