@@ -125,10 +125,11 @@ class KillDuringWrite(Callback):
         pretraining.files.sha256_of = killing  # type: ignore[assignment]
 
 
+@pytest.mark.slow  # tests/test_checkpoint.py's kill during a save stays in the fast suite
 def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint_the_newest(
     tmp_path: Path, shard_dir: Path
 ) -> None:
-    overrides = [*tiny_run(), *EVERY_TWO, f"paths.output_dir={tmp_path}", f"data.dir={shard_dir}"]
+    overrides = [*tiny_run(), *EVERY_TWO, f"hydra.run.dir={tmp_path}", f"data.dir={shard_dir}"]
     killed = pretrain_process([*overrides, "+callbacks.kill._target_=test_async_checkpoint.KillDuringWrite"])
     checkpoints = tmp_path / "checkpoints"
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]

@@ -251,9 +251,10 @@ def test_a_checkpoint_whose_sidecar_cannot_be_written_is_removed(tmp_path: Path,
     assert directory_state(tmp_path) == before  # step 8 is gone, not left without a sidecar
 
 
+@pytest.mark.slow  # two runs; a failed save's cleanup is in the fast suite (above)
 def test_a_full_disk_stops_the_run_naming_the_cause_and_the_intact_checkpoint(tmp_path: Path, shard_dir: Path) -> None:
     """A real `pretrain` process (its output goes to pipes, which no file size limit touches)."""
-    overrides = [*tiny_run(), "trainer.max_steps=12", f"paths.output_dir={tmp_path}", f"data.dir={shard_dir}"]
+    overrides = [*tiny_run(), "trainer.max_steps=12", f"hydra.run.dir={tmp_path}", f"data.dir={shard_dir}"]
     stopped = pretrain_process([*overrides, "+callbacks.disk._target_=test_checkpoint.FillDiskAfterFirstSave"])
     checkpoints = tmp_path / "checkpoints"
     assert stopped.returncode == 1

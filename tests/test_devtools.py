@@ -25,6 +25,7 @@ def run(command: list[str], cwd: Path, home: Path) -> subprocess.CompletedProces
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow  # installs the hooks from PyPI
 def test_pre_commit_hooks_fix_files_then_pass(tmp_path: Path, pre_commit_home: Path) -> None:
     for name in (".pre-commit-config.yaml", "pyproject.toml"):  # the hooks, and ruff's settings
         shutil.copy(PROJECT_ROOT / name, tmp_path / name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -31,7 +32,8 @@ from pretraining.run import check_config
 from pretraining.train import train
 from test_bad_data import replace_shard
 
-# (command-line overrides, what the one message says); each run stops before training.
+# (command-line overrides, what the one message says); each run stops before training. The first three need
+# two processes (the real number of devices in the message), the next three are refused by Hydra.
 BAD_COMMANDS = [
     (
         ["trainer=ddp_cpu", "data.global_batch_size=7"],
@@ -45,6 +47,12 @@ BAD_COMMANDS = [
         ["trainer=ddp_cpu", "data.streams=3", "data.global_batch_size=6"],
         "data.streams=3 is not a multiple of the 2 devices",
     ),
+    (["data.globl_batch_size=4"], "To append to your config use +data.globl_batch_size=4"),
+    (["+data.globl_batch_size=4"], "did you mean data.global_batch_size? Write data.global_batch_size=4 instead"),
+    (
+        ["+data.block_size=4"],
+        "it is a key of the example format, data.format.block_size: write data.format.block_size=4",
+    ),
     (["data.dir={tmp}/nonexistent"], "data.dir={tmp}/nonexistent: the directory does not exist: point data.dir at"),
     (["data.dir={tmp}"], "holds no manifest.json, so it holds no shards"),
     (["model.backbone.n_head=3"], "model.backbone.d_model=32 must be divisible by model.backbone.n_head=3"),
@@ -53,12 +61,6 @@ BAD_COMMANDS = [
         "callbacks.checkpoint.keep_last=1 must be at least 2 (a newest checkpoint damaged later",
     ),
     (["callbacks.checkpoint.every_n_steps=0"], "callbacks.checkpoint.every_n_steps=0 must be at least 1: set"),
-    (["data.globl_batch_size=4"], "To append to your config use +data.globl_batch_size=4"),
-    (["+data.globl_batch_size=4"], "did you mean data.global_batch_size? Write data.global_batch_size=4 instead"),
-    (
-        ["+data.block_size=4"],
-        "it is a key of the example format, data.format.block_size: write data.format.block_size=4",
-    ),
     (
         ["+data.text_field=json:text"],
         "example format, data.format.text_field: write data.format.text_field='json:text'",
@@ -68,6 +70,7 @@ BAD_COMMANDS = [
         "model.document_masking is not a parameter of pretraining.objectives.contrastive.Contrastive",
     ),
 ]
+TWO_PROCESSES, REFUSED_BY_HYDRA, IN_ONE_PROCESS = BAD_COMMANDS[:3], BAD_COMMANDS[3:6], BAD_COMMANDS[6:]
 
 
 def start(program: str, overrides: list[str], cwd: Path, **env: str) -> subprocess.Popen[str]:
@@ -83,20 +86,15 @@ def finish(process: subprocess.Popen[str]) -> tuple[int, str]:
     return process.returncode, stderr
 
 
-def test_bad_commands_print_one_message_without_a_traceback(tmp_path: Path, shard_dir: Path) -> None:
-    """The issue's six bad configs (and their neighbours) under the real entry point, all at once."""
+def assert_each_prints_its_message_alone(
+    commands: list[tuple[list[str], str]], tmp_path: Path, shard_dir: Path
+) -> None:
+    """`pretrain` with each command's overrides (all at once) exits 1 printing its message, no traceback."""
     base = [*TINY, "data.streams=2", f"data.dir={shard_dir}", f"paths.log_dir={tmp_path}/logs"]
     runs = []
-    for overrides, message in BAD_COMMANDS:
+    for overrides, message in commands:
         filled = [override.format(tmp=tmp_path) for override in overrides]
         runs.append((filled, message.format(tmp=tmp_path), start("pretrain", [*base, *filled], tmp_path)))
-    runs.append(
-        (
-            ["+max_new_token=3"],
-            "did you mean max_new_tokens?",
-            start("pretrain-eval", ["+max_new_token=3"], tmp_path),
-        )
-    )
     for overrides, message, process in runs:
         returncode, stderr = finish(process)
         assert returncode == 1, (overrides, stderr)
@@ -107,15 +105,32 @@ def test_bad_commands_print_one_message_without_a_traceback(tmp_path: Path, shar
             assert "every_n_steps" not in said and "keep_every" not in said, said
 
 
-def test_hydra_full_error_still_shows_the_traceback(tmp_path: Path) -> None:
-    run = start(
-        "pretrain",
-        ["callbacks.checkpoint.keep_last=1", f"paths.log_dir={tmp_path}"],
-        tmp_path,
-        HYDRA_FULL_ERROR="1",
-    )
-    returncode, stderr = finish(run)
-    assert returncode == 1 and "Traceback" in stderr and "keep_last=1 must be at least 2" in stderr
+def test_bad_commands_print_one_message_without_a_traceback(tmp_path: Path, shard_dir: Path) -> None:
+    """A bad command of each kind under the real entry points; HYDRA_FULL_ERROR=1 shows the traceback."""
+    assert_each_prints_its_message_alone([TWO_PROCESSES[0], REFUSED_BY_HYDRA[1]], tmp_path, shard_dir)
+    for program, overrides, message, env in [
+        ("pretrain-eval", ["+max_new_token=3"], "did you mean max_new_tokens?", {}),
+        ("pretrain", ["callbacks.checkpoint.keep_last=1"], "keep_last=1 must be at least 2", {"HYDRA_FULL_ERROR": "1"}),
+    ]:
+        returncode, stderr = finish(start(program, [*overrides, f"paths.log_dir={tmp_path}"], tmp_path, **env))
+        assert returncode == 1 and message in stderr, stderr
+        assert ("Traceback" in stderr) == bool(env), stderr
+
+
+@pytest.mark.slow  # every bad command under the entry point: the fast suite has one of each kind, and the rest below
+def test_every_bad_command_prints_one_message_without_a_traceback(tmp_path: Path, shard_dir: Path) -> None:
+    assert_each_prints_its_message_alone(BAD_COMMANDS, tmp_path, shard_dir)
+
+
+@pytest.mark.parametrize(("overrides", "message"), IN_ONE_PROCESS, ids=[" ".join(o) for o, _ in IN_ONE_PROCESS])
+def test_a_bad_config_stops_before_any_work_naming_the_one_constraint(
+    compose_train: ComposeTrain, tmp_path: Path, overrides: list[str], message: str
+) -> None:
+    experiment = next((o.split("=")[1] for o in overrides if o.startswith("experiment=")), "clm_tiny")
+    filled = [o.format(tmp=tmp_path) for o in overrides if not o.startswith("experiment=")]
+    with pytest.raises(PretrainingError, match=re.escape(message.format(tmp=tmp_path))):
+        train(compose_train(*filled, experiment=experiment))
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_our_errors_are_hydras_compact_ones_and_keep_their_builtin_bases() -> None:

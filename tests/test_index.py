@@ -209,6 +209,7 @@ def test_data_dir_at_shards_without_a_manifest_points_to_the_index(tmp_path: Pat
         datamodule(pointing_at.format(tmp=tmp_path))
 
 
+@pytest.mark.slow  # three runs; tests/test_resume.py's next-token kill stays in the fast suite
 def test_kill_and_resume_on_an_indexed_pipe_set_is_bitwise_exact(tmp_path: Path) -> None:
     tarwriter_shards(tmp_path / "shards")
     spec = f"pipe:cat {tmp_path}/shards/shard-{{000000..000007}}.tar"

@@ -122,13 +122,13 @@ def test_next_token_with_two_workers_across_shards_and_epochs(tmp_path: Path, sm
     assert epochs[0] == 0 and epochs[-1] >= 1
 
 
-@pytest.mark.slow  # keeps the default suite near 10 minutes on 2 cores
+@pytest.mark.slow  # the objectives share the resume path: next-token's is in the fast suite
 def test_masked_lm(tmp_path: Path, shard_dir: Path) -> None:
     overrides = [*tiny_run("mlm_tiny"), *RESUMABLE, f"data.dir={shard_dir}"]
     kill_twice_and_compare(tmp_path, overrides, kills=(5, 10), max_steps=12)
 
 
-@pytest.mark.slow  # keeps the default suite near 10 minutes on 2 cores
+@pytest.mark.slow  # the objectives share the resume path: next-token's is in the fast suite
 def test_contrastive(tmp_path: Path, pair_dir: Path) -> None:
     overrides = [*tiny_run("contrastive_tiny"), *RESUMABLE, f"data.dir={pair_dir}", "data.num_workers=2"]
     kill_twice_and_compare(tmp_path, overrides, kills=(5, 10), max_steps=12)
@@ -141,7 +141,7 @@ def test_gradient_accumulation(tmp_path: Path, small_shards: Path) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.slow  # keeps the default suite near 10 minutes on 2 cores
+@pytest.mark.slow  # two processes per run
 def test_ddp_on_two_processes_with_two_workers(tmp_path: Path, small_shards: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *DDP, f"data.dir={small_shards}", "data.num_workers=2"]
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
@@ -167,7 +167,7 @@ class Unseeded(Callback):
         torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
 
 
-@pytest.mark.slow  # keeps the default suite near 10 minutes on 2 cores
+@pytest.mark.slow  # a control: seeding each micro-batch is what makes the losses equal
 def test_without_reseeding_the_losses_differ(tmp_path: Path, small_shards: Path) -> None:
     """The negative control: the same kills without the DataModule's reseeding give the same batches, other
     losses."""
@@ -223,7 +223,7 @@ def test_sigterm_to_one_rank_saves_at_the_step_boundary_and_all_ranks_exit(tmp_p
     assert_same_training(tmp_path, "reference", "term", 60)
 
 
-@pytest.mark.slow  # keeps the default suite near 10 minutes on 2 cores
+@pytest.mark.slow  # the one-process signal tests below stay in the fast suite
 def test_sigterm_to_every_process_with_loader_workers(tmp_path: Path, small_shards: Path) -> None:
     """A scheduler signals the whole job: the DataLoader workers must not die before the save."""
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, f"data.dir={small_shards}", "data.num_workers=2"]

@@ -222,7 +222,10 @@ def test_a_command_on_a_directory_in_use_is_refused_at_once_and_writes_nothing_o
         kill(holder_process)
 
 
-@pytest.mark.parametrize("bad", ["trainer.max_steps=0", "model.backbone.n_head=3"])
+# A refusal before the job starts (max_steps) and one at set-up (n_head: the same path, in the slow suite).
+@pytest.mark.parametrize(
+    "bad", ["trainer.max_steps=0", pytest.param("model.backbone.n_head=3", marks=pytest.mark.slow)]
+)
 def test_a_refused_command_leaves_no_run_directory(tmp_path: Path, shard_dir: Path, bad: str) -> None:
     returncode, stderr = finish(
         start(*tiny_run(), f"data.dir={shard_dir}", f"paths.log_dir={tmp_path}", "run_name=bad", bad)

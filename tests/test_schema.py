@@ -109,6 +109,7 @@ def test_a_missing_group_option_gets_hydras_message() -> None:
     assert "Could not find 'model/nope'" in str(error.value) and "Available options in 'model'" in str(error.value)
 
 
+@pytest.mark.slow  # tests/test_errors.py's bad commands at the entry point stay in the fast suite
 def test_pretrain_stops_at_a_bad_key_with_one_message_before_reading_data(tmp_path: Path) -> None:
     """The message, without a traceback, before the (absent) data directory is read."""
     command = [sys.executable, "-m", "pretraining", f"paths.log_dir={tmp_path}", f"data.dir={tmp_path}/none"]

@@ -113,7 +113,10 @@ def test_a_file_written_into_a_checkpoint_after_its_save_fails_verification(tmp_
 
 @pytest.mark.parametrize(
     ("kill_in", "warning"),
-    [("sharded.sha256_of", None), ("store.write_sidecar", r"step-000002\.ckpt has no sidecar")],
+    [
+        ("sharded.sha256_of", None),
+        pytest.param("store.write_sidecar", r"step-000002\.ckpt has no sidecar", marks=pytest.mark.slow),
+    ],
     ids=["before_the_rename", "before_the_sidecar"],
 )
 def test_a_kill_during_a_sharded_save_leaves_the_previous_checkpoint_newest(tmp_path: Path, kill_in, warning) -> None:

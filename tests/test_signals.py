@@ -82,6 +82,7 @@ def test_a_sigterm_in_every_phase_ends_the_run_and_it_continues_exactly(tmp_path
     assert len(validation_rows(tmp_path, "reference")) == 4  # before training, after steps 4, 8 and 10
 
 
+@pytest.mark.slow  # three runs; the signal tests of tests/test_resume.py stay in the fast suite
 def test_a_validation_at_a_step_not_saved_yet_saves_it_before_stopping(tmp_path: Path, shard_dir: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *OVERRIDES, "callbacks.checkpoint.every_n_steps=8", f"data.dir={shard_dir}"]
     signalled = [*overrides, *signal_in(tmp_path / "signalled", "[validation_in_training]")]

@@ -104,6 +104,7 @@ def test_debug_presets_train(compose_train, overrides: list[str]) -> None:
     assert "train/loss" in metrics
 
 
+@pytest.mark.slow  # two runs; tests/test_console.py's default run and tests/test_tracking.py stay in the fast suite
 def test_cli_run_directory_checkpoint_csv_and_offline_wandb_continued_on_resume(
     tmp_path: Path, shard_dir: Path
 ) -> None:

@@ -1,0 +1,61 @@
+"""The core without its extras: a copy of the repository with every extra deleted as the README's "What to
+delete" says trains with `make train` and passes the core's tests (`make test`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pretraining.config import PROJECT_ROOT
+
+
+def deletions() -> list[str]:
+    """The `rm` lines of the README's "What to delete" section."""
+    readme = (PROJECT_ROOT / "README.md").read_text()
+    section = re.search(r"^## What to delete\n(.*?)(?=^## |\Z)", readme, re.S | re.M)
+    assert section, 'the README has no "## What to delete" section'
+    blocks = re.findall(r"```bash\n(.*?)```", section[1], re.S)
+    return [line for block in blocks for line in block.splitlines() if line.startswith("rm ")]
+
+
+def fork_of_this_checkout(fork: Path) -> None:
+    """The files of this checkout (tracked, and untracked but not ignored), copied with their times: `make`
+    then sees the installed environment as up to date."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=PROJECT_ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    for name in filter(None, listed.split("\0")):
+        if (PROJECT_ROOT / name).is_file():
+            (fork / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(PROJECT_ROOT / name, fork / name)
+
+
+@pytest.mark.slow  # a short `make train` and the core's fast suite, in a copy: about as long as `make test`
+def test_the_core_alone_trains_and_passes_its_tests(tmp_path: Path) -> None:
+    fork = tmp_path / "fork"
+    fork_of_this_checkout(fork)
+    for line in deletions():
+        subprocess.run(line, shell=True, cwd=fork, check=True)
+    assert not [path for path in (fork / "src" / "pretraining" / "extras").iterdir() if path.is_dir()]
+    if (PROJECT_ROOT / "data").is_dir():  # the default shards, if built: else `make train` builds them
+        (fork / "data").symlink_to(PROJECT_ROOT / "data")
+    venv = PROJECT_ROOT / ".venv"
+    # This checkout's environment, with the fork's package first on the path; never reinstalled (-o).
+    make = ["make", "-C", str(fork), f"VENV={venv}", "-o", f"{venv}/.installed"]
+    env = os.environ | {"PYTHONPATH": str(fork / "src"), "WANDB_MODE": "offline"}
+    short = "trainer.max_steps=20 trainer.val_check_interval=10 callbacks.checkpoint.every_n_steps=10 run_name=fork"
+    trained = subprocess.run([*make, "train", f"ARGS={short}"], env=env, capture_output=True, text=True, timeout=900)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "val/bpb = " in trained.stderr and (fork / "logs/train/runs/fork/checkpoints/last.ckpt").is_file()
+    tested = subprocess.run(
+        [*make, "test", "ARGS=-q -x -p no:cacheprovider"], env=env, capture_output=True, text=True, timeout=2400
+    )
+    assert tested.returncode == 0, tested.stdout[-5000:]
