@@ -284,6 +284,18 @@ class RecordSteps(Callback):
         RecordSteps.on_disk[step] = [int(row["step"]) + 1 for row in rows if row.get("train/loss")]
 
 
+def test_a_stop_at_a_step_not_logged_writes_that_steps_values(compose_train, tmp_path: Path) -> None:
+    """A callback that stops training at step 5 (a signal, a time limit) makes Lightning write step 5's row
+    too: it holds step 5's values, not those of step 3, the step logged last."""
+    stop_at_5 = ["+callbacks.stop._target_=test_numerics.StopAt", "+callbacks.stop.step=5"]
+    train(compose_train("trainer.log_every_n_steps=3", "callbacks=[default,batch_log]", *stop_at_5))
+    batches = read_batch_log(tmp_path / "batches" / "rank0.jsonl")
+    rows = [row for row in metric_rows(tmp_path) if row.get("train/loss")]
+    assert [int(row["step"]) + 1 for row in rows] == [3, 5]  # Lightning numbers rows from 0
+    for row, step in zip(rows, (3, 5), strict=True):
+        assert float(row["train/loss"]) == pytest.approx(float.fromhex(batches[step]["loss"]), rel=1e-6), step
+
+
 def test_each_logged_step_writes_its_last_micro_batchs_values_once_also_after_a_resume(
     compose_train, tmp_path: Path
 ) -> None:

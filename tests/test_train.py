@@ -140,7 +140,7 @@ def test_final_step_is_validated_when_off_the_interval(compose_train, tmp_path: 
     metrics = train(compose_train("trainer.max_steps=8"))
     steps = [int(row["step"]) for row in metrics_rows_with(tmp_path, "val/loss")]
     assert steps == [0, 6, 8]  # before training, after step 6, and the final weights after step 8
-    assert "val/bpb" in metrics
+    assert "val/bpb" in metrics and "step" not in metrics  # `step` only places the validation rows
 
 
 def test_missing_manifest_stops_before_training(compose_train, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from lightning.pytorch import Trainer
 from omegaconf import DictConfig
 
 from pretraining.instantiate import build
-from pretraining.objectives.base import PretrainingObjective
+from pretraining.objectives.base import PretrainingObjective, logged_values
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.quiet import set_up_messages
 from pretraining.schema import check_schema
@@ -53,7 +53,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     model, datamodule = build_from_checkpoint(checkpoint, str(cfg.ckpt_path), overrides, cfg.tokenizer_path, trusted)
     trainer = Trainer(accelerator=cfg.accelerator, devices=1, logger=False, enable_checkpointing=False)
     (validated,) = trainer.validate(model, datamodule=datamodule, verbose=not cfg.quiet)
-    metrics = {name: value for name, value in validated.items() if name != "step"}  # the checkpoint's is below
+    metrics = logged_values(validated)  # the checkpoint's step is below
     result: dict[str, Any] = {"checkpoint": str(cfg.ckpt_path), "step": checkpoint["global_step"], **metrics}
     if cfg.prompt and isinstance(model, CausalLM):
         torch.manual_seed(cfg.seed)

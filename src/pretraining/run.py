@@ -27,7 +27,7 @@ from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError, MissingExtraError
 from pretraining.instantiate import build
 from pretraining.launch import check_devices
-from pretraining.objectives.base import PretrainingObjective, check_lengths
+from pretraining.objectives.base import PretrainingObjective, check_lengths, logged_values
 from pretraining.quiet import set_up_messages
 from pretraining.resume import Resume, check_fits
 from pretraining.schema import check_schema
@@ -200,9 +200,9 @@ def fit(
         if validate_first:
             trainer.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=tables)
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
-        metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+        metrics = logged_values(trainer.callback_metrics)
         if not stop_signal(trainer) and model.last_validated_step != trainer.global_step:
-            metrics |= trainer.validate(model, datamodule=datamodule, verbose=tables)[0]
+            metrics |= logged_values(trainer.validate(model, datamodule=datamodule, verbose=tables)[0])
     except Preempted:
         pass  # Preemption knows the signal, for `report`
     finally:

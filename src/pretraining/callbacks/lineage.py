@@ -37,6 +37,7 @@ class Lineage(Callback):
     def __init__(
         self, config: dict, data_version: str, tokenizer_fingerprint: str, code: dict[str, Any], parent: str | None
     ) -> None:
+        self.parent = Path(parent) if parent else None
         self.record = {
             "format": LINEAGE_FORMAT,
             "config": config,
@@ -54,3 +55,10 @@ class Lineage(Callback):
             topology=training_data(trainer, "lineage").topology,
             wandb_run_id=wandb_ids[0] if wandb_ids else None,
         )
+
+
+def run_lineage(trainer: Trainer) -> Lineage | None:
+    """The `Lineage` of a training run (`pretrain`), None elsewhere (`pretrain-eval` trains nothing). Its
+    `parent` is the checkpoint the run continues from, known from the set-up on: Lightning names it
+    (`trainer.ckpt_path`) only once it restores it, after every `setup` hook."""
+    return next((callback for callback in trainer.callbacks if isinstance(callback, Lineage)), None)  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ from torch.optim import Optimizer
 from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.errors import PretrainingError
-from pretraining.objectives.base import logs_this_step
+from pretraining.objectives.base import PretrainingObjective
 from pretraining.ranges import Range, checked_ranges
 
 
@@ -111,7 +111,7 @@ class NumericalGuard(Callback):
         self.step_loss = loss if self.step_loss is None else self.step_loss + loss
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
-        loss, norm = self.step_values(trainer, pl_module, optimizer)
+        loss, norm = self.loss_and_norm(trainer, pl_module, optimizer)
         step = trainer.global_step + 1
         if math.isfinite(loss) and math.isfinite(norm):
             self.bad_in_a_row = 0
@@ -120,11 +120,11 @@ class NumericalGuard(Callback):
             pass  # a float16 overflow: the GradScaler skips this step and lowers its scale
         else:
             self.skip(trainer, optimizer, step, loss, norm)
-        if logs_this_step(pl_module):
+        if isinstance(pl_module, PretrainingObjective):  # logged where Lightning writes the step's values
             counts = {"train/skipped_steps": float(self.skipped_steps), "train/loss_spikes": float(self.loss_spikes)}
-            pl_module.log_dict({"train/grad_norm": norm, **counts})
+            pl_module.step_values.update({"train/grad_norm": norm, **counts})
 
-    def step_values(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> tuple[float, float]:
+    def loss_and_norm(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> tuple[float, float]:
         """The step's loss (unscaled) and global gradient norm, averaged over ranks: identical on every rank."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)

@@ -7,7 +7,8 @@ A new objective subclasses `PretrainingObjective` and supplies `training_loss`, 
 keeps (passed to `__init__`), `validation_update` (what to add to those states per validation batch) and
 `validation_metrics` (what to report from the reduced states). It may set `example_format` (the examples it
 trains on, `PackedBlocks` by default), refuse a tokenizer (`check_tokenizer`), say what a probe reads
-(`pooled_features`) and count its work (`batch_work`). It logs as any LightningModule does (`self.log`).
+(`pooled_features`) and count its work (`batch_work`). A training value goes in `step_values`, logged at
+the steps Lightning writes (`on_before_optimizer_step`); anything else is logged as in any LightningModule.
 """
 
 from __future__ import annotations
@@ -76,6 +77,10 @@ class PretrainingObjective(LightningModule):
         self.compile_blocks, self.model_configured = compile, False
         self.restored_step = 0  # the step of the checkpoint restored into this module, if any
         self.last_validated_step = -1
+        # This step's training values (the objective's, and callbacks' such as the gradient norm), on the
+        # device as computed; logged at the steps Lightning writes (`on_before_optimizer_step`).
+        self.step_values: dict[str, torch.Tensor | float] = {}
+        self.unlogged_values: dict[str, torch.Tensor | float] | None = None
 
     def configure_model(self) -> None:
         """Under FSDP2 (Lightning's `ModelParallelStrategy`), shard the model by the strategy's policy
@@ -130,9 +135,36 @@ class PretrainingObjective(LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = self.training_loss(batch)
-        if logs_this_step(self):
-            self.log("train/loss", loss, prog_bar=True)
+        self.step_values["train/loss"] = loss.detach()
         return loss
+
+    def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
+        """Log the step's `step_values` (its last micro-batch's, under gradient accumulation) if Lightning writes
+        this step (every `trainer.log_every_n_steps`-th) or it is the last (the run reports it). Here every
+        value is in (the gradient norm too), and the step's callbacks, which come after, see them (a
+        `ModelCheckpoint` monitoring `train/loss`). At other steps they would only cost Lightning's per-value
+        bookkeeping; logged at some steps only, a value stands in the rows of the others."""
+        values, self.step_values = self.step_values, {}
+        trainer, step = self.trainer, self.trainer.global_step + 1
+        every = trainer.log_every_n_steps  # type: ignore[attr-defined]
+        if (every > 0 and step % every == 0) or 0 < trainer.max_steps <= step:
+            self.log_step_values(values)
+        else:
+            self.unlogged_values = values
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """A stop that a callback of this step asked for (a signal, a time limit) makes Lightning write this
+        step too: its row gets this step's values, not those of the step logged last."""
+        if self.unlogged_values is not None and self.trainer.should_stop:
+            self.log_step_values(self.unlogged_values)
+        self.unlogged_values = None
+
+    def log_step_values(self, values: dict[str, torch.Tensor | float]) -> None:
+        """Log a step's training values, the loss on the progress bar too."""
+        loss = values.pop("train/loss", None)
+        self.log_dict(values)
+        if loss is not None:
+            self.log("train/loss", loss, prog_bar=True)
 
     @property
     def trained_steps(self) -> int:
@@ -229,13 +261,10 @@ def clips_unscaled(plugin: Precision, optimizer: Optimizer, value: float | None,
     return True
 
 
-def logs_this_step(module: LightningModule) -> bool:
-    """Whether the optimizer step under way is one whose training values are worth logging: every
-    `trainer.log_every_n_steps`-th, which Lightning writes to the loggers, and the last, which the run reports.
-    Values logged at other steps would cost Lightning's per-value bookkeeping for nothing."""
-    trainer = module.trainer
-    step = trainer.global_step + 1
-    return step % trainer.log_every_n_steps == 0 or step >= trainer.max_steps  # type: ignore[attr-defined]
+def logged_values(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """Logged metrics (`trainer.callback_metrics`, what `Trainer.validate` returns) as floats, without the
+    `step` key that places validation rows (`on_validation_epoch_end`)."""
+    return {name: float(value) for name, value in metrics.items() if name != "step"}
 
 
 @contextmanager

@@ -29,7 +29,7 @@ from pretraining.data.formats import TokenizedPairs
 from pretraining.data.tokenizer import PAD_ID
 from pretraining.errors import ConfigError
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import BatchWork, PretrainingObjective, logs_this_step, masked_mean
+from pretraining.objectives.base import BatchWork, PretrainingObjective, masked_mean
 from pretraining.ranges import Range, checked_ranges
 
 Count = Annotated[int, Range(ge=1)]
@@ -218,8 +218,7 @@ class Contrastive(PretrainingObjective):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
-        if logs_this_step(self):
-            self.log("train/logit_scale", self.logit_scale.detach().exp().squeeze())
+        self.step_values["train/logit_scale"] = self.logit_scale.detach().exp().squeeze()
         return loss
 
     def optimizer_step(self, *args, **kwargs) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
 import torch
@@ -31,10 +30,11 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.checkpoint import checkpoint
 
+from pretraining.callbacks.lineage import run_lineage
 from pretraining.checkpoint import read_sidecar
 from pretraining.extras.distill.teacher import TeacherChoice, load_teacher
 from pretraining.models.transformer import Transformer
-from pretraining.objectives.base import PretrainingObjective, frozen, logs_this_step, sums
+from pretraining.objectives.base import PretrainingObjective, frozen, sums
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.language_model import IGNORE, ChunkTokens, LanguageModel
 from pretraining.objectives.masked_lm import MaskedLM
@@ -87,12 +87,13 @@ class Distillation(LanguageModel):
         self.teacher_record: dict[str, Any] | None = None
 
     def setup(self, stage: str) -> None:
-        """Find, verify and attach the teacher before any step: the one the checkpoint resumed from was
-        distilled from (its lineage records it), else `model.teacher`."""
-        if self.teacher is not None:
+        """Find, verify and attach the teacher before a training run's first validation or step: the one the
+        checkpoint it continues from was distilled from (its lineage records it), else `model.teacher`. A
+        student evaluated (`pretrain-eval`) is validated without it."""
+        lineage = run_lineage(self.trainer)
+        if self.teacher is not None or lineage is None:
             return
-        resumed = self.trainer.ckpt_path
-        recorded = read_sidecar(Path(resumed)).get("lineage", {}).get("teacher") if resumed else None
+        recorded = read_sidecar(lineage.parent).get("lineage", {}).get("teacher") if lineage.parent else None
         examples = self.trainer.datamodule.format  # type: ignore[attr-defined]
         teacher, self.teacher_record = load_teacher(self.choice, self.teacher_kind, examples, recorded)
         assert isinstance(teacher, LanguageModel)  # a teacher_kind: load_teacher checked it
@@ -132,8 +133,7 @@ class Distillation(LanguageModel):
             raise RuntimeError("a Distill objective trains only with its teacher attached (its `setup`)")
         cross_entropy, kl, count = self.batch_sums(batch, self.temperature, validation=False)
         cross_entropy, kl = cross_entropy / count, kl / count
-        if logs_this_step(self):
-            self.log_dict({"train/kl": kl.detach(), "train/ce": cross_entropy.detach()})
+        self.step_values.update({"train/kl": kl.detach(), "train/ce": cross_entropy.detach()})
         return self.alpha * self.temperature**2 * kl + (1 - self.alpha) * cross_entropy
 
     def batch_sums(
