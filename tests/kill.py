@@ -67,12 +67,13 @@ class SignalInEveryPhase(Callback):
         self.signal_once(trainer, "setup")
 
     def on_validation_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if trainer.state.fn == TrainerFn.VALIDATING and trainer.global_step == 0:
+        # The validation a restart owes (the step it continues from) runs before `fit`, at that step.
+        if pl_module.trained_steps == 0:
             self.signal_once(trainer, "validation_before_training")
-        elif trainer.state.fn == TrainerFn.FITTING and trainer.global_step > 0:
-            self.signal_once(trainer, "validation_in_training")
         elif self.final(trainer):
             self.signal_once(trainer, "final_validation")
+        else:
+            self.signal_once(trainer, "validation_in_training")
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.global_step == 6:  # after the first save, and its validation

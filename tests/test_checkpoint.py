@@ -26,6 +26,7 @@ from pretraining.checkpoint import CheckpointError, newest_verified, prune, save
 from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.stream import Cursor
 from pretraining.data.tokenizer import ByteTokenizer
+from pretraining.errors import ConfigError
 from pretraining.files import sha256_of
 from pretraining.plugins.checkpoint_io import AtomicCheckpointIO, on_cpu
 from pretraining.train import train
@@ -289,6 +290,14 @@ class FillDiskAfterFirstSave(Callback):
 
     def teardown(self, *args: object, **kwargs: object) -> None:
         self.limit.close()
+
+
+def test_a_checkpoint_io_without_sidecars_is_refused_before_any_step(compose_train, tmp_path: Path) -> None:
+    """Lightning's own writer (trainer.plugins without AtomicCheckpointIO) would save checkpoints that no run
+    resumes from."""
+    with pytest.raises(ConfigError, match=r"saves through TorchCheckpointIO, which writes no sidecar"):
+        train(compose_train("trainer.plugins=[]"))
+    assert not (tmp_path / "checkpoints").exists()
 
 
 def test_an_unwritable_directory_stops_the_run_naming_it(compose_train, tmp_path: Path, monkeypatch) -> None:

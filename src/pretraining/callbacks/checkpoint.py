@@ -22,7 +22,9 @@ from pretraining.checkpoint import (
     storage_fault,
 )
 from pretraining.checkpoint.background import BackgroundWriter
-from pretraining.objectives.base import PretrainingObjective
+from pretraining.errors import ConfigError
+from pretraining.objectives.base import PretrainingObjective, logged_values
+from pretraining.plugins.checkpoint_io import AtomicCheckpointIO
 from pretraining.plugins.fsdp import FSDP2Strategy
 from pretraining.ranges import Positive, Range, checked_ranges
 
@@ -64,6 +66,17 @@ class StepCheckpoint(Checkpoint):
         self.writing_shards = False
         self.saved_step = -1
         self.last_model_path = ""
+        self.validated_path: Path | None = None  # the checkpoint whose validation was just recorded
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Refuse, before any step, a checkpoint IO that writes no sidecar: no checkpoint of the run would resume."""
+        checkpoint_io = trainer.strategy.checkpoint_io
+        if not saves_sharded(trainer) and not isinstance(checkpoint_io, AtomicCheckpointIO):
+            raise ConfigError(
+                f"callbacks.checkpoint saves through {type(checkpoint_io).__name__}, which writes no sidecar, so "
+                "the run could resume from none of its checkpoints: keep "
+                "pretraining.plugins.checkpoint_io.AtomicCheckpointIO in trainer.plugins (configs/trainer/default.yaml)"
+            )
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # A resumed run does not save again the step it resumed from, and records its validation there.
@@ -78,12 +91,13 @@ class StepCheckpoint(Checkpoint):
         """Record the validation of the step just saved in its sidecar: see `record_validation`."""
         self.collect(trainer, wait=True)  # the sidecar is written last
         validated = pl_module.trained_steps if isinstance(pl_module, PretrainingObjective) else trainer.global_step
+        self.validated_path = None
         if trainer.sanity_checking or validated != self.saved_step or not self.last_model_path:
             return
+        self.validated_path = Path(self.last_model_path)
         if trainer.is_global_zero:
             # All of them (train/, probe/ too): what `fit` returns, for a finished run run again.
-            metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
-            record_validation(Path(self.last_model_path), metrics)
+            record_validation(self.validated_path, logged_values(trainer.callback_metrics))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         step = trainer.global_step

@@ -172,7 +172,7 @@ class LinearProbe(Callback):
         probe = {"probe/accuracy": result.accuracy, "probe/majority": result.majority}
         pl_module.log_dict(probe, sync_dist=True, reduce_fx="max")
         rank_zero_info(
-            f"linear probe at step {trainer.global_step}: accuracy {result.accuracy:.3f} held out "
+            f"linear probe at step {pl_module.trained_steps}: accuracy {result.accuracy:.3f} held out "
             f"(majority {result.majority:.3f}, train {result.train_accuracy:.3f}), {time.perf_counter() - start:.2f} s"
         )
 

@@ -62,9 +62,9 @@ class RegisterCheckpoints(Checkpoint):
         if trainer.sanity_checking or not trainer.is_global_zero:
             return
         saver = next(c for c in trainer.checkpoint_callbacks if isinstance(c, StepCheckpoint))
-        if saver.saved_step != trainer.global_step or not saver.last_model_path:
-            return  # this step was not saved
-        path = Path(saver.last_model_path)
+        path = saver.validated_path
+        if path is None:
+            return  # the step validated was not saved
         if self.choose == "best" and not self.improves(path):
             return
         keep_for_good(path, f"registered in {self.registry.directory}")  # first: never registered yet pruned
