@@ -53,8 +53,9 @@ def test_the_core_alone_trains_and_passes_its_tests(tmp_path: Path) -> None:
     env = os.environ | {"PYTHONPATH": str(fork / "src"), "WANDB_MODE": "offline"}
     short = "trainer.max_steps=20 trainer.val_check_interval=10 callbacks.checkpoint.every_n_steps=10 run_name=fork"
     trained = subprocess.run([*make, "train", f"ARGS={short}"], env=env, capture_output=True, text=True, timeout=900)
-    assert trained.returncode == 0, trained.stderr[-3000:]
-    assert "val/bpb = " in trained.stderr and (fork / "logs/train/runs/fork/checkpoints/last.ckpt").is_file()
+    assert trained.returncode == 0, (trained.stdout + trained.stderr)[-3000:]
+    assert "val/bpb = " in trained.stdout + trained.stderr
+    assert (fork / "logs/train/runs/fork/checkpoints/last.ckpt").is_file()
     tested = subprocess.run(
         [*make, "test", "ARGS=-q -x -p no:cacheprovider"], env=env, capture_output=True, text=True, timeout=2400
     )

@@ -297,7 +297,7 @@ def test_init_from_refuses_gpt2_for_a_bidirectional_objective(exports: Path, tmp
 
 def test_init_from_refuses_another_tokenizer(exports: Path, tmp_path: Path, shard_dir: Path, bpe_path: Path) -> None:
     init = init_from(exports / "clm_tiny")
-    cfg = compose_run(tmp_path, "clm_tiny", shard_dir, init, "tokenizer=bpe", f"tokenizer.path={bpe_path}")
+    cfg = compose_run(tmp_path, "clm_tiny", shard_dir, *init, "tokenizer=bpe", f"tokenizer.path={bpe_path}")
     refused_start(cfg, ConfigError, r"tokenizes differently .* its vocabulary has 260 tokens, the run's 320")
 
 
@@ -308,7 +308,7 @@ def test_init_from_refuses_another_tokenizer(exports: Path, tmp_path: Path, shar
             "mlm_tiny",
             "",
             ConfigError,
-            r"holds a 'pretraining-transformer' model: callbacks.init_from.path starts from GPT-2",
+            r"holds a 'pretraining-transformer' model: callbacks.init_from starts from GPT-2",
         ),
         ("clm_tiny", "tokenizer.json", MissingFileError, r"tokenizer.json not found: .* pass the tokenizer"),
         ("clm_tiny", "config.json", MissingFileError, r"config.json not found: .* is not a Hugging Face model"),

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from pretraining.config import PROJECT_ROOT
 from pretraining.extras.plots.cli import main
 from pretraining.extras.plots.plots import draw_overlay, draw_run, panels, plot, plot_overlay
 from pretraining.extras.plots.run_logs import Series, read_metrics, run_labels
 from pretraining.train import train
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-SRC = Path(__file__).resolve().parents[1] / "src"
-MAKEFILE = Path(__file__).resolve().parents[1] / "Makefile"
+SRC = PROJECT_ROOT / "src"
 
 # Lightning's columns are sorted; each row holds what one log call logged at its step.
 COLUMNS = [
@@ -253,7 +253,7 @@ def test_make_plot_runs_pretrain_plot_and_needs_run(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_metrics(run, training_rows(range(20), 4.0))
     env = os.environ | {"PYTHONPATH": str(SRC)}
-    make = ["make", "-f", str(MAKEFILE), "-o", "install", f"BIN={bin_dir}", "plot"]  # -o: leave the venv alone
+    make = ["make", "-C", str(PROJECT_ROOT), "-o", "install", f"BIN={bin_dir}", "plot"]  # -o: leave the venv alone
 
     missing = subprocess.run(make, capture_output=True, text=True, env=env, timeout=60)
     assert missing.returncode == 2 and "usage: make plot RUN=" in missing.stdout
