@@ -8,7 +8,8 @@ Every model is trained by the real `pretrain` command, with the default settings
 clm_tiny run). The teacher is `--teacher CKPT` if given, else a clm_tiny run trained first (about 4.5 min on
 2 CPU cores); each student takes about as long.
 
-    python scripts/bench/bench_distill.py --data data/stdlib [--teacher CKPT] [--steps 600] [--log-dir logs/bench_distill]
+    python scripts/bench/bench_distill.py --data data/stdlib [--teacher CKPT] [--steps 600] \
+        [--log-dir logs/bench_distill]
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ Every model is trained by the real `pretrain` command with the default settings 
 clm_tiny run, about 4 minutes each on 2 CPU cores) and the seed, once per `--seeds` (several seeds show how
 far the runs differ by chance alone).
 
-    python scripts/bench/bench_documents.py --data data/stdlib [--steps 600] [--seeds 1234 1] [--log-dir logs/bench_documents]
+    python scripts/bench/bench_documents.py --data data/stdlib [--steps 600] [--seeds 1234 1] \
+        [--log-dir logs/bench_documents]
 """
 
 from __future__ import annotations

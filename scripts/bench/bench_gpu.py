@@ -15,7 +15,7 @@ device's dense bf16 peak), its peak allocated memory, and the share of the timed
 from the loader (host side; the batches are pre-built, so this is the loop's own cost).
 
     python scripts/bench/bench_gpu.py [--steps 30 --warmup 10] [--case GPT-2]
-    python scripts/bench/bench_gpu.py --smoke    # tiny sizes on the CPU in seconds, float32, no compile: checks the script
+    python scripts/bench/bench_gpu.py --smoke    # tiny sizes on the CPU in seconds, float32, no compile
 """
 
 from __future__ import annotations
