@@ -1,7 +1,7 @@
 """A report of a whole sweep, from what each job left in its directory: its `status.json`
-(`pretraining.job_status`), its metrics and its checkpoints. A Hydra callback (`WriteSweepReport`) writes it
-again after each job of a multirun; a failed job does not stop the sweep: Hydra runs the remaining jobs,
-then exits with the first error.
+(`pretraining.job_status`), its metrics and its checkpoints. A Hydra callback (`callback.WriteSweepReport`)
+writes it again after each job of a multirun; a failed job does not stop the sweep: Hydra runs the remaining
+jobs, then exits with the first error.
 
 `pretrain-sweep-report <sweep dir>` (`make sweep-report SWEEP=...`) writes the report on demand, for
 a sweep that is finished, still going or was interrupted:
@@ -25,17 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hydra.core.utils import JobReturn
-from hydra.experimental.callback import Callback
-from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.errors import MissingExtraError
 from pretraining.extras.plots.run_logs import METRICS_FILE, PlotError, Series, natural_key, read_metrics, read_overrides
 from pretraining.files import write_atomically
 from pretraining.job_status import read_status
-from pretraining.launch import is_rank_zero_process
 
 try:  # the overlay plot needs matplotlib (the `plots` extra); the report itself does not
     from pretraining.extras.plots.plots import plot_overlay
@@ -54,22 +50,6 @@ FINAL_PREFIXES = ("val/", "probe/")  # the metrics a row reports at their last l
 
 class SweepError(ValueError):
     """A directory that is not a sweep; the message says what to pass instead."""
-
-
-class WriteSweepReport(Callback):
-    """After each job of a multirun, write the sweep's report again (a Hydra callback: configs/hydra/
-    sweep_report/default.yaml). A failure to write it is logged: the sweep's remaining jobs go on."""
-
-    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
-        if config.hydra.mode != RunMode.MULTIRUN or not is_rank_zero_process():
-            return
-        sweep_dir = Path(config.hydra.sweep.dir)
-        try:
-            report = write_report(sweep_dir)
-        except Exception:  # the report can be written again later; the sweep's remaining jobs cannot
-            log.exception("could not write the sweep report; run `make sweep-report SWEEP=%s`", sweep_dir)
-        else:
-            log.info("sweep report (%s): %s", report.summary(), sweep_dir / "report.md")
 
 
 def job_status(job_dir: Path) -> dict[str, Any]:
