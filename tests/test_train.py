@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -192,7 +193,9 @@ def test_evaluate_missing_checkpoint(tmp_path: Path) -> None:
 
 
 class CausalLMWithZLoss(CausalLM):
-    """An objective from outside the package: next-token loss plus PaLM's z-loss on the log-normaliser."""
+    """An objective from outside the package: next-token loss plus PaLM's z-loss on the log-normaliser, a
+    training value of its own. It overrides Lightning's training hooks as any LightningModule may, without
+    `super()`: the training values are logged all the same."""
 
     def __init__(self, *args, z_loss: float = 1e-4, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -201,13 +204,23 @@ class CausalLMWithZLoss(CausalLM):
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         logits = self(batch["tokens"][:, :-1]).float()
         loss = F.cross_entropy(logits.flatten(0, 1), batch["tokens"][:, 1:].flatten())
-        return loss + self.z_loss * logits.logsumexp(-1).pow(2).mean()
+        z_loss = logits.logsumexp(-1).pow(2).mean()
+        self.step_values["train/z_loss"] = z_loss.detach()
+        return loss + self.z_loss * z_loss
+
+    def on_train_start(self) -> None: ...
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None: ...
 
 
 def test_an_objective_from_outside_the_package_needs_only_its_target(compose_train, tmp_path: Path) -> None:
     cfg = compose_train("model._target_=test_train.CausalLMWithZLoss", "+model.z_loss=0.01")
     metrics = train(cfg)
-    assert "val/bpb" in metrics
+    assert "val/bpb" in metrics and metrics["train/z_loss"] > 0
+    logged = [row for row in metric_rows(tmp_path) if row.get("train/loss")]
+    assert logged and all(float(row["train/z_loss"]) > 0 for row in logged)
     lineage = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["lineage"]
     assert lineage["config"]["model"]["_target_"] == "test_train.CausalLMWithZLoss"
 

@@ -74,16 +74,16 @@ class NumericalGuard(Callback):
       that a lasting change of level stops being flagged after about a window.
       `spike_threshold: null` turns this off.
 
-    `train/grad_norm`, the global gradient norm before clipping, is logged too, at the steps whose logs
-    Lightning writes. Steps are numbered as checkpoints are: step N is the N-th optimizer step. The loss
-    is the step's mean over micro-batches and ranks. Every rank decides alike: the loss and norm are
-    averaged over ranks by one all-reduce of two numbers (under FSDP2 the norm of the sharded gradients
-    is all-reduced first), so a NaN on one rank is seen by all. The cost: one pass over the gradients for
-    the norm, and one transfer of the two numbers to the host, a device sync per step (the rest of the
-    template syncs only at logging steps; a loop that skips non-finite steps cannot decide without it);
-    removing the callback (`~callbacks.numerics`) removes it.
-    Counters and loss statistics travel in checkpoints, so a resumed run counts as the
-    uninterrupted run would.
+    `train/grad_norm`, the global gradient norm before clipping, is logged too (with the counts of skipped steps
+    and spikes), through the objective's `step_values`: at the steps whose logs Lightning writes. Steps are
+    numbered as checkpoints are: step N is the N-th optimizer step. The loss is the step's mean over
+    micro-batches and ranks. Every rank decides alike: the loss and norm are averaged over ranks by one
+    all-reduce of two numbers (under FSDP2 the norm of the sharded gradients is all-reduced first), so a NaN on
+    one rank is seen by all. The cost: one pass over the gradients for the norm, and one transfer of the two
+    numbers to the host, a device sync per step (the rest of the template syncs only at logging steps; a loop
+    that skips non-finite steps cannot decide without it); removing the callback (`~callbacks.numerics`) removes
+    it. Counters and loss statistics travel in checkpoints, so a resumed run counts as the uninterrupted run
+    would.
     """
 
     @checked_ranges("callbacks.numerics")

@@ -8,7 +8,7 @@ keeps (passed to `__init__`), `validation_update` (what to add to those states p
 `validation_metrics` (what to report from the reduced states). It may set `example_format` (the examples it
 trains on, `PackedBlocks` by default), refuse a tokenizer (`check_tokenizer`), say what a probe reads
 (`pooled_features`) and count its work (`batch_work`). A training value goes in `step_values`, logged at
-the steps Lightning writes (`on_before_optimizer_step`); anything else is logged as in any LightningModule.
+the steps Lightning writes (`LogStepValues`); anything else is logged as in any LightningModule.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from functools import partial
 from typing import Annotated, Any, ClassVar, NamedTuple, cast
 
 import torch
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import Metric, SumMetric
 
+from pretraining.callbacks.step_values import LogStepValues
 from pretraining.data.formats import ExampleFormat, PackedBlocks
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
@@ -78,9 +79,8 @@ class PretrainingObjective(LightningModule):
         self.restored_step = 0  # the step of the checkpoint restored into this module, if any
         self.last_validated_step = -1
         # This step's training values (the objective's, and callbacks' such as the gradient norm), on the
-        # device as computed; logged at the steps Lightning writes (`on_before_optimizer_step`).
+        # device as computed; logged at the steps Lightning writes (`LogStepValues`).
         self.step_values: dict[str, torch.Tensor | float] = {}
-        self.unlogged_values: dict[str, torch.Tensor | float] | None = None
 
     def configure_model(self) -> None:
         """Under FSDP2 (Lightning's `ModelParallelStrategy`), shard the model by the strategy's policy
@@ -138,33 +138,10 @@ class PretrainingObjective(LightningModule):
         self.step_values["train/loss"] = loss.detach()
         return loss
 
-    def on_before_optimizer_step(self, optimizer: Optimizer) -> None:
-        """Log the step's `step_values` (its last micro-batch's, under gradient accumulation) if Lightning writes
-        this step (every `trainer.log_every_n_steps`-th) or it is the last (the run reports it). Here every
-        value is in (the gradient norm too), and the step's callbacks, which come after, see them (a
-        `ModelCheckpoint` monitoring `train/loss`). At other steps they would only cost Lightning's per-value
-        bookkeeping; logged at some steps only, a value stands in the rows of the others."""
-        values, self.step_values = self.step_values, {}
-        trainer, step = self.trainer, self.trainer.global_step + 1
-        every = trainer.log_every_n_steps  # type: ignore[attr-defined]
-        if (every > 0 and step % every == 0) or 0 < trainer.max_steps <= step:
-            self.log_step_values(values)
-        else:
-            self.unlogged_values = values
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """A stop that a callback of this step asked for (a signal, a time limit) makes Lightning write this
-        step too: its row gets this step's values, not those of the step logged last."""
-        if self.unlogged_values is not None and self.trainer.should_stop:
-            self.log_step_values(self.unlogged_values)
-        self.unlogged_values = None
-
-    def log_step_values(self, values: dict[str, torch.Tensor | float]) -> None:
-        """Log a step's training values, the loss on the progress bar too."""
-        loss = values.pop("train/loss", None)
-        self.log_dict(values)
-        if loss is not None:
-            self.log("train/loss", loss, prog_bar=True)
+    def configure_callbacks(self) -> list[Callback]:
+        """`LogStepValues`, which Lightning runs after the trainer's callbacks (which add to `step_values`, or
+        stop training) and before the checkpoint callbacks (which may monitor the values)."""
+        return [LogStepValues()]
 
     @property
     def trained_steps(self) -> int:

@@ -1,0 +1,47 @@
+"""The logging of an objective's training values (`PretrainingObjective.step_values`): the objective's own
+callback (its `configure_callbacks`), so that no hook of an objective has to call `super()` for it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from pretraining.objectives.base import PretrainingObjective
+
+
+class LogStepValues(Callback):
+    """Logs an objective's `step_values` with `self.log` at the steps Lightning writes (every
+    `trainer.log_every_n_steps`-th) and the last, once the step's callbacks have added theirs, so that every
+    callback sees them at the step's end; and at a step where a callback stops training (a signal, a time
+    limit), so that its row holds its own values. Logged at every step, each value would cost Lightning's
+    per-value bookkeeping for rows never written; logged at some steps only, it would stand in the rows of
+    the others. Under gradient accumulation a step's values are its last micro-batch's."""
+
+    def __init__(self) -> None:
+        self.unlogged: dict[str, torch.Tensor | float] | None = None  # the step under way's, if not logged
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        objective = cast("PretrainingObjective", pl_module)
+        values, objective.step_values = objective.step_values, {}
+        step, every = trainer.global_step + 1, trainer.log_every_n_steps  # type: ignore[attr-defined]
+        if step % every == 0 or step == trainer.max_steps:
+            log_values(pl_module, values)
+        else:
+            self.unlogged = values
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if self.unlogged is not None and trainer.should_stop:
+            log_values(pl_module, self.unlogged)
+        self.unlogged = None
+
+
+def log_values(module: LightningModule, values: dict[str, torch.Tensor | float]) -> None:
+    """Log a step's training values, the loss on the progress bar too."""
+    loss = values.pop("train/loss", None)
+    module.log_dict(values)
+    if loss is not None:
+        module.log("train/loss", loss, prog_bar=True)
