@@ -69,12 +69,13 @@ class StepCheckpoint(Checkpoint):
         self.validated_path: Path | None = None  # the checkpoint whose validation was just recorded
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Refuse, before any step, a checkpoint IO that writes no sidecar: no checkpoint of the run would resume."""
+        """Refuse, before any step, a checkpoint IO other than the one that writes each checkpoint atomically
+        with its sidecar (it publishes them itself): the run could resume from none of its checkpoints."""
         checkpoint_io = trainer.strategy.checkpoint_io
         if not saves_sharded(trainer) and not isinstance(checkpoint_io, AtomicCheckpointIO):
             raise ConfigError(
-                f"callbacks.checkpoint saves through {type(checkpoint_io).__name__}, which writes no sidecar, so "
-                "the run could resume from none of its checkpoints: keep "
+                f"callbacks.checkpoint saves through {type(checkpoint_io).__name__}, not AtomicCheckpointIO, which "
+                "writes each checkpoint with its sidecar (background saves are callbacks.checkpoint's own): keep "
                 "pretraining.plugins.checkpoint_io.AtomicCheckpointIO in trainer.plugins (configs/trainer/default.yaml)"
             )
 

@@ -57,7 +57,7 @@ class Lineage(Callback):
         )
 
 
-def run_lineage(trainer: Trainer) -> Lineage | None:
+def trainer_lineage(trainer: Trainer) -> Lineage | None:
     """The `Lineage` of a training run (`pretrain`), None elsewhere (`pretrain-eval` trains nothing). Its
     `parent` is the checkpoint the run continues from, known from the set-up on: Lightning names it
     (`trainer.ckpt_path`) only once it restores it, after every `setup` hook."""

@@ -299,11 +299,13 @@ class ShardDataModule(LightningDataModule):
 
 
 def seed_step(seed: int) -> None:
-    """Seed Python's `random`, NumPy and torch (the CPU and every CUDA device): what `torch.manual_seed` does
-    for these, without its look for other backends (MPS, XPU, ...), which would cost a small model's step
-    more than the rest of the seeding."""
+    """Seed Python's `random`, NumPy and torch (the CPU, every CUDA device, Apple's GPU): what
+    `torch.manual_seed` does for the devices Lightning trains on, without its look for every other backend,
+    which would cost a small model's step more than the rest of the seeding."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.default_generator.manual_seed(seed)
     if torch.cuda.is_initialized():  # a run on the GPU has started CUDA before its first batch
         torch.cuda.manual_seed_all(seed)
+    if torch.backends.mps.is_available():
+        torch.mps.manual_seed(seed)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.checkpoint import checkpoint
 
-from pretraining.callbacks.lineage import run_lineage
+from pretraining.callbacks.lineage import trainer_lineage
 from pretraining.checkpoint import read_sidecar
 from pretraining.extras.distill.teacher import TeacherChoice, load_teacher
 from pretraining.models.transformer import Transformer
@@ -90,7 +90,7 @@ class Distillation(LanguageModel):
         """Find, verify and attach the teacher before a training run's first validation or step: the one the
         checkpoint it continues from was distilled from (its lineage records it), else `model.teacher`. A
         student evaluated (`pretrain-eval`) is validated without it."""
-        lineage = run_lineage(self.trainer)
+        lineage = trainer_lineage(self.trainer)
         if self.teacher is not None or lineage is None:
             return
         recorded = read_sidecar(lineage.parent).get("lineage", {}).get("teacher") if lineage.parent else None

@@ -12,7 +12,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
-from pretraining.callbacks.lineage import run_lineage
+from pretraining.callbacks.lineage import trainer_lineage
 from pretraining.checkpoint import checkpoint_digest, read_sidecar
 from pretraining.data.contract import training_data
 from pretraining.data.tokenizer import Tokenizer
@@ -44,7 +44,7 @@ class InitFrom(Callback):
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.origin is not None:  # loaded already (a validation before training, then fit)
             return
-        lineage = run_lineage(trainer)
+        lineage = trainer_lineage(trainer)
         if parent := lineage and lineage.parent:
             recorded = read_sidecar(parent).get("lineage", {}).get("origin")
             check_same_origin(self.path, recorded, parent)

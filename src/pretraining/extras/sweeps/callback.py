@@ -24,10 +24,10 @@ class WriteSweepReport(Callback):
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN or not is_rank_zero_process():
             return
-        from pretraining.extras.sweeps.report import write_report  # a plain run never loads it
-
         sweep_dir = Path(config.hydra.sweep.dir)
         try:
+            from pretraining.extras.sweeps.report import write_report  # a plain run never loads it
+
             report = write_report(sweep_dir)
         except Exception:  # the report can be written again later; the sweep's remaining jobs cannot
             log.exception("could not write the sweep report; run `make sweep-report SWEEP=%s`", sweep_dir)
