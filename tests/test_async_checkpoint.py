@@ -19,8 +19,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 
 import pretraining.files
 from conftest import tiny_run
-from pretraining.checkpoint import load_sharded, newest_verified, saved_checkpoints
+from pretraining.checkpoint import newest_verified, saved_checkpoints
 from pretraining.checkpoint.background import BackgroundWriter, host_copy
+from pretraining.checkpoint.sharded import load_sharded
 from pretraining.config import CONFIG_DIR
 from pretraining.train import train
 from test_checkpoint import pretrain_process

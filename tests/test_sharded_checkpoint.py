@@ -20,16 +20,8 @@ import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
 
 from conftest import tiny_run
-from pretraining.checkpoint import (
-    CheckpointError,
-    load_sharded,
-    newest_verified,
-    prune,
-    publish_sharded,
-    saved_checkpoints,
-    sidecar_path,
-    verify,
-)
+from pretraining.checkpoint import CheckpointError, newest_verified, prune, saved_checkpoints, sidecar_path, verify
+from pretraining.checkpoint.sharded import load_sharded, publish_sharded
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError
 from pretraining.evaluate import evaluate

@@ -14,11 +14,11 @@ from pretraining.checkpoint import (
     READABLE_LINEAGE_FORMATS,
     existing_checkpoint,
     lineage_of,
-    load_sharded,
     load_weights_only,
     sidecar_path,
     verify,
 )
+from pretraining.checkpoint.sharded import load_sharded
 from pretraining.data.formats import ExampleFormat
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError

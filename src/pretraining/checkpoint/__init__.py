@@ -12,7 +12,8 @@ A sharded checkpoint (FSDP2 with `save_distributed_checkpoint=true`) is a
 directory of the same name: every rank writes its shards into a temporary
 directory beside it, and once all have finished, rank zero checksums every
 file, renames the directory into place and writes the sidecar (which lists each
-file's size and SHA-256) last, with the same guarantees.
+file's size and SHA-256) last, with the same guarantees (`pretraining.checkpoint.sharded`, which the FSDP2
+strategy loads with the first sharded checkpoint it saves or loads).
 
 On one device, with DDP and for sharded checkpoints the write happens in the background (`background`):
 the step waits only for a copy of the state in host memory, and a writer thread writes that copy exactly
@@ -27,17 +28,10 @@ from pretraining.checkpoint.lineage import (
     sidecar_checksums,
     sidecar_digest,
 )
-from pretraining.checkpoint.sharded import (
-    SHARDED_META,
-    load_sharded,
-    load_sharded_into,
-    publish_sharded,
-    save_sharded,
-    save_sharded_async,
-)
 from pretraining.checkpoint.sidecar import (
     LINEAGE_FORMAT,
     READABLE_LINEAGE_FORMATS,
+    SHARDED_META,
     parameter_shapes,
     read_sidecar,
     sidecar_path,
@@ -70,22 +64,17 @@ __all__ = [
     "keep_for_good",
     "lineage_of",
     "link_last",
-    "load_sharded",
-    "load_sharded_into",
     "load_weights_only",
     "newest_saved",
     "newest_verified",
     "parameter_shapes",
     "prune",
-    "publish_sharded",
     "read_lineage",
     "read_sidecar",
     "record_validation",
     "refusing_code",
     "remove",
     "save_file",
-    "save_sharded",
-    "save_sharded_async",
     "saved_checkpoints",
     "sidecar_checksums",
     "sidecar_digest",

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pretraining.checkpoint.sharded import SHARDED_META
+from pretraining.checkpoint.sidecar import SHARDED_META
 from pretraining.checkpoint.weights_only import load_weights_only
 from pretraining.errors import ConfigError
 

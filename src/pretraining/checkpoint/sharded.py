@@ -32,13 +32,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from pretraining.checkpoint.sidecar import SIDECAR_FORMAT, files_under, summary
+from pretraining.checkpoint.sidecar import SHARDED_META, SIDECAR_FORMAT, files_under, summary
 from pretraining.checkpoint.store import remove, vouch_for
 from pretraining.checkpoint.weights_only import load_weights_only, refusing_code
 from pretraining.errors import CheckpointError
 from pretraining.files import fsync_directory, sha256_of
 
-SHARDED_META = "meta.pt"  # all but the weights and optimizer, as Lightning names it (fabric.utilities.load)
 MODEL_KEY = "state_dict"  # Lightning saves the weights under this key; DCP flattens them to "state_dict.<name>"
 DCP_METADATA = ".metadata"  # DCP's pickled index of every tensor's shards
 

@@ -14,6 +14,8 @@ from pretraining.errors import CheckpointError
 from pretraining.files import sha256_of, write_durably
 
 SIDECAR_FORMAT = 1
+# In a sharded checkpoint: all but the weights and optimizer, as Lightning names it (fabric.utilities.load).
+SHARDED_META = "meta.pt"
 # The lineage record every checkpoint carries (`pretraining.callbacks.lineage.Lineage`).
 # 4: the data config names its example format (data.format) and one ShardDataModule, which saves the data
 # position under its own name; the configs of earlier checkpoints name classes that are gone.

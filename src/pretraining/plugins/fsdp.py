@@ -33,7 +33,7 @@ from torch.distributed.fsdp import (
 )
 from torchmetrics import Metric
 
-from pretraining.checkpoint import load_sharded_into, refusing_code, save_sharded, save_sharded_async
+from pretraining.checkpoint import refusing_code
 from pretraining.checkpoint.background import BackgroundWriter, host_copy
 from pretraining.errors import ConfigError
 from pretraining.files import temporary_path
@@ -141,6 +141,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(filepath)))
         if not self.sharded_saves:  # ModelParallelStrategy's own save would refuse storage_options
             return super(ModelParallelStrategy, self).save_checkpoint(checkpoint, path, storage_options)
+        # Here, not at the top: a run that saves no shards never loads DCP's writers and readers.
+        from pretraining.checkpoint.sharded import save_sharded, save_sharded_async
+
         temporary = Path(self.broadcast(str(temporary_path(path))))  # rank zero's name, on every rank
         optimizers = enumerate(checkpoint.pop("optimizer_states", []))
         shards = {"state_dict": checkpoint.pop("state_dict")} | {f"optimizer_{i}": state for i, state in optimizers}
@@ -159,6 +162,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         if not path.is_dir():
             with refusing_code(path):
                 return super().load_checkpoint(path, weights_only=True)
+        from pretraining.checkpoint.sharded import load_sharded_into  # as in save_checkpoint
+
         assert self.model is not None and self.lightning_module is not None
         return load_sharded_into(self.model, self.optimizers, path, self.lightning_module.strict_loading)
 
