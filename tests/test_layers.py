@@ -27,9 +27,18 @@ FLOORS = [
     ("commands", ["cli", "__main__"]),
     ("extras", ["extras"]),
 ]
-# The modules whose imports of the package may wait inside a function (the core's and each extra's
-# commands): for a fast `--help`.
-DEFERS_IMPORTS = ("cli", "extras.hf.cli", "extras.plots.cli", "extras.registry.cli", "extras.sweeps.cli")
+# The modules whose imports of the package may wait inside a function: the core's and each extra's
+# commands, for a fast `--help`; what Lightning or Hydra load for every run but use in some only, so that a
+# run loads only what it uses (the FSDP2 strategy's sharded format, a multirun's report).
+DEFERS_IMPORTS = (
+    "cli",
+    "extras.hf.cli",
+    "extras.plots.cli",
+    "extras.registry.cli",
+    "extras.sweeps.cli",
+    "plugins.fsdp",
+    "extras.sweeps.callback",
+)
 # The floors without Lightning, and the names it is imported under.
 NO_LIGHTNING = ("ground", "models")
 LIGHTNING = {"lightning", "lightning_fabric", "pytorch_lightning", "torchmetrics"}

@@ -29,12 +29,12 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import Metric, SumMetric
 
-from pretraining.callbacks.step_values import LogStepValues
 from pretraining.data.formats import ExampleFormat, PackedBlocks
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.instantiate import build
 from pretraining.models.transformer import Block, Transformer
+from pretraining.objectives.step_values import LogStepValues
 from pretraining.plugins.fsdp import FSDP2Strategy, ShardingPolicy, shard
 from pretraining.ranges import Range, checked_ranges
 

@@ -1,16 +1,18 @@
 """The logging of an objective's training values (`PretrainingObjective.step_values`): the objective's own
-callback (its `configure_callbacks`), so that no hook of an objective has to call `super()` for it."""
+callback (its `configure_callbacks`), so that no hook of an objective has to call `super()` for it. Any
+LightningModule with a `step_values` dict may return it."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch.optim import Optimizer
 
-if TYPE_CHECKING:
-    from pretraining.objectives.base import PretrainingObjective
+
+class WithStepValues(Protocol):
+    step_values: dict[str, torch.Tensor | float]  # this step's training values, as computed
 
 
 class LogStepValues(Callback):
@@ -25,8 +27,8 @@ class LogStepValues(Callback):
         self.unlogged: dict[str, torch.Tensor | float] | None = None  # the step under way's, if not logged
 
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
-        objective = cast("PretrainingObjective", pl_module)
-        values, objective.step_values = objective.step_values, {}
+        module = cast(WithStepValues, pl_module)
+        values, module.step_values = module.step_values, {}
         step, every = trainer.global_step + 1, trainer.log_every_n_steps  # type: ignore[attr-defined]
         if step % every == 0 or step == trainer.max_steps:
             log_values(pl_module, values)
