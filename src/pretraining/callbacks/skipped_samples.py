@@ -8,10 +8,11 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from pretraining.data.contract import training_data
+from pretraining.objectives.step_values import logs_written_at
 
 
 class SkippedSamples(Callback):
-    """Every `trainer.log_every_n_steps` optimizer steps, sum over all ranks the
+    """Every `trainer.log_every_n_steps` optimizer steps and at the last, sum over all ranks the
     samples the training stream read and skipped (`ShardDataModule.samples_read`, `samples_skipped`),
     log `data/skipped_samples` and `data/samples_read`, and stop the run if too many were skipped
     (`ShardDataModule.check_skips`). One small all-reduce, at the same steps on every rank, so that
@@ -25,7 +26,7 @@ class SkippedSamples(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         step = trainer.global_step
-        if step == self.checked_step or step % trainer.log_every_n_steps:  # type: ignore[attr-defined]
+        if step == self.checked_step or not logs_written_at(trainer, step):
             return  # mid-accumulation, checked already, or not a logging step
         self.checked_step = step
         data = training_data(trainer, "data.bad_data")

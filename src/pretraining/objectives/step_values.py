@@ -29,8 +29,7 @@ class LogStepValues(Callback):
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         module = cast(WithStepValues, pl_module)
         values, module.step_values = module.step_values, {}
-        step, every = trainer.global_step + 1, trainer.log_every_n_steps  # type: ignore[attr-defined]
-        if step % every == 0 or step == trainer.max_steps:
+        if logs_written_at(trainer, trainer.global_step + 1):  # the step under way
             log_values(pl_module, values)
         else:
             self.unlogged = values
@@ -47,3 +46,9 @@ def log_values(module: LightningModule, values: dict[str, torch.Tensor | float])
     module.log_dict(values)
     if loss is not None:
         module.log("train/loss", loss, prog_bar=True)
+
+
+def logs_written_at(trainer: Trainer, step: int) -> bool:
+    """Whether the training values of optimizer step `step` (counted from 1) are logged: those of every
+    `trainer.log_every_n_steps`-th step, whose logs Lightning writes, and of the last, which the run reports."""
+    return step % trainer.log_every_n_steps == 0 or step == trainer.max_steps  # type: ignore[attr-defined]
