@@ -11,6 +11,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 
+import pretraining.checkpoint.store
 from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.data.datamodule import ShardDataModule
 
@@ -29,6 +30,14 @@ class KillAt(Callback):
                 if isinstance(checkpoint, StepCheckpoint):
                     checkpoint.wait_until_written(trainer)  # every rank reaches this batch
             os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+class KillBeforeTheFirstSidecar(Callback):
+    """The whole process group dies by SIGKILL after the first checkpoint is renamed into place, before its
+    sidecar is written (the last instant of a save at which a kill leaves something behind)."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        pretraining.checkpoint.store.write_sidecar = lambda *args: os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
 class SignalAt(Callback):

@@ -75,21 +75,25 @@ def test_a_flipped_byte_fails_the_checksum(tmp_path: Path) -> None:
         AtomicCheckpointIO().load_checkpoint(path)
 
 
-def test_a_checkpoint_without_its_sidecar_is_skipped_and_never_deleted(tmp_path: Path) -> None:
+def test_a_checkpoint_without_its_sidecar_is_an_unfinished_save_skipped_and_never_deleted(tmp_path: Path) -> None:
     save(tmp_path, 1)
     path = save(tmp_path, 2)
     sidecar_path(path).unlink()
     with pytest.raises(CheckpointError, match=r"has no sidecar step-000002\.ckpt\.json, which is written last"):
         verify(path)
-    with pytest.warns(UserWarning, match="no sidecar"):
+    with pytest.warns(UserWarning, match=r"step-000002\.ckpt has no sidecar .* a save that did not finish"):
         assert newest_verified(tmp_path)[0].name == "step-000001.ckpt"
     prune(tmp_path, keep_last=2, keep_every=None, keep=tmp_path / "step-000001.ckpt")
     assert path.is_file()  # perhaps copied without its sidecar: not ours to delete
+    sidecar_path(tmp_path / "step-000001.ckpt").unlink()  # a kill during the run's first save: start again
+    with pytest.warns(UserWarning, match="a save that did not finish"):
+        assert newest_verified(tmp_path) is None
 
 
 def test_a_directory_where_no_checkpoint_verifies_is_refused_not_started_over(tmp_path: Path) -> None:
     for step in (1, 2):
-        sidecar_path(save(tmp_path, step)).unlink()
+        path = save(tmp_path, step)
+        path.write_bytes(path.read_bytes()[:-1] + b"!")  # complete saves, corrupted since
     with (
         pytest.warns(UserWarning),
         pytest.raises(CheckpointError, match=r"(?s)no checkpoint in .* verifies.*resume=never"),

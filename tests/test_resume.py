@@ -122,6 +122,22 @@ def test_next_token_with_two_workers_across_shards_and_epochs(tmp_path: Path, sm
     assert epochs[0] == 0 and epochs[-1] >= 1
 
 
+@pytest.mark.slow  # three runs; the skip of a checkpoint without its sidecar is in tests/test_checkpoint.py
+def test_a_kill_during_the_first_save_leaves_a_run_that_the_same_command_continues(
+    tmp_path: Path, small_shards: Path
+) -> None:
+    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, f"data.dir={small_shards}", "trainer.max_steps=8"]
+    killed = [*overrides, "+callbacks.kill._target_=kill.KillBeforeTheFirstSidecar"]
+    assert pretrain(tmp_path, "killed", killed) == -signal.SIGKILL
+    checkpoints = run_dir(tmp_path, "killed") / "checkpoints"
+    assert [path.name for path in checkpoints.iterdir()] == ["step-000004.ckpt"]  # renamed, no sidecar
+    assert pretrain(tmp_path, "killed", overrides) == 0  # starts again, and saves step 4 over the unfinished one
+    assert pretrain(tmp_path, "reference", overrides) == 0
+    assert [step for step, _ in saved_checkpoints(checkpoints)] == [8, 4]
+    expected, actual = final_weights(tmp_path, "reference"), final_weights(tmp_path, "killed")
+    assert all(torch.equal(expected[name], actual[name]) for name in expected), "final weights differ"
+
+
 @pytest.mark.slow  # the objectives share the resume path: next-token's is in the fast suite
 def test_masked_lm(tmp_path: Path, shard_dir: Path) -> None:
     overrides = [*tiny_run("mlm_tiny"), *RESUMABLE, f"data.dir={shard_dir}"]

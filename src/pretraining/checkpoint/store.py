@@ -102,10 +102,12 @@ def saved_checkpoints(directory: Path) -> list[tuple[int, Path]]:
 
 def newest_verified(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint in `directory` that verifies, and its sidecar, warning about each one
-    skipped; None if the directory holds no checkpoint. If it holds some but none verifies, refuse
-    (starting over would silently discard them). Newest means the step the sidecar records, not the
-    file name (names sort wrongly past step 999999); those without a readable sidecar are tried, and
-    reported, first."""
+    skipped; None if the directory holds no complete checkpoint. A checkpoint without a sidecar is a save
+    that a kill cut off before its sidecar, written last, (or a copy that left it behind): it is skipped
+    as unfinished, so a run killed during its first save starts again. If the directory holds complete
+    checkpoints but none verifies, refuse (starting over would silently discard them). Newest means the
+    step the sidecar records, not the file name (names sort wrongly past step 999999); those with an
+    unreadable sidecar are tried, and reported, first."""
 
     def newest_first(path: Path) -> tuple[float, str]:
         step, _ = sidecar_step(path)
@@ -113,6 +115,13 @@ def newest_verified(directory: Path) -> tuple[Path, dict[str, Any]] | None:
 
     problems = []
     for path in sorted(checkpoint_files(directory), key=newest_first, reverse=True):
+        if not sidecar_path(path).exists():
+            warnings.warn(
+                f"{path} has no sidecar {sidecar_path(path).name}, which a save writes last: ignoring it as a save "
+                "that did not finish (a kill cut it off; or it was copied without its sidecar)",
+                stacklevel=2,
+            )
+            continue
         try:
             return path, verify(path)
         except CheckpointError as error:
