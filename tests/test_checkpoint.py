@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.trainer.states import TrainerFn
 
 import pretraining.checkpoint.store as checkpoint_store
 import pretraining.data.reader as reader_module
@@ -26,7 +27,7 @@ from pretraining.checkpoint import CheckpointError, newest_verified, prune, save
 from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.stream import Cursor
 from pretraining.data.tokenizer import ByteTokenizer
-from pretraining.errors import ConfigError
+from pretraining.errors import ConfigError, StorageError
 from pretraining.files import sha256_of
 from pretraining.plugins.checkpoint_io import AtomicCheckpointIO, on_cpu
 from pretraining.train import train
@@ -328,3 +329,53 @@ def test_an_unwritable_directory_stops_the_run_naming_it(compose_train, tmp_path
     finally:
         checkpoints.chmod(0o755)
     assert not list(checkpoints.iterdir())
+
+
+class ReadOnlyAtValidation(Callback):
+    """The checkpoint directory turns read-only as the validation of step `step` starts, after that step's
+    checkpoint is saved: its validation cannot be recorded in the sidecar, nor anything saved after."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_validation_start(self, trainer: Trainer, *args: object) -> None:
+        if trainer.global_step == self.step and trainer.state.fn == TrainerFn.FITTING:
+            make_read_only(Path(trainer.default_root_dir) / "checkpoints")
+
+
+def make_read_only(directory: Path) -> None:
+    """As a remount would (root: the test mounted a file system there), or a permission change."""
+    if os.geteuid() == 0:
+        subprocess.run(["mount", "-o", "remount,ro", str(directory)], check=True)
+    else:
+        directory.chmod(0o555)
+
+
+@contextmanager
+def own_file_system(directory: Path) -> Iterator[None]:
+    """For root, whom permissions do not stop: `directory` on a file system of its own, to remount read-only."""
+    directory.mkdir()
+    if os.geteuid() != 0:
+        yield
+        directory.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(directory)], capture_output=True).returncode:
+        pytest.skip("root without the right to mount: no way to make a directory read-only for this process")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(directory)], check=True)
+
+
+def test_a_directory_turned_read_only_mid_run_stops_it_with_one_line_and_the_checkpoint_intact(
+    compose_train, tmp_path: Path
+) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    read_only = ["+callbacks.read_only._target_=test_checkpoint.ReadOnlyAtValidation", "+callbacks.read_only.step=6"]
+    with own_file_system(checkpoints):
+        with pytest.raises(StorageError) as stopped:
+            train(compose_train("trainer.max_steps=12", "callbacks.checkpoint.background=false", *read_only))
+        assert re.search(r"the run stopped: \[Errno (30|13)\] (Read-only file system|Permission denied)", str(stopped.value))
+        assert f"the newest complete checkpoint, {checkpoints / 'step-000006.ckpt'}, is intact" in str(stopped.value)
+        assert "run the same command to continue" in str(stopped.value)
+        assert verify(checkpoints / "step-000006.ckpt")["step"] == 6

@@ -37,6 +37,11 @@ class CheckpointError(RuntimeError, PretrainingError):
     """A checkpoint that is incomplete, corrupt or does not fit the run; the message says which and what to do."""
 
 
+class StorageError(OSError, PretrainingError):
+    """A write (or read) of a run that the file system refused: a full disk, a read-only or unwritable
+    directory, a lost mount; the message says what was kept and how to continue."""
+
+
 class ShardError(ValueError, PretrainingError):
     """Shards that cannot be used as they are; the message names the fix."""
 

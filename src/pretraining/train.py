@@ -16,6 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from pretraining.callbacks.skipped_samples import SkippedSamples
+from pretraining.checkpoint import storage_faults_stop_the_run
 from pretraining.instantiate import build
 from pretraining.launch import distributed_job, is_rank_zero_process
 from pretraining.objectives.base import build_objective
@@ -64,7 +65,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
             return dict(resume.sidecar["validation"])
     log_hyperparameters(trainer, lineage)
     validate_first = validation_owed(trainer, resume, checkpoints) if resume else cfg.validate_before_training
-    metrics = fit(trainer, model, datamodule, validate_first, resume, not cfg.quiet)
+    with storage_faults_stop_the_run(checkpoints):
+        metrics = fit(trainer, model, datamodule, validate_first, resume, not cfg.quiet)
     report(trainer, metrics)
     return metrics
 

@@ -49,6 +49,7 @@ from pretraining.checkpoint.store import (
     save_file,
     saved_checkpoints,
     storage_fault,
+    storage_faults_stop_the_run,
 )
 from pretraining.checkpoint.weights_only import load_weights_only, refusing_code
 from pretraining.errors import CheckpointError

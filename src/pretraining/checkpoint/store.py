@@ -8,6 +8,8 @@ import math
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from pretraining.checkpoint.sidecar import (
     verify,
     write_sidecar,
 )
-from pretraining.errors import CheckpointError
+from pretraining.errors import CheckpointError, PretrainingError, StorageError
 from pretraining.files import temporary_path, write_durably
 
 LAST_LINK = "last.ckpt"  # a symlink to the newest verified checkpoint, for people (resume never follows it)
@@ -139,6 +141,24 @@ def newest_saved(directory: Path) -> str:
     """Where a run stopped by a failed save continues from, in words."""
     saved = saved_checkpoints(directory)
     return f"the newest complete checkpoint, {saved[0][1]}, is intact" if saved else "no checkpoint was saved before"
+
+
+@contextmanager
+def storage_faults_stop_the_run(checkpoints: Path) -> Iterator[None]:
+    """Turn a file system's refusal of any read or write of the run (a full disk, a read-only directory, a
+    lost mount) into one line saying what was kept and how to continue."""
+    try:
+        yield
+    except PretrainingError:
+        raise
+    except Exception as error:
+        fault = storage_fault(error)
+        if fault is None:
+            raise
+        raise StorageError(
+            f"the run stopped: {fault}. Nothing was lost: {newest_saved(checkpoints)}. Fix the file system (free "
+            "space, permissions, the mount), then run the same command to continue"
+        ) from error
 
 
 def link_last(path: Path) -> None:
