@@ -1,4 +1,5 @@
-"""Callbacks for resume tests: a machine failure (`KillAt`) or a signal from a scheduler (`SignalAt`)."""
+"""Callbacks for resume tests: a machine failure (`KillAt`), a signal from a scheduler (`SignalAt`) or a
+callback that ends training (`StopAt`)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,18 @@ class SignalAt(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.datamodule.batches_consumed == self.batch:  # type: ignore[attr-defined]
             os.kill(os.getpid(), self.signum)
+
+
+class StopAt(Callback):
+    """Set `trainer.should_stop` after a given training micro-batch, as EarlyStopping or Lightning's Timer
+    (`trainer.max_time`) do: inside a gradient accumulation when the batch is not a step's last."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.datamodule.batches_consumed == self.batch:  # type: ignore[attr-defined]
+            trainer.should_stop = True
 
 
 class SignalInEveryPhase(Callback):

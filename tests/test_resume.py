@@ -24,11 +24,12 @@ from lightning.pytorch import Callback
 
 from conftest import tiny_run
 from pretraining.callbacks.batch_log import batch_log_differences, read_batch_log
-from pretraining.checkpoint import CheckpointError, saved_checkpoints
+from pretraining.checkpoint import CheckpointError, read_sidecar, saved_checkpoints
 from pretraining.config import CONFIG_DIR, default_run_name
 from pretraining.data.manifest import Manifest
 from pretraining.data.stream import stream_shard
 from pretraining.errors import ConfigError
+from pretraining.job_status import read_status
 from pretraining.stored import load_checkpoint
 from pretraining.train import train
 
@@ -138,6 +139,42 @@ def test_a_kill_during_the_first_save_leaves_a_run_that_the_same_command_continu
     assert all(torch.equal(expected[name], actual[name]) for name in expected), "final weights differ"
 
 
+EARLY_STOP = [  # stops at the second validation: not better by 100
+    "+callbacks.early_stop._target_=lightning.pytorch.callbacks.EarlyStopping",
+    "+callbacks.early_stop.monitor=val/loss",
+    "+callbacks.early_stop.patience=0",
+    "+callbacks.early_stop.min_delta=100",
+]
+
+
+@pytest.mark.slow  # five runs; a stop inside a gradient accumulation is in the fast suite
+def test_an_early_stop_or_a_time_limit_saves_the_step_records_it_and_the_same_command_continues(
+    tmp_path: Path, small_shards: Path
+) -> None:
+    overrides = [*tiny_run("clm_tiny"), f"data.dir={small_shards}", "callbacks.checkpoint.every_n_steps=100"]
+    early = [*overrides, "trainer.max_steps=30", *EARLY_STOP]
+    directory = run_dir(tmp_path, "early")
+    for stop in (12, 18):  # validations every 6 steps; the second run continues EarlyStopping's state
+        assert pretrain(tmp_path, "early", early) == 0
+        record = read_status(directory)
+        assert (record["status"], record["step"], record["stopped_by"]) == ("stopped", stop, "trainer.should_stop")
+        step, path = saved_checkpoints(directory / "checkpoints")[0]
+        assert step == stop and read_sidecar(path)["validation"]["val/loss"] > 0  # no validation owed
+    with (directory / "csv" / "metrics.csv").open() as file:
+        validated = [int(row["step"]) for row in csv.DictReader(file) if row["val/loss"]]
+    assert validated == [0, 6, 12, 18]  # each once: no final validation at a stop, none repeated on resume
+
+    timed = [*overrides, "trainer.max_steps=100000", "trainer.max_time=00:00:00:02"]
+    steps = []
+    for _ in range(2):  # the limit is each process's: the second has its own 2 s
+        assert pretrain(tmp_path, "timed", timed) == 0
+        record = read_status(run_dir(tmp_path, "timed"))
+        assert (record["status"], record["stopped_by"]) == ("stopped", "trainer.max_time")
+        steps.append(saved_checkpoints(run_dir(tmp_path, "timed") / "checkpoints")[0][0])
+        assert steps[-1] == record["step"]
+    assert 0 < steps[0] < steps[1]
+
+
 @pytest.mark.slow  # the objectives share the resume path: next-token's is in the fast suite
 def test_masked_lm(tmp_path: Path, shard_dir: Path) -> None:
     overrides = [*tiny_run("mlm_tiny"), *RESUMABLE, f"data.dir={shard_dir}"]
@@ -217,6 +254,8 @@ def stop_with_sigterm(log_dir: Path, overrides: list[str], send: Callable[[subpr
         assert time.monotonic() < deadline, "a process of the run did not exit"
         time.sleep(0.1)
     ((step, _),) = saved_checkpoints(run_dir(log_dir, "term") / "checkpoints")
+    record = read_status(run_dir(log_dir, "term"))
+    assert (record["status"], record["step"], record["stopped_by"]) == ("stopped", step, "SIGTERM")
     for log in logs.glob("*.jsonl"):
         # Saved where it stopped: after the last step trained (steps count from 0 in the log).
         assert max(record["step"] for record in read_batch_log(log).values()) == step - 1
@@ -358,6 +397,25 @@ def test_run_names_are_stable_for_a_command_and_ignore_how_it_resumes() -> None:
     assert longer.startswith("clm_tiny-") and longer == name("trainer.max_steps=50", "experiment=clm_tiny")
     assert name("experiment=clm_tiny", "trainer.max_steps=50", "resume=never", "ckpt_path=x") == longer
     assert name("experiment=clm_tiny", "trainer.max_steps=60") != longer
+
+
+def test_a_stop_inside_a_gradient_accumulation_saves_the_step_and_the_run_continues_exactly(
+    compose_train, tmp_path: Path
+) -> None:
+    """A callback ends training after micro-batch 9 of 2 a step (EarlyStopping, Lightning's Timer): the run
+    stops at the end of step 5, saves it, and the same command continues it to the weights of a run never stopped."""
+    accumulate = ["data.micro_batch_size=2", "callbacks.checkpoint.every_n_steps=100"]
+    stop = ["+callbacks.stop._target_=kill.StopAt", "+callbacks.stop.batch=9"]
+    train(compose_train(*accumulate, *stop))
+    checkpoints = tmp_path / "checkpoints"
+    ((step, saved),) = saved_checkpoints(checkpoints)
+    assert step == 5 and load_checkpoint(saved)["ShardDataModule"]["steps"] == 5
+    train(compose_train(*accumulate))
+    assert [step for step, _ in saved_checkpoints(checkpoints)] == [12, 5]
+    train(compose_train(*accumulate, f"paths.output_dir={tmp_path / 'reference'}"))
+    expected = load_checkpoint(tmp_path / "reference" / "checkpoints" / "step-000012.ckpt")["state_dict"]
+    actual = load_checkpoint(checkpoints / "step-000012.ckpt")["state_dict"]
+    assert all(torch.equal(expected[name], actual[name]) for name in expected), "final weights differ"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGINT], ids=["SIGUSR1", "SIGINT"])

@@ -1,7 +1,8 @@
 """Every job's outcome beside its outputs: `<run dir>/status.json`, written by a Hydra callback
 (configs/hydra/default.yaml) when a job starts (`running`, with its process) and when it ends (`completed`,
-with the value returned to the sweeper, or `failed`, with the error). A scheduler, a person or a sweep's
-report (the sweeps extra) reads it."""
+with the value returned to the sweeper, or `failed`, with the error). A run that stopped before
+`trainer.max_steps` (a signal, `trainer.max_time`, EarlyStopping) records `stopped`, with the step and
+what stopped it (`record_stop`). A scheduler, a person or a sweep's report (the sweeps extra) reads it."""
 
 from __future__ import annotations
 
@@ -52,7 +53,11 @@ class RecordJobStatus(Callback):
         try:
             job_dir = Path(config.hydra.runtime.output_dir)
             if job_dir.is_dir():
-                write_status(job_dir, {**read_status(job_dir), **outcome(job_return), "finished": time.time()})
+                record = read_status(job_dir)
+                ended = outcome(job_return)
+                if record["status"] == "stopped" and ended["status"] == "completed":
+                    ended["status"] = "stopped"  # before trainer.max_steps: the run recorded why (`record_stop`)
+                write_status(job_dir, {**record, **ended, "finished": time.time()})
         finally:
             release(lock)
 
@@ -64,6 +69,15 @@ def outcome(job_return: JobReturn) -> dict[str, Any]:
         return {"status": "failed", "error": f"{type(error).__name__}: {error}"}
     value = job_return.return_value
     return {"status": "completed", "value": float(value) if isinstance(value, int | float) else None}
+
+
+def record_stop(job_dir: Path, step: int, stopped_by: str) -> None:
+    """Record in the job's status that its run stopped at `step`, before `trainer.max_steps`, and what
+    stopped it (`SIGTERM`, `trainer.max_time`, ...): the same command continues it. A job that exits
+    with a signal's status never reaches `on_job_end`, so this is its last record."""
+    record = read_status(job_dir)
+    if record["status"] != "unknown":  # only where a job-status callback keeps a record
+        write_status(job_dir, {**record, "status": "stopped", "step": step, "stopped_by": stopped_by})
 
 
 def read_status(job_dir: Path) -> dict[str, Any]:

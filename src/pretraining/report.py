@@ -7,13 +7,16 @@ from __future__ import annotations
 import importlib.util
 import re
 import shlex
+import signal
 import sys
 from pathlib import Path
 
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.utilities import rank_zero_info
 
 from pretraining.callbacks.preemption import stop_signal
+from pretraining.job_status import record_stop
 from pretraining.launch import hydra_quote
 from pretraining.loggers import ResumableCSVLogger, WandbRunLogger
 
@@ -45,10 +48,30 @@ def report(trainer: Trainer, metrics: dict[str, float]) -> None:
         hint = next(filter(None, syncs))
         lines.append(f"W&B logged offline (no credentials, or WANDB_MODE=offline); upload the run with: {hint}")
     rank_zero_info("\n".join(lines))
+    stopped_by = stop_cause(trainer)
+    if stopped_by:
+        rank_zero_info(
+            f"stopped by {stopped_by} at step {trainer.global_step} of trainer.max_steps={trainer.max_steps}; "
+            "run the same command to continue"
+        )
+        if trainer.is_global_zero:
+            record_stop(Path(trainer.default_root_dir), trainer.global_step, stopped_by)
     status = stop_signal(trainer)
     if status:
-        rank_zero_info(f"stopped by a signal at step {trainer.global_step}; run the same command to continue")
         raise SystemExit(status)
+
+
+def stop_cause(trainer: Trainer) -> str | None:
+    """What stopped training before `trainer.max_steps` (or, a signal, at any step), in words; None if
+    nothing did."""
+    if stop_signal(trainer):
+        return signal.Signals(stop_signal(trainer) - 128).name
+    if trainer.global_step >= (trainer.max_steps or 0):
+        return None
+    timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer)]  # type: ignore[attr-defined]
+    if any(left is not None and left <= 0 for left in (timer.time_remaining() for timer in timers)):
+        return "trainer.max_time"
+    return "trainer.should_stop"  # set by a callback: EarlyStopping, say
 
 
 def has_extra(name: str) -> bool:

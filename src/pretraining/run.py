@@ -190,8 +190,9 @@ def fit(
 ) -> dict[str, float]:
     """With `validate_first`, validate the weights training starts from (the untrained model: the start of
     the learning curve; or the step a resumed run was validating when it stopped, `validation_owed`); fit
-    (continuing from `resume`, if any); and validate the final weights unless the last step was validated
-    or a signal stopped training; the final metrics. A signal during a validation ends it (`Preempted`);
+    (continuing from `resume`, if any); and validate the final weights of a run that reached
+    `trainer.max_steps` unless that step was validated or a signal stopped it (a run stopped before it
+    continues later); the final metrics. A signal during a validation ends it (`Preempted`);
     `report` then exits as after one during training. W&B's run is closed on the way out, so that the next
     job of a multirun starts its own. `tables`: Lightning's table of each validation's metrics too."""
     metrics: dict[str, float] = {}
@@ -201,7 +202,8 @@ def fit(
             trainer.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=tables)
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = logged_values(trainer.callback_metrics)
-        if not stop_signal(trainer) and model.last_validated_step != trainer.global_step:
+        complete = trainer.global_step >= (trainer.max_steps or 0) and not stop_signal(trainer)
+        if complete and model.last_validated_step != trainer.global_step:
             metrics |= logged_values(trainer.validate(model, datamodule=datamodule, verbose=tables)[0])
     except Preempted:
         pass  # Preemption knows the signal, for `report`

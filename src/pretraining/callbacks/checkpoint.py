@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
 from lightning.pytorch import LightningModule, Trainer
-from lightning.pytorch.callbacks import Checkpoint
+from lightning.pytorch.callbacks import Checkpoint, Timer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
@@ -17,6 +17,7 @@ from pretraining.checkpoint import (
     link_last,
     newest_saved,
     prune,
+    read_sidecar,
     record_validation,
     sidecar_path,
     storage_fault,
@@ -64,7 +65,8 @@ class StepCheckpoint(Checkpoint):
         self.keep_last, self.keep_every = keep_last, keep_every
         self.writer = BackgroundWriter() if background else None
         self.writing_shards = False
-        self.saved_step = -1
+        self.saved_step = self.boundary_step = -1
+        self.stop_requested = False  # asked for inside a gradient accumulation: obeyed at the step's end
         self.last_model_path = ""
         self.validated_path: Path | None = None  # the checkpoint whose validation was just recorded
 
@@ -86,7 +88,8 @@ class StepCheckpoint(Checkpoint):
             self.saved_step, self.last_model_path = checkpoint["global_step"], str(resumed)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self.saved_step = trainer.global_step
+        self.saved_step = self.boundary_step = trainer.global_step
+        self.stop_requested = False
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """Record the validation of the step just saved in its sidecar: see `record_validation`."""
@@ -102,6 +105,12 @@ class StepCheckpoint(Checkpoint):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         step = trainer.global_step
+        if step == self.boundary_step:  # inside a gradient accumulation (this hook runs after other callbacks')
+            self.stop_requested |= trainer.should_stop
+            trainer.should_stop = False  # a checkpoint holds whole steps: the data position is a step's
+            return
+        self.boundary_step = step
+        trainer.should_stop |= self.stop_requested
         if trainer.fast_dev_run:  # type: ignore[attr-defined]  # a smoke test: nothing worth keeping
             return
         self.collect(trainer, wait=False)
@@ -109,7 +118,22 @@ class StepCheckpoint(Checkpoint):
             self.save(trainer)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Save the step training stopped at between checkpoint steps (`trainer.should_stop`, set by
+        EarlyStopping, `trainer.max_time` or another callback), and record its validation if it had one
+        (EarlyStopping's): the same command continues from there."""
+        if not trainer.fast_dev_run:  # type: ignore[attr-defined]
+            self.save(trainer)
         self.wait_until_written(trainer)
+        validated = isinstance(pl_module, PretrainingObjective) and pl_module.last_validated_step == self.saved_step
+        if validated and trainer.is_global_zero and "validation" not in read_sidecar(Path(self.last_model_path)):
+            record_validation(Path(self.last_model_path), logged_values(trainer.callback_metrics))
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # trainer.max_time limits each process, as a scheduler's time limit limits each job of a chain: a run
+        # continued after such a stop has its whole time again (Lightning's Timer would carry the time spent over).
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, Timer):
+                checkpoint["callbacks"].pop(callback.state_key, None)
 
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.writer is not None:
