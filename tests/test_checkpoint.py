@@ -375,7 +375,8 @@ def test_a_directory_turned_read_only_mid_run_stops_it_with_one_line_and_the_che
     with own_file_system(checkpoints):
         with pytest.raises(StorageError) as stopped:
             train(compose_train("trainer.max_steps=12", "callbacks.checkpoint.background=false", *read_only))
-        assert re.search(r"the run stopped: \[Errno (30|13)\] (Read-only file system|Permission denied)", str(stopped.value))
-        assert f"the newest complete checkpoint, {checkpoints / 'step-000006.ckpt'}, is intact" in str(stopped.value)
-        assert "run the same command to continue" in str(stopped.value)
+        message = str(stopped.value)
+        assert re.search(r"the run stopped: \[Errno (30|13)\] (Read-only file system|Permission denied)", message)
+        assert f"the newest complete checkpoint, {checkpoints / 'step-000006.ckpt'}, is intact" in message
+        assert "run the same command to continue" in message
         assert verify(checkpoints / "step-000006.ckpt")["step"] == 6

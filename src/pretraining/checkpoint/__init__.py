@@ -81,5 +81,6 @@ __all__ = [
     "sidecar_digest",
     "sidecar_path",
     "storage_fault",
+    "storage_faults_stop_the_run",
     "verify",
 ]
