@@ -7,6 +7,7 @@ checkpoint save may be under way), to the whole process group, as a machine fail
 Restarting is running the same command again: the run finds its newest verified checkpoint.
 
     python scripts/chaos.py --data data/stdlib [--kills 3 --steps 60 --seed 0] [-- hydra overrides]
+    python scripts/chaos.py --experiment distill_tiny -- model.teacher=<checkpoint or registry alias>
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from pretraining.checkpoint import saved_checkpoints
 
 # A small model, dropout on (the per-batch reseeding matters), a checkpoint every 5 steps, 2 workers.
 RUN = [
-    "experiment=clm_tiny",
     "logger=csv",
     "model.backbone.d_model=64",
     "model.backbone.n_layer=2",
@@ -90,6 +90,7 @@ def final_weights(checkpoints: Path) -> dict[str, torch.Tensor]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", default="data/stdlib", help="text shard directory")
+    parser.add_argument("--experiment", default="clm_tiny", help="a next-token preset (clm_tiny, distill_tiny)")
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--kills", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0, help="seeds the kill moments")
@@ -99,7 +100,13 @@ def main() -> None:
     rng = random.Random(args.seed)
     log_dir = args.out or Path(tempfile.mkdtemp(prefix="chaos-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    overrides = [*RUN, f"data.dir={Path(args.data).resolve()}", f"trainer.max_steps={args.steps}", *args.overrides]
+    overrides = [
+        f"experiment={args.experiment}",
+        *RUN,
+        f"data.dir={Path(args.data).resolve()}",
+        f"trainer.max_steps={args.steps}",
+        *args.overrides,
+    ]
 
     print(f"runs in {log_dir}\nreference: {args.steps} steps, uninterrupted")
     finish(start(log_dir, "reference", overrides), log_dir, "reference")
