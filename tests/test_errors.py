@@ -18,9 +18,12 @@ from hydra.errors import ConfigCompositionException
 
 from conftest import TINY, ComposeTrain
 from pretraining.callbacks.numerics import NumericalError
+from pretraining.checkpoint import existing_checkpoint
+from pretraining.cli import info as info_main
 from pretraining.config import CONFIG_DIR
 from pretraining.data.manifest import Manifest
 from pretraining.data.reader import ShardReadError, read_shard
+from pretraining.data.tokenizer import BPETokenizer
 from pretraining.errors import (
     CheckpointError,
     ConfigError,
@@ -166,6 +169,49 @@ def test_a_mistyped_key_is_refused_by_hydra_and_added_with_plus_names_the_key_me
         compose("train", overrides=[f"experiment={experiment}", override])
     with pytest.raises(ConfigError, match=message):
         check_config(compose_train(f"+{override}", experiment=experiment))
+
+
+NO_FILES = [("fifo.ckpt", "a named pipe"), ("/dev/zero", "a device")]  # under tmp_path, or where they are
+
+
+def no_files(tmp_path: Path) -> list[tuple[Path, str]]:
+    """A named pipe would block a command reading it forever, a device never end."""
+    os.mkfifo(tmp_path / "fifo.ckpt")
+    return [(tmp_path / name, said) for name, said in NO_FILES]
+
+
+def test_a_checkpoint_that_is_no_file_is_refused_before_it_is_opened(tmp_path: Path) -> None:
+    for path, said in no_files(tmp_path):
+        with pytest.raises(MissingFileError, match=rf"checkpoint {path} is {said}"):
+            existing_checkpoint(path)  # every command reads a checkpoint through it
+    with pytest.raises(SystemExit, match=r"^pretrain-info: checkpoint /dev/zero is a device"):
+        info_main(["/dev/zero"])
+
+
+@pytest.mark.slow  # four console commands, each loading torch; the fast suite has the check they rely on, above
+def test_the_commands_refuse_a_checkpoint_that_is_no_file_at_once_in_one_line(tmp_path: Path) -> None:
+    """Each command that reads a checkpoint stops at once on a named pipe or a device (a hang fails on the
+    timeout), printing one line."""
+    cases = no_files(tmp_path)
+    runs = [(path, said, start("pretrain-info", [str(path)], tmp_path)) for path, said in cases] + [
+        (path, said, start("pretrain-eval", [f"ckpt_path={path}", f"paths.log_dir={tmp_path}"], tmp_path))
+        for path, said in cases
+    ]
+    for path, said, process in runs:
+        try:
+            _, stderr = process.communicate(timeout=120)
+        finally:
+            process.kill()
+        assert process.returncode == 1 and f"checkpoint {path} is {said}, not a file" in stderr, stderr
+        assert "Traceback" not in stderr, stderr
+
+
+def test_a_manifest_or_tokenizer_that_is_no_file_is_named_so(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "manifest.json")
+    with pytest.raises(MissingFileError, match=r"manifest \S+manifest.json is a named pipe, not a file"):
+        Manifest.load(tmp_path)
+    with pytest.raises(MissingFileError, match=r"tokenizer file \S+ is a directory, not a file"):
+        BPETokenizer(tmp_path)
 
 
 def test_a_shard_directory_that_is_missing_or_not_built_says_which(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """Files that are whole or absent: written under a temporary name beside their final one, fsynced,
 renamed into place, the directory fsynced. A write that fails (a full disk, a crash) leaves the
 previous file, if any, and no temporary. Checkpoints, sidecars, manifests, tokenizers, run records
-and reports are all written this way."""
+and reports are all written this way. A file a user names is read only if it is a regular one
+(`regular_file`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,19 @@ import os
 import uuid
 from pathlib import Path
 from typing import Any
+
+from pretraining.errors import MissingFileError
+
+
+def regular_file(path: Path, what: str, fix: str) -> Path:
+    """`path`, refused (naming `what` it should be, and `fix`) if something other than a regular file is there,
+    links followed: a named pipe would block its reader forever, a device never end. A missing file is left to
+    the caller, whose message says where such files come from."""
+    if path.exists() and not path.is_file():
+        kinds = {"a directory": path.is_dir(), "a named pipe": path.is_fifo(), "a socket": path.is_socket()}
+        kind = next((kind for kind, found in kinds.items() if found), "a device")
+        raise MissingFileError(f"{what} {path} is {kind}, not a file: {fix}")
+    return path
 
 
 def temporary_path(path: Path) -> Path:

@@ -10,15 +10,21 @@ from typing import Any
 
 from pretraining.checkpoint.sidecar import SHARDED_META
 from pretraining.checkpoint.weights_only import load_weights_only
-from pretraining.errors import ConfigError
+from pretraining.errors import ConfigError, MissingFileError
+from pretraining.files import regular_file
+
+CHECKPOINTS = "logs/train/runs/<run>/checkpoints/"  # where runs keep them
 
 
 def existing_checkpoint(path: str | Path) -> Path:
-    """`path`, refused with the place runs keep their checkpoints if nothing is there."""
+    """`path`, refused with the place runs keep their checkpoints if nothing is there, or if it is neither a
+    file nor a (sharded checkpoint's) directory."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} not found; runs keep them in logs/train/runs/<run>/checkpoints/")
-    return path
+        raise MissingFileError(f"checkpoint {path} not found; runs keep them in {CHECKPOINTS}")
+    if path.is_dir():
+        return path
+    return regular_file(path, "checkpoint", f"name a checkpoint file or a sharded one's directory ({CHECKPOINTS})")
 
 
 def lineage_of(checkpoint: dict[str, Any], path: Path) -> dict[str, Any]:

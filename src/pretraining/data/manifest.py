@@ -16,7 +16,7 @@ import webdataset as wds
 
 from pretraining.data.reader import Digest, described
 from pretraining.errors import ShardError
-from pretraining.files import sha256_of
+from pretraining.files import regular_file, sha256_of
 
 TEXT_FIELDS: tuple[str, ...] = ("txt",)  # the sample field of built text shards
 # WebDataset splits a member name at its first dot: key "train-000000001", field "query.txt".
@@ -61,7 +61,9 @@ class Manifest:
         refusing shards that are missing or altered (their checksums are read with `verify_checksums`,
         sizes always). Shards read by running a `pipe:` command are refused unless `trust_pipe_commands`:
         a manifest is a file, and one from elsewhere could name any command."""
-        path = Path(directory) / MANIFEST
+        path = regular_file(
+            Path(directory) / MANIFEST, "manifest", "write it again with `pretrain-data build` or `index`"
+        )
         if not path.is_file():
             raise ShardError(no_manifest(str(directory), key))
         directory = path.parent

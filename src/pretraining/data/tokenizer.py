@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from pretraining.errors import ConfigError, MissingFileError
-from pretraining.files import write_atomically
+from pretraining.files import regular_file, write_atomically
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<mask>", "<cls>")
 PAD_ID, EOS_ID, MASK_ID, CLS_ID = range(len(SPECIAL_TOKENS))
@@ -58,7 +58,7 @@ class BPETokenizer:
     """A byte-level BPE `tokenizer.json` from `train_bpe` (the `tokenizers` library)."""
 
     def __init__(self, path: str | Path) -> None:
-        path = Path(path)
+        path = regular_file(Path(path), "tokenizer file", "name a tokenizer.json, or use tokenizer=bytes")
         if not path.is_file():
             raise MissingFileError(
                 f"tokenizer file {path} not found: train one with "
