@@ -204,6 +204,22 @@ def test_a_torn_last_line_is_skipped_and_cut_off_by_the_next_writer(
         registry.state()
 
 
+def test_a_second_registration_of_a_version_number_is_refused_as_an_edit(
+    tmp_path: Path, run_checkpoints: list[Path]
+) -> None:
+    """Nothing the registry writes gives a number twice: a line that does is an edit, and would make v1 name
+    another file."""
+    registry = Registry(tmp_path / "registry")
+    registry.register(run_checkpoints[0])
+    ledger = tmp_path / "registry" / LEDGER_FILE
+    first = json.loads(ledger.read_text())
+    other = {**first, "digest": "0" * 64, "path": str(run_checkpoints[1])}
+    with ledger.open("a") as file:
+        file.write(json.dumps(other) + "\n")
+    with pytest.raises(ConfigError, match=r"line 2 of the registry ledger .*v1 is registered already.* edited by hand"):
+        registry.state()
+
+
 def test_the_command_line_prints_each_verb_and_refuses_in_one_line(
     tmp_path: Path, run_checkpoints: list[Path], capsys: pytest.CaptureFixture[str]
 ) -> None:

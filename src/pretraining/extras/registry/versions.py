@@ -90,6 +90,8 @@ def replay(events: list[Event], source: Path | None = None) -> State:
 def apply(state: State, event: Event) -> None:
     kind = event["event"]
     if kind == "register":
+        if event["number"] in state.versions:  # a number names one checkpoint for good
+            raise ValueError(f"v{event['number']} is registered already")
         fields = {key: event[key] for key in Version.__dataclass_fields__ if key in event and key != "registered"}
         state.versions[event["number"]] = Version(**fields, registered=f"{event['time']} by {event['by']}")
     elif kind == "alias":
