@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import builtins
 import copy
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -88,6 +89,28 @@ def test_a_stored_config_builds_only_trusted_classes(compose_train, tmp_path: Pa
         with pytest.raises(ConfigError, match=rf"{key}=.* in the config stored in {path} (is|names)"):
             evaluate_checkpoint(path, tmp_path)
         assert not marker.exists(), key
+
+
+def test_a_stored_config_that_cannot_be_rebuilt_is_refused_in_one_line_naming_the_file(
+    compose_train, tmp_path: Path
+) -> None:
+    """A key holding an interpolation is refused as a value holding one is; a key no class takes (an edit, or
+    another code revision) stops the rebuild with one line, not Hydra's error."""
+    train(compose_train("trainer.max_steps=6"))
+    trained = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    path = tmp_path / "crafted" / "step-000006.ckpt"
+    stored = f"the config stored in {re.escape(str(path))}"
+    for group, key, refusal in [
+        ("model", "${oc.env:HOME}", rf"the key model\.\$\{{oc\.env:HOME\}} in {stored} is an interpolation"),
+        ("model", "unknown_setting", rf"{stored} cannot be rebuilt \(.*unknown_setting"),
+        ("data", "unknown_setting", rf"{stored} cannot be rebuilt \(.*unknown_setting"),
+    ]:
+        checkpoint = copy.deepcopy(trained)
+        checkpoint["lineage"]["config"][group][key] = 1
+        save_file(checkpoint, path)
+        with pytest.raises(ConfigError, match=refusal) as refused:
+            evaluate_checkpoint(path, tmp_path)
+        assert "\n" not in str(refused.value)
 
 
 def test_trusted_targets_let_your_own_classes_through(compose_train, tmp_path: Path) -> None:

@@ -27,7 +27,7 @@ from pretraining.objectives.causal_lm import CausalLM
 from pretraining.quiet import set_up_messages
 from pretraining.schema import check_schema
 from pretraining.settings import EvalSettings
-from pretraining.stored import load_checkpoint, stored_model
+from pretraining.stored import load_checkpoint, rebuilding, stored_model
 
 
 def build_from_checkpoint(
@@ -39,7 +39,8 @@ def build_from_checkpoint(
 ) -> tuple[PretrainingObjective, Any]:
     """The objective (with the checkpoint's weights) and the DataModule the checkpoint was trained with."""
     model, run, examples = stored_model(checkpoint, source, tokenizer_path, trusted_targets)
-    return model, build(run.data, tokenizer=examples.tokenizer, **data_overrides)
+    with rebuilding(checkpoint, source):
+        return model, build(run.data, tokenizer=examples.tokenizer, **data_overrides)
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:

@@ -63,13 +63,20 @@ def check_targets(node: Any, key: str, trusted: Sequence[str], source: str) -> N
         if "_target_" in node:
             check_target(node["_target_"], f"{key}._target_", trusted, source)
         for name, value in node.items():
+            check_not_interpolation(name, f"the key {key}.{name}", source)  # Hydra would pass it on as an argument
             check_targets(value, f"{key}.{name}", trusted, source)
     elif isinstance(node, list):
         for index, value in enumerate(node):
             check_targets(value, f"{key}[{index}]", trusted, source)
-    elif isinstance(node, str) and "${" in node:  # it could bring in a node from anywhere in the file
+    else:
+        check_not_interpolation(node, f"{key}={node!r}", source)  # it could bring in a node from anywhere in the file
+
+
+def check_not_interpolation(text: Any, named: str, source: str) -> None:
+    """Refuse a key or value (`named` so) of a config from `source` that holds an interpolation."""
+    if isinstance(text, str) and "${" in text:
         raise ConfigError(
-            f"{key}={node!r} in {source} is an interpolation: a run's config is stored resolved, so this file "
+            f"{named} in {source} is an interpolation: a run's config is stored resolved, so this file "
             "was edited after it was written; use a checkpoint as `pretrain` wrote it"
         )
 

@@ -4,11 +4,14 @@ Evaluation, export and a distillation's teacher all start here."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
+from hydra.errors import InstantiationException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from pretraining.checkpoint import (
     READABLE_LINEAGE_FORMATS,
@@ -46,25 +49,47 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
 def stored_config(checkpoint: dict[str, Any], source: str, trusted_targets: Sequence[str] = ()) -> DictConfig:
     """The config a checkpoint was trained with, read from `source`, refused if it names any class not
     trusted in its tokenizer, data or model groups (the ones rebuilt from it)."""
-    run = OmegaConf.create(with_current_targets(checkpoint["lineage"]["config"]))
-    run.model.pop("init_from", None)  # an objective of 0.5 took it; a run now starts from one with callbacks.init_from
+    with rebuilding(checkpoint, source):
+        run = OmegaConf.create(with_current_targets(checkpoint["lineage"]["config"]))
+        # An objective of 0.5 took it; a run now starts from one with callbacks.init_from.
+        run.model.pop("init_from", None)
     for group in ("tokenizer", "data", "model"):
         check_targets(run.get(group), group, trusted_targets, f"the config stored in {source}")
     return run
 
 
-def stored_tokenizer(checkpoint: dict[str, Any], run: DictConfig, tokenizer_path: str | None, option: str) -> Tokenizer:
-    """The tokenizer a checkpoint was trained with (its file at `tokenizer_path` if given), refused unless
-    its fingerprint is the checkpoint's; `option` is how the caller passes another path."""
-    if tokenizer_path and "path" not in run.tokenizer:
-        raise ConfigError(f"this checkpoint's tokenizer ({run.tokenizer._target_}) reads no file: leave out {option}")
-    node = cast(DictConfig, OmegaConf.merge(run.tokenizer, {"path": tokenizer_path} if tokenizer_path else {}))
-    if "path" in node and not Path(node.path).is_file():
-        raise MissingFileError(
-            f"the tokenizer this checkpoint was trained with, {node.path}, is not there: restore it, or pass "
-            f"where it is now with {option}"
-        )
-    tokenizer: Tokenizer = build(node)
+@contextmanager
+def rebuilding(checkpoint: dict[str, Any], source: str) -> Iterator[None]:
+    """Turn a failure to rebuild what the config stored in `source` names (a key no class takes, a value of
+    the wrong type, a group missing) into one line naming the file; our own errors already are one."""
+    try:
+        yield
+    except (InstantiationException, OmegaConfBaseException, TypeError, KeyError, AttributeError) as error:
+        commit = checkpoint["lineage"].get("code", {}).get("commit")
+        raise ConfigError(
+            f"the config stored in {source} cannot be rebuilt ({' '.join(str(error).split())[:300]}): it was "
+            f"edited, or written by another code revision; use a checkpoint as `pretrain` wrote it, with the code "
+            f"revision that wrote it ({commit})"
+        ) from error
+
+
+def stored_tokenizer(
+    checkpoint: dict[str, Any], run: DictConfig, source: str, tokenizer_path: str | None, option: str
+) -> Tokenizer:
+    """The tokenizer a checkpoint (read from `source`) was trained with (its file at `tokenizer_path` if given),
+    refused unless its fingerprint is the checkpoint's; `option` is how the caller passes another path."""
+    with rebuilding(checkpoint, source):
+        if tokenizer_path and "path" not in run.tokenizer:
+            raise ConfigError(
+                f"this checkpoint's tokenizer ({run.tokenizer._target_}) reads no file: leave out {option}"
+            )
+        node = cast(DictConfig, OmegaConf.merge(run.tokenizer, {"path": tokenizer_path} if tokenizer_path else {}))
+        if "path" in node and not Path(node.path).is_file():
+            raise MissingFileError(
+                f"the tokenizer this checkpoint was trained with, {node.path}, is not there: restore it, or pass "
+                f"where it is now with {option}"
+            )
+        tokenizer: Tokenizer = build(node)
     expected = checkpoint["lineage"]["tokenizer_fingerprint"]
     if tokenizer.fingerprint != expected:
         raise ConfigError(
@@ -85,7 +110,7 @@ def stored_model(
     (with the tokenizer), rebuilt from `source` without reading any data: built only if its config names
     nothing but trusted classes. `tokenizer_option` is how the caller passes a tokenizer that moved."""
     run = stored_config(checkpoint, source, trusted_targets)
-    tokenizer = stored_tokenizer(checkpoint, run, tokenizer_path, tokenizer_option)
+    tokenizer = stored_tokenizer(checkpoint, run, source, tokenizer_path, tokenizer_option)
     model, examples = stored_objective(checkpoint, run, source, tokenizer)
     return model, run, examples
 
@@ -94,8 +119,9 @@ def stored_objective(
     checkpoint: dict[str, Any], run: DictConfig, source: str, tokenizer: Tokenizer
 ) -> tuple[PretrainingObjective, ExampleFormat[Any]]:
     """The objective its stored config `run` builds for `tokenizer`, with the checkpoint's weights."""
-    examples = build(run.data.format)(tokenizer)
-    model = build_objective(run.model, examples)
+    with rebuilding(checkpoint, source):
+        examples = build(run.data.format)(tokenizer)
+        model = build_objective(run.model, examples)
     try:
         model.load_state_dict(checkpoint["state_dict"])
     except RuntimeError as error:  # missing, unexpected or misshapen weights

@@ -30,6 +30,7 @@ from transformers import (
 from conftest import tiny_run
 from pretraining.callbacks.batch_log import read_batch_log
 from pretraining.checkpoint import read_sidecar, sidecar_path
+from pretraining.checkpoint import save_file as save_file_with_sidecar
 from pretraining.cli import info as info_main
 from pretraining.config import CONFIG_DIR
 from pretraining.data.formats import ExampleFormat, padded
@@ -498,6 +499,20 @@ def test_the_command_prints_refusals_without_a_traceback(
         main([str(checkpoints["mlm_tiny"]), "."])
     main([str(checkpoints["mlm_tiny"]), str(tmp_path / "out")])
     assert "wrote" in capsys.readouterr().out and (tmp_path / "out" / "modeling_pretraining.py").is_file()
+
+
+def test_a_stored_config_that_cannot_be_rebuilt_is_refused_in_one_line_naming_the_file(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    trained = torch.load(checkpoints["clm_tiny"], weights_only=True)
+    path = tmp_path / "crafted.ckpt"
+    for key, refusal in [("${oc.env:HOME}", "is an interpolation"), ("unknown_setting", "cannot be rebuilt")]:
+        trained["lineage"]["config"]["model"] = {**trained["lineage"]["config"]["model"], key: 1}
+        save_file_with_sidecar(trained, path)
+        with pytest.raises(SystemExit, match=rf"^pretrain-export: .*the config stored in {path} {refusal}[^\n]*$"):
+            main([str(path), str(tmp_path / "out")])
+        del trained["lineage"]["config"]["model"][key]
+    assert not (tmp_path / "out").exists()
 
 
 def test_weights_that_do_not_fit_the_stored_config_are_named(checkpoints: dict[str, Path]) -> None:
