@@ -117,7 +117,7 @@ def test_trusted_targets_let_your_own_classes_through(compose_train, tmp_path: P
     train(compose_train("trainer.max_steps=6", "model._target_=test_train.CausalLMWithZLoss", "+model.z_loss=0.01"))
     path = tmp_path / "checkpoints" / "last.ckpt"
     with pytest.raises(
-        ConfigError, match=r"model._target_='test_train.CausalLMWithZLoss' .* trusted_targets=\[test_train\]"
+        ConfigError, match=r"model._target_='test_train.CausalLMWithZLoss' .* pass trusted_targets=\[test_train\]$"
     ):
         evaluate_checkpoint(path, tmp_path)
     assert "val/loss" in evaluate_checkpoint(path, tmp_path, "trusted_targets=[test_train]")
@@ -187,7 +187,7 @@ def test_a_stored_config_cannot_allow_the_commands_of_a_manifest(
     checkpoint["lineage"]["config"]["data"] |= {"dir": str(commands), "trust_pipe_commands": True}
     path = tmp_path / "crafted" / "step-000006.ckpt"
     save_file(checkpoint, path)
-    with pytest.raises(ShardError, match=r"running shell commands .*trust_pipe_commands=true"):
+    with pytest.raises(ShardError, match=r"running shell commands .* allow them with trust_pipe_commands=true$"):
         evaluate_checkpoint(path, tmp_path)
     assert not marker.exists()
     assert "val/loss" in evaluate_checkpoint(path, tmp_path, "trust_pipe_commands=true") and marker.exists()

@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch import Trainer
 from omegaconf import DictConfig
 
+from pretraining.data.manifest import Manifest
 from pretraining.instantiate import build
 from pretraining.objectives.base import PretrainingObjective, logged_values
 from pretraining.objectives.causal_lm import CausalLM
@@ -40,6 +41,14 @@ def build_from_checkpoint(
     """The objective (with the checkpoint's weights) and the DataModule the checkpoint was trained with."""
     model, run, examples = stored_model(checkpoint, source, tokenizer_path, trusted_targets)
     with rebuilding(checkpoint, source):
+        # Read first to name this command's keys in a refusal: the DataModule names pretrain's (data.dir, ...).
+        Manifest.load(
+            data_overrides.get("dir", run.data.dir),
+            check=False,
+            key="data_dir",
+            trust_pipe_commands=data_overrides.get("trust_pipe_commands", False),
+            trust_option="trust_pipe_commands=true",
+        )
         return model, build(run.data, tokenizer=examples.tokenizer, **data_overrides)
 
 

@@ -26,6 +26,9 @@ OPTIMIZERS = "torch.optim"
 # Classes of this package that moved since a stored config named them: 0.1.0 imported these from
 # `pretraining.data` itself, which now imports nothing (so that `pretrain-data` does not load Lightning);
 # 0.5 named the objectives by their package, 0.6 by their modules (a run loads only its own).
+# How a command is told to trust a module: the key of `pretrain` and `pretrain-eval` (a command with other
+# options passes its own, as `pretrain-export` does its --trusted-targets).
+TRUST_OPTION = "trusted_targets=[{module}]"
 MOVED_TARGETS = {
     "pretraining.data.ShardDataModule": "pretraining.data.datamodule.ShardDataModule",
     "pretraining.data.PackedBlocks": "pretraining.data.formats.PackedBlocks",
@@ -53,21 +56,22 @@ def build(node: DictConfig, **kwargs: Any) -> Any:
         raise
 
 
-def check_targets(node: Any, key: str, trusted: Sequence[str], source: str) -> None:
+def check_targets(node: Any, key: str, trusted: Sequence[str], source: str, trust_option: str = TRUST_OPTION) -> None:
     """Refuse a config from `source` (a file) that would build anything but a trusted class: every
     `_target_` under `node` (at `key`), in nested dicts and lists too, must name a class of this package,
-    a `torch.optim` optimizer, or a class under one of the `trusted` modules or class paths."""
+    a `torch.optim` optimizer, or a class under one of the `trusted` modules or class paths. A refusal
+    names `trust_option` (with `{module}` filled in) as the way to trust a module."""
     if isinstance(node, DictConfig | ListConfig):
         node = OmegaConf.to_container(node, resolve=False)
     if isinstance(node, dict):
         if "_target_" in node:
-            check_target(node["_target_"], f"{key}._target_", trusted, source)
+            check_target(node["_target_"], f"{key}._target_", trusted, source, trust_option)
         for name, value in node.items():
             check_not_interpolation(name, f"the key {key}.{name}", source)  # Hydra would pass it on as an argument
-            check_targets(value, f"{key}.{name}", trusted, source)
+            check_targets(value, f"{key}.{name}", trusted, source, trust_option)
     elif isinstance(node, list):
         for index, value in enumerate(node):
-            check_targets(value, f"{key}[{index}]", trusted, source)
+            check_targets(value, f"{key}[{index}]", trusted, source, trust_option)
     else:
         check_not_interpolation(node, f"{key}={node!r}", source)  # it could bring in a node from anywhere in the file
 
@@ -93,11 +97,11 @@ def with_current_targets(node: Any) -> Any:
     return node
 
 
-def check_target(target: Any, key: str, trusted: Sequence[str], source: str) -> None:
+def check_target(target: Any, key: str, trusted: Sequence[str], source: str, trust_option: str) -> None:
     """One `_target_`: its name is checked before anything is imported (importing a module runs it),
     then what the name resolves to (`pretraining.evaluate.torch.load` starts like a class of ours)."""
     if not isinstance(target, str) or not any(within(target, root) for root in (PACKAGE, OPTIMIZERS, *trusted)):
-        raise untrusted(target, key, source)
+        raise untrusted(target, key, source, trust_option)
     try:
         located = get_object(target)
     except Exception:  # any failure to import it: it cannot be built either
@@ -108,7 +112,7 @@ def check_target(target: Any, key: str, trusted: Sequence[str], source: str) -> 
             "from a file may build only classes"
         )
     if not is_trusted_class(located, trusted):
-        raise untrusted(target, key, source)
+        raise untrusted(target, key, source, trust_option)
 
 
 def is_trusted_class(cls: type, trusted: Sequence[str]) -> bool:
@@ -122,10 +126,10 @@ def within(name: str, root: str) -> bool:
     return name == root or name.startswith(f"{root}.")
 
 
-def untrusted(target: Any, key: str, source: str) -> ConfigError:
+def untrusted(target: Any, key: str, source: str, trust_option: str) -> ConfigError:
     module = str(target).rpartition(".")[0] or str(target)
     return ConfigError(
         f"{key}={target!r} in {source} is not a class of this package: a config read from a file may build "
         f"only `{PACKAGE}` classes and `{OPTIMIZERS}` optimizers, since whoever wrote the file chose what it "
-        f"calls. If you wrote it and trust that code, pass trusted_targets=[{module}] to pretrain-eval"
+        f"calls. If you wrote it and trust that code, pass {trust_option.format(module=module)}"
     )

@@ -25,7 +25,7 @@ from pretraining.checkpoint.sharded import load_sharded
 from pretraining.data.formats import ExampleFormat
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
-from pretraining.instantiate import build, check_targets, with_current_targets
+from pretraining.instantiate import TRUST_OPTION, build, check_targets, with_current_targets
 from pretraining.objectives.base import PretrainingObjective, build_objective
 
 
@@ -46,15 +46,18 @@ def load_checkpoint(path: str | Path) -> dict[str, Any]:
     return checkpoint
 
 
-def stored_config(checkpoint: dict[str, Any], source: str, trusted_targets: Sequence[str] = ()) -> DictConfig:
+def stored_config(
+    checkpoint: dict[str, Any], source: str, trusted_targets: Sequence[str] = (), trust_option: str = TRUST_OPTION
+) -> DictConfig:
     """The config a checkpoint was trained with, read from `source`, refused if it names any class not
-    trusted in its tokenizer, data or model groups (the ones rebuilt from it)."""
+    trusted in its tokenizer, data or model groups (the ones rebuilt from it); `trust_option` is how the
+    caller trusts a module (`pretraining.instantiate.check_targets`)."""
     with rebuilding(checkpoint, source):
         run = OmegaConf.create(with_current_targets(checkpoint["lineage"]["config"]))
         # An objective of 0.5 took it; a run now starts from one with callbacks.init_from.
         run.model.pop("init_from", None)
     for group in ("tokenizer", "data", "model"):
-        check_targets(run.get(group), group, trusted_targets, f"the config stored in {source}")
+        check_targets(run.get(group), group, trusted_targets, f"the config stored in {source}", trust_option)
     return run
 
 
@@ -105,11 +108,13 @@ def stored_model(
     tokenizer_path: str | None = None,
     trusted_targets: Sequence[str] = (),
     tokenizer_option: str = "tokenizer_path=...",
+    trust_option: str = TRUST_OPTION,
 ) -> tuple[PretrainingObjective, DictConfig, ExampleFormat[Any]]:
     """The objective of a loaded checkpoint with its weights, its stored config, and its example format
     (with the tokenizer), rebuilt from `source` without reading any data: built only if its config names
-    nothing but trusted classes. `tokenizer_option` is how the caller passes a tokenizer that moved."""
-    run = stored_config(checkpoint, source, trusted_targets)
+    nothing but trusted classes. `tokenizer_option` is how the caller passes a tokenizer that moved,
+    `trust_option` how it trusts a module."""
+    run = stored_config(checkpoint, source, trusted_targets, trust_option)
     tokenizer = stored_tokenizer(checkpoint, run, source, tokenizer_path, tokenizer_option)
     model, examples = stored_objective(checkpoint, run, source, tokenizer)
     return model, run, examples

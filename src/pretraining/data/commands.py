@@ -91,7 +91,9 @@ def train_texts(manifest: Manifest, fields: list[str] | None = None) -> Iterator
 
 def tokenizer(args: argparse.Namespace) -> None:
     out = Path(args.out) if args.out else Path(args.data) / TOKENIZER
-    manifest = Manifest.load(args.data, trust_pipe_commands=args.trust_pipe_commands)
+    manifest = Manifest.load(
+        args.data, key="--data", trust_pipe_commands=args.trust_pipe_commands, trust_option="--trust-pipe-commands"
+    )
     texts = sum(shard.samples for shard in manifest.shards("train")) * len(manifest.text_fields(args.field))
     trained = train_bpe(train_texts(manifest, args.field), args.vocab_size, out, not args.quiet, length=texts)
     print(f"wrote {out}: vocabulary {trained.vocab_size}, fingerprint {trained.fingerprint}")

@@ -56,11 +56,13 @@ class Manifest:
         check: bool = True,
         key: str = "",
         trust_pipe_commands: bool = False,
+        trust_option: str = "data.trust_pipe_commands=true",
     ) -> Manifest:
         """The manifest of `directory` (named by the config key or option `key`, if any); with `check`,
         refusing shards that are missing or altered (their checksums are read with `verify_checksums`,
-        sizes always). Shards read by running a `pipe:` command are refused unless `trust_pipe_commands`:
-        a manifest is a file, and one from elsewhere could name any command."""
+        sizes always). Shards read by running a `pipe:` command are refused unless `trust_pipe_commands`
+        (which the caller's `trust_option` sets): a manifest is a file, and one from elsewhere could name
+        any command."""
         path = regular_file(
             Path(directory) / MANIFEST, "manifest", "write it again with `pretrain-data build` or `index`"
         )
@@ -81,7 +83,7 @@ class Manifest:
             raise ShardError(
                 f"{path} reads {len(commands)} shards by running shell commands ({commands[0]!r}), and a manifest "
                 f"from elsewhere could name any command: if you trust these (you indexed them yourself), allow them "
-                f"with data.trust_pipe_commands=true (pretrain-data tokenizer: --trust-pipe-commands)"
+                f"with {trust_option}"
             )
         if check:
             manifest.check(verify_checksums)

@@ -451,7 +451,9 @@ def test_export_refuses_a_non_empty_destination_and_an_unverified_checkpoint(
         export(checkpoints["clm_tiny"], tmp_path / "file" / "out")
     (tmp_path / "empty").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "empty")
-    with pytest.raises(ConfigError, match=r"link already exists and is not an empty directory"):
+    with pytest.raises(
+        ConfigError, match=rf"link is a symbolic link \(to {tmp_path / 'empty'}\): name a new directory"
+    ):
         export(checkpoints["clm_tiny"], tmp_path / "link")
     assert [p.name for p in (tmp_path / "taken").iterdir()] == ["mine.txt"]
     original = checkpoints["clm_tiny"].resolve()
@@ -513,6 +515,20 @@ def test_a_stored_config_that_cannot_be_rebuilt_is_refused_in_one_line_naming_th
             main([str(path), str(tmp_path / "out")])
         del trained["lineage"]["config"]["model"][key]
     assert not (tmp_path / "out").exists()
+
+
+def test_export_names_its_own_option_to_trust_a_module(checkpoints: dict[str, Path], tmp_path: Path) -> None:
+    trained = torch.load(checkpoints["clm_tiny"], weights_only=True)
+    trained["lineage"]["config"]["model"]["_target_"] = "collections.OrderedDict"
+    path = tmp_path / "crafted.ckpt"
+    save_file_with_sidecar(trained, path)
+    with pytest.raises(SystemExit, match=r"not a class of this package: .* pass --trusted-targets collections$"):
+        main([str(path), str(tmp_path / "out")])
+
+
+def test_every_exported_file_is_readable_by_all(exports: Path) -> None:
+    modes = {path.name: oct(path.stat().st_mode & 0o777) for path in exports.rglob("*") if path.is_file()}
+    assert set(modes.values()) == {"0o644"}, modes
 
 
 def test_weights_that_do_not_fit_the_stored_config_are_named(checkpoints: dict[str, Path]) -> None:

@@ -32,7 +32,12 @@ def check_destination(out: Path) -> None:
     never mixes with other files), and the current directory (it would be replaced under the shell)."""
     if Path(os.path.abspath(out)) == Path.cwd():
         raise ConfigError(f"{out} is the current directory: name a new directory for the export")
-    if out.is_symlink() or (out.exists() and (not out.is_dir() or any(out.iterdir()))):
+    if out.is_symlink():  # the export would replace the link, not fill the directory it points to
+        raise ConfigError(
+            f"{out} is a symbolic link (to {os.readlink(out)}): name a new directory for the export, or the empty "
+            "directory the link points to"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out} already exists and is not an empty directory: choose a new directory, or remove it")
     parent = next((p for p in out.absolute().parents if p.exists()), None)
     if parent is None or not parent.is_dir() or not os.access(parent, os.W_OK):
@@ -54,6 +59,7 @@ def write_directory(out: Path, files: Mapping[str, Content]) -> None:
                 path.write_bytes(content)
             else:
                 content(path)
+            path.chmod(0o644)  # as other model files are, for those who load it (safetensors writes 0600)
             with path.open("rb+") as file:
                 os.fsync(file.fileno())
         for directory in {(staging / name).parent for name in files}:

@@ -66,7 +66,12 @@ def export(
         )
     checkpoint = load_checkpoint(checkpoint_path)
     model, _, examples = stored_model(
-        checkpoint, str(checkpoint_path), tokenizer_path, trusted or [], "--tokenizer PATH"
+        checkpoint,
+        str(checkpoint_path),
+        tokenizer_path,
+        trusted or [],
+        "--tokenizer PATH",
+        "--trusted-targets {module}",
     )
     kind, files = model_files(model.eval(), examples.tokenizer, examples.lengths)
     record = lineage_record(checkpoint_path, sidecar, checkpoint["lineage"], kind)
