@@ -23,12 +23,12 @@ from pretraining.errors import ConfigError, PretrainingError
 
 PACKAGE = "pretraining"
 OPTIMIZERS = "torch.optim"
-# Classes of this package that moved since a stored config named them: 0.1.0 imported these from
-# `pretraining.data` itself, which now imports nothing (so that `pretrain-data` does not load Lightning);
-# 0.5 named the objectives by their package, 0.6 by their modules (a run loads only its own).
 # How a command is told to trust a module: the key of `pretrain` and `pretrain-eval` (a command with other
 # options passes its own, as `pretrain-export` does its --trusted-targets).
 TRUST_OPTION = "trusted_targets=[{module}]"
+# Classes of this package that moved since a stored config named them: 0.1.0 imported these from
+# `pretraining.data` itself, which now imports nothing (so that `pretrain-data` does not load Lightning);
+# 0.5 named the objectives by their package, 0.6 by their modules (a run loads only its own).
 MOVED_TARGETS = {
     "pretraining.data.ShardDataModule": "pretraining.data.datamodule.ShardDataModule",
     "pretraining.data.PackedBlocks": "pretraining.data.formats.PackedBlocks",
