@@ -18,7 +18,7 @@ from hydra.errors import ConfigCompositionException
 
 from conftest import TINY, ComposeTrain
 from pretraining.callbacks.numerics import NumericalError
-from pretraining.checkpoint import existing_checkpoint
+from pretraining.checkpoint import existing_checkpoint, sidecar_path
 from pretraining.cli import info as info_main
 from pretraining.config import CONFIG_DIR
 from pretraining.data.manifest import Manifest
@@ -31,6 +31,7 @@ from pretraining.errors import (
     PretrainingError,
     ShardError,
 )
+from pretraining.plugins.checkpoint_io import AtomicCheckpointIO
 from pretraining.run import check_config
 from pretraining.train import train
 from test_bad_data import replace_shard
@@ -186,6 +187,18 @@ def test_a_checkpoint_that_is_no_file_is_refused_before_it_is_opened(tmp_path: P
             existing_checkpoint(path)  # every command reads a checkpoint through it
     with pytest.raises(SystemExit, match=r"^pretrain-info: checkpoint /dev/zero is a device"):
         info_main(["/dev/zero"])
+
+
+def test_pretrain_info_fails_on_a_checkpoint_that_does_not_verify_after_printing_what_it_can(
+    tmp_path: Path, capsys
+) -> None:
+    path = tmp_path / "step-000001.ckpt"
+    AtomicCheckpointIO().save_checkpoint({"global_step": 1, "state_dict": {}, "lineage": {"step": 1}}, path)
+    info_main([str(path)])  # verifies: exits normally
+    sidecar_path(path).write_text("{not json")
+    with pytest.raises(SystemExit, match=rf"^pretrain-info: sidecar {path}\.json is unreadable"):
+        info_main([str(path)])
+    assert re.search(r"verified\s+sidecar \S+ is unreadable", capsys.readouterr().out)
 
 
 @pytest.mark.slow  # four console commands, each loading torch; the fast suite has the check they rely on, above

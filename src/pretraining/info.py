@@ -77,11 +77,15 @@ def describe(chain: list[dict[str, Any]]) -> str:
 
 
 def print_info(checkpoint: Path, config: bool = False, as_json: bool = False) -> None:
-    """Print the lineage and ancestry of `checkpoint` (`--json`: as JSON), and with `config` its resolved config."""
+    """Print the lineage and ancestry of `checkpoint` (`--json`: as JSON), and with `config` its resolved config;
+    then raise `CheckpointError` if it does not verify (a missing, unreadable or mismatched sidecar), so that
+    a script reading the output learns it from the exit status."""
     chain = ancestry(checkpoint)
     if as_json:
         print(json.dumps(chain, indent=2, default=str))
-        return
-    print(describe(chain))
-    if config:
-        print("\nconfig:\n" + OmegaConf.to_yaml(OmegaConf.create(chain[0]["lineage"].get("config") or {})))
+    else:
+        print(describe(chain))
+        if config:
+            print("\nconfig:\n" + OmegaConf.to_yaml(OmegaConf.create(chain[0]["lineage"].get("config") or {})))
+    if chain[0]["verified"] != "ok":
+        raise CheckpointError(chain[0]["verified"])
