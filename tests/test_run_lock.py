@@ -201,23 +201,33 @@ def run_dir(log_dir: Path, run: str) -> Path:
     return log_dir / "train" / "runs" / run
 
 
+def files(directory: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(directory)): path.read_bytes() for path in directory.rglob("*") if path.is_file()}
+
+
 def test_a_command_on_a_directory_in_use_is_refused_at_once_and_writes_nothing_of_its_own(
     tmp_path: Path, shard_dir: Path
 ) -> None:
-    directory = run_dir(tmp_path, "busy")
+    directory = hydra_output(run_dir(tmp_path, "busy"))  # the config of the run in progress, as Hydra wrote it
+    (directory / ".hydra" / "overrides.yaml").write_text("- model.optimizer.lr=0.003\n")
     holder_process = hold(directory)
     try:
-        before = holder(directory)
+        before = files(directory)  # the holder's record included
         returncode, stderr = finish(
-            start(*tiny_run(), f"data.dir={shard_dir}", f"paths.log_dir={tmp_path}", "run_name=busy")
+            start(
+                *tiny_run(),
+                f"data.dir={shard_dir}",
+                f"paths.log_dir={tmp_path}",
+                "run_name=busy",
+                "model.optimizer.lr=0.1",
+            )
         )
         assert returncode != 0
         assert "Traceback" not in stderr, stderr
         assert f"The run directory {directory} is in use by process {holder_process.pid}" in stderr
         assert "run_name=<another name>" in stderr
-        assert holder(directory) == before  # the holder's record is untouched
-        assert not (directory / "status.json").exists()  # neither marked running nor failed by the refused job
-        assert not (directory / "checkpoints").exists()
+        # Neither its config copies, nor a status record (running or failed), nor a log line: not one byte.
+        assert files(directory) == before
     finally:
         kill(holder_process)
 

@@ -2,7 +2,9 @@
 (configs/hydra/default.yaml) when a job starts (`running`, with its process) and when it ends (`completed`,
 with the value returned to the sweeper, or `failed`, with the error). A run that stopped before
 `trainer.max_steps` (a signal, `trainer.max_time`, EarlyStopping) records `stopped`, with the step and
-what stopped it (`record_stop`). A scheduler, a person or a sweep's report (the sweeps extra) reads it."""
+what stopped it (`record_stop`). A scheduler, a person or a sweep's report (the sweeps extra) reads it.
+The same callback writes the job's config copies (`.hydra/`) that Hydra would write before any callback
+runs (`hydra.output_subdir` is null): under the job's lock."""
 
 from __future__ import annotations
 
@@ -15,21 +17,22 @@ from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pretraining.errors import RunLockedError
 from pretraining.files import write_atomically
 from pretraining.internals import failed_job_error
 from pretraining.launch import is_rank_zero_process
-from pretraining.run_lock import STATUS_FILE, RunLock, acquire, release
+from pretraining.run_lock import CONFIG_COPIES, STATUS_FILE, RunLock, acquire, release
 
 
 class RecordJobStatus(Callback):
-    """Record each job's outcome in `<job>/status.json` (rank zero only)."""
+    """Record each job's config in `<job>/.hydra/` and its outcome in `<job>/status.json` (rank zero only)."""
 
-    # The record is the run directory's, so it is written under the job's lock on it (`pretraining.run_lock`,
-    # which `pretrain` holds too): a second job started on a directory in use neither marks it `running`
-    # nor `failed` with its refusal, and a refused command's removed directory is not made again.
+    # The records are the run directory's, so they are written under the job's lock on it
+    # (`pretraining.run_lock`, which `pretrain` holds too): a second job started on a directory in use
+    # neither rewrites its config copies nor marks it `running` or `failed` with its refusal, and a refused
+    # command's removed directory is not made again.
     lock: RunLock | None = None
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -40,6 +43,7 @@ class RecordJobStatus(Callback):
             self.lock = acquire(job_dir)
         except RunLockedError:  # the job itself stops with it
             return
+        save_job_config(job_dir, config)
         write_status(
             job_dir, {"status": "running", "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
         )
@@ -60,6 +64,19 @@ class RecordJobStatus(Callback):
                 write_status(job_dir, {**record, **ended, "finished": time.time()})
         finally:
             release(lock)
+
+
+def save_job_config(job_dir: Path, config: DictConfig) -> None:
+    """The copies Hydra keeps of a job's config, as it writes them: `.hydra/config.yaml` (the job's),
+    `hydra.yaml` (Hydra's own) and `overrides.yaml` (the command line's)."""
+    copies = {
+        "config.yaml": OmegaConf.masked_copy(config, [str(key) for key in config if key != "hydra"]),
+        "hydra.yaml": OmegaConf.masked_copy(config, ["hydra"]),
+        "overrides.yaml": config.hydra.overrides.task,
+    }
+    (job_dir / CONFIG_COPIES).mkdir(parents=True, exist_ok=True)
+    for name, part in copies.items():
+        write_atomically(job_dir / CONFIG_COPIES / name, OmegaConf.to_yaml(part).encode())
 
 
 def outcome(job_return: JobReturn) -> dict[str, Any]:

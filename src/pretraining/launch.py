@@ -88,13 +88,13 @@ def log_file_on_rank_zero() -> Iterator[None]:
 def rank_command(local_rank: int) -> tuple[list[str], str]:
     """The command that starts local rank `local_rank` of the current Hydra job, and its working
     directory: the same program, config and overrides as the job, as a single run (no `-m`) in the
-    job's output directory, which it leaves to rank zero (no `.hydra/` of its own). Lightning's own repeats
+    job's output directory, whose records are rank zero's (`job_status.RecordJobStatus`). Lightning's own repeats
     `sys.argv`, a whole sweep in a multirun (`pretraining.internals.start_ranks_with`)."""
     hydra = HydraConfig.get()
     overrides = [o for o in hydra.overrides.hydra if not o.startswith("hydra.mode=")]
     output_dir = hydra_quote(hydra.runtime.output_dir)
     command = [*program(), *config_flags(hydra), *overrides, *hydra.overrides.task]
-    command += [f"hydra.run.dir={output_dir}", "hydra.output_subdir=null"]
+    command += [f"hydra.run.dir={output_dir}"]
     return command, get_original_cwd()
 
 

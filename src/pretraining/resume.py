@@ -69,8 +69,8 @@ def checkpoint_to_resume(resume: str, ckpt_path: str | None, checkpoints: Path) 
 
 @rank_zero_only
 def start_over(run_dir: Path) -> None:
-    """Move an earlier run's outputs in `run_dir` aside: checkpoints, metrics, W&B files (Hydra has
-    already written this start's `.hydra/` config over the earlier one's). This job's own files stay:
+    """Move an earlier run's outputs in `run_dir` aside: checkpoints, metrics, W&B files (this job's
+    `.hydra/` config is already written over the earlier one's). This job's own files stay:
     the lock it holds (moved, a second job could take a new one) and its status record."""
     earlier = [p for p in run_dir.iterdir() if not is_job_file(p)] if run_dir.is_dir() else []
     earlier = [p for p in earlier if not p.name.startswith("replaced-")]

@@ -27,10 +27,11 @@ from pathlib import Path
 from pretraining.errors import PretrainingError, RunLockedError
 
 LOCK_FILE = ".lock"
+CONFIG_COPIES = ".hydra"  # the job's config as Hydra keeps it (written by job_status.RecordJobStatus)
 # What a job's directory holds before its training writes anything: Hydra's config copies, its log file
 # (`<task_name>.log`), the lock, and the job-status record (sweeps.RecordJobStatus), which counts only
 # when the directory held none of the others' files before this process locked it.
-HYDRA_OUTPUT = frozenset({".hydra", LOCK_FILE})
+HYDRA_OUTPUT = frozenset({CONFIG_COPIES, LOCK_FILE})
 STATUS_FILE = "status.json"
 # The errors that refuse a command (ours): one refused before it trains leaves no run directory behind.
 REFUSALS = PretrainingError
