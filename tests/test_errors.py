@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 
 from conftest import TINY, ComposeTrain
 from pretraining.callbacks.numerics import NumericalError
 from pretraining.checkpoint import existing_checkpoint, sidecar_path
 from pretraining.cli import info as info_main
-from pretraining.config import CONFIG_DIR
+from pretraining.config import CONFIG_DIR, DIRECTORY_NAME_KEYS, check_directory_names
 from pretraining.data.manifest import Manifest
 from pretraining.data.reader import ShardReadError, read_shard
 from pretraining.data.tokenizer import BPETokenizer
@@ -119,6 +120,32 @@ def test_bad_commands_print_one_message_without_a_traceback(tmp_path: Path, shar
         returncode, stderr = finish(start(program, [*overrides, f"paths.log_dir={tmp_path}"], tmp_path, **env))
         assert returncode == 1 and message in stderr, stderr
         assert ("Traceback" in stderr) == bool(env), stderr
+
+
+# A run, and (in the slow suite: the same callback) a multirun; each command takes ~9 s to load its callbacks.
+@pytest.mark.parametrize(
+    ("key", "overrides"),
+    [
+        ("run_name", ["run_name=../../escape"]),
+        pytest.param("task_name", ["-m", "task_name=../escape", "seed=1,2"], marks=pytest.mark.slow),
+    ],
+)
+def test_a_name_that_is_not_one_directorys_is_refused_before_any_directory_is_made(
+    tmp_path: Path, key: str, overrides: list[str]
+) -> None:
+    returncode, stderr = finish(start("pretrain", [*overrides, f"paths.log_dir={tmp_path}/a/b/logs"], tmp_path))
+    assert returncode == 1 and stderr.splitlines() == [stderr.strip()], stderr
+    assert stderr.startswith(f"{key}='../") and f"pass {key}=<name>" in stderr, stderr
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", ["", ".", "..", "a/b", "../../escape"])
+def test_task_and_run_names_are_one_directorys(name: str) -> None:
+    check_directory_names(OmegaConf.create({"task_name": "train", "run_name": "clm_tiny-0a1b2c3d"}))
+    for key in DIRECTORY_NAME_KEYS:
+        config = OmegaConf.create({"task_name": "train", "run_name": "clm_tiny", key: name})
+        with pytest.raises(ConfigError, match=f"^{key}="):
+            check_directory_names(config)
 
 
 @pytest.mark.slow  # every bad command under the entry point: the fast suite has one of each kind, and the rest below

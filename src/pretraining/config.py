@@ -1,4 +1,5 @@
-"""Where configs live, the resolvers they use, and the redaction of credentials from a config.
+"""Where configs live, the resolvers they use, the check of the names a run's directory is made of, and
+the redaction of credentials from a config.
 
 Checks that belong to one value live where that value enters (the class that
 takes it); those relating values of different groups are `pretraining.run.check_config`.
@@ -10,12 +11,16 @@ import hashlib
 import os
 import re
 import secrets
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import OmegaConf
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from pretraining.errors import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PROJECT_ROOT / "configs"
@@ -62,6 +67,36 @@ OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=Tr
 # Hydra copies the sweep config's resolver cache into every job's config, where the overrides are the job's
 # own (`seed=1`), so that all jobs agree on the sweep directory.
 OmegaConf.register_new_resolver("sweep_name", run_name, use_cache=True, replace=True)
+
+
+# The keys whose values name a directory of their own: logs/<task_name>/runs/<run_name> (configs/hydra/default.yaml).
+DIRECTORY_NAME_KEYS = ("task_name", "run_name")
+
+
+def check_directory_names(config: DictConfig) -> None:
+    """Refuse a `task_name` or `run_name` that is not the name of one directory: `run_name=../../x` would
+    make the run's directory outside the runs directory."""
+    for key in DIRECTORY_NAME_KEYS:
+        name = str(config[key])
+        if name in {"", ".", ".."} or any(separator and separator in name for separator in (os.sep, os.altsep)):
+            raise ConfigError(
+                f"{key}={name!r}: a run's directory is logs/<task_name>/runs/<run_name>, so {key} must name one "
+                f"directory (no '/', not '.' or '..'): pass {key}=<name>"
+            )
+
+
+class CheckDirectoryNames(Callback):
+    """`check_directory_names` before Hydra makes any directory of a run or a sweep (configs/hydra/default.yaml)."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            check_directory_names(config)
+        except ConfigError as error:
+            # Hydra reports a callback's exception as a warning and carries on: stop the command here, with
+            # the one line it prints for our errors.
+            sys.exit(str(error))
+
+    on_multirun_start = on_run_start
 
 
 # Names of keys and environment variables that hold credentials: `api_key`, `HF_TOKEN`, `db_password`,
