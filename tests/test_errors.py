@@ -74,6 +74,11 @@ BAD_COMMANDS = [
         ["experiment=contrastive_tiny", "+model.document_masking=true"],
         "model.document_masking is not a parameter of pretraining.objectives.contrastive.Contrastive",
     ),
+    (["trainer.val_check_interval=0"], "trainer.val_check_interval=0 must be at least 1: set"),
+    (["trainer.devices=banana"], "trainer.devices='banana' is not a number of devices, a list of device indices or"),
+    (["trainer.accelerator=tpu"], "trainer.accelerator=tpu is not one this template runs on; this machine has "),
+    (["model.backbone.vocab_size=10"], "model.backbone.vocab_size=10, but the tokenizer has 260 tokens: leave it out"),
+    (["model.backbone.max_seq_len=10000000000"], "model.backbone makes 320,000,"),
 ]
 TWO_PROCESSES, REFUSED_BY_HYDRA, IN_ONE_PROCESS = BAD_COMMANDS[:3], BAD_COMMANDS[3:6], BAD_COMMANDS[6:]
 

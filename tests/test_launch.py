@@ -137,6 +137,22 @@ def test_more_gpus_than_the_node_has_are_refused(compose_train, monkeypatch, dev
         check_devices(compose_train("trainer=ddp", f"trainer.devices={fits}").trainer)
 
 
+@pytest.mark.parametrize("devices", ["banana", "0", "-2", "1.5", "[]", "[-1]"])
+def test_devices_that_are_no_count_indices_or_all_are_refused_naming_the_key(compose_train, devices: str) -> None:
+    with pytest.raises(ConfigError, match=r"^trainer\.devices=.* is not a number of devices, a list of device indices"):
+        check_devices(compose_train("trainer=cpu", f"trainer.devices={devices}").trainer)
+
+
+@pytest.mark.parametrize("accelerator", ["tpu", "hpu", "xla"])
+def test_an_accelerator_the_template_does_not_run_on_is_refused_naming_those_here(
+    compose_train, monkeypatch, accelerator: str
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    message = rf"trainer\.accelerator={accelerator} is not one this template runs on; this machine has gpu, .*cpu"
+    with pytest.raises(ConfigError, match=message):
+        check_devices(compose_train(f"trainer.accelerator={accelerator}").trainer)
+
+
 def test_paths_are_quoted_for_hydra() -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
 

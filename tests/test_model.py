@@ -11,7 +11,8 @@ from lightning.pytorch import Trainer
 
 from conftest import fit_batch
 from pretraining.errors import ConfigError
-from pretraining.models import Transformer
+from pretraining.models import Transformer, transformer
+from pretraining.models.transformer import parameter_count
 from pretraining.objectives.base import warmup_cosine
 from pretraining.objectives.causal_lm import CausalLM
 
@@ -75,6 +76,22 @@ def test_positions_are_checked() -> None:
         Transformer(vocab_size=64, positions="sinusoidal")
     with pytest.raises(ConfigError, match=r"d_model=36 / n_head=4 is odd: choose an even head width"):
         Transformer(vocab_size=64, d_model=36, n_head=4, positions="rotary")
+
+
+@pytest.mark.parametrize(("bias", "positions"), [(False, "learned"), (True, "rotary")])
+def test_the_parameters_are_counted_before_the_model_is_built(bias: bool, positions: str) -> None:
+    sizes = {"vocab_size": 100, "max_seq_len": 48, "d_model": 32, "n_layer": 3, "bias": bias, "positions": positions}
+    built = Transformer(**sizes, n_head=2)
+    assert parameter_count(**sizes) == sum(parameter.numel() for parameter in built.parameters())
+
+
+def test_a_model_larger_than_the_machines_memory_is_refused_before_allocating(monkeypatch) -> None:
+    monkeypatch.setattr(transformer, "physical_memory", lambda: 16 * 2**30)
+    # 10^10 learned positions of width 128: a 5 TB table, refused at once instead of allocated.
+    message = r"makes 1,280,000,820,352 parameters, 4,768\.4 GiB in float32, and this machine has 16\.0 GiB of memory"
+    with pytest.raises(ConfigError, match=message):
+        Transformer(vocab_size=256, max_seq_len=10**10)
+    Transformer(vocab_size=256, max_seq_len=10**10, positions="rotary")  # no table: rotary angles are computed
 
 
 def test_tied_head_padded_vocab_and_scaled_residual_init() -> None:

@@ -132,9 +132,25 @@ def is_rank_zero_process() -> bool:
     return all(os.environ.get(name, "0") == "0" for name in RANK_VARIABLES)
 
 
+# The accelerators the trainer presets name (configs/trainer/): `auto` takes the best of them this machine has.
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+
+
 def check_devices(trainer: DictConfig) -> None:
-    """Stop before any work if the trainer asks for more GPUs than this node has, naming the fix."""
-    accelerator = str(trainer.get("accelerator", "auto"))
+    """Stop before any work if the trainer asks for devices that are not a count, indices or all of them,
+    for an accelerator the template does not run on, or for GPUs this node lacks, naming the fix."""
+    devices = trainer.get("devices", "auto")
+    wanted = requested_gpus(devices)
+    accelerator = trainer.get("accelerator", "auto")
+    if not isinstance(accelerator, str):  # an Accelerator of your own (a node with _target_)
+        return
+    if accelerator not in ACCELERATORS:
+        present = (("gpu", torch.cuda.is_available()), ("mps", torch.backends.mps.is_available()), ("cpu", True))
+        here = [name for name, available in present if available]  # the best first
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} is not one this template runs on; this machine has "
+            f"{', '.join(here)}: set trainer.accelerator={here[0]} (or auto: the best of them), or pass trainer=cpu"
+        )
     if accelerator == "mps" and not torch.backends.mps.is_available():
         raise ConfigError(
             "trainer.accelerator=mps needs an Apple-silicon Mac and a torch built with MPS: use trainer=cpu here"
@@ -148,8 +164,6 @@ def check_devices(trainer: DictConfig) -> None:
             f"trainer.accelerator={accelerator}, but this machine has no CUDA GPU{build}: use trainer=cpu "
             "(or trainer=ddp_cpu for two processes), or run on a machine with a GPU"
         )
-    devices = trainer.get("devices", "auto")
-    wanted = requested_gpus(devices)
     if wanted and max(wanted) >= available:
         raise ConfigError(
             f"trainer.devices={devices} asks for GPU {max(wanted)} but this node has {available} "
@@ -159,12 +173,23 @@ def check_devices(trainer: DictConfig) -> None:
 
 
 def requested_gpus(devices: Any) -> list[int] | None:
-    """The GPU indices `devices` asks for (`4`: 0 to 3; `[1, 3]` or `"1,3"`: those); None for all of them."""
-    if isinstance(devices, ListConfig | list | tuple):
-        return [int(index) for index in devices]
+    """The device indices `devices` asks for (`4`: 0 to 3; `[1, 3]` or `"1,3"`: those); None for all of
+    them. Refused, naming the key, if it is none of these (Lightning's error would not name it)."""
     text = str(devices).strip()
-    if text in ("auto", "-1"):
-        return None
-    if "," in text:
-        return [int(index) for index in text.split(",") if index.strip()]
-    return list(range(int(text)))
+    try:
+        if isinstance(devices, ListConfig | list | tuple):
+            wanted = [int(index) for index in devices]
+        elif text in ("auto", "-1"):
+            return None
+        elif "," in text:
+            wanted = [int(index) for index in text.split(",") if index.strip()]
+        else:
+            wanted = list(range(int(text)))
+    except ValueError:
+        wanted = []
+    if not wanted or min(wanted) < 0:
+        raise ConfigError(
+            f"trainer.devices={devices!r} is not a number of devices, a list of device indices or all of them: "
+            "set trainer.devices=1 (or 2, [0,2], -1 or auto: all of them)"
+        )
+    return wanted

@@ -52,10 +52,6 @@ def check_config(cfg: DictConfig) -> None:
     loggers = cfg.logger or {}
     if "tensorboard" in loggers and not any(importlib.util.find_spec(m) for m in ("tensorboardX", "tensorboard")):
         raise MissingExtraError("logger=tensorboard", "tensorboard")
-    if cfg.trainer.max_steps <= 0:
-        raise ConfigError(
-            f"trainer.max_steps={cfg.trainer.max_steps}: set it > 0 (the LR schedule and the infinite stream need it)"
-        )
     if "accumulate_grad_batches" in cfg.trainer:
         raise ConfigError(
             "trainer.accumulate_grad_batches is derived, not set: the accumulation is data.global_batch_size / "

@@ -17,7 +17,7 @@ import pydoc
 import types
 from collections import abc
 from collections.abc import Callable
-from typing import Annotated, Any, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -33,6 +33,8 @@ MOVED_KEYS = {f"data.{key}": f"data.format.{key}" for key in FORMAT_KEYS}
 
 
 Beta = Annotated[float, Range(ge=0, lt=1)]
+# Lightning's counts of batches or steps that may also be a fraction (of an epoch, of the batches).
+Batches = Annotated[int, Range(ge=0)] | Annotated[float, Range(ge=0, le=1)]
 # Ranges of parameters of classes this package does not own (ours declare them in their signatures), by
 # where the class is defined: named, not imported, so that composing a config (`--cfg job`) loads no torch.
 EXTRA_ANNOTATIONS: dict[str, dict[str, Any]] = {
@@ -42,10 +44,19 @@ EXTRA_ANNOTATIONS: dict[str, dict[str, Any]] = {
         "eps": Annotated[float, Range(gt=0)],
         "weight_decay": Annotated[float, Range(ge=0)],
     },
+    # Every number of the Trainer that configs/ set (its devices: `launch.check_devices`, which reads them).
     "lightning.pytorch.trainer.trainer.Trainer": {
         "num_nodes": Annotated[int, Range(ge=1)],
+        "max_steps": Annotated[int, Range(ge=1, why="the LR schedule and the infinite stream need it")],
+        "max_epochs": Literal[-1] | Annotated[int, Range(ge=1)] | None,
+        "val_check_interval": Annotated[int, Range(ge=1)] | Annotated[float, Range(gt=0, le=1)] | None,
+        "check_val_every_n_epoch": Annotated[int, Range(ge=1)] | None,
+        "num_sanity_val_steps": Annotated[int, Range(ge=-1)] | None,
         "log_every_n_steps": Annotated[int, Range(ge=1)],
         "gradient_clip_val": Annotated[float, Range(ge=0)] | None,
+        "fast_dev_run": bool | Annotated[int, Range(ge=0)],
+        "limit_val_batches": Batches | None,
+        "overfit_batches": Batches,
     },
 }
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 from typing import Annotated, Any, cast
 
@@ -139,6 +140,38 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def padded_vocabulary(vocab_size: int) -> int:
+    """The rows of the embedding table: a multiple of 64, for faster matmuls."""
+    return math.ceil(vocab_size / 64) * 64
+
+
+def parameter_count(vocab_size: int, max_seq_len: int, d_model: int, n_layer: int, bias: bool, positions: str) -> int:
+    """The parameters of a `Transformer` of these sizes, counted without building it."""
+    block = 12 * d_model**2 + 9 * d_model * bias + 2 * d_model * (1 + bias)  # attention and MLP, their norms
+    position_table = max_seq_len * d_model if positions == "learned" else 0
+    return padded_vocabulary(vocab_size) * d_model + position_table + n_layer * block + d_model * (1 + bias)
+
+
+def check_fits_in_memory(parameters: int) -> None:
+    """Refuse a model whose float32 weights alone exceed this machine's memory, before allocating them: the
+    allocation would fail (or swap the machine to a halt) only after the data is read."""
+    needed, memory = 4 * parameters, physical_memory()
+    if memory and needed > memory:
+        raise ConfigError(
+            f"model.backbone makes {parameters:,} parameters, {needed / 2**30:,.1f} GiB in float32, and this machine "
+            f"has {memory / 2**30:,.1f} GiB of memory: lower model.backbone.d_model, n_layer or max_seq_len (with "
+            "learned positions, a table of max_seq_len x d_model)"
+        )
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes; None where the OS does not say (Windows)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 class Transformer(nn.Module):
     """Token embeddings (plus learned position embeddings, or rotary positions in attention), `n_layer`
     pre-norm blocks, a final norm.
@@ -168,12 +201,12 @@ class Transformer(nn.Module):
                 f"rotary positions turn pairs of each head's dimensions, and model.backbone.d_model={d_model} / "
                 f"n_head={n_head} is odd: choose an even head width, or model.backbone.positions=learned"
             )
+        check_fits_in_memory(parameter_count(vocab_size, max_seq_len, d_model, n_layer, bias, positions))
         self.positions = positions
         self.vocab_size, self.max_seq_len, self.n_layer, self.causal = vocab_size, max_seq_len, n_layer, causal
         self.attention_dropout = dropout
         self.d_model, self.n_head = d_model, n_head
-        padded_vocab = math.ceil(vocab_size / 64) * 64
-        self.token_embedding = nn.Embedding(padded_vocab, d_model)
+        self.token_embedding = nn.Embedding(padded_vocabulary(vocab_size), d_model)
         if positions == "learned":
             self.position_embedding = nn.Embedding(max_seq_len, d_model)
         self.dropout = nn.Dropout(dropout)

@@ -24,6 +24,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+from omegaconf import OmegaConf
 from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
@@ -271,7 +272,14 @@ def masked_mean(hidden: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
 def build_objective(node: Any, examples: ExampleFormat[Any]) -> PretrainingObjective:
     """Instantiate the `model` config for the data's example format (and its tokenizer), refusing
     mismatches before any work."""
-    objective = build(node, backbone={"vocab_size": examples.tokenizer.vocab_size})
+    size = examples.tokenizer.vocab_size
+    given = OmegaConf.select(node, "backbone.vocab_size", throw_on_missing=False)  # None where left `???`
+    if given is not None and given != size:
+        raise ConfigError(
+            f"model.backbone.vocab_size={given}, but the tokenizer has {size} tokens: leave it out (the run sets it "
+            "from the tokenizer), or choose the tokenizer (tokenizer=...)"
+        )
+    objective = build(node, backbone={"vocab_size": size})
     wanted = objective.example_format
     if not isinstance(examples, wanted):
         raise ConfigError(
