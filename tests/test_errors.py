@@ -75,6 +75,7 @@ BAD_COMMANDS = [
         "model.document_masking is not a parameter of pretraining.objectives.contrastive.Contrastive",
     ),
     (["trainer.val_check_interval=0"], "trainer.val_check_interval=0 must be at least 1: set"),
+    (["trainer.accumulate_grad_batches=2"], "trainer.accumulate_grad_batches=2 is derived from data.micro_batch_size"),
     (["trainer.devices=banana"], "trainer.devices='banana' is not a number of devices, a list of device indices or"),
     (["trainer.accelerator=tpu"], "trainer.accelerator=tpu is not one this template runs on; this machine has "),
     (["model.backbone.vocab_size=10"], "model.backbone.vocab_size=10, but the tokenizer has 260 tokens: leave it out"),
