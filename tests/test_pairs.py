@@ -284,6 +284,7 @@ def test_cli_builds_pairs_from_python_and_jsonl(tmp_path: Path, capsys) -> None:
     data_cli(["build", "--pairs", "--source", str(corpus), "--out", str(tmp_path / "code_pairs"), "--quiet"])
     output = capsys.readouterr().out
     assert "docstring pairs:" in output and "'pairs': 24" in output
+    assert output.splitlines()[-1] == f"train on it: pretrain data.dir={(tmp_path / 'code_pairs').resolve()} data=pairs"
     assert Manifest.load(tmp_path / "code_pairs").fields == PAIR_FIELDS
 
     records = [{"doc": f"question number {n}", "code": f"answer = {n}"} for n in range(30)]

@@ -441,6 +441,7 @@ def test_cli_build(corpus, dataset, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert f"version {manifest.version}" in printed
     assert "dropped 2 duplicates, 2 empty, 1 not UTF-8" in printed
+    assert printed.splitlines()[-1] == f"train on it: pretrain data.dir={out.resolve()}"  # the next step
 
 
 def test_cli_build_missing_source(tmp_path):

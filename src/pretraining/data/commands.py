@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from pretraining.data.corpus import Document, is_record_source, read_source
-from pretraining.data.index import index_shards, summary
+from pretraining.data.index import index_shards, summary, training_command
 from pretraining.data.manifest import PAIR_FIELDS, TEXT_FIELDS, TOKENIZER, Manifest
 from pretraining.data.pairs import PairCounts, docstring_pairs
 from pretraining.data.reader import SampleReader
@@ -81,6 +81,7 @@ def build(args: argparse.Namespace) -> None:
     )
     if counts.files:
         print(f"docstring pairs: {asdict(counts)}")
+    print(training_command(manifest, Path(args.out).resolve()))
 
 
 def train_texts(manifest: Manifest, fields: list[str] | None = None) -> Iterator[str]:

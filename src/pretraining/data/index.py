@@ -224,7 +224,13 @@ def summary(manifest: dict, out: Path) -> Iterable[str]:
     )
     if not splits["validation"]["shards"]:
         yield "warning: no validation shards, which training validates on: index with --validation(-fraction)"
-    yield f"train on it: pretrain data.dir={out}{' '.join(['', *training_overrides(manifest)])}"
+    yield training_command(manifest, out)
+
+
+def training_command(manifest: dict, out: Path) -> str:
+    """The line that says how to train on the shards of `manifest` in `out`: the next step after
+    `pretrain-data build` or `index`."""
+    return f"train on it: pretrain data.dir={out}{' '.join(['', *training_overrides(manifest)])}"
 
 
 def training_overrides(manifest: dict) -> list[str]:
