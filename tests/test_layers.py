@@ -108,7 +108,7 @@ def test_the_core_imports_no_extra() -> None:
 def test_the_backbone_imports_only_torch_and_the_checks_of_its_settings() -> None:
     checks = {"pretraining.ranges", "pretraining.errors"}
     for name, _ in imports(MODULES["models.transformer"]):
-        assert name.split(".")[0] in {"__future__", "collections", "functools", "math", "typing", "torch"} or (
+        assert name.split(".")[0] in {"__future__", "collections", "functools", "math", "os", "typing", "torch"} or (
             name in checks
         ), name
 
