@@ -18,19 +18,22 @@ from pretraining.data.datamodule import ShardDataModule
 
 
 class KillAt(Callback):
-    """The whole process group dies by SIGKILL after a given training batch (no handler, no cleanup), once
-    the checkpoint being written in the background is complete: a restart then goes back to the newest
-    save before the kill, whatever the machine's load (tests/test_async_checkpoint.py kills during a write)."""
+    """The whole process group (or, with `group=False`, the main process alone) dies by SIGKILL after a
+    given training batch (no handler, no cleanup), once the checkpoint being written in the background is
+    complete: a restart then goes back to the newest save before the kill, whatever the machine's load
+    (tests/test_async_checkpoint.py kills during a write)."""
 
-    def __init__(self, batch: int) -> None:
-        self.batch = batch
+    def __init__(self, batch: int, group: bool = True) -> None:
+        self.batch, self.group = batch, group
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.datamodule.batches_consumed == self.batch:  # type: ignore[attr-defined]
             for checkpoint in trainer.checkpoint_callbacks:
                 if isinstance(checkpoint, StepCheckpoint):
                     checkpoint.wait_until_written(trainer)  # every rank reaches this batch
-            os.killpg(os.getpgid(0), signal.SIGKILL)
+            if self.group:
+                os.killpg(os.getpgid(0), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class KillBeforeTheFirstSidecar(Callback):

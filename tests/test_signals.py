@@ -5,8 +5,10 @@ same learning curve (no validation missing, none twice)."""
 from __future__ import annotations
 
 import csv
+import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -118,3 +120,38 @@ def test_a_sigterm_to_one_rank_in_training_or_validation_stops_every_rank(tmp_pa
     assert pretrain(tmp_path, "reference", overrides) == 0
     assert_same_training(tmp_path, "reference", "signalled", 10)
     assert validation_rows(tmp_path, "signalled") == validation_rows(tmp_path, "reference")
+
+
+@pytest.mark.slow  # 13 s: a real run with two workers
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_the_loader_workers_end_with_a_main_process_killed_mid_epoch(tmp_path: Path, shard_dir: Path) -> None:
+    """A worker with a batch still to send (each batch here is larger than a pipe holds) stayed blocked
+    writing it for good, ignoring SIGTERM: the main process alone is killed, its workers must follow."""
+    overrides = [*tiny_run("clm_tiny"), f"data.dir={shard_dir}", "data.num_workers=2", "data.global_batch_size=64"]
+    overrides += ["validate_before_training=false"]
+    kill = ["+callbacks.kill._target_=kill.KillAt", "+callbacks.kill.batch=3", "+callbacks.kill.group=false"]
+    command = pretrain_command(tmp_path, "killed", [*overrides, *kill])
+    with (tmp_path / "stderr").open("w") as stderr:  # not a pipe: the workers hold it open
+        process = subprocess.Popen(command, env=TEST_ENV, start_new_session=True, stderr=stderr)
+    assert process.wait(timeout=180) == -signal.SIGKILL, (tmp_path / "stderr").read_text()[-3000:]
+    for _ in range(100):  # 10 s: the kernel's SIGKILL takes a moment, torch's watch on a waiting worker 5 s
+        if not living_in_group(process.pid):
+            break
+        time.sleep(0.1)
+    left = living_in_group(process.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{len(left)} DataLoader workers outlived the main process"
+
+
+def living_in_group(group: int) -> list[int]:
+    """The processes of a process group that are alive (not zombies)."""
+    living = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, process_group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except OSError:  # it ended
+            continue
+        if int(process_group) == group and state != "Z":
+            living.append(int(stat.parent.name))
+    return living

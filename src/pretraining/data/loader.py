@@ -9,9 +9,14 @@ and one message per batch (docs/benchmarks.md has the costs measured on a CPU)."
 from __future__ import annotations
 
 import collections
+import ctypes
 import itertools
+import multiprocessing
+import os
 import pickle
 import signal
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -23,14 +28,55 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 
-def leave_stop_signals_to_the_main_process(worker_id: int) -> None:
+def set_up_worker(worker_id: int) -> None:
+    """The `worker_init_fn` of the training loader."""
+    leave_stop_signals_to_the_main_process()
+    end_with_the_main_process()
+
+
+def leave_stop_signals_to_the_main_process() -> None:
     """In a DataLoader worker, ignore SIGTERM, SIGUSR1 and SIGINT. A scheduler (or Ctrl-C) signals
     every process of the job; a worker that died of it would crash the run before the main process
     reaches the step boundary where it saves (`Preemption`). The main process shuts its workers down
-    afterwards, and a worker still exits if the main process dies."""
+    afterwards, and a worker still ends if the main process dies (`end_with_the_main_process`)."""
     for name in ("SIGTERM", "SIGUSR1", "SIGINT"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def end_with_the_main_process() -> None:
+    """Have this DataLoader worker killed when the main process dies. torch's own watch on the parent
+    ends only a worker that waits for work: after a SIGKILL of the main process, a worker with a batch still
+    to send stays blocked writing to its pipe for good (its siblings hold the pipe's other end open), with
+    the run's files open, and it ignores stop signals. On Linux the kernel sends the SIGKILL when the
+    thread that forked the worker ends: the DataLoader forks its workers from the training loop's thread,
+    the main thread. Elsewhere a thread of the worker watches."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if main_process_died():  # before the prctl: no signal will come
+            os._exit(1)
+    else:
+        threading.Thread(target=exit_when_the_main_process_dies, daemon=True).start()
+
+
+def exit_when_the_main_process_dies() -> None:
+    while not main_process_died():
+        time.sleep(1)
+    os._exit(1)
+
+
+def main_process_died() -> bool:
+    """Whether the process that started this worker has died."""
+    main = multiprocessing.parent_process()
+    assert main is not None, "called in a worker"
+    if multiprocessing.get_start_method() == "fork":
+        # Its siblings forked later hold the pipe that `is_alive` watches open too; a dead parent's
+        # children have a new parent at once.
+        return os.getppid() != main.pid
+    return not main.is_alive()  # a forkserver is the parent, not the main process
 
 
 class TensorSpec(NamedTuple):
@@ -258,7 +304,7 @@ def training_loader(stream: IterableDataset, num_workers: int, pin_memory: bool 
         pin_memory=pinned(pin_memory),
         persistent_workers=num_workers > 0,
         collate_fn=in_one_message if num_workers > 0 else None,  # type: ignore[arg-type]  # called on each item
-        worker_init_fn=leave_stop_signals_to_the_main_process,
+        worker_init_fn=set_up_worker,
     )
 
 
