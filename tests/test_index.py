@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import itertools
 import json
 import lzma
 import re
@@ -26,6 +27,7 @@ from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.formats import PackedBlocks
 from pretraining.data.manifest import MANIFEST, Manifest
 from pretraining.data.reader import SampleReader
+from pretraining.data.stream import Cursor, ShardStream
 from pretraining.data.tokenizer import ByteTokenizer, Tokenizer
 from pretraining.errors import ShardError
 from pretraining.files import sha256_of
@@ -287,3 +289,27 @@ def test_changing_the_field_read_changes_the_topology_a_resume_compares(tmp_path
     index(str(tmp_path / "shards"), "--validation-fraction", "0.25", "--out", str(tmp_path / "shards"))
     txt, json_text = datamodule(tmp_path / "shards"), datamodule(tmp_path / "shards", text_field="json:text")
     assert txt.topology != json_text.topology and txt.topology["text_field"] == "txt"
+
+
+def test_an_empty_file_is_reported_by_the_index_and_counted_once_by_training(tmp_path: Path, capsys) -> None:
+    """GNU tar shards holding an empty file (an empty `__init__.py` is common): the index says how many
+    samples training will skip, and training counts the sample once, though four streams read its shard."""
+    for part in range(3):
+        (tmp_path / "src" / f"part{part}").mkdir(parents=True)
+        for number in range(8):
+            (tmp_path / "src" / f"part{part}" / f"file{number}.txt").write_text(TEXTS[part * 8 + number])
+    (tmp_path / "src" / "part0" / "empty.txt").write_text("")
+    for part in range(3):
+        tar = ["tar", "--format=gnu", "-cf", str(tmp_path / f"gnu-{part}.tar"), f"part{part}"]
+        subprocess.run(tar, cwd=tmp_path / "src", check=True)
+    index(str(tmp_path / "gnu-{0..1}.tar"), "--validation", str(tmp_path / "gnu-2.tar"), "--out", str(tmp_path / "i"))
+    assert "warning: 1 of 25 samples (4.00%) have an empty or undecodable txt" in capsys.readouterr().out
+    manifest = Manifest.load(tmp_path / "i")
+    urls, samples = manifest.urls("train"), [shard.samples for shard in manifest.shards("train")]
+    stream = ShardStream(urls, PackedBlocks(ByteTokenizer(), 32), seed=0, samples=samples)
+    skipped = 0
+    with pytest.warns(UserWarning, match=r"part0/empty'.*'txt' is empty"):
+        for number in range(8):  # 8 streams over 2 shards: each stream's first shard is one of epochs 0 to 3
+            first_shard = itertools.takewhile(lambda e: e.cursor.shard == 0, stream.examples(number, 8, Cursor()))
+            skipped += sum(example.skipped for example in first_shard)
+    assert skipped == 1

@@ -31,7 +31,7 @@ from braceexpand import braceexpand
 from rich.progress import Progress
 
 from pretraining.data.manifest import MANIFEST, PAIR_FIELDS, SHARD_SUFFIXES, SPLITS, ShardInfo, is_command, is_remote
-from pretraining.data.reader import Digest, ShardReadError, read_shard
+from pretraining.data.reader import Digest, ShardReadError, read_shard, sample_texts
 from pretraining.data.shards import FORMAT
 from pretraining.errors import ShardError
 from pretraining.files import write_atomically
@@ -48,6 +48,7 @@ class IndexedShard:
     bytes: int
     sha256: str | None
     fields: Counter[str] = field(default_factory=Counter)  # samples having each field
+    unusable: Counter[str] = field(default_factory=Counter)  # samples whose field is empty or not text
 
 
 def expand(spec: str) -> list[str]:
@@ -83,15 +84,18 @@ def read_shard_index(url: str, checksum: bool) -> IndexedShard:
         return digest
 
     fields: Counter[str] = Counter()
+    unusable: Counter[str] = Counter()
     samples = 0
     try:
         for sample in read_shard(url, opened):
             samples += 1
-            fields.update(sample_fields(sample))
+            present = sample_fields(sample)
+            fields.update(present)
+            unusable.update(name for name in present if isinstance(sample_texts(sample, [name]), str))
     except ShardReadError as error:
         raise ShardError(f"{error}: it cannot be indexed; repair it or leave it out") from error
     assert digest is not None  # read_shard opened the shard, or raised a ShardReadError
-    return IndexedShard(url, samples, digest.bytes, digest.sha256.hexdigest() if checksum else None, fields)
+    return IndexedShard(url, samples, digest.bytes, digest.sha256.hexdigest() if checksum else None, fields, unusable)
 
 
 def sample_fields(sample: dict[str, Any]) -> set[str]:
@@ -199,6 +203,7 @@ def index_manifest(splits: dict[str, list[IndexedShard]], out: Path) -> dict:
         "indexed": True,
         **body,
         "field_counts": dict(sorted(counts.items())),
+        "unusable_counts": dict(sorted(sum((shard.unusable for shard in every), Counter()).items())),
         "split_rule": SPLIT_RULE,
     }
 
@@ -222,6 +227,13 @@ def summary(manifest: dict, out: Path) -> Iterable[str]:
     yield f"fields of every sample: {', '.join(manifest['fields']) or 'none'}" + (
         f"; of some: {', '.join(partly)}" if partly else ""
     )
+    for name, count in manifest["unusable_counts"].items():
+        total = counts[name]
+        yield (
+            f"warning: {count} of {total} samples ({count / total:.2%}) have an empty or undecodable {name}: "
+            f"training on {name} skips them, and stops where more than data.max_skip_fraction (default 0.01) of "
+            f"the samples it reads are skipped: leave them out of the shards, or raise data.max_skip_fraction"
+        )
     if not splits["validation"]["shards"]:
         yield "warning: no validation shards, which training validates on: index with --validation(-fraction)"
     yield training_command(manifest, out)

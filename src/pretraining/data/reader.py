@@ -217,16 +217,21 @@ class SampleReader:
         self.read = self.skipped = 0  # since the last `take`
         self.named = 0  # warnings given
 
-    def texts(self, url: str, samples: int | None = None) -> Iterator[tuple[str, ...]]:
-        """The usable texts of one shard, which holds `samples` samples (None: unknown)."""
+    def texts(self, url: str, samples: int | None = None, again: bool = False) -> Iterator[tuple[str, ...]]:
+        """The usable texts of one shard, which holds `samples` samples (None: unknown). `again`: the shard
+        was read before (in an earlier epoch, by whichever stream): its samples were counted then, and an
+        unusable one is dropped without counting or naming it again, so that one bad sample counts once
+        against `data.max_skip_fraction`, whatever the epochs and streams. A shard failing is counted
+        each time."""
         seen = 0
         try:
             for sample in read_shard(url):
                 seen += 1
-                self.read += 1
+                self.read += not again
                 texts = sample_texts(sample, self.fields)
                 if isinstance(texts, str):
-                    self.bad(f"sample {sample['__key__']!r} of {url} at byte {sample['__offset__']}: {texts}", 1)
+                    if not again:
+                        self.bad(f"sample {sample['__key__']!r} of {url} at byte {sample['__offset__']}: {texts}", 1)
                     continue
                 yield texts
         except ShardReadError as error:

@@ -25,8 +25,9 @@ Samples that cannot be used (a missing field, text that is not UTF-8 or is
 empty) and shards that cannot be read (truncated, corrupt, missing) are
 skipped with a warning naming the shard, the byte offset and the sample, or
 stop the run, as the bad-data policy says (`pretraining.data.reader`); each example
-says how many samples were read and skipped since the one before. Skipping is
-deterministic, so the exact resume holds.
+says how many samples were read and skipped since the one before, counting each
+sample at its shard's first epoch only (so once, whatever the streams). Skipping
+is deterministic, so the exact resume holds.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ class ShardStream:
                     f"warnings); make the examples shorter ({lengths(self.format)}) or rebuild the shards"
                 )
             epoch, shard = stream_shard(ordinal, stream, streams, len(self.urls), self.seed)
-            samples = self.shard_texts(reader, shard)
+            samples = self.shard_texts(reader, shard, again=epoch > 0)
             rng = seeded_rng(self.seed, epoch, shard)
             made = warn_on_long_documents(self.format, samples, self.shuffle_buffer, self.urls[shard])
             examples = buffer_shuffled(made, self.shuffle_buffer, rng)
@@ -186,9 +187,9 @@ class ShardStream:
             if not had_example:
                 empty.add(shard)
 
-    def shard_texts(self, reader: SampleReader, shard: int) -> Iterator[tuple[str, ...]]:
+    def shard_texts(self, reader: SampleReader, shard: int, again: bool) -> Iterator[tuple[str, ...]]:
         url, samples = self.urls[shard], self.samples[shard] if self.samples else None
         if shard in self.refused:
             reader.skip_shard(url, samples or 1, self.refused[shard])
             return iter(())
-        return reader.texts(url, samples)
+        return reader.texts(url, samples, again)
