@@ -219,10 +219,9 @@ class SampleReader:
 
     def texts(self, url: str, samples: int | None = None, again: bool = False) -> Iterator[tuple[str, ...]]:
         """The usable texts of one shard, which holds `samples` samples (None: unknown). `again`: the shard
-        was read before (in an earlier epoch, by whichever stream): its samples were counted then, and an
-        unusable one is dropped without counting or naming it again, so that one bad sample counts once
-        against `data.max_skip_fraction`, whatever the epochs and streams. A shard failing is counted
-        each time."""
+        was read before (in an earlier epoch, by whichever stream): its samples were counted then, so that a
+        bad sample, or the rest of a shard that cannot be read, counts once against `data.max_skip_fraction`
+        whatever the epochs and streams; a bad sample is not named again either."""
         seen = 0
         try:
             for sample in read_shard(url):
@@ -236,18 +235,22 @@ class SampleReader:
                 yield texts
         except ShardReadError as error:
             lost = max(1, (samples or 0) - seen)
-            self.read += lost
-            self.bad(f"{error} (about {lost} samples lost)", lost)
+            self.lose(f"{error} (about {lost} samples lost)", lost, again)
             return
         if samples is not None and seen != samples:  # a whole tar, but not the one the manifest lists
             lost = max(0, samples - seen)
-            self.read += lost
-            self.bad(f"shard {url} holds {seen} samples, its manifest entry {samples}: cut short or altered", lost)
+            self.lose(
+                f"shard {url} holds {seen} samples, its manifest entry {samples}: cut short or altered", lost, again
+            )
 
-    def skip_shard(self, url: str, samples: int, reason: str) -> None:
+    def skip_shard(self, url: str, samples: int, reason: str, again: bool = False) -> None:
         """Count a whole shard refused before reading (see `pretraining.data.manifest.Manifest.problems`)."""
-        self.read += samples
-        self.bad(f"shard {url}: {reason} ({samples} samples)", samples)
+        self.lose(f"shard {url}: {reason} ({samples} samples)", samples, again)
+
+    def lose(self, problem: str, samples: int, again: bool) -> None:
+        """The rest of a shard lost: counted as read and skipped at its first epoch, named every time."""
+        self.read += 0 if again else samples
+        self.bad(problem, 0 if again else samples)
 
     def bad(self, problem: str, samples: int) -> None:
         if self.policy == "raise":

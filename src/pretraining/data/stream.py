@@ -190,6 +190,6 @@ class ShardStream:
     def shard_texts(self, reader: SampleReader, shard: int, again: bool) -> Iterator[tuple[str, ...]]:
         url, samples = self.urls[shard], self.samples[shard] if self.samples else None
         if shard in self.refused:
-            reader.skip_shard(url, samples or 1, self.refused[shard])
+            reader.skip_shard(url, samples or 1, self.refused[shard], again)
             return iter(())
         return reader.texts(url, samples, again)
