@@ -399,19 +399,29 @@ def test_run_names_are_stable_for_a_command_and_ignore_how_it_resumes() -> None:
     assert name("experiment=clm_tiny", "trainer.max_steps=60") != longer
 
 
+@pytest.mark.parametrize(
+    ("stop", "step"),
+    [
+        (["+callbacks.stop._target_=kill.StopAt", "+callbacks.stop.batch=9"], 5),
+        # EarlyStopping's stop comes at the end of a validation, here after micro-batch 3 (validations every 3)
+        (["trainer.val_check_interval=3", *EARLY_STOP[:2], "+callbacks.early_stop.stopping_threshold=1e9"], 2),
+    ],
+    ids=["callback", "early_stopping"],
+)
 def test_a_stop_inside_a_gradient_accumulation_saves_the_step_and_the_run_continues_exactly(
-    compose_train, tmp_path: Path
+    compose_train, tmp_path: Path, stop: list[str], step: int
 ) -> None:
-    """A callback ends training after micro-batch 9 of 2 a step (EarlyStopping, Lightning's Timer): the run
-    stops at the end of step 5, saves it, and the same command continues it to the weights of a run never stopped."""
+    """A callback ends training inside a step of 2 micro-batches: the run stops at the step's end, saves it before
+    the validation Lightning runs at a stop (recorded in its sidecar), and the same command continues it to the
+    weights of a run never stopped."""
     accumulate = ["data.micro_batch_size=2", "callbacks.checkpoint.every_n_steps=100"]
-    stop = ["+callbacks.stop._target_=kill.StopAt", "+callbacks.stop.batch=9"]
     train(compose_train(*accumulate, *stop))
     checkpoints = tmp_path / "checkpoints"
-    ((step, saved),) = saved_checkpoints(checkpoints)
-    assert step == 5 and load_checkpoint(saved)["ShardDataModule"]["steps"] == 5
+    ((saved_step, saved),) = saved_checkpoints(checkpoints)
+    assert saved_step == step and load_checkpoint(saved)["ShardDataModule"]["steps"] == step
+    assert "val/loss" in read_sidecar(saved)["validation"]
     train(compose_train(*accumulate))
-    assert [step for step, _ in saved_checkpoints(checkpoints)] == [12, 5]
+    assert [step for step, _ in saved_checkpoints(checkpoints)] == [12, step]
     train(compose_train(*accumulate, f"paths.output_dir={tmp_path / 'reference'}"))
     expected = load_checkpoint(tmp_path / "reference" / "checkpoints" / "step-000012.ckpt")["state_dict"]
     actual = load_checkpoint(checkpoints / "step-000012.ckpt")["state_dict"]

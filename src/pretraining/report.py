@@ -63,15 +63,15 @@ def report(trainer: Trainer, metrics: dict[str, float]) -> None:
 
 def stop_cause(trainer: Trainer) -> str | None:
     """What stopped training before `trainer.max_steps` (or, a signal, at any step), in words; None if
-    nothing did."""
+    nothing did (or it was a smoke test, `fast_dev_run`)."""
     if stop_signal(trainer):
         return signal.Signals(stop_signal(trainer) - 128).name
-    if trainer.global_step >= (trainer.max_steps or 0):
+    if trainer.fast_dev_run or trainer.global_step >= (trainer.max_steps or 0):  # type: ignore[attr-defined]
         return None
     timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer)]  # type: ignore[attr-defined]
     if any(left is not None and left <= 0 for left in (timer.time_remaining() for timer in timers)):
         return "trainer.max_time"
-    return "trainer.should_stop"  # set by a callback: EarlyStopping, say
+    return "trainer.should_stop" if trainer.should_stop else "trainer.max_epochs"
 
 
 def has_extra(name: str) -> bool:

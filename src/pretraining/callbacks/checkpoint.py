@@ -10,6 +10,7 @@ from typing import Annotated, Any, NoReturn
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint, Timer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 
 from pretraining.checkpoint import (
@@ -17,7 +18,6 @@ from pretraining.checkpoint import (
     link_last,
     newest_saved,
     prune,
-    read_sidecar,
     record_validation,
     sidecar_path,
     storage_fault,
@@ -66,6 +66,7 @@ class StepCheckpoint(Checkpoint):
         self.writer = BackgroundWriter() if background else None
         self.writing_shards = False
         self.saved_step = self.boundary_step = -1
+        self.inside_accumulation = False  # the last training batch was not a step's last
         self.stop_requested = False  # asked for inside a gradient accumulation: obeyed at the step's end
         self.last_model_path = ""
         self.validated_path: Path | None = None  # the checkpoint whose validation was just recorded
@@ -89,10 +90,17 @@ class StepCheckpoint(Checkpoint):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.saved_step = self.boundary_step = trainer.global_step
-        self.stop_requested = False
+        self.inside_accumulation = self.stop_requested = False
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Record the validation of the step just saved in its sidecar: see `record_validation`."""
+        """A stop asked for by this validation (EarlyStopping's) waits for the step's end if the validation
+        came inside a gradient accumulation, else saves the step now; then record the validation of the
+        step just saved in its sidecar: see `record_validation`."""
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
+            if self.inside_accumulation:
+                self.defer_stop(trainer)
+            elif trainer.should_stop:
+                self.save(trainer)
         self.collect(trainer, wait=True)  # the sidecar is written last
         validated = pl_module.trained_steps if isinstance(pl_module, PretrainingObjective) else trainer.global_step
         self.validated_path = None
@@ -104,29 +112,33 @@ class StepCheckpoint(Checkpoint):
             record_validation(self.validated_path, logged_values(trainer.callback_metrics))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        """Save every `every_n_steps`, at the last step, and where training stops (`trainer.should_stop`, set
+        by a callback or `trainer.max_time`): before the validation Lightning runs at a stop. (Lightning
+        runs this hook after the other callbacks'.)"""
         step = trainer.global_step
-        if step == self.boundary_step:  # inside a gradient accumulation (this hook runs after other callbacks')
-            self.stop_requested |= trainer.should_stop
-            trainer.should_stop = False  # a checkpoint holds whole steps: the data position is a step's
+        self.inside_accumulation = step == self.boundary_step
+        if self.inside_accumulation:
+            self.defer_stop(trainer)
             return
         self.boundary_step = step
         trainer.should_stop |= self.stop_requested
+        self.stop_requested = False
         if trainer.fast_dev_run:  # type: ignore[attr-defined]  # a smoke test: nothing worth keeping
             return
         self.collect(trainer, wait=False)
-        if step % self.every_n_steps == 0 or step >= trainer.max_steps:
+        if step % self.every_n_steps == 0 or step >= trainer.max_steps or trainer.should_stop:
             self.save(trainer)
 
+    def defer_stop(self, trainer: Trainer) -> None:
+        """Inside a gradient accumulation, turn a stop asked for into one at the step's end: a checkpoint holds
+        whole steps (the data position is a step's)."""
+        self.stop_requested |= trainer.should_stop
+        trainer.should_stop = False
+
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Save the step training stopped at between checkpoint steps (`trainer.should_stop`, set by
-        EarlyStopping, `trainer.max_time` or another callback), and record its validation if it had one
-        (EarlyStopping's): the same command continues from there."""
         if not trainer.fast_dev_run:  # type: ignore[attr-defined]
-            self.save(trainer)
+            self.save(trainer)  # an end no hook above saw: the last epoch of `trainer.max_epochs`, say
         self.wait_until_written(trainer)
-        validated = isinstance(pl_module, PretrainingObjective) and pl_module.last_validated_step == self.saved_step
-        if validated and trainer.is_global_zero and "validation" not in read_sidecar(Path(self.last_model_path)):
-            record_validation(Path(self.last_model_path), logged_values(trainer.callback_metrics))
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # trainer.max_time limits each process, as a scheduler's time limit limits each job of a chain: a run
