@@ -25,7 +25,7 @@ from lightning.pytorch import Callback
 from conftest import tiny_run
 from pretraining.callbacks.batch_log import batch_log_differences, read_batch_log
 from pretraining.checkpoint import CheckpointError, read_sidecar, saved_checkpoints
-from pretraining.config import CONFIG_DIR, default_run_name
+from pretraining.config import CONFIG_DIR, default_run_name, run_name
 from pretraining.data.manifest import Manifest
 from pretraining.data.stream import stream_shard
 from pretraining.errors import ConfigError
@@ -397,6 +397,7 @@ def test_run_names_are_stable_for_a_command_and_ignore_how_it_resumes() -> None:
     assert longer.startswith("clm_tiny-") and longer == name("trainer.max_steps=50", "experiment=clm_tiny")
     assert name("experiment=clm_tiny", "trainer.max_steps=50", "resume=never", "ckpt_path=x") == longer
     assert name("experiment=clm_tiny", "trainer.max_steps=60") != longer
+    assert run_name("team/clm", []) == "team-clm"  # an experiment in a folder of its own: one directory still
 
 
 @pytest.mark.parametrize(

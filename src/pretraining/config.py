@@ -7,6 +7,7 @@ takes it); those relating values of different groups are `pretraining.run.check_
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import re
@@ -51,7 +52,7 @@ def default_run_name() -> str:
 
 def run_name(experiment: str | None, overrides: Iterable[str]) -> str:
     """`experiment`, plus a short hash of the `overrides` that change what runs (not how)."""
-    experiment = experiment or "default"
+    experiment = (experiment or "default").replace("/", "-")  # one directory: configs/experiment/team/x.yaml too
     named = sorted(o for o in overrides if o.split("=")[0].lstrip("+~") not in RUN_CONTROL_KEYS)
     if not named:
         return experiment
@@ -89,12 +90,15 @@ class CheckDirectoryNames(Callback):
     """`check_directory_names` before Hydra makes any directory of a run or a sweep (configs/hydra/default.yaml)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        # Hydra reports a callback's exception as a warning and carries on: stop the command here, with the
+        # one line it prints for our errors; a name that cannot be resolved is refused too, not guessed at.
         try:
+            HydraConfig.instance().set_config(copy.deepcopy(config))  # as for the job: the names may read it
             check_directory_names(config)
         except ConfigError as error:
-            # Hydra reports a callback's exception as a warning and carries on: stop the command here, with
-            # the one line it prints for our errors.
             sys.exit(str(error))
+        except Exception as error:
+            sys.exit(f"{' or '.join(DIRECTORY_NAME_KEYS)} cannot be resolved ({error}): pass run_name=<name>")
 
     on_multirun_start = on_run_start
 
