@@ -4,6 +4,7 @@ for nothing."""
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import shutil
@@ -143,6 +144,20 @@ def newest_saved(directory: Path) -> str:
     return f"the newest complete checkpoint, {saved[0][1]}, is intact" if saved else "no checkpoint was saved before"
 
 
+# What a file system answers when it refuses a read or write: full, over quota, a file too large, read-only,
+# permissions, an I/O error, a stale network mount.
+STORAGE_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EFBIG,
+    errno.EROFS,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EIO,
+    errno.ESTALE,
+}
+
+
 @contextmanager
 def storage_faults_stop_the_run(checkpoints: Path) -> Iterator[None]:
     """Turn a file system's refusal of any read or write of the run (a full disk, a read-only directory, a
@@ -153,7 +168,7 @@ def storage_faults_stop_the_run(checkpoints: Path) -> Iterator[None]:
         raise
     except Exception as error:
         fault = storage_fault(error)
-        if fault is None:
+        if fault is None or fault.errno not in STORAGE_ERRNOS:
             raise
         raise StorageError(
             f"the run stopped: {fault}. Nothing was lost: {newest_saved(checkpoints)}. Fix the file system (free "
