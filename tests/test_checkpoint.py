@@ -86,9 +86,12 @@ def test_a_checkpoint_without_its_sidecar_is_an_unfinished_save_skipped_and_neve
         assert newest_verified(tmp_path)[0].name == "step-000001.ckpt"
     prune(tmp_path, keep_last=2, keep_every=None, keep=tmp_path / "step-000001.ckpt")
     assert path.is_file()  # perhaps copied without its sidecar: not ours to delete
-    sidecar_path(tmp_path / "step-000001.ckpt").unlink()  # a kill during the run's first save: start again
+    sidecar_path(tmp_path / "step-000001.ckpt").unlink()  # two: copied without them, not a kill (one save at a time)
+    with pytest.warns(UserWarning), pytest.raises(CheckpointError, match=r"(?s)no checkpoint in .* verifies"):
+        newest_verified(tmp_path)
+    sidecar_path(save(tmp_path / "first", 1)).unlink()  # a kill during a run's first save: it starts again
     with pytest.warns(UserWarning, match="a save that did not finish"):
-        assert newest_verified(tmp_path) is None
+        assert newest_verified(tmp_path / "first") is None
 
 
 def test_a_directory_where_no_checkpoint_verifies_is_refused_not_started_over(tmp_path: Path) -> None:

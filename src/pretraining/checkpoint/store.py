@@ -105,23 +105,25 @@ def saved_checkpoints(directory: Path) -> list[tuple[int, Path]]:
 
 def newest_verified(directory: Path) -> tuple[Path, dict[str, Any]] | None:
     """The newest checkpoint in `directory` that verifies, and its sidecar, warning about each one
-    skipped; None if the directory holds no complete checkpoint. A checkpoint without a sidecar is a save
-    that a kill cut off before its sidecar, written last, (or a copy that left it behind): it is skipped
-    as unfinished, so a run killed during its first save starts again. If the directory holds complete
-    checkpoints but none verifies, refuse (starting over would silently discard them). Newest means the
-    step the sidecar records, not the file name (names sort wrongly past step 999999); those with an
-    unreadable sidecar are tried, and reported, first."""
+    skipped; None if the directory holds no complete checkpoint. One checkpoint without a sidecar is the
+    save a kill cut off before its sidecar, written last (one save is written at a time): it is skipped as
+    unfinished, so a run killed during its first save starts again. If the directory holds checkpoints
+    but none verifies (several without sidecars among them: a copy that left them behind), refuse
+    (starting over would silently discard them). Newest means the step the sidecar records, not the file
+    name (names sort wrongly past step 999999); those with no readable sidecar are tried, and reported, first."""
 
     def newest_first(path: Path) -> tuple[float, str]:
         step, _ = sidecar_step(path)
         return (math.inf if step is None else step, path.name)
 
+    checkpoints = sorted(checkpoint_files(directory), key=newest_first, reverse=True)
+    unvouched = [path for path in checkpoints if not sidecar_path(path).exists()]
     problems = []
-    for path in sorted(checkpoint_files(directory), key=newest_first, reverse=True):
-        if not sidecar_path(path).exists():
+    for path in checkpoints:
+        if unvouched == [path]:
             warnings.warn(
                 f"{path} has no sidecar {sidecar_path(path).name}, which a save writes last: ignoring it as a save "
-                "that did not finish (a kill cut it off; or it was copied without its sidecar)",
+                "that did not finish (a kill cut it off)",
                 stacklevel=2,
             )
             continue
