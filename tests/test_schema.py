@@ -64,7 +64,7 @@ BAD = [
     (["trainer.max_steps=0"], r"trainer\.max_steps=0 must be at least 1 \(the LR schedule and the infinite stream"),
     (["trainer.max_epochs=0"], r"trainer\.max_epochs=0 must be at least 1"),
     (["trainer.val_check_interval=0"], r"trainer\.val_check_interval=0 must be at least 1"),
-    (["trainer.val_check_interval=1.5"], r"trainer\.val_check_interval=1\.5 must be in \(0, 1\]"),
+    (["trainer.val_check_interval=0.5"], r"trainer\.val_check_interval=0\.5 is not an integer or null"),
     (["trainer.check_val_every_n_epoch=0"], r"trainer\.check_val_every_n_epoch=0 must be at least 1"),
     (["trainer.num_sanity_val_steps=-2"], r"trainer\.num_sanity_val_steps=-2 must be at least -1"),
     (["trainer=ddp", "trainer.num_nodes=0"], r"trainer\.num_nodes=0 must be at least 1"),

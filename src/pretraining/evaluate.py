@@ -40,15 +40,16 @@ def build_from_checkpoint(
 ) -> tuple[PretrainingObjective, Any]:
     """The objective (with the checkpoint's weights) and the DataModule the checkpoint was trained with."""
     model, run, examples = stored_model(checkpoint, source, tokenizer_path, trusted_targets)
+    directory = data_overrides.get("dir", run.data.get("dir"))
     with rebuilding(checkpoint, source):
-        # Read first to name this command's keys in a refusal: the DataModule names pretrain's (data.dir, ...).
-        Manifest.load(
-            data_overrides.get("dir", run.data.dir),
-            check=False,
-            key="data_dir",
-            trust_pipe_commands=data_overrides.get("trust_pipe_commands", False),
-            trust_option="trust_pipe_commands=true",
-        )
+        if directory is not None:  # read first to name this command's keys in a refusal, not pretrain's data.dir
+            Manifest.load(
+                directory,
+                check=False,
+                key="data_dir",
+                trust_pipe_commands=data_overrides.get("trust_pipe_commands", False),
+                trust_option="trust_pipe_commands=true",
+            )
         return model, build(run.data, tokenizer=examples.tokenizer, **data_overrides)
 
 

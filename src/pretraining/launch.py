@@ -94,7 +94,7 @@ def rank_command(local_rank: int) -> tuple[list[str], str]:
     overrides = [o for o in hydra.overrides.hydra if not o.startswith("hydra.mode=")]
     output_dir = hydra_quote(hydra.runtime.output_dir)
     command = [*program(), *config_flags(hydra), *overrides, *hydra.overrides.task]
-    command += [f"hydra.run.dir={output_dir}"]
+    command += [f"hydra.run.dir={output_dir}", "hydra.output_subdir=null"]  # the job's records are rank zero's
     return command, get_original_cwd()
 
 

@@ -526,9 +526,11 @@ def test_export_names_its_own_option_to_trust_a_module(checkpoints: dict[str, Pa
         main([str(path), str(tmp_path / "out")])
 
 
-def test_every_exported_file_is_readable_by_all(exports: Path) -> None:
+def test_every_exported_file_has_the_mode_the_umask_gives(exports: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
     modes = {path.name: oct(path.stat().st_mode & 0o777) for path in exports.rglob("*") if path.is_file()}
-    assert set(modes.values()) == {"0o644"}, modes
+    assert set(modes.values()) == {oct(0o666 & ~umask)}, modes  # safetensors alone writes 0600
 
 
 def test_weights_that_do_not_fit_the_stored_config_are_named(checkpoints: dict[str, Path]) -> None:

@@ -51,6 +51,8 @@ def write_directory(out: Path, files: Mapping[str, Content]) -> None:
     out = Path(os.path.abspath(out))  # "out/.." and the like: the directory they name
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = temporary_path(out)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         for name, content in files.items():
             path = staging / name
@@ -59,7 +61,7 @@ def write_directory(out: Path, files: Mapping[str, Content]) -> None:
                 path.write_bytes(content)
             else:
                 content(path)
-            path.chmod(0o644)  # as other model files are, for those who load it (safetensors writes 0600)
+            path.chmod(0o666 & ~umask)  # as the other files are (safetensors writes 0600 whatever the umask)
             with path.open("rb+") as file:
                 os.fsync(file.fileno())
         for directory in {(staging / name).parent for name in files}:
