@@ -56,8 +56,8 @@ class SignalAt(Callback):
 
 
 class StopAt(Callback):
-    """Set `trainer.should_stop` after a given training micro-batch, as EarlyStopping or Lightning's Timer
-    (`trainer.max_time`) do: inside a gradient accumulation when the batch is not a step's last."""
+    """Set `trainer.should_stop` after a given training micro-batch, as Lightning's Timer (`trainer.max_time`)
+    does: inside a gradient accumulation when the batch is not a step's last."""
 
     def __init__(self, batch: int) -> None:
         self.batch = batch

@@ -404,17 +404,17 @@ def test_run_names_are_stable_for_a_command_and_ignore_how_it_resumes() -> None:
     ("stop", "step"),
     [
         (["+callbacks.stop._target_=kill.StopAt", "+callbacks.stop.batch=9"], 5),
-        # EarlyStopping's stop comes at the end of a validation, here after micro-batch 3 (validations every 3)
-        (["trainer.val_check_interval=3", *EARLY_STOP[:2], "+callbacks.early_stop.stopping_threshold=1e9"], 2),
+        # EarlyStopping's at the end of a validation: every 3 steps (not micro-batches), at the first one
+        (["trainer.val_check_interval=3", *EARLY_STOP[:2], "+callbacks.early_stop.stopping_threshold=1e9"], 3),
     ],
     ids=["callback", "early_stopping"],
 )
-def test_a_stop_inside_a_gradient_accumulation_saves_the_step_and_the_run_continues_exactly(
+def test_a_stop_with_gradient_accumulation_saves_the_step_and_the_run_continues_exactly(
     compose_train, tmp_path: Path, stop: list[str], step: int
 ) -> None:
-    """A callback ends training inside a step of 2 micro-batches: the run stops at the step's end, saves it before
-    the validation Lightning runs at a stop (recorded in its sidecar), and the same command continues it to the
-    weights of a run never stopped."""
+    """A callback ends training, with steps of 2 micro-batches (inside one, or by a validation): the run stops
+    at the step's end, saves it before the validation Lightning runs at a stop (recorded in its sidecar), and
+    the same command continues it to the weights of a run never stopped."""
     accumulate = ["data.micro_batch_size=2", "callbacks.checkpoint.every_n_steps=100"]
     train(compose_train(*accumulate, *stop))
     checkpoints = tmp_path / "checkpoints"

@@ -128,10 +128,11 @@ def run_lineage(cfg: DictConfig, datamodule: ShardDataModule, resume: Resume | N
 
 
 def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[Callback]) -> Trainer:
-    """The configured Trainer, with `callbacks` and the configured callbacks and loggers, and the gradient
-    accumulation that makes the global batch. The accumulation follows from the number of devices, which
-    Lightning resolves as it builds the Trainer (`devices=auto`, nodes, torchrun's environment): it is set
-    right after, before anything runs, and a global batch the devices cannot share stops the run here."""
+    """The configured Trainer, with `callbacks` and the configured callbacks and loggers, the gradient
+    accumulation that makes the global batch, and a validation every `trainer.val_check_interval` steps.
+    The accumulation follows from the number of devices, which Lightning resolves as it builds the Trainer
+    (`devices=auto`, nodes, torchrun's environment): it is set right after, before anything runs, and a
+    global batch the devices cannot share stops the run here."""
     configured = [build(callback) for callback in cfg.callbacks.values()]
     loggers: list[Logger] = [build(logger) for logger in cfg.logger.values()]
     trainer: Trainer = build(
@@ -147,6 +148,8 @@ def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[
         f"{plan.micro_batch}, drawn from {plan.streams} streams"
     )
     trainer.accumulate_grad_batches = plan.accumulation
+    if isinstance(trainer.val_check_interval, int):  # Lightning counts micro-batches: a validation ends a step
+        trainer.val_check_interval *= plan.accumulation
     return trainer
 
 

@@ -66,7 +66,6 @@ class StepCheckpoint(Checkpoint):
         self.writer = BackgroundWriter() if background else None
         self.writing_shards = False
         self.saved_step = self.boundary_step = -1
-        self.inside_accumulation = False  # the last training batch was not a step's last
         self.stop_requested = False  # asked for inside a gradient accumulation: obeyed at the step's end
         self.last_model_path = ""
         self.validated_path: Path | None = None  # the checkpoint whose validation was just recorded
@@ -90,17 +89,14 @@ class StepCheckpoint(Checkpoint):
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.saved_step = self.boundary_step = trainer.global_step
-        self.inside_accumulation = self.stop_requested = False
+        self.stop_requested = False
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """A stop asked for by this validation (EarlyStopping's) waits for the step's end if the validation
-        came inside a gradient accumulation, else saves the step now; then record the validation of the
-        step just saved in its sidecar: see `record_validation`."""
-        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking:
-            if self.inside_accumulation:
-                self.defer_stop(trainer)
-            elif trainer.should_stop:
-                self.save(trainer)
+        """Save the step if this validation asked to stop (EarlyStopping: validations end steps,
+        `pretraining.run.build_trainer`), then record the validation of the step just saved in its sidecar:
+        see `record_validation`."""
+        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and trainer.should_stop:
+            self.save(trainer)
         self.collect(trainer, wait=True)  # the sidecar is written last
         validated = pl_module.trained_steps if isinstance(pl_module, PretrainingObjective) else trainer.global_step
         self.validated_path = None
@@ -116,8 +112,7 @@ class StepCheckpoint(Checkpoint):
         by a callback or `trainer.max_time`): before the validation Lightning runs at a stop. (Lightning
         runs this hook after the other callbacks'.)"""
         step = trainer.global_step
-        self.inside_accumulation = step == self.boundary_step
-        if self.inside_accumulation:
+        if step == self.boundary_step:  # inside a gradient accumulation
             self.defer_stop(trainer)
             return
         self.boundary_step = step
