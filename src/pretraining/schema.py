@@ -49,7 +49,7 @@ EXTRA_ANNOTATIONS: dict[str, dict[str, Any]] = {
         "num_nodes": Annotated[int, Range(ge=1)],
         "max_steps": Annotated[int, Range(ge=1, why="the LR schedule and the infinite stream need it")],
         "max_epochs": Literal[-1] | Annotated[int, Range(ge=1)] | None,
-        "val_check_interval": Annotated[int, Range(ge=1, why="steps: the stream has no epochs")] | None,
+        "val_check_interval": Annotated[int, Range(ge=1)] | None,  # steps (build_trainer): no epochs
         "check_val_every_n_epoch": Annotated[int, Range(ge=1)] | None,
         "num_sanity_val_steps": Annotated[int, Range(ge=-1)] | None,
         "log_every_n_steps": Annotated[int, Range(ge=1)],
