@@ -34,7 +34,9 @@ class StepCheckpoint(Checkpoint):
     """Save every `every_n_steps` optimizer steps and at the last step, always at a step boundary
     (after the optimizer step, so gradient accumulation is respected), through the trainer's
     checkpoint writer (`AtomicCheckpointIO`), or as a sharded directory when the strategy saves
-    shards (`save_sharded`). Keep the newest `keep_last` and, permanently, every step divisible by
+    shards (`save_sharded`); and where training stops early (`trainer.should_stop`: EarlyStopping, another
+    callback, `trainer.max_time`), a stop asked for inside a gradient accumulation waiting for the step's end,
+    so that a checkpoint holds whole steps. Keep the newest `keep_last` and, permanently, every step divisible by
     `keep_every`. Older ones are pruned only after the new one is complete. At least 2 are kept, so
     that a newest one damaged later (a disk fault, a bad copy) still leaves a fallback.
 
