@@ -48,8 +48,8 @@ def check_config(cfg: DictConfig) -> None:
     for key in sorted(set(unset_keys(cfg)) - FILLED_BY_THE_RUN):
         if not key.startswith("hydra."):  # Hydra's own, filled as the job starts
             raise ConfigError(f"{key} is not set: pass {key}={LEFT_TO_YOU.get(key, '<value>')}")
-    accumulation = cfg.trainer.get("accumulate_grad_batches")
-    if accumulation is not None:  # before the schema, whose message would be about its type
+    accumulation = cfg.trainer.get("accumulate_grad_batches", 1)
+    if accumulation != 1:  # before the schema, whose message would be about its value
         raise ConfigError(
             f"trainer.accumulate_grad_batches={accumulation} is derived from data.micro_batch_size, not set: the "
             "accumulation is data.global_batch_size / (devices x data.micro_batch_size); set data.micro_batch_size "
@@ -135,13 +135,7 @@ def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[
     global batch the devices cannot share stops the run here."""
     configured = [build(callback) for callback in cfg.callbacks.values()]
     loggers: list[Logger] = [build(logger) for logger in cfg.logger.values()]
-    trainer: Trainer = build(
-        cfg.trainer,
-        callbacks=callbacks + configured,
-        logger=loggers,
-        plugins=plugins(cfg),
-        accumulate_grad_batches=1,  # the config's null, until the plan below sets it
-    )
+    trainer: Trainer = build(cfg.trainer, callbacks=callbacks + configured, logger=loggers, plugins=plugins(cfg))
     plan = datamodule.plan_for(trainer.world_size)
     rank_zero_info(
         f"global batch {plan.global_batch} = {trainer.world_size} devices x {plan.accumulation} micro-batches of "

@@ -57,7 +57,7 @@ EXTRA_ANNOTATIONS: dict[str, dict[str, Any]] = {
         "fast_dev_run": bool | Annotated[int, Range(ge=0)],
         "limit_val_batches": Batches | None,
         "overfit_batches": Batches,
-        "accumulate_grad_batches": None,  # derived by run.build_trainer (check_config refuses a value first)
+        "accumulate_grad_batches": Literal[1],  # derived by run.build_trainer (check_config refuses another first)
     },
 }
 
