@@ -64,8 +64,9 @@ def report(trainer: Trainer, metrics: dict[str, float]) -> None:
 def stop_cause(trainer: Trainer) -> str | None:
     """What stopped training before `trainer.max_steps` (or, a signal, at any step), in words; None if
     nothing did (or it was a smoke test, `fast_dev_run`)."""
-    if stop_signal(trainer):
-        return signal.Signals(stop_signal(trainer) - 128).name
+    status = stop_signal(trainer)
+    if status:
+        return signal.Signals(status - 128).name
     if trainer.fast_dev_run or trainer.global_step >= (trainer.max_steps or 0):  # type: ignore[attr-defined]
         return None
     timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer)]  # type: ignore[attr-defined]
