@@ -312,9 +312,9 @@ def test_what_to_delete_names_every_extra_once() -> None:
         check_deletion(["-r", *paths])
 
 
-def test_a_backbone_that_is_no_transformer_is_refused(example_config_dir: Path) -> None:
-    """README, "A new backbone": the schema refuses a class that is not a Transformer subclass."""
-    with pytest.raises(Exception, match="does not make a Transformer"):
+def test_a_backbone_that_is_no_backbone_is_refused(example_config_dir: Path) -> None:
+    """README, "A new backbone": the schema refuses a class that is not a Backbone subclass."""
+    with pytest.raises(Exception, match="does not make a Backbone"):
         check("pretrain model.backbone._target_=torch.nn.Identity", example_config_dir)
 
 

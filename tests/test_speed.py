@@ -79,8 +79,7 @@ def test_checkpointed_blocks_give_the_same_loss_and_gradients_with_dropout() -> 
     torch.manual_seed(0)
     plain = CausalLM(backbone(dropout=0.1), optimizer=adamw())
     checkpointed = copy.deepcopy(plain)
-    for block in checkpointed.backbone.blocks:
-        block.checkpoint_activations = True
+    checkpointed.backbone.checkpoint_activations = True
     batch = blocks(2, 16)
     losses = []
     for model in (plain, checkpointed):
@@ -254,8 +253,8 @@ def test_no_peak_is_known_for_a_cpu() -> None:
     assert peak_flops(torch.device("cpu"), torch.bfloat16) is None
 
 
-def test_fsdp_refuses_a_model_without_blocks_and_a_second_cast() -> None:
-    with pytest.raises(ConfigError, match="FSDP needs transformer blocks to shard: Linear"):
+def test_fsdp_refuses_a_model_without_a_backbone_and_a_second_cast() -> None:
+    with pytest.raises(ConfigError, match=r"FSDP shards a backbone's layers: Linear has no .*Backbone"):
         shard(torch.nn.Linear(2, 2), mesh=None, policy=ShardingPolicy())  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="mixed_precision='fp8' must be null, 'bf16' or 'fp16'"):
         ShardingPolicy("fp8")

@@ -98,13 +98,8 @@ def fit_warmup(cfg: DictConfig) -> None:
 
 def describe_model(model: PretrainingObjective) -> None:
     """One line in place of Lightning's model summary (off: its FLOPs column cannot count ours)."""
-    backbone = model.backbone
     count = sum(parameter.numel() for parameter in model.parameters())
-    rank_zero_info(
-        f"model: {type(model).__name__}, {count / 1e6:.2f}M parameters ({counted(backbone.n_layer, 'layer')} of width "
-        f"{backbone.d_model}, {backbone.n_head} heads, vocabulary {backbone.vocab_size}, "
-        f"{backbone.max_seq_len} positions)"
-    )
+    rank_zero_info(f"model: {type(model).__name__}, {count / 1e6:.2f}M parameters ({model.backbone.describe()})")
 
 
 def counted(count: int, noun: str) -> str:

@@ -1,4 +1,4 @@
-"""A pre-norm transformer backbone in plain PyTorch, readable in one sitting.
+"""GPT-2's pre-norm transformer backbone in plain PyTorch, readable in one sitting (`Backbone`'s first kind).
 
 The same module serves every objective: `causal=True` for next-token
 prediction, `causal=False` for masked-LM and contrastive encoders. It returns
@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-from torch.utils.checkpoint import checkpoint
 
 from pretraining.errors import ConfigError
+from pretraining.models.backbone import Backbone
 from pretraining.ranges import Positive, Range, checked_ranges
 
 # What attention may see: None (everything, or causal), a boolean mask (batch, 1, query, key) that is True
@@ -115,8 +115,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-norm transformer layer; the unit that FSDP shards, `torch.compile` compiles and
-    activation checkpointing recomputes."""
+    """A pre-norm transformer layer: the backbone's unit (`Backbone.layers`)."""
 
     def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, causal: bool) -> None:
         super().__init__()
@@ -125,17 +124,8 @@ class Block(nn.Module):
         self.mlp_norm = nn.LayerNorm(d_model, bias=bias)
         self.mlp = MLP(d_model, dropout, bias)
         self.residual_dropout = nn.Dropout(dropout)
-        # Set by the FSDP policy (pretraining.plugins.fsdp): keep only the block's input for backward and
-        # recompute the rest, trading a second forward for activation memory.
-        self.checkpoint_activations = False
 
     def forward(self, x: torch.Tensor, mask: AttentionMask = None, rotary: Rotary = None) -> torch.Tensor:
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            # Non-reentrant: works under FSDP hooks and torch.compile, and replays the same dropout masks.
-            return checkpoint(self.layer, x, mask, rotary, use_reentrant=False)
-        return self.layer(x, mask, rotary)
-
-    def layer(self, x: torch.Tensor, mask: AttentionMask, rotary: Rotary) -> torch.Tensor:
         x = x + self.residual_dropout(self.attention(self.attention_norm(x), mask, rotary))
         return x + self.mlp(self.mlp_norm(x))
 
@@ -172,7 +162,7 @@ def physical_memory() -> int | None:
         return None
 
 
-class Transformer(nn.Module):
+class Transformer(Backbone):
     """Token embeddings (plus learned position embeddings, or rotary positions in attention), `n_layer`
     pre-norm blocks, a final norm.
 
@@ -231,13 +221,8 @@ class Transformer(nn.Module):
         documents: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states (batch, length, d_model) for token ids (batch, length).
-
-        `attend` (batch, length) is False at padding: no position attends to it. `documents` (batch,
-        length), each token's document in a packed block (non-decreasing along a row): a position attends
-        only within its document. `position_ids` (batch, length) replace 0, 1, ... (`document_positions`
-        restarts them per document). Packed blocks have no padding; padded pairs are no packed documents.
-        """
+        """Hidden states (batch, length, d_model): see `Backbone.forward`. Packed blocks have no padding;
+        padded pairs are no packed documents."""
         length = tokens.shape[1]
         if length > self.max_seq_len:
             raise ValueError(f"sequence of {length} tokens exceeds model.backbone.max_seq_len={self.max_seq_len}")
@@ -250,9 +235,7 @@ class Transformer(nn.Module):
         else:
             rotary = rotary_angles(position_ids, self.d_model // self.n_head)
         x = self.dropout(x)
-        mask = self.attention_mask(attend, documents)
-        for block in self.blocks:
-            x = block(x, mask, rotary)
+        x = self.run_layers(x, self.attention_mask(attend, documents), rotary)
         return self.final_norm(x)
 
     def attention_mask(self, attend: torch.Tensor | None, documents: torch.Tensor | None) -> AttentionMask:
@@ -281,31 +264,16 @@ class Transformer(nn.Module):
             mask = mask & part
         return mask.unsqueeze(-3)  # a head dimension: (batch, 1, query, key)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The tied language-model head over the padded vocabulary."""
-        return F.linear(hidden, self.token_embedding.weight)
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The head is tied to the token embedding."""
+        return self.token_embedding.weight
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs (forward + backward) of the blocks for one token of a `seq_len`-token sequence.
+    def layers(self) -> list[nn.Module]:
+        return list(self.blocks)
 
-        PaLM's count (appendix B): 6 per weight of every matmul (2 forward, 4 backward), here the blocks'
-        linear layers (12 d_model^2 per layer); plus attention's two matmuls against the sequence,
-        12 n_layer d_model seq_len, counted over the whole sequence even when causal, as PaLM does.
-        Left out: embedding lookups, norms, biases, softmax (not matmuls), and the recomputation of
-        activation checkpointing (MFU counts the model's FLOPs, not the hardware's). The head is apart:
-        `head_flops_per_token`, for each token it scores.
-        """
-        return 6 * self.block_matmul_weights + 12 * self.n_layer * self.d_model * seq_len
-
-    @functools.cached_property
-    def block_matmul_weights(self) -> int:
-        """The weights of the blocks' linear layers, counted once: their count is fixed, and asked for at every
-        step (the throughput count)."""
-        return sum(m.weight.numel() for m in self.blocks.modules() if isinstance(m, nn.Linear))
-
-    def head_flops_per_token(self) -> int:
-        """Training FLOPs of the tied language-model head for one scored token (padded vocabulary)."""
-        return 6 * self.token_embedding.weight.numel()
+    def describe(self) -> str:
+        return f"{super().describe()}, {self.n_head} heads"
 
 
 def document_block_mask(documents: torch.Tensor, causal: bool) -> BlockMask:

@@ -34,7 +34,7 @@ from pretraining.data.formats import ExampleFormat, PackedBlocks
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.instantiate import build
-from pretraining.models.transformer import Block, Transformer
+from pretraining.models.backbone import Backbone, backbones
 from pretraining.objectives.step_values import LogStepValues
 from pretraining.plugins.fsdp import FSDP2Strategy, ShardingPolicy, shard
 from pretraining.ranges import Range, checked_ranges
@@ -63,7 +63,7 @@ class PretrainingObjective(LightningModule):
     @checked_ranges("model")
     def __init__(
         self,
-        backbone: Transformer,
+        backbone: Backbone,
         optimizer: Callable[..., Optimizer],
         warmup_steps: WarmupSteps = 100,
         min_lr_ratio: LRRatio = 0.1,
@@ -85,8 +85,8 @@ class PretrainingObjective(LightningModule):
 
     def configure_model(self) -> None:
         """Under FSDP2 (Lightning's `ModelParallelStrategy`), shard the model by the strategy's policy
-        (`pretraining.plugins.fsdp.shard`); then, with `compile`, compile each transformer block in place
-        (`nn.Module.compile`: no wrapper, so checkpoint keys stay as they are). Lightning calls this
+        (`pretraining.plugins.fsdp.shard`); then, with `compile`, compile each backbone's layers in place
+        (`Backbone.layers`; `nn.Module.compile`: no wrapper, so checkpoint keys stay as they are). Lightning calls this
         for every `validate` and `fit`, so it acts only once."""
         if self.model_configured:
             return
@@ -95,9 +95,8 @@ class PretrainingObjective(LightningModule):
             policy = strategy.policy if isinstance(strategy, FSDP2Strategy) else ShardingPolicy()
             shard(self, self.device_mesh["data_parallel"], policy)
         if self.compile_blocks:
-            for block in self.modules():
-                if isinstance(block, Block):
-                    block.compile(dynamic=False)  # pretraining shapes are fixed: no dynamic-shape kernels
+            for layer in (layer for backbone in backbones(self) for layer in backbone.layers()):
+                layer.compile(dynamic=False)  # pretraining shapes are fixed: no dynamic-shape kernels
         self.model_configured = True
 
     def check_tokenizer(self, tokenizer: Tokenizer) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from pretraining.data.tokenizer import EOS_ID, Tokenizer
 from pretraining.errors import ConfigError
-from pretraining.models.transformer import Transformer
+from pretraining.models.backbone import Backbone
 from pretraining.objectives.base import frozen, sums, uncompiled
 from pretraining.objectives.language_model import LanguageModel, Scored, input_documents
 
@@ -21,7 +21,7 @@ class CausalLM(LanguageModel):
     from summed negative log-likelihood, token and byte counts.
     """
 
-    def __init__(self, backbone: Transformer, **settings: Any) -> None:
+    def __init__(self, backbone: Backbone, **settings: Any) -> None:
         """`settings`: what every language model takes (`LanguageModel`: document masking, loss chunks, the
         optimizer, warmup, ...)."""
         if not backbone.causal:

@@ -28,7 +28,7 @@ from torchmetrics import CatMetric
 from pretraining.data.formats import TokenizedPairs
 from pretraining.data.tokenizer import PAD_ID
 from pretraining.errors import ConfigError
-from pretraining.models.transformer import Transformer
+from pretraining.models.backbone import Backbone
 from pretraining.objectives.base import BatchWork, PretrainingObjective, masked_mean
 from pretraining.ranges import Range, checked_ranges
 
@@ -127,7 +127,7 @@ class Contrastive(PretrainingObjective):
     @checked_ranges("model")
     def __init__(
         self,
-        backbone: Transformer,
+        backbone: Backbone,
         *,
         embed_dim: Count = 128,
         pooling: Pooling = "mean",
@@ -156,7 +156,7 @@ class Contrastive(PretrainingObjective):
         super().__init__(backbone, validation_state=state, **settings)
         self.pooling, self.loss, self.recall_at, self.pool_size = pooling, loss, tuple(recall_at), pool_size
         self.query_head = nn.Linear(backbone.d_model, embed_dim, bias=False)
-        self.passage_backbone: Transformer | None = None
+        self.passage_backbone: Backbone | None = None
         self.passage_head: nn.Linear | None = None
         if not shared_towers:
             self.passage_backbone = copy.deepcopy(backbone)
@@ -168,7 +168,7 @@ class Contrastive(PretrainingObjective):
         self.logit_scale = nn.Parameter(torch.tensor([default_scale if init_logit_scale is None else init_logit_scale]))
         self.logit_bias = nn.Parameter(torch.tensor([init_logit_bias])) if loss == "sigmoid" else None
 
-    def tower(self, side: str) -> tuple[Transformer, nn.Linear]:
+    def tower(self, side: str) -> tuple[Backbone, nn.Linear]:
         """The backbone and projection head that embed `side` ("query" or "passage")."""
         if side == "passage" and self.passage_backbone is not None and self.passage_head is not None:
             return self.passage_backbone, self.passage_head

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from pretraining.errors import ConfigError
-from pretraining.models.transformer import Transformer, document_positions
+from pretraining.models.backbone import Backbone
+from pretraining.models.transformer import document_positions
 from pretraining.objectives.base import PretrainingObjective
 from pretraining.ranges import Range, checked_ranges
 
@@ -38,7 +39,7 @@ class LanguageModel(PretrainingObjective):
     @checked_ranges("model")
     def __init__(
         self,
-        backbone: Transformer,
+        backbone: Backbone,
         *,
         document_masking: bool = False,
         document_positions: bool = False,
@@ -81,7 +82,7 @@ class LanguageModel(PretrainingObjective):
     def scored_loss(self, batch: dict[str, torch.Tensor], reduction: str, validation: bool = False) -> torch.Tensor:
         """The cross-entropy of the tied head at the scored positions of `batch`."""
         scored = self.scored_inputs(batch, validation)
-        head = self.backbone.token_embedding.weight
+        head = self.backbone.head_weight
         return lm_cross_entropy(self.hidden_at(scored), head, scored.targets, reduction, self.loss_chunk_tokens)
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

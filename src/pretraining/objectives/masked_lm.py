@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pretraining.data.tokenizer import MASK_ID, SPECIAL_TOKENS, Tokenizer
 from pretraining.errors import ConfigError
-from pretraining.models.transformer import Transformer
+from pretraining.models.backbone import Backbone
 from pretraining.objectives.base import sums
 from pretraining.objectives.language_model import IGNORE, LanguageModel, Scored, input_documents
 from pretraining.ranges import Range, checked_ranges
@@ -109,7 +109,7 @@ class MaskedLM(LanguageModel):
     @checked_ranges("model")
     def __init__(
         self,
-        backbone: Transformer,
+        backbone: Backbone,
         *,
         mask_rate: MaskRate = 0.3,
         eval_mask_rate: MaskRate = 0.15,

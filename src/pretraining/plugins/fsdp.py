@@ -1,9 +1,9 @@
 """FSDP2 with a sharding policy: mixed precision, activation checkpointing and CPU offload.
 
 `FSDP2Strategy` is Lightning's `ModelParallelStrategy` plus the policy, and checkpoints written whole
-or not at all; the objective applies the policy in `configure_model` (`shard`): each transformer `Block`
-becomes one FSDP unit (its parameters all-gathered just before it runs, freed after), then the rest of the
-objective another.
+or not at all; the objective applies the policy in `configure_model` (`shard`): each of a backbone's
+layers (`Backbone.layers`) becomes one FSDP unit (its parameters all-gathered just before it runs, freed
+after), then the rest of the objective another.
 
     trainer:
       strategy:
@@ -38,7 +38,7 @@ from pretraining.checkpoint.background import BackgroundWriter, host_copy
 from pretraining.errors import ConfigError
 from pretraining.files import temporary_path
 from pretraining.internals import shard_every_rank
-from pretraining.models.transformer import Block
+from pretraining.models.backbone import backbones
 
 PARAM_DTYPES: dict[str | None, torch.dtype | None] = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -78,18 +78,20 @@ class ShardingPolicy:
 
 
 def shard(module: nn.Module, mesh: DeviceMesh, policy: ShardingPolicy) -> None:
-    """Apply FSDP2 to `module` in place: each `Block` one unit (checkpointed if the policy says so), then
-    the rest as the root unit, whose parameters are gathered around Lightning's step methods too."""
-    blocks = [m for m in module.modules() if isinstance(m, Block)]
-    if not blocks:
+    """Apply FSDP2 to `module` in place: each layer of its backbones one unit (checkpointed if the policy
+    says so), then the rest as the root unit, whose parameters are gathered around Lightning's step methods
+    too."""
+    found = backbones(module)
+    if not found:
         raise ConfigError(
-            f"FSDP needs transformer blocks to shard: {type(module).__name__} has no "
-            f"pretraining.models.transformer.Block; build it from Blocks or train with trainer=gpu/ddp_cpu"
+            f"FSDP shards a backbone's layers: {type(module).__name__} has no pretraining.models.backbone.Backbone; "
+            "give it one (model.backbone) or train with trainer=gpu/ddp_cpu"
         )
     options = policy.fsdp_options()
-    for block in blocks:
-        block.checkpoint_activations = policy.activation_checkpointing
-        fully_shard(block, mesh=mesh, **options)
+    for backbone in found:
+        backbone.checkpoint_activations = policy.activation_checkpointing
+        for layer in backbone.layers():
+            fully_shard(layer, mesh=mesh, **options)
     fully_shard(module, mesh=mesh, **options)
     for name in FORWARD_METHODS:
         register_fsdp_forward_method(module, name)

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from pretraining.callbacks.lineage import trainer_lineage
 from pretraining.checkpoint import read_sidecar
 from pretraining.extras.distill.teacher import TeacherChoice, load_teacher
-from pretraining.models.transformer import Transformer
+from pretraining.models.backbone import Backbone
 from pretraining.objectives.base import PretrainingObjective, frozen, sums
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.language_model import IGNORE, ChunkTokens, LanguageModel
@@ -61,7 +61,7 @@ class Distillation(LanguageModel):
     @checked_ranges("model")
     def __init__(
         self,
-        backbone: Transformer,
+        backbone: Backbone,
         *,
         teacher: str | int,
         alpha: Weight = 0.5,
@@ -146,9 +146,9 @@ class Distillation(LanguageModel):
             teacher_hidden = self.teacher.model.hidden_at(scored)
         cross_entropy, kl = distillation_sums(
             self.hidden_at(scored),
-            self.backbone.token_embedding.weight,
+            self.backbone.head_weight,
             teacher_hidden,
-            self.teacher.model.backbone.token_embedding.weight,
+            self.teacher.model.backbone.head_weight,
             scored.targets,
             self.backbone.vocab_size,
             temperature,

@@ -83,12 +83,18 @@ def export(
 
 def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict[str, int]) -> tuple[str, Files]:
     """(kind, files) of the model and its tokenizer, by objective."""
+    backbone = model.backbone
+    if not isinstance(backbone, Transformer):
+        raise ConfigError(
+            f"{type(backbone).__name__} has no Hugging Face export: pretrain-export writes the template's own "
+            "backbones (pretraining.models.Transformer)"
+        )
     if isinstance(model, CausalLM):
-        return "gpt2", gpt2_files(model.backbone, tokenizer)
+        return "gpt2", gpt2_files(backbone, tokenizer)
     if isinstance(model, MaskedLM):
-        return "masked-lm", masked_lm_files(model.backbone, tokenizer)
+        return "masked-lm", masked_lm_files(backbone, tokenizer)
     if isinstance(model, Contrastive):
-        return "embedding", embedding_files(model, tokenizer, lengths["passage_len"])
+        return "embedding", embedding_files(model, backbone, tokenizer, lengths["passage_len"])
     raise ConfigError(
         f"{type(model).__name__} has no Hugging Face export: pretrain-export knows CausalLM, MaskedLM and Contrastive"
     )
@@ -118,14 +124,14 @@ def masked_lm_files(backbone: Transformer, tokenizer: Tokenizer) -> Files:
     }
 
 
-def embedding_files(model: Contrastive, tokenizer: Tokenizer, passage_len: int) -> Files:
+def embedding_files(model: Contrastive, backbone: Transformer, tokenizer: Tokenizer, passage_len: int) -> Files:
     """The encoder in the modelling code written beside it, as `AutoModel` and as a sentence-transformers
     model that embeds every text as the template embeds passages (CLS first, `passage_len` tokens)."""
     check_one_tower(model)
-    config = {**encoder_config(model.backbone), "architectures": ["PretrainingModel"], "auto_map": AUTO_MAP}
+    config = {**encoder_config(backbone), "architectures": ["PretrainingModel"], "auto_map": AUTO_MAP}
     return {
         CONFIG: as_json(config),
-        SAFETENSORS: weights_file(to_encoder(model.backbone)),
+        SAFETENSORS: weights_file(to_encoder(backbone)),
         MODELLING_CODE.name: MODELLING_CODE.read_bytes(),
         **tokenizer_files(tokenizer, ENCODER_TOKENS, passage_len, cls_first=True),
         **sentence_transformer_files(model, passage_len),

@@ -1,0 +1,117 @@
+"""The backbone contract: all that objectives, strategies and callbacks may ask of `model.backbone`.
+
+A backbone maps token ids to hidden states and scores hidden states with a language-model head. The
+rest of the template reaches it only through the members below, so a new architecture is one module
+that subclasses `Backbone` and one config (`configs/model/backbone/`):
+
+- `forward(tokens, attend, documents, position_ids)`: hidden states (batch, length, `d_model`);
+- `head_weight` (and `logits`): the head the losses apply to hidden states;
+- `vocab_size`, `max_seq_len`, `d_model`, `causal`: the sizes and the kind the objectives check;
+- `layers()`: the repeated units that FSDP2 shards one by one, `model.compile` compiles and activation
+  checkpointing recomputes; `run_layers` runs them, checkpointed when a strategy asks;
+- `flops_per_token` and `head_flops_per_token`: the model FLOPs behind `perf/mfu`;
+- `init_weights()` (a second contrastive tower draws its own) and `describe()` (the run's model line).
+"""
+
+from __future__ import annotations
+
+import abc
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class Backbone(nn.Module, metaclass=abc.ABCMeta):
+    """Token ids in, hidden states out; a head for the language-model losses. Subclasses set
+    `vocab_size`, `max_seq_len`, `d_model` and `causal` in `__init__` and implement the abstract methods."""
+
+    vocab_size: int
+    max_seq_len: int
+    d_model: int
+    causal: bool  # True: a position sees only those before it (next-token); False: all (masked-LM, encoders)
+    # Set by the FSDP policy (pretraining.plugins.fsdp): keep only each layer's input for backward and
+    # recompute the rest, trading a second forward for activation memory.
+    checkpoint_activations: bool = False
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        attend: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states (batch, length, d_model) for token ids (batch, length).
+
+        `attend` (batch, length) is False at padding: no position attends to it. `documents` (batch,
+        length), each token's document in a packed block (non-decreasing along a row): a position attends
+        only within its document. `position_ids` (batch, length) replace 0, 1, ... (`document_positions`
+        restarts them per document)."""
+
+    @property
+    @abc.abstractmethod
+    def head_weight(self) -> torch.Tensor:
+        """The language-model head's weight (vocabulary rows, d_model): logits are `hidden @ head_weight.T`.
+        Its rows may exceed `vocab_size` (padding for faster matmuls); the padded ids never occur in data."""
+
+    @abc.abstractmethod
+    def layers(self) -> Sequence[nn.Module]:
+        """The repeated units, in order: each one FSDP2 unit, one compiled module, one checkpointed region."""
+
+    @abc.abstractmethod
+    def init_weights(self) -> None:
+        """Draw fresh weights, as at construction."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's logits over its (padded) vocabulary."""
+        return F.linear(hidden, self.head_weight)
+
+    def run_layers(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        """`x` through every layer (each called as `layer(x, *args)`), each recomputed in backward when
+        `checkpoint_activations` is set."""
+        for layer in self.layers():
+            if self.checkpoint_activations and torch.is_grad_enabled():
+                # Non-reentrant: works under FSDP hooks and torch.compile, and replays the same dropout masks.
+                x = checkpoint(layer, x, *args, use_reentrant=False)
+            else:
+                x = layer(x, *args)
+        return x
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) of the layers for one token of a `seq_len`-token sequence.
+
+        PaLM's count (appendix B): 6 per weight of every matmul (2 forward, 4 backward), here the layers'
+        linear layers; plus attention's two matmuls against the sequence, 12 d_model seq_len a layer
+        (queries of d_model dimensions in all heads), counted over the whole sequence even when causal, as
+        PaLM does. Left out: embedding lookups, norms, biases, softmax (not matmuls), and the recomputation
+        of activation checkpointing (MFU counts the model's FLOPs, not the hardware's). The head is apart:
+        `head_flops_per_token`, for each token it scores. Override where attention is wider or narrower."""
+        return 6 * self.layer_matmul_weights + 12 * len(self.layers()) * self.d_model * seq_len
+
+    @functools.cached_property
+    def layer_matmul_weights(self) -> int:
+        """The weights of the layers' linear layers, counted once: their count is fixed, and asked for at every
+        step (the throughput count)."""
+        return sum(m.weight.numel() for layer in self.layers() for m in layer.modules() if isinstance(m, nn.Linear))
+
+    def head_flops_per_token(self) -> int:
+        """Training FLOPs of the head for one scored token (padded vocabulary)."""
+        return 6 * self.head_weight.numel()
+
+    def describe(self) -> str:
+        """Its shape in a few words, for the run's model line."""
+        count = len(self.layers())
+        return (
+            f"{count} layer{'' if count == 1 else 's'} of width {self.d_model}, vocabulary {self.vocab_size}, "
+            f"{self.max_seq_len} positions"
+        )
+
+
+def backbones(module: nn.Module) -> list[Backbone]:
+    """Every backbone inside `module`: an objective's, a second contrastive tower, a distillation's teacher."""
+    return [m for m in module.modules() if isinstance(m, Backbone)]
