@@ -9,11 +9,15 @@ tokenizer and DataModule are built from it, and the validation examples are the 
 `validation_set`, the examples the run validates on. Training statistics are counted on the training shards
 the run reads, tokenised as its example format tokenises them. Each line names its metrics as the run logs them.
 
-clm, scored as `CausalLM` scores validation: every block's token t+1 predicted from its token t (`val/loss`: nats
-per token; `val/bpb`: the summed nats / (ln 2 * the UTF-8 bytes behind the targets), comparable across tokenizers):
-- unigram: the training token frequencies, add-one smoothed over the tokenizer's vocabulary;
-- bigram: the training bigram counts interpolated with that unigram by Witten-Bell, which has no parameter
-  (nothing is tuned, on validation or anywhere else).
+clm, scored as `CausalLM` scores validation: every block's token t+1 predicted from the tokens before it in its
+block (`val/loss`: nats per token; `val/bpb`: the summed nats / (ln 2 * the UTF-8 bytes behind the targets),
+comparable across tokenizers), by n-gram models of no parameter (nothing is tuned, on validation or anywhere else):
+- unigram: the token frequencies, add-one smoothed over the tokenizer's vocabulary;
+- 2-, 3- and 4-gram: the n-gram counts interpolated down to that unigram by Witten-Bell, each order with the one
+  below it (a history of fewer tokens where the block holds fewer before the target, as a model sees it);
+each counted twice: on the whole training split, and on the run's own training blocks, those its training loader
+gives it from its first step to trainer.max_steps (max_steps x global batch blocks of block_size + 1 tokens), as a
+model that memorised everything it read would.
 
 mlm, on the objective's validation masks (`mask_tokens` at model.eval_mask_rate and model.eval_seed, as
 `MaskedLM.masked_inputs` calls it), positions labelled IGNORE left out; `val/accuracy` over all selected
@@ -36,9 +40,12 @@ model.recall_at and model.pool_size), queries to passages (q2p) and back (p2q):
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
+import sys
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -67,6 +74,7 @@ MODEL_KEYS = {
 }
 SPECIALS = len(SPECIAL_TOKENS)  # the first ids: never a masked label, never a token of a bag
 RANDOM_DRAWS = 10
+MAX_ORDER = 4  # clm's n-gram floors: unigram to 4-gram
 Metrics = dict[str, float]
 Floors = dict[str, Metrics]  # a floor's description -> its metrics, named as the run logs them
 
@@ -100,34 +108,103 @@ def add_one(counts: np.ndarray) -> np.ndarray:
     return (counts + 1) / (counts + 1).sum()
 
 
-def witten_bell(tokens: np.ndarray, unigram: np.ndarray, context: np.ndarray, targets: np.ndarray) -> np.ndarray:
-    """P(target | context) of the bigrams of `tokens` interpolated with `unigram` by Witten-Bell:
-    (c(v, w) + T(v) P(w)) / (c(v) + T(v)), T(v) the number of distinct tokens seen after v; P(w) after an unseen v."""
-    vocab = len(unigram)
-    codes, counts = np.unique(tokens[:-1] * vocab + tokens[1:], return_counts=True)
-    seen_after = np.bincount(codes // vocab, weights=counts, minlength=vocab)[context]
-    types = np.bincount(codes // vocab, minlength=vocab)[context]
-    asked = context * vocab + targets
-    at = np.searchsorted(codes, asked).clip(max=len(codes) - 1)
-    pair_counts = np.where(codes[at] == asked, counts[at], 0)
-    total = seen_after + types
-    return np.where(total > 0, (pair_counts + types * unigram[targets]) / np.maximum(total, 1), unigram[targets])
+@dataclass(frozen=True)
+class Contexts:
+    """What Witten-Bell needs of the k-grams of one order k >= 2, each coded as one integer in base `vocab`:
+    the sorted distinct k-grams with their counts, and for each (k-1)-token context seen before a token,
+    c(h), how many k-grams follow it, and T(h), how many distinct tokens do."""
+
+    codes: np.ndarray
+    counts: np.ndarray
+    contexts: np.ndarray
+    followers: np.ndarray  # c(h)
+    types: np.ndarray  # T(h)
+
+
+@dataclass(frozen=True)
+class NGrams:
+    """The n-gram counts of some training sequences, orders 1 to `order`."""
+
+    vocab: int
+    unigram: np.ndarray  # add-one smoothed over the vocabulary
+    orders: dict[int, Contexts]  # k -> the counts of order k, for 2 <= k <= order
+
+    @property
+    def order(self) -> int:
+        return max(self.orders, default=1)
+
+
+def count_ngrams(rows: np.ndarray, vocab: int, order: int) -> NGrams:
+    """The k-grams, k <= `order`, inside each row of `rows` (sequences, none crossing into the next): a
+    k-gram's code is the code of its first k-1 tokens times `vocab` plus its last token."""
+    if vocab**order >= 2**63:
+        raise SystemExit(f"a {order}-gram of a {vocab}-token vocabulary does not fit in an int64 code")
+    unigram = add_one(np.bincount(rows.ravel(), minlength=vocab))
+    orders, codes = {}, rows.astype(np.int64)
+    for k in range(2, order + 1):
+        codes = codes[:, :-1] * vocab + rows[:, k - 1 :]
+        distinct, counts = np.unique(codes, return_counts=True)
+        contexts, first, types = np.unique(distinct // vocab, return_index=True, return_counts=True)
+        orders[k] = Contexts(distinct, counts, contexts, np.add.reduceat(counts, first), types)
+    return NGrams(vocab, unigram, orders)
+
+
+def looked_up(keys: np.ndarray, table: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The value of each key in the sorted `table` (its `values`), 0 where it is absent."""
+    at = np.searchsorted(table, keys).clip(max=len(table) - 1)
+    return np.where(table[at] == keys, values[at], 0)
+
+
+def witten_bell(ngrams: NGrams, blocks: np.ndarray, order: int) -> np.ndarray:
+    """P(blocks[:, t] | the order-1 tokens before it), for t >= 1, by interpolated Witten-Bell:
+    (c(h, w) + T(h) P_lower(w)) / (c(h) + T(h)), P_lower the same one order down, down to the add-one unigram;
+    P_lower itself where h was never seen, and where fewer than order-1 tokens of the block precede w (a model
+    reading the block sees no more). No parameter: nothing is tuned, on validation or anywhere else."""
+    if order == 1:
+        return ngrams.unigram[blocks[:, 1:]]
+    lower = witten_bell(ngrams, blocks, order - 1)
+    counts, vocab = ngrams.orders[order], ngrams.vocab
+    codes = np.zeros((len(blocks), blocks.shape[1] - order + 1), np.int64)
+    for offset in range(order):  # the order-gram ending at each target with a whole history in its block
+        codes = codes * vocab + blocks[:, offset : offset + codes.shape[1]]
+    pair = looked_up(codes, counts.codes, counts.counts)
+    followers = looked_up(codes // vocab, counts.contexts, counts.followers)
+    types = looked_up(codes // vocab, counts.contexts, counts.types)
+    tail = lower[:, order - 2 :]
+    interpolated = (pair + types * tail) / np.maximum(followers + types, 1)
+    return np.concatenate([lower[:, : order - 2], np.where(followers > 0, interpolated, tail)], axis=1)
+
+
+def run_training_blocks(cfg: DictConfig, data: ShardDataModule) -> np.ndarray:
+    """The blocks the run trains on, from its first step to its last (trainer.max_steps global batches), read
+    from the run's own training loader as one device reads them (the number of devices changes nothing)."""
+    micro_batches = cfg.trainer.max_steps * data.plan_for(1).accumulation
+    loader = data.train_dataloader()
+    return torch.cat([batch["tokens"] for batch in itertools.islice(loader, micro_batches)]).numpy()
 
 
 def clm_floors(cfg: DictConfig, data: ShardDataModule) -> Floors:
-    tokens = train_tokens(data)
-    unigram = add_one(np.bincount(tokens, minlength=data.tokenizer.vocab_size))
+    vocab = data.tokenizer.vocab_size
     blocks = torch.stack([example["tokens"] for example in data.validation_set]).numpy()
     target_bytes = sum(int(example["target_bytes"]) for example in data.validation_set)
-    context, targets = blocks[:, :-1].ravel(), blocks[:, 1:].ravel()
-    probabilities = {
-        "unigram, add-one smoothed": unigram[targets],
-        "bigram, Witten-Bell with that unigram": witten_bell(tokens, unigram, context, targets),
+    run_blocks = run_training_blocks(cfg, data)
+    sources = {
+        "the whole training split": train_tokens(data)[None, :],
+        f"the run's {run_blocks.shape[0]:,} training blocks ({run_blocks[:, 1:].size:,} targets)": run_blocks,
     }
     floors = {}
-    for name, p in probabilities.items():
-        nll = -np.log(p).sum()
-        floors[name] = {"val/loss": nll / len(targets), "val/bpb": nll / (math.log(2) * target_bytes)}
+    for source, rows in sources.items():
+        counted = time.perf_counter()
+        ngrams = count_ngrams(rows, vocab, MAX_ORDER)
+        seconds = time.perf_counter() - counted
+        print(f"{source}: {rows.size:,} tokens counted to order {MAX_ORDER} in {seconds:.1f} s", file=sys.stderr)
+        for order in range(1, MAX_ORDER + 1):
+            name = "unigram, add-one" if order == 1 else f"{order}-gram, Witten-Bell"
+            nll = -np.log(witten_bell(ngrams, blocks, order)).sum()
+            floors[f"{name}, counted on {source}"] = {
+                "val/loss": nll / blocks[:, 1:].size,
+                "val/bpb": nll / (math.log(2) * target_bytes),
+            }
     return floors
 
 

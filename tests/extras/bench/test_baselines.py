@@ -7,6 +7,7 @@ import math
 import random
 import re
 import string
+import sys
 from collections import Counter
 from pathlib import Path
 from types import ModuleType
@@ -25,13 +26,14 @@ from pretraining.data.tokenizer import EOS_ID, MASK_ID, SPECIAL_TOKENS, train_bp
 from pretraining.objectives.base import build_objective
 from pretraining.objectives.masked_lm import IGNORE
 
-BLOCKS = ["model.backbone.max_seq_len=64", "data.val_size=8"]
+BLOCKS = ["model.backbone.max_seq_len=64", "data.val_size=8", "trainer.max_steps=4"]
 
 
 def load_script() -> ModuleType:
     spec = importlib.util.spec_from_file_location("baselines", PROJECT_ROOT / "scripts" / "bench" / "baselines.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # where its dataclasses look up their annotations
     spec.loader.exec_module(module)
     return module
 
@@ -126,29 +128,91 @@ def test_clm_unigram_is_the_hand_count(markov_dir: Path, tokenizer: str) -> None
             nll -= math.log((counts[token] + 1) / total)
             target_bytes += int(data.tokenizer.token_bytes[token])
             targets += 1
-    unigram = floors["unigram, add-one smoothed"]
+    unigram = floors["unigram, add-one, counted on the whole training split"]
     assert unigram["val/bpb"] == pytest.approx(nll / (math.log(2) * target_bytes), rel=1e-9)
     assert unigram["val/loss"] == pytest.approx(nll / targets, rel=1e-9)
 
 
 def test_clm_bigram_beats_unigram_on_bigram_text(markov_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     floors = printed(capsys, "clm", f"data.dir={markov_dir}", *BLOCKS)
-    unigram, bigram = floors["unigram, add-one smoothed"], floors["bigram, Witten-Bell with that unigram"]
+    whole = "counted on the whole training split"
+    unigram, bigram = floors[f"unigram, add-one, {whole}"], floors[f"2-gram, Witten-Bell, {whole}"]
     assert unigram["val/bpb"] > 4.5  # about log2(26): the letters are about equally frequent
     assert bigram["val/bpb"] < 1.5  # the successor 9 times in 10
     bpe = printed(capsys, "clm", f"data.dir={markov_dir}", "tokenizer=bpe", *BLOCKS)
-    assert bpe["unigram, add-one smoothed"]["val/bpb"] != pytest.approx(unigram["val/bpb"], rel=1e-3)
+    assert bpe[f"unigram, add-one, {whole}"]["val/bpb"] != pytest.approx(unigram["val/bpb"], rel=1e-3)
+
+
+def test_clm_floors_on_the_runs_own_blocks(markov_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = [f"data.dir={markov_dir}", *BLOCKS, "trainer.max_steps=3", "data.global_batch_size=8"]
+    cfg = baselines.run_config("clm", run)
+    blocks = baselines.run_training_blocks(cfg, baselines.run_data(cfg))
+    assert blocks.shape == (3 * 8, 64 + 1)
+    accumulated = baselines.run_config("clm", [*run, "data.micro_batch_size=4"])
+    assert np.array_equal(baselines.run_training_blocks(accumulated, baselines.run_data(accumulated)), blocks)
+    floors = printed(capsys, "clm", *run)
+    source = "counted on the run's 24 training blocks (1,536 targets)"
+    assert [name for name in floors if name.endswith(source)] == [
+        f"{order}, {source}"
+        for order in ("unigram, add-one", "2-gram, Witten-Bell", "3-gram, Witten-Bell", "4-gram, Witten-Bell")
+    ]
+
+
+def probabilities_after(ngrams: baselines.NGrams, context: list[int], order: int) -> np.ndarray:
+    """P(w | context) under the Witten-Bell model of `order`, for every token w of the vocabulary."""
+    rows = np.array([[*context, w] for w in range(ngrams.vocab)])
+    return baselines.witten_bell(ngrams, rows, order)[:, -1]
 
 
 def test_witten_bell_is_a_distribution() -> None:
-    tokens = np.array([5, 6, 5, 6, 5, 7, 8, 5, 6])
-    unigram = baselines.add_one(np.bincount(tokens, minlength=10))
-    for context in (5, 6, 9):  # seen with several successors, with one, never
-        p = baselines.witten_bell(tokens, unigram, np.full(10, context), np.arange(10))
-        assert p.sum() == pytest.approx(1.0)
-    p = baselines.witten_bell(tokens, unigram, np.array([5, 9]), np.array([6, 6]))
-    assert p[0] == pytest.approx((3 + 2 * unigram[6]) / (4 + 2))  # 5 -> 6 three times, 5 -> 7 once
-    assert p[1] == pytest.approx(unigram[6])
+    tokens = np.array([5, 6, 5, 6, 5, 7, 8, 5, 6, 5, 6, 7])
+    ngrams = baselines.count_ngrams(tokens[None, :], vocab=10, order=4)
+    for context in ([5, 6, 5], [6, 5, 7], [8, 5, 6], [9, 9, 9], [9, 5, 6]):  # seen, once, never, partly
+        for order in range(1, 5):
+            assert probabilities_after(ngrams, context, order).sum() == pytest.approx(1.0)
+    unigram = ngrams.unigram
+    bigram = probabilities_after(ngrams, [9, 5], 2)
+    assert bigram[6] == pytest.approx((4 + 2 * unigram[6]) / (5 + 2))  # 5 -> 6 four times, 5 -> 7 once
+    assert probabilities_after(ngrams, [9, 9], 2)[6] == pytest.approx(unigram[6])  # 9 never seen: the unigram
+    trigram = probabilities_after(ngrams, [6, 5], 3)  # 6 5 -> 6 twice, -> 7 once
+    assert trigram[6] == pytest.approx((2 + 2 * bigram[6]) / (3 + 2))
+
+
+def test_witten_bell_uses_no_more_history_than_the_block_holds() -> None:
+    tokens = np.array([1, 2, 3, 1, 2, 4, 1, 2, 3])
+    ngrams = baselines.count_ngrams(tokens[None, :], vocab=5, order=4)
+    block = np.array([[1, 2, 3, 1]])
+    four = baselines.witten_bell(ngrams, block, 4)
+    assert four[0, 0] == baselines.witten_bell(ngrams, block, 2)[0, 0]  # one token before the first target
+    assert four[0, 1] == baselines.witten_bell(ngrams, block, 3)[0, 1]  # two before the second
+
+
+def de_bruijn_cycles(length: int) -> np.ndarray:
+    """Repeats of 0 0 0 1 0 1 1 1: each 3 tokens say the next, and each 2 tokens leave it a coin toss."""
+    return np.resize(np.array([0, 0, 0, 1, 0, 1, 1, 1]), length)
+
+
+def test_a_4gram_predicts_a_periodic_text_a_3gram_cannot() -> None:
+    tokens = de_bruijn_cycles(8000)
+    ngrams = baselines.count_ngrams(tokens[None, :], vocab=2, order=4)
+    bits = {order: -np.log2(baselines.witten_bell(ngrams, tokens[None, :], order)[0, 3:]).mean() for order in (3, 4)}
+    assert bits[3] == pytest.approx(1.0, abs=0.01)
+    assert bits[4] < 0.01
+
+
+def test_a_higher_order_never_does_worse_on_its_own_training_text() -> None:
+    rng = random.Random(2)
+    letters = list(string.ascii_lowercase)
+    successor = dict(zip(letters, rng.sample(letters, len(letters)), strict=True))
+    rows = np.array([[ord(letter) - ord("a") for letter in markov_text(rng, successor, 500)] for _ in range(8)])
+    ngrams = baselines.count_ngrams(rows, vocab=26, order=4)
+    nll = [-np.log(baselines.witten_bell(ngrams, rows, order)).sum() for order in range(1, 5)]
+    assert nll == sorted(nll, reverse=True)
+
+
+def test_ngram_codes_must_fit_in_int64() -> None:
+    with pytest.raises(SystemExit, match="does not fit"):
+        baselines.count_ngrams(np.zeros((1, 8), np.int64), vocab=100_000, order=4)
 
 
 def test_mlm_floors_on_the_objectives_masks(markov_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
