@@ -35,11 +35,19 @@ model.recall_at and model.pool_size), queries to passages (q2p) and back (p2q):
 - TF-IDF: those counts (raw tf, as scikit-learn's TfidfVectorizer by default) times the smoothed idf
   ln((1 + N) / (1 + df)) + 1 of the training split, where each training query and each passage is a document
   (N of them), L2-normalised; cosine.
+With --checkpoint, a trained model's `val/q2p_mrr` and `val/p2q_mrr` on the same pairs (its own validation's
+embeddings and ranks, over all the pairs: with data.val_size equal to model.pool_size, the pool), and its margin
+over each floor with a 95 % paired-bootstrap interval: the queries drawn with replacement 2,000 times (seed 0),
+the model's and the floor's reciprocal ranks of the same queries. A model is above a floor when the interval's
+lower end is above zero.
+
+    python scripts/bench/baselines.py contrastive --checkpoint logs/train/runs/<run>/checkpoints/last.ckpt
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import sys
@@ -61,8 +69,9 @@ from pretraining.data.reader import SampleReader
 from pretraining.data.tokenizer import MASK_ID, SPECIAL_TOKENS
 from pretraining.errors import PretrainingError
 from pretraining.instantiate import build
-from pretraining.objectives.contrastive import retrieval_metrics
+from pretraining.objectives.contrastive import Contrastive, retrieval_metrics, retrieval_ranks
 from pretraining.objectives.masked_lm import IGNORE, mask_tokens, selected_kinds
+from pretraining.stored import load_checkpoint, stored_model
 
 EXPERIMENTS = {"clm": "clm_tiny", "mlm": "mlm_tiny", "contrastive": "contrastive_tiny"}
 FORMATS = {"clm": PackedBlocks, "mlm": PackedBlocks, "contrastive": TokenizedPairs}
@@ -74,9 +83,11 @@ MODEL_KEYS = {
 }
 SPECIALS = len(SPECIAL_TOKENS)  # the first ids: never a masked label, never a token of a bag
 RANDOM_DRAWS = 10
+RESAMPLES = 2000  # of the paired bootstrap
 MAX_ORDER = 4  # clm's n-gram floors: unigram to 4-gram
 Metrics = dict[str, float]
 Floors = dict[str, Metrics]  # a floor's description -> its metrics, named as the run logs them
+Embeddings = tuple[torch.Tensor, torch.Tensor]  # (queries, passages), row i of each from validation pair i
 
 
 def run_config(objective: str, overrides: Sequence[str]) -> DictConfig:
@@ -245,8 +256,10 @@ def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts
 
 
+@functools.cache
 def training_idf(data: ShardDataModule) -> torch.Tensor:
-    """Smoothed idf, ln((1 + N) / (1 + df)) + 1, over the N training queries and passages as the format encodes them."""
+    """Smoothed idf, ln((1 + N) / (1 + df)) + 1, over the N training queries and passages as the format encodes
+    them. Cached: the floors and the margins of a checkpoint over them both read it, and it reads the whole split."""
     df, documents = np.zeros(data.tokenizer.vocab_size), 0
     for pair in data.format.examples(train_texts(data)):
         for side in (pair.query, pair.passage):
@@ -255,45 +268,128 @@ def training_idf(data: ShardDataModule) -> torch.Tensor:
     return torch.from_numpy(np.log((1 + documents) / (1 + df)) + 1)
 
 
-def ranking(name: str, queries: torch.Tensor, passages: torch.Tensor, cfg: DictConfig) -> Floors:
-    """`Contrastive.validation_metrics`' retrieval metrics of these embeddings: a floor each way."""
-    floors = {}
-    for direction, (asked, answers) in {"q2p": (queries, passages), "p2q": (passages, queries)}.items():
-        metrics = retrieval_metrics(asked, answers, tuple(cfg.model.recall_at), cfg.model.pool_size)
-        floors[f"{name}, {direction}"] = {f"val/{direction}_{key}": float(value) for key, value in metrics.items()}
-    return floors
+def validation_pairs(data: ShardDataModule) -> list[dict[str, torch.Tensor]]:
+    """The validation pairs in sample_id order, the order `Contrastive.validation_metrics` ranks them in."""
+    return sorted(data.validation_set, key=lambda example: int(example["sample_id"]))
 
 
-def random_ranking(pairs: int, cfg: DictConfig) -> Floors:
-    """The mean floors of `RANDOM_DRAWS` seeded random Gaussian embeddings (no ties)."""
-    draws = []
-    for seed in range(RANDOM_DRAWS):
-        embeddings = torch.randn(2, pairs, 64, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-        draws.append(ranking("", *embeddings, cfg))
-    expected = sum(1 / rank for rank in range(1, pairs + 1)) / pairs
-    name = f"random, mean of {RANDOM_DRAWS} draws (expected mrr {expected:.4f})"
-    return {
-        name + floor: {metric: float(np.mean([draw[floor][metric] for draw in draws])) for metric in metrics}
-        for floor, metrics in draws[0].items()
-    }
-
-
-def contrastive_floors(cfg: DictConfig, data: ShardDataModule) -> Floors:
-    examples = sorted(data.validation_set, key=lambda example: int(example["sample_id"]))
+def floor_embeddings(data: ShardDataModule) -> dict[str, list[Embeddings]]:
+    """Each floor's (queries, passages) embeddings of the validation pairs: one draw each, the random floor's
+    `RANDOM_DRAWS` seeded Gaussian draws (no ties)."""
+    examples = validation_pairs(data)
     vocab = data.tokenizer.vocab_size
     queries = token_counts(torch.stack([example["query"] for example in examples]), vocab)
     passages = token_counts(torch.stack([example["passage"] for example in examples]), vocab)
     idf = training_idf(data)
-    return (
-        random_ranking(len(examples), cfg)
-        | ranking("bag of tokens, cosine", F.normalize(queries, dim=1), F.normalize(passages, dim=1), cfg)
-        | ranking(
-            "TF-IDF (raw tf, smoothed training idf), cosine",
-            F.normalize(queries * idf, dim=1),
-            F.normalize(passages * idf, dim=1),
-            cfg,
+    pairs = len(examples)
+    expected = sum(1 / rank for rank in range(1, pairs + 1)) / pairs
+    draws = [torch.Generator().manual_seed(seed) for seed in range(RANDOM_DRAWS)]
+    return {
+        f"random, mean of {RANDOM_DRAWS} draws (expected mrr {expected:.4f})": [
+            tuple(torch.randn(2, pairs, 64, generator=draw, dtype=torch.float64)) for draw in draws
+        ],
+        "bag of tokens, cosine": [(F.normalize(queries, dim=1), F.normalize(passages, dim=1))],
+        "TF-IDF (raw tf, smoothed training idf), cosine": [
+            (F.normalize(queries * idf, dim=1), F.normalize(passages * idf, dim=1))
+        ],
+    }
+
+
+def directions(queries: torch.Tensor, passages: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {"q2p": (queries, passages), "p2q": (passages, queries)}
+
+
+def ranking(name: str, draws: list[Embeddings], cfg: DictConfig) -> Floors:
+    """`Contrastive.validation_metrics`' retrieval metrics of these embeddings, averaged over the draws: a floor
+    each way."""
+    floors = {}
+    for direction in ("q2p", "p2q"):
+        metrics = [
+            retrieval_metrics(*directions(*draw)[direction], tuple(cfg.model.recall_at), cfg.model.pool_size)
+            for draw in draws
+        ]
+        floors[f"{name}, {direction}"] = {
+            f"val/{direction}_{key}": float(np.mean([float(draw[key]) for draw in metrics])) for key in metrics[0]
+        }
+    return floors
+
+
+def contrastive_floors(cfg: DictConfig, data: ShardDataModule) -> Floors:
+    floors = {}
+    for name, draws in floor_embeddings(data).items():
+        floors |= ranking(name, draws, cfg)
+    return floors
+
+
+def reciprocal_ranks(draws: list[Embeddings]) -> dict[str, np.ndarray]:
+    """Each query's 1 / the rank of its own answer among all candidates, averaged over the draws, each way:
+    the terms whose mean is `val/q2p_mrr` and `val/p2q_mrr` (`retrieval_ranks`, ties against the model)."""
+    return {
+        direction: np.mean([1 / retrieval_ranks(*directions(*draw)[direction]).double().numpy() for draw in draws], 0)
+        for direction in ("q2p", "p2q")
+    }
+
+
+def paired_bootstrap(
+    model: np.ndarray, floor: np.ndarray, resamples: int = RESAMPLES, seed: int = 0
+) -> tuple[float, float, float]:
+    """The margin mean(model - floor) over the queries and its 95 % percentile interval: the queries drawn with
+    replacement `resamples` times, the same draw for both (paired: a hard query is hard for both)."""
+    differences = model - floor
+    drawn = np.random.default_rng(seed).integers(0, len(differences), (resamples, len(differences)))
+    low, high = np.quantile(differences[drawn].mean(1), [0.025, 0.975])
+    return float(differences.mean()), float(low), float(high)
+
+
+def model_embeddings(model: Contrastive, pairs: list[dict[str, torch.Tensor]], batch_size: int) -> Embeddings:
+    """The embeddings `model` gives `pairs`, as its validation computes them (eval mode: no dropout)."""
+    model.eval()
+    with torch.no_grad():
+        queries, passages = (
+            torch.cat(
+                [
+                    model.encode(torch.stack([pair[side] for pair in pairs[start : start + batch_size]]), side)
+                    for start in range(0, len(pairs), batch_size)
+                ]
+            )
+            for side in ("query", "passage")
         )
-    )
+    return queries, passages
+
+
+def checkpoint_model(path: str, data: ShardDataModule) -> Contrastive:
+    """The contrastive model of a checkpoint, refused unless it reads these pairs as they are made here."""
+    try:
+        model, _, examples = stored_model(load_checkpoint(path), path)
+    except PretrainingError as error:
+        raise SystemExit(f"baselines: {error}") from None
+    if not isinstance(model, Contrastive):
+        raise SystemExit(f"baselines: {path} holds a {type(model).__name__}, not a Contrastive model")
+    if examples.tokenizer.fingerprint != data.tokenizer.fingerprint or examples.lengths != data.format.lengths:
+        raise SystemExit(
+            f"baselines: {path} was trained on pairs of {examples.lengths} tokens with tokenizer "
+            f"{examples.tokenizer.fingerprint}, these are {data.format.lengths} with {data.tokenizer.fingerprint}: "
+            f"pass the run's overrides (data.dir, tokenizer, data.format)"
+        )
+    return model
+
+
+def checkpoint_margins(path: str, cfg: DictConfig, data: ShardDataModule) -> list[str]:
+    """The checkpoint's MRR each way and its margin over each floor, with a 95 % paired-bootstrap interval."""
+    model = checkpoint_model(path, data)
+    batch_size = cfg.data.val_batch_size or cfg.data.global_batch_size
+    ranks = reciprocal_ranks([model_embeddings(model, validation_pairs(data), batch_size)])
+    lines = [
+        f"{path}: " + "  ".join(f"val/{direction}_mrr={rr.mean():.4f}" for direction, rr in ranks.items()),
+        f"  margins over the floors, 95 % paired bootstrap over the {len(ranks['q2p'])} queries "
+        f"({RESAMPLES} resamples, seed 0):",
+    ]
+    for name, draws in floor_embeddings(data).items():
+        for direction, floor in reciprocal_ranks(draws).items():
+            margin, low, high = paired_bootstrap(ranks[direction], floor)
+            verdict = "above" if low > 0 else "below" if high < 0 else "not distinguishable from"
+            lines.append(f"    {name}, {direction}: {margin:+.4f} ({low:+.4f} to {high:+.4f}), {verdict} it")
+    return lines
 
 
 FLOORS = {"clm": clm_floors, "mlm": mlm_floors, "contrastive": contrastive_floors}
@@ -303,7 +399,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("objective", choices=FLOORS)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the run, as `pretrain` takes them")
+    parser.add_argument(
+        "--checkpoint",
+        help="contrastive: a trained model's checkpoint; prints its MRR over the same pairs and its margin over "
+        "each floor, with a 95 %% paired-bootstrap interval",
+    )
     args = parser.parse_args(argv)
+    if args.checkpoint and args.objective != "contrastive":
+        parser.error("--checkpoint is for contrastive")
     start = time.perf_counter()
     try:
         cfg = run_config(args.objective, args.overrides)
@@ -324,6 +427,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     width = max(len(name) for name in floors)
     for name, metrics in floors.items():
         print(f"  {name:<{width}}  " + "  ".join(f"{metric}={value:.4f}" for metric, value in metrics.items()))
+    if args.checkpoint:
+        print("\n".join(checkpoint_margins(args.checkpoint, cfg, data)))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.tokenizer import EOS_ID, MASK_ID, SPECIAL_TOKENS, train_bpe
 from pretraining.objectives.base import build_objective
 from pretraining.objectives.masked_lm import IGNORE
+from pretraining.train import train
 
 BLOCKS = ["model.backbone.max_seq_len=64", "data.val_size=8", "trainer.max_steps=4"]
 
@@ -264,3 +265,69 @@ def test_contrastive_tfidf_finds_the_shared_rare_words(pairs_dir: Path, capsys: 
         assert random_floor[f"val/{direction}_mrr@10"] == pytest.approx(sum(1 / r for r in range(1, 11)) / 10, abs=0.06)
         bag = floors[f"bag of tokens, cosine, {direction}"]
         assert bag[f"val/{direction}_mrr"] < 1.0  # the common words drown the rare one without idf
+
+
+def test_paired_bootstrap_interval() -> None:
+    rng = np.random.default_rng(3)
+    floor = rng.random(400)
+    model = floor + 0.05 + rng.normal(0, 0.2, 400)
+    margin, low, high = baselines.paired_bootstrap(model, floor)
+    assert low < margin < high
+    assert margin == pytest.approx(float((model - floor).mean()))
+    assert baselines.paired_bootstrap(model, floor) == (margin, low, high)  # the seed fixes it
+    assert baselines.paired_bootstrap(model, floor, seed=1) != (margin, low, high)
+    _, low_100, high_100 = baselines.paired_bootstrap(model[:100], floor[:100])
+    assert high_100 - low_100 > 1.5 * (high - low)  # a quarter of the queries: about twice as wide
+    same = baselines.paired_bootstrap(floor, floor)
+    assert same == (0.0, 0.0, 0.0)  # paired: a model no better than the floor on every query
+
+
+def test_model_reciprocal_ranks_are_its_validation_mrr(pairs_dir: Path) -> None:
+    cfg = baselines.run_config("contrastive", ["tokenizer=bytes", f"data.dir={pairs_dir}", "model.pool_size=10"])
+    data = baselines.run_data(cfg)
+    model = build_objective(OmegaConf.merge(cfg.model, {"backbone": {"d_model": 32, "n_layer": 1}}), data.format)
+    pairs = data.validation_set[::-1]  # validation_metrics puts them in sample_id order
+    batch = {key: torch.stack([pair[key] for pair in pairs]) for key in pairs[0]}
+    model.eval()
+    with torch.no_grad():
+        logged = model.validation_metrics(model.validation_update(batch))
+    ranks = baselines.reciprocal_ranks([baselines.model_embeddings(model, baselines.validation_pairs(data), 7)])
+    for direction, reciprocal in ranks.items():
+        assert len(reciprocal) == 40
+        assert reciprocal.mean() == pytest.approx(float(logged[f"{direction}_mrr"]), abs=1e-12)
+
+
+def test_a_checkpoints_margins_over_the_floors(
+    pairs_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = ["tokenizer=bytes", f"data.dir={pairs_dir}", "model.pool_size=10"]
+    run = [
+        *data,
+        f"paths.output_dir={tmp_path}",
+        f"paths.log_dir={tmp_path}/logs",
+        "logger=csv",
+        "model.backbone.d_model=32",
+        "model.backbone.n_head=2",
+        "data.global_batch_size=8",
+        "data.num_workers=0",
+        "model.warmup_steps=1",
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+    ]
+    metrics = train(baselines.run_config("contrastive", run))
+    capsys.readouterr()
+    baselines.main(["contrastive", *data, "--checkpoint", str(tmp_path / "checkpoints" / "last.ckpt")])
+    out = capsys.readouterr().out
+    model_line = re.search(r"last\.ckpt: val/q2p_mrr=([\d.]+)  val/p2q_mrr=([\d.]+)", out)
+    assert model_line is not None
+    assert float(model_line[1]) == pytest.approx(metrics["val/q2p_mrr"], abs=1e-4)
+    assert float(model_line[2]) == pytest.approx(metrics["val/p2q_mrr"], abs=1e-4)
+    margins = re.findall(
+        r"(TF-IDF .*|bag of .*|random.*), (q2p|p2q): ([-+][\d.]+) \(([-+][\d.]+) to ([-+][\d.]+)\)", out
+    )
+    assert len(margins) == 6
+    for _, _, margin, low, high in margins:
+        assert float(low) <= float(margin) <= float(high)
+    with pytest.raises(SystemExit):
+        baselines.main(["clm", "--checkpoint", "x.ckpt"])
+    assert "--checkpoint is for contrastive" in capsys.readouterr().err
