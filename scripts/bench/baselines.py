@@ -140,10 +140,6 @@ class NGrams:
     unigram: np.ndarray  # add-one smoothed over the vocabulary
     orders: dict[int, Contexts]  # k -> the counts of order k, for 2 <= k <= order
 
-    @property
-    def order(self) -> int:
-        return max(self.orders, default=1)
-
 
 def count_ngrams(rows: np.ndarray, vocab: int, order: int) -> NGrams:
     """The k-grams, k <= `order`, inside each row of `rows` (sequences, none crossing into the next): a
