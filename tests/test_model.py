@@ -13,8 +13,8 @@ from conftest import fit_batch
 from pretraining.errors import ConfigError
 from pretraining.models import Transformer, transformer
 from pretraining.models.transformer import parameter_count
-from pretraining.objectives.base import warmup_cosine
 from pretraining.objectives.causal_lm import CausalLM
+from pretraining.objectives.schedules import warmup_cosine
 
 
 def tiny_lm(**backbone: object) -> CausalLM:

@@ -81,19 +81,27 @@ def prepare_process(cfg: DictConfig) -> None:
     seed_everything(cfg.seed, workers=True, verbose=not cfg.quiet)
 
 
-def fit_warmup(cfg: DictConfig) -> None:
-    """Shorten a warmup that is not below the run's steps (the default's 30 in a smoke run of 20) to a
-    tenth of the run, saying so: the schedule still warms up, then decays. The run's lineage records the
-    warmup it used."""
+def fit_schedule(cfg: DictConfig) -> None:
+    """Fit the LR schedule into a run shorter than it (the default warmup of 30 in a smoke run of 20), saying
+    so: a warmup that is not below the run's steps becomes a tenth of the run; a wsd decay that does not fit
+    after the warmup, the last fifth (or what the warmup leaves). The schedule still warms up, then decays.
+    The run's lineage records the schedule it used."""
     max_steps, warmup_steps = cfg.trainer.max_steps, cfg.model.warmup_steps
-    if warmup_steps < max_steps:
-        return
-    cfg.model.warmup_steps = shortened = max_steps // 10
-    instead = f"warming up for {counted(shortened, 'step')} (a tenth of the run)" if shortened else "no warmup"
-    rank_zero_info(
-        f"model.warmup_steps={warmup_steps} is not below trainer.max_steps={max_steps}: {instead} instead; "
-        "set model.warmup_steps to choose"
-    )
+    if warmup_steps >= max_steps:
+        cfg.model.warmup_steps = shortened = max_steps // 10
+        instead = f"warming up for {counted(shortened, 'step')} (a tenth of the run)" if shortened else "no warmup"
+        rank_zero_info(
+            f"model.warmup_steps={warmup_steps} is not below trainer.max_steps={max_steps}: {instead} instead; "
+            "set model.warmup_steps to choose"
+        )
+    decay_steps, room = cfg.model.get("decay_steps"), max_steps - cfg.model.warmup_steps
+    if cfg.model.get("schedule") == "wsd" and decay_steps is not None and decay_steps > room:
+        cfg.model.decay_steps = shortened = min(max_steps // 5, room)
+        rank_zero_info(
+            f"model.decay_steps={decay_steps} does not fit in trainer.max_steps={max_steps} after "
+            f"model.warmup_steps={cfg.model.warmup_steps}: decaying over the last {counted(shortened, 'step')} "
+            "instead; set model.decay_steps to choose"
+        )
 
 
 def describe_model(model: PretrainingObjective) -> None:
@@ -218,7 +226,7 @@ def validation_owed(trainer: Trainer, resume: Resume, checkpoint_dir: Path) -> b
     return own and validated and 0 < step < (trainer.max_steps or 0) and "validation" not in resume.sidecar
 
 
-def finished(resume: Resume, checkpoint_dir: Path, max_steps: int) -> bool:
+def finished(resume: Resume, checkpoint_dir: Path, max_steps: int, schedule: str = "cosine") -> bool:
     """Whether this run is complete: it continues from its own checkpoint (not one passed as `ckpt_path`)
     at `max_steps` or later, and that step was validated. Running a finished run again then starts
     nothing (no validation row twice, no second W&B run)."""
@@ -226,9 +234,15 @@ def finished(resume: Resume, checkpoint_dir: Path, max_steps: int) -> bool:
     own = resume.path.resolve().parent == checkpoint_dir.resolve()
     if not own or step < max_steps or "validation" not in resume.sidecar:
         return False
+    further = (
+        "To train further, continue a checkpoint from before its LR decay (ckpt_path=...) with a larger "
+        "trainer.max_steps (model.schedule=wsd: its decay has run)"
+        if schedule == "wsd"
+        else "Raise trainer.max_steps to train further"
+    )
     rank_zero_info(
         f"the run is complete: {resume.path} is its step {step} (trainer.max_steps={max_steps}), validated. "
-        "Raise trainer.max_steps to train further, or pass resume=never to start over"
+        f"{further}, or pass resume=never to start over"
     )
     return True
 

@@ -30,7 +30,7 @@ from pretraining.run import (
     describe_model,
     finished,
     fit,
-    fit_warmup,
+    fit_schedule,
     log_hyperparameters,
     prepare_process,
     run_lineage,
@@ -46,7 +46,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     """
     check_config(cfg)
     prepare_process(cfg)
-    fit_warmup(cfg)  # a smoke run shorter than the default warmup
+    fit_schedule(cfg)  # a smoke run shorter than the default warmup (or wsd decay)
     checkpoints = Path(cfg.paths.checkpoint_dir)
     resume = checkpoint_to_resume(cfg.resume, cfg.ckpt_path, checkpoints)
     tokenizer = build(cfg.tokenizer)
@@ -61,7 +61,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     trainer = build_trainer(cfg, datamodule, callbacks=[lineage, SkippedSamples()])
     if resume:
         check_resume(trainer, datamodule, model, resume, list(cfg.resume_allow))
-        if finished(resume, checkpoints, cfg.trainer.max_steps):  # before a logger starts a run
+        schedule = cfg.model.get("schedule", "cosine")
+        if finished(resume, checkpoints, cfg.trainer.max_steps, schedule):  # before a logger starts a run
             return dict(resume.sidecar["validation"])
     log_hyperparameters(trainer, lineage)
     validate_first = validation_owed(trainer, resume, checkpoints) if resume else cfg.validate_before_training

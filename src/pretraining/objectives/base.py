@@ -1,7 +1,9 @@
 """What every pretraining objective shares: the backbone, the optimizer (AdamW with weight decay on matrices
-only), a linear warmup then cosine decay, gradient clipping that also works under bf16 with a fused
-optimizer, the training loss on the logs, and validation metrics computed from states reduced over all
-ranks (sums, never averages of averages; or concatenations, for metrics over the whole validation set).
+only), the LR schedule (a warmup then
+a cosine decay, or warmup-stable-decay: `pretraining.objectives.schedules`), gradient clipping that also
+works under bf16 with a fused optimizer, the training loss on the logs, and validation metrics computed from
+states reduced over all ranks (sums, never averages of averages; or concatenations, for metrics over the
+whole validation set).
 
 A new objective subclasses `PretrainingObjective` and supplies `training_loss`, the validation states it
 keeps (passed to `__init__`), `validation_update` (what to add to those states per validation batch) and
@@ -13,7 +15,6 @@ the steps Lightning writes (`LogStepValues`); anything else is logged as in any 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
@@ -27,7 +28,6 @@ from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from omegaconf import OmegaConf
 from torch import nn
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LambdaLR
 from torchmetrics import Metric, SumMetric
 
 from pretraining.data.formats import ExampleFormat, PackedBlocks
@@ -35,6 +35,7 @@ from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.instantiate import build
 from pretraining.models.backbone import Backbone, backbones
+from pretraining.objectives.schedules import ScheduleName, lr_schedule
 from pretraining.objectives.step_values import LogStepValues
 from pretraining.plugins.fsdp import FSDP2Strategy, ShardingPolicy, shard
 from pretraining.ranges import Range, checked_ranges
@@ -42,6 +43,7 @@ from pretraining.ranges import Range, checked_ranges
 # The ranges of the settings every objective takes (subclasses pass them on as **settings).
 WarmupSteps = Annotated[int, Range(ge=0)]
 LRRatio = Annotated[float, Range(ge=0, le=1)]
+DecaySteps = Annotated[int, Range(ge=0)]
 
 
 def sums(*names: str) -> dict[str, Metric]:
@@ -67,6 +69,8 @@ class PretrainingObjective(LightningModule):
         optimizer: Callable[..., Optimizer],
         warmup_steps: WarmupSteps = 100,
         min_lr_ratio: LRRatio = 0.1,
+        schedule: ScheduleName = "cosine",
+        decay_steps: DecaySteps = 120,
         validation_state: Mapping[str, Metric] | None = None,
         compile: bool = False,
     ) -> None:
@@ -74,6 +78,7 @@ class PretrainingObjective(LightningModule):
         self.backbone = backbone
         self.optimizer_factory = optimizer
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
+        self.schedule, self.decay_steps = schedule, decay_steps  # decay_steps: the wsd schedule's
         self.validation_state = nn.ModuleDict(validation_state or {})
         # Not `self.compile`: that is nn.Module's method.
         self.compile_blocks, self.model_configured = compile, False
@@ -169,9 +174,15 @@ class PretrainingObjective(LightningModule):
         self.last_validated_step = self.trained_steps
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
-        # trainer.max_steps is above warmup_steps: see pretraining.run.fit_warmup
+        # trainer.max_steps is above warmup_steps (+ decay_steps): see pretraining.run.fit_schedule
         return optimizer_and_schedule(
-            self.optimizer_factory, list(self.parameters()), self.trainer, self.warmup_steps, self.min_lr_ratio
+            self.optimizer_factory,
+            list(self.parameters()),
+            self.trainer,
+            self.warmup_steps,
+            self.min_lr_ratio,
+            schedule=self.schedule,
+            decay_steps=self.decay_steps,
         )
 
     def configure_gradient_clipping(
@@ -185,24 +196,19 @@ class PretrainingObjective(LightningModule):
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
 
-def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """LR multiplier: linear warmup to 1, then cosine decay to `min_lr_ratio` at `total_steps`."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
 def optimizer_and_schedule(
     factory: Callable[..., Optimizer],
     parameters: Sequence[torch.Tensor],
     trainer: Trainer,
     warmup_steps: int,
     min_lr_ratio: float,
+    *,
+    schedule: ScheduleName = "cosine",
+    decay_steps: int = 0,
 ) -> OptimizerLRSchedulerConfig:
-    """The optimizer `factory` builds over `parameters` and its warmup + cosine schedule to `trainer.max_steps`,
-    stepped every optimizer step. Weight decay applies to matrices only: not to biases, norms or scalars
-    (such as a temperature)."""
+    """The optimizer `factory` builds over `parameters` and its LR `schedule` to `trainer.max_steps`
+    (`pretraining.objectives.schedules`), stepped every optimizer step. Weight decay applies to matrices only:
+    not to biases, norms or scalars (such as a temperature)."""
     trained = [p for p in parameters if p.requires_grad]
     groups = [
         {"params": [p for p in trained if p.dim() >= 2]},
@@ -213,10 +219,8 @@ def optimizer_and_schedule(
     scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
     fused = {} if scaled and trainer.gradient_clip_val else fused_if_open(factory, trained)
     optimizer = factory(groups, **fused)
-    schedule = partial(
-        warmup_cosine, warmup_steps=warmup_steps, total_steps=trainer.max_steps, min_lr_ratio=min_lr_ratio
-    )
-    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": LambdaLR(optimizer, schedule), "interval": "step"}}
+    scheduler = lr_schedule(optimizer, schedule, warmup_steps, min_lr_ratio, decay_steps, trainer.max_steps)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def fused_if_open(factory: Callable[..., Optimizer], parameters: Sequence[torch.Tensor]) -> dict[str, bool]:

@@ -1,0 +1,119 @@
+"""The LR schedules (`model.schedule`): a multiplier of every param group's learning rate, stepped every
+optimizer step up to `trainer.max_steps`.
+
+- `cosine`: linear warmup, then a cosine decay to `min_lr_ratio` at `trainer.max_steps`. Its shape depends
+  on `trainer.max_steps` from the first step: a run continued with another `max_steps` changes course.
+- `wsd` (warmup-stable-decay): linear warmup, the peak LR, then over the last `decay_steps` steps a decay
+  to `min_lr_ratio` shaped 1 - sqrt (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond
+  Fixed Training Durations": it beat a linear cooldown of the same length, and matched cosine). Until the
+  decay starts the LR does not depend on `max_steps`, so a checkpoint of the stable phase continues exactly
+  with a larger `trainer.max_steps`, or cools down with `trainer.max_steps=<its step + decay_steps>`. Its
+  state records where the decay starts, and a checkpoint already in its decay continues only as it began.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any, Literal
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler
+
+from pretraining.errors import ConfigError
+
+ScheduleName = Literal["cosine", "wsd"]
+
+
+def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, then cosine decay to `min_lr_ratio` at `total_steps`."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def warmup_stable_decay(step: int, warmup_steps: int, decay_start: int, decay_steps: int, min_lr_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1, 1 until `decay_start`, then 1 - sqrt down to `min_lr_ratio` at
+    `decay_start + decay_steps` (as cosine reaches its floor at the step after the last)."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if step <= decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start) / max(1, decay_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - math.sqrt(progress))
+
+
+class WarmupStableDecay(LambdaLR):
+    """`warmup_stable_decay` as a LambdaLR whose state (`state_dict`) records the decay, `decay_start` and
+    `decay_steps`, and the phase of the steps trained; `load_state_dict` refuses a state that this schedule
+    would not continue exactly (`check_continuation`)."""
+
+    def __init__(
+        self, optimizer: Optimizer, warmup_steps: int, decay_steps: int, total_steps: int, min_lr_ratio: float
+    ) -> None:
+        self.warmup_steps, self.decay_steps = warmup_steps, decay_steps
+        self.decay_start = max(0, total_steps - decay_steps)
+        multiplier = partial(
+            warmup_stable_decay,
+            warmup_steps=warmup_steps,
+            decay_start=self.decay_start,
+            decay_steps=decay_steps,
+            min_lr_ratio=min_lr_ratio,
+        )
+        super().__init__(optimizer, multiplier)
+
+    def phase(self) -> str:
+        """The phase of the last step trained (`last_epoch` steps are behind the optimizer)."""
+        if self.last_epoch > self.decay_start:
+            return "decay"
+        return "warmup" if self.last_epoch <= self.warmup_steps else "stable"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "phase": self.phase()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        check_continuation(state_dict, self.decay_start, self.decay_steps)
+        # The configured schedule stays (the saved one is the same wherever the steps so far are concerned).
+        own = ("warmup_steps", "decay_start", "decay_steps", "phase")
+        super().load_state_dict({key: value for key, value in state_dict.items() if key not in own})
+
+
+def check_continuation(saved: dict[str, Any], decay_start: int, decay_steps: int) -> None:
+    """Refuse to continue the saved schedule state with a decay (`decay_start`, `decay_steps`) under which the
+    steps it trained (and the LR it set for the next) would have been different: a checkpoint past its decay's
+    start, or a decay that would start before the checkpoint's step. Steps before both decays are the same."""
+    if "decay_start" not in saved:
+        raise ConfigError(
+            "the checkpoint was trained with model.schedule=cosine: continue it with model.schedule=cosine "
+            "(a warmup-stable-decay run starts with model.schedule=wsd)"
+        )
+    step, saved_start, saved_steps = saved["last_epoch"], saved["decay_start"], saved["decay_steps"]
+    if (saved_start, saved_steps) == (decay_start, decay_steps) or step <= min(saved_start, decay_start):
+        return
+    if step > saved_start:
+        raise ConfigError(
+            f"the checkpoint (step {step}) is in its LR decay (steps {saved_start} to {saved_start + saved_steps}): "
+            f"it continues only with trainer.max_steps={saved_start + saved_steps} model.decay_steps={saved_steps}; "
+            f"to train longer, continue from a checkpoint of its stable phase (step {saved_start} or earlier)"
+        )
+    raise ConfigError(
+        f"trainer.max_steps={decay_start + decay_steps} with model.decay_steps={decay_steps} starts the LR decay at "
+        f"step {decay_start}, before the checkpoint's step {step}: set trainer.max_steps to at least "
+        f"{step + decay_steps} ({step + decay_steps}: a cooldown from this checkpoint)"
+    )
+
+
+def lr_schedule(
+    optimizer: Optimizer,
+    schedule: ScheduleName,
+    warmup_steps: int,
+    min_lr_ratio: float,
+    decay_steps: int,
+    total_steps: int,
+) -> LRScheduler:
+    """The `schedule` of `optimizer`'s learning rates over `total_steps` (`decay_steps`: wsd's only)."""
+    if schedule == "wsd":
+        return WarmupStableDecay(optimizer, warmup_steps, decay_steps, total_steps, min_lr_ratio)
+    cosine = partial(warmup_cosine, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
+    return LambdaLR(optimizer, cosine)
