@@ -6,6 +6,7 @@ at its end, `pretraining.report`'s."""
 from __future__ import annotations
 
 import importlib.util
+import pydoc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -14,7 +15,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -28,6 +29,7 @@ from pretraining.errors import ConfigError, MissingExtraError
 from pretraining.instantiate import build
 from pretraining.launch import check_devices
 from pretraining.objectives.base import PretrainingObjective, check_lengths, logged_values
+from pretraining.objectives.optimizers import MuonAdamW
 from pretraining.quiet import set_up_messages
 from pretraining.resume import Resume, check_fits
 from pretraining.schema import check_schema
@@ -56,9 +58,37 @@ def check_config(cfg: DictConfig) -> None:
             "to what fits on one device instead"
         )
     check_schema(cfg, TrainSettings, "configs/train.yaml")
+    check_optimizer_fits_strategy(cfg)
     loggers = cfg.logger or {}
     if "tensorboard" in loggers and not any(importlib.util.find_spec(m) for m in ("tensorboardX", "tensorboard")):
         raise MissingExtraError("logger=tensorboard", "tensorboard")
+
+
+def check_optimizer_fits_strategy(cfg: DictConfig) -> None:
+    """Refuse Muon under FSDP: Muon orthogonalises each hidden matrix whole, and FSDP shards it over ranks."""
+    optimizer = target_of(cfg.model.optimizer)
+    if not (isinstance(optimizer, type) and issubclass(optimizer, MuonAdamW)) or not shards_parameters(cfg):
+        return
+    raise ConfigError(
+        "model/optimizer=muon needs whole matrices, and FSDP (trainer.strategy) shards them over ranks: choose "
+        "trainer=ddp (or ddp_cpu, or one device), or model/optimizer=adamw"
+    )
+
+
+def shards_parameters(cfg: DictConfig) -> bool:
+    """Whether the trainer's strategy shards parameters: FSDP1 or FSDP2 (Lightning's ModelParallelStrategy),
+    as a `_target_` or as one of Lightning's strategy names (`trainer.strategy=fsdp`)."""
+    strategy = cfg.trainer.get("strategy")
+    if isinstance(strategy, str):
+        return "fsdp" in strategy or "model_parallel" in strategy
+    target = target_of(strategy)
+    return isinstance(target, type) and issubclass(target, FSDPStrategy | ModelParallelStrategy)
+
+
+def target_of(node: Any) -> Any:
+    """What a config node's `_target_` names (the schema checked that it imports), or None."""
+    path = node.get("_target_") if isinstance(node, DictConfig) else None
+    return pydoc.locate(path) if isinstance(path, str) else None
 
 
 def unset_keys(node: DictConfig | ListConfig, prefix: str = "") -> Iterator[str]:

@@ -115,7 +115,7 @@ class NumericalGuard(Callback):
         step = trainer.global_step + 1
         if math.isfinite(loss) and math.isfinite(norm):
             self.bad_in_a_row = 0
-            self.watch_for_spike(trainer, step, loss, norm, optimizer.param_groups[0]["lr"])
+            self.watch_for_spike(trainer, step, loss, norm, learning_rates(optimizer))
         elif math.isfinite(loss) and grad_scaler(trainer) is not None:
             pass  # a float16 overflow: the GradScaler skips this step and lowers its scale
         else:
@@ -168,17 +168,20 @@ class NumericalGuard(Callback):
             f"gradient norm (the last: loss {loss}, gradient norm {norm}): stopping, as "
             f"callbacks.numerics.max_consecutive_bad_steps={self.max_bad} says. None of them changed the weights; "
             f"{saved}. Likely causes: a learning rate too high for this model and batch (lower model.optimizer.lr "
-            f"or lengthen model.warmup_steps, in a new run: a run continued from a checkpoint keeps the LR in its "
-            f"optimizer state), float16 overflow (trainer.precision=bf16-mixed), or bad data at these steps (log "
-            f"the batches with callbacks=[default,batch_log]). {again}."
+            f"- and model.optimizer.muon_lr with Muon - or lengthen model.warmup_steps, in a new run: a run continued "
+            f"from a checkpoint keeps the LR in its optimizer state), float16 overflow (trainer.precision=bf16-mixed), "
+            f"or bad data at these steps (log the batches with callbacks=[default,batch_log]). {again}."
         )
 
-    def watch_for_spike(self, trainer: Trainer, step: int, loss: float, norm: float, lr: float) -> None:
+    def watch_for_spike(
+        self, trainer: Trainer, step: int, loss: float, norm: float, learning_rates: dict[str, float]
+    ) -> None:
         statistics = self.statistics
         if self.threshold is not None and statistics.is_spike(loss, self.threshold):
             self.loss_spikes += 1
             std = math.sqrt(statistics.variance)
-            record = {"step": step, "loss": loss, "mean": statistics.mean, "std": std, "grad_norm": norm, "lr": lr}
+            record = {"step": step, "loss": loss, "mean": statistics.mean, "std": std, "grad_norm": norm}
+            record |= learning_rates
             rank_zero_warn(
                 f"step {step}: loss spike {loss:.4g} ({(loss - statistics.mean) / std:.1f} standard deviations above "
                 f"the recent mean {statistics.mean:.4g}); logged to {self.spike_log}"
@@ -201,6 +204,16 @@ class NumericalGuard(Callback):
         self.bad_in_a_row, self.first_bad_step = state_dict["bad_in_a_row"], state_dict["first_bad_step"]
         # The window is the config's: a run continued with another one keeps the statistics so far.
         self.statistics = LossStatistics(self.statistics.window, **state_dict["loss_statistics"])
+
+
+def learning_rates(optimizer: Optimizer) -> dict[str, float]:
+    """The learning rates of a spike record, as the schedule set them: `lr`, the first param group's (AdamW's,
+    `model.optimizer.lr`), and `muon_lr`, the Muon group's under MuonAdamW (`pretraining.objectives.optimizers`)."""
+    rates = {"lr": optimizer.param_groups[0]["lr"]}
+    for group in optimizer.param_groups:
+        if group.get("muon"):
+            rates["muon_lr"] = group["lr"]
+    return rates
 
 
 def grad_scaler(trainer: Trainer) -> Any:

@@ -1,5 +1,5 @@
 """What every pretraining objective shares: the backbone, the optimizer (AdamW with weight decay on matrices
-only), the LR schedule (a warmup then
+only, or Muon for the hidden matrices: `pretraining.objectives.optimizers`), the LR schedule (a warmup then
 a cosine decay, or warmup-stable-decay: `pretraining.objectives.schedules`), gradient clipping that also
 works under bf16 with a fused optimizer, the training loss on the logs, and validation metrics computed from
 states reduced over all ranks (sums, never averages of averages; or concatenations, for metrics over the
@@ -35,6 +35,7 @@ from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.instantiate import build
 from pretraining.models.backbone import Backbone, backbones
+from pretraining.objectives.optimizers import hidden_matrices, is_muon, muon_parameter_groups
 from pretraining.objectives.schedules import ScheduleName, lr_schedule
 from pretraining.objectives.step_values import LogStepValues
 from pretraining.plugins.fsdp import FSDP2Strategy, ShardingPolicy, shard
@@ -183,6 +184,7 @@ class PretrainingObjective(LightningModule):
             self.min_lr_ratio,
             schedule=self.schedule,
             decay_steps=self.decay_steps,
+            hidden=hidden_matrices(self),
         )
 
     def configure_gradient_clipping(
@@ -205,15 +207,18 @@ def optimizer_and_schedule(
     *,
     schedule: ScheduleName = "cosine",
     decay_steps: int = 0,
+    hidden: Sequence[torch.Tensor] = (),
 ) -> OptimizerLRSchedulerConfig:
     """The optimizer `factory` builds over `parameters` and its LR `schedule` to `trainer.max_steps`
     (`pretraining.objectives.schedules`), stepped every optimizer step. Weight decay applies to matrices only:
-    not to biases, norms or scalars (such as a temperature)."""
+    not to biases, norms or scalars (such as a temperature). Under `MuonAdamW`, Muon takes the matrices among
+    `hidden` (`optimizers.hidden_matrices`) in a group of its own; AdamW's two groups are as they were."""
     trained = [p for p in parameters if p.requires_grad]
-    groups = [
-        {"params": [p for p in trained if p.dim() >= 2]},
-        {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    matrices, others = [p for p in trained if p.dim() >= 2], [p for p in trained if p.dim() < 2]
+    if is_muon(factory):
+        groups = muon_parameter_groups(matrices, others, hidden)
+    else:
+        groups = [{"params": matrices}, {"params": others, "weight_decay": 0.0}]
     # Under a loss scaler (16-mixed) a fused optimizer unscales inside its step, after the clipping that the
     # Trainer does first: Lightning refuses that, so such a run gets the unfused kernels.
     scaled = getattr(trainer.precision_plugin, "scaler", None) is not None

@@ -1,0 +1,198 @@
+"""Muon for the hidden matrices, AdamW for everything else, as one optimizer: `MuonAdamW`.
+
+Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/) updates a weight matrix with the
+orthogonalised momentum of its gradient: Newton-Schulz iterations push every singular value of the update
+towards 1, so that no direction dominates. It suits the matrices inside the backbone's layers (attention and
+MLP projections); embeddings, the head, norms, biases and scalars keep AdamW (`hidden_matrices` says which
+are which). One optimizer holds both, in param groups, so that a checkpoint has one optimizer state, the
+LR schedule scales both learning rates and Lightning sees one optimizer (logged as `lr-MuonAdamW/<group>`).
+
+The Muon update is torch.optim.Muon's (its momentum, Nesterov, coefficients, LR scaling), with one change:
+torch orthogonalises in bfloat16, which a CPU without bfloat16 matrix units emulates at many times the cost
+of float32; here the iterations run in float32 off CUDA (`orthogonalisation_dtype`).
+
+Muon needs each matrix whole: FSDP, which shards parameters across ranks, is refused with it
+(`pretraining.run.check_config`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
+from typing import Annotated, Any, Literal
+
+import torch
+from torch import nn
+from torch.optim import AdamW, Optimizer
+from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr
+from torch.optim.adam import adam
+
+from pretraining.models.backbone import backbones
+from pretraining.ranges import Range, checked_ranges
+
+NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)  # the quintic's (a, b, c): torch.optim.Muon's
+LRScaling = Literal["original", "match_rms_adamw"]  # torch.optim.Muon's adjust_lr_fn
+PositiveFloat = Annotated[float, Range(gt=0)]
+NonNegative = Annotated[float, Range(ge=0)]
+Beta = Annotated[float, Range(ge=0, lt=1)]
+
+
+class MuonAdamW(AdamW):
+    """AdamW on every param group, except those flagged `muon: True`, which Muon updates.
+
+    `lr`, `betas`, `eps`, `weight_decay` and `fused` are AdamW's, as for torch.optim.AdamW. The `muon_*`
+    settings are the Muon groups' defaults: their learning rate (`muon_lr`, scaled per matrix shape as
+    `muon_lr_scaling` says), decoupled weight decay (multiplied by the learning rate, as torch.optim.Muon),
+    momentum, Nesterov and the number of Newton-Schulz steps."""
+
+    @checked_ranges("model.optimizer")
+    def __init__(
+        self,
+        params: Iterable[dict[str, Any]],
+        lr: PositiveFloat = 1e-3,
+        betas: tuple[Beta, Beta] = (0.9, 0.999),
+        eps: PositiveFloat = 1e-8,
+        weight_decay: NonNegative = 0.01,
+        muon_lr: PositiveFloat = 0.02,
+        muon_weight_decay: NonNegative = 0.0,
+        muon_momentum: Annotated[float, Range(ge=0, lt=1)] = 0.95,
+        muon_nesterov: bool = True,
+        muon_ns_steps: Annotated[int, Range(ge=1, le=99)] = 5,
+        muon_lr_scaling: LRScaling = "original",
+        fused: bool | None = None,
+    ) -> None:
+        muon_defaults = {
+            "lr": muon_lr,
+            "weight_decay": muon_weight_decay,
+            "momentum": muon_momentum,
+            "nesterov": muon_nesterov,
+            "ns_steps": muon_ns_steps,
+            "lr_scaling": muon_lr_scaling,
+        }
+        groups = [muon_defaults | group if group.get("muon") else group for group in params]
+        for group in groups:
+            if group.get("muon") and any(p.dim() != 2 for p in group["params"]):
+                raise ValueError("a Muon param group holds a parameter that is not a matrix: give it to AdamW")
+        super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
+        # The Muon groups cannot take a loss scale inside the step: a GradScaler unscales the gradients first.
+        self._step_supports_amp_scaling = False
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group.get("muon"):
+                self.muon_step(group)
+            else:
+                self.adamw_step(group)
+        return loss
+
+    def adamw_step(self, group: dict[str, Any]) -> None:
+        """torch.optim.AdamW's step over one group (Adam.step's body, with decoupled weight decay)."""
+        params: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        exp_avgs: list[torch.Tensor] = []
+        exp_avg_sqs: list[torch.Tensor] = []
+        max_exp_avg_sqs: list[torch.Tensor] = []
+        steps: list[torch.Tensor] = []
+        has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        beta1, beta2 = group["betas"]
+        adam(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            max_exp_avg_sqs,
+            steps,
+            amsgrad=group["amsgrad"],
+            has_complex=has_complex,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=group["differentiable"],
+            fused=group["fused"],
+            decoupled_weight_decay=True,
+        )
+
+    def muon_step(self, group: dict[str, Any]) -> None:
+        """torch.optim.Muon's update of each matrix of one group, orthogonalised in `orthogonalisation_dtype`."""
+        lr, momentum = group["lr"], group["momentum"]
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            grad = param.grad
+            state = self.state[param]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                # A step count as in AdamW's states, which AdamW's load_state_dict reads in every state.
+                state["step"] = torch.tensor(0.0)
+            state["step"] += 1
+            buffer = state["momentum_buffer"]
+            buffer.lerp_(grad, 1 - momentum)
+            update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
+            update = orthogonalised(update, group["ns_steps"], orthogonalisation_dtype(update.device))
+            param.mul_(1 - lr * group["weight_decay"])
+            param.add_(update, alpha=-_adjust_lr(lr, group["lr_scaling"], param.shape))
+
+
+def orthogonalisation_dtype(device: torch.device) -> torch.dtype:
+    """bfloat16 on CUDA (tensor cores; torch.optim.Muon's choice), float32 elsewhere: a CPU without bfloat16
+    matrix units emulates bfloat16 matmuls, far slower than float32 ones."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def orthogonalised(matrix: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    """`matrix` with its singular values pushed towards 1 by `steps` quintic Newton-Schulz iterations in
+    `dtype`: torch.optim.Muon's `_zeropower_via_newtonschulz`, which always uses bfloat16. The coefficients
+    favour a steep slope at zero (few steps) over exact convergence: singular values end in roughly [0.7, 1.2],
+    except those tiny against the matrix's norm, which stay small."""
+    a, b, c = NS_COEFFICIENTS
+    wide = matrix.size(0) <= matrix.size(1)  # iterate on the smaller Gram matrix
+    x = matrix.to(dtype) if wide else matrix.to(dtype).T
+    x = x / x.norm().clamp(min=EPS)  # spectral norm at most 1: inside the iteration's basin
+    for _ in range(steps):
+        gram = x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x if wide else x.T
+
+
+def hidden_matrices(module: nn.Module) -> list[nn.Parameter]:
+    """The matrices Muon updates: the 2-D parameters inside the layers (`Backbone.layers`) of every backbone
+    in `module`. Not embeddings, the head, norms, biases, or parameters outside the layers (a contrastive
+    projection, a temperature)."""
+    return [
+        param
+        for backbone in backbones(module)
+        for layer in backbone.layers()
+        for param in layer.parameters()
+        if param.dim() == 2
+    ]
+
+
+def is_muon(factory: Callable[..., Optimizer]) -> bool:
+    """Whether `factory` (a config's partial) builds a `MuonAdamW`, which wants the hidden matrices in a group
+    of their own."""
+    target = factory.func if isinstance(factory, partial) else factory
+    return isinstance(target, type) and issubclass(target, MuonAdamW)
+
+
+def muon_parameter_groups(
+    matrices: Sequence[torch.Tensor], others: Sequence[torch.Tensor], hidden: Sequence[torch.Tensor]
+) -> list[dict[str, Any]]:
+    """MuonAdamW's groups, named for the LR monitor: AdamW with weight decay on the matrices outside the
+    layers (first: the group whose LR the numerics callback reports), AdamW without it on the rest, and Muon
+    on the hidden matrices among `matrices`."""
+    is_hidden = {id(param) for param in hidden}
+    return [
+        {"params": [p for p in matrices if id(p) not in is_hidden], "name": "adamw"},
+        {"params": list(others), "weight_decay": 0.0, "name": "adamw_no_decay"},
+        {"params": [p for p in matrices if id(p) in is_hidden], "name": "muon", "muon": True},
+    ]

@@ -1,0 +1,208 @@
+"""MuonAdamW (`pretraining.objectives.optimizers`): which parameters Muon takes, its update against
+torch.optim.Muon's and AdamW's against torch.optim.AdamW's, the orthogonalisation, a state_dict round trip,
+the config (`model/optimizer=muon`) and its refusals, and the learning rates a run logs."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from lightning.pytorch import Trainer
+from omegaconf import DictConfig
+from torch import nn
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+from pretraining.config import CONFIG_DIR
+from pretraining.errors import ConfigError
+from pretraining.models import Transformer
+from pretraining.objectives import optimizers
+from pretraining.objectives.causal_lm import CausalLM
+from pretraining.objectives.contrastive import Contrastive
+from pretraining.objectives.optimizers import (
+    NS_COEFFICIENTS,
+    MuonAdamW,
+    hidden_matrices,
+    orthogonalisation_dtype,
+    orthogonalised,
+)
+from pretraining.run import check_config
+from pretraining.train import train
+
+MUON = partial(MuonAdamW, lr=1e-2, weight_decay=0.1, muon_lr=0.02, muon_weight_decay=0.1)
+
+
+def backbone(causal: bool = True) -> Transformer:
+    return Transformer(vocab_size=50, max_seq_len=32, d_model=32, n_layer=2, n_head=2, causal=causal)
+
+
+def configured(model: nn.Module) -> dict:
+    model.trainer = Trainer(max_steps=100, logger=False, enable_checkpointing=False)
+    return model.configure_optimizers()
+
+
+def test_muon_takes_the_matrices_inside_the_layers_only() -> None:
+    model = CausalLM(backbone(), optimizer=MUON)
+    adamw, no_decay, muon = configured(model)["optimizer"].param_groups
+    assert [group["name"] for group in (adamw, no_decay, muon)] == ["adamw", "adamw_no_decay", "muon"]
+    names = {id(p): name for name, p in model.named_parameters()}
+    in_layers = {name for name, p in model.named_parameters() if name.startswith("backbone.blocks.") and p.dim() == 2}
+    assert {names[id(p)] for p in muon["params"]} == in_layers and muon["muon"] and muon["initial_lr"] == 0.02
+    embeddings = {"backbone.token_embedding.weight", "backbone.position_embedding.weight"}  # the head is tied
+    assert {names[id(p)] for p in adamw["params"]} == embeddings
+    assert all(p.dim() < 2 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+    assert (adamw["weight_decay"], muon["weight_decay"]) == (0.1, 0.1)
+    assert sum(len(group["params"]) for group in (adamw, no_decay, muon)) == len(list(model.parameters()))
+
+
+def test_a_contrastive_projection_and_temperature_stay_with_adamw() -> None:
+    model = Contrastive(backbone(causal=False), optimizer=MUON, shared_towers=False, embed_dim=16)
+    hidden = {id(p) for p in hidden_matrices(model)}
+    outside = [name for name, p in model.named_parameters() if id(p) not in hidden]
+    assert {"logit_scale", "query_head.weight", "passage_head.weight"} <= set(outside)
+    assert len(hidden) == 2 * 2 * sum(p.dim() == 2 for p in backbone().blocks[0].parameters())  # 2 towers x 2 layers
+    (muon,) = [group for group in configured(model)["optimizer"].param_groups if group.get("muon")]
+    assert {id(p) for p in muon["params"]} == hidden
+
+
+def test_adamw_keeps_its_two_unnamed_groups() -> None:
+    """As before Muon: old checkpoints resume into it and the LR monitor's names (lr-AdamW/pg1) stay."""
+    model = CausalLM(backbone(), optimizer=partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1))
+    groups = configured(model)["optimizer"].param_groups
+    assert len(groups) == 2 and not any("name" in group or "muon" in group for group in groups)
+
+
+@pytest.mark.parametrize("shape", [(64, 32), (32, 96), (128, 48)])
+def test_orthogonalised_singular_values_are_near_one(shape: tuple[int, int]) -> None:
+    torch.manual_seed(0)
+    matrix = torch.randn(shape) * 1e-3  # singular values from about 0.3e-3 to 2e-3
+    update = orthogonalised(matrix, 5, torch.float32)
+    assert update.dtype == torch.float32 and update.shape == matrix.shape
+    singular = torch.linalg.svdvals(update)
+    assert singular.min() > 0.6 and singular.max() < 1.25, singular  # the quintic's band, not exactly 1
+
+
+def test_orthogonalised_in_bfloat16_is_torchs_newton_schulz() -> None:
+    torch.manual_seed(0)
+    for shape in [(64, 32), (32, 96)]:
+        matrix = torch.randn(shape)
+        ours = orthogonalised(matrix, 5, torch.bfloat16)
+        assert torch.equal(ours, _zeropower_via_newtonschulz(matrix, NS_COEFFICIENTS, 5, 1e-7))
+
+
+def test_float32_off_cuda_bfloat16_on_cuda() -> None:
+    assert orthogonalisation_dtype(torch.device("cpu")) == torch.float32
+    assert orthogonalisation_dtype(torch.device("cuda", 0)) == torch.bfloat16
+
+
+def two_layer_problem() -> tuple[nn.Sequential, torch.Tensor]:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 24), nn.Tanh(), nn.Linear(24, 6)), torch.randn(16, 12)
+
+
+def muon_adamw(model: nn.Sequential, muon_lr: float = 0.05) -> MuonAdamW:
+    """Muon on the first layer's weight, AdamW (with and without weight decay) on the rest."""
+    first, bias, last, last_bias = model[0].weight, model[0].bias, model[2].weight, model[2].bias
+    groups = [{"params": [last]}, {"params": [bias, last_bias], "weight_decay": 0.0}, {"params": [first], "muon": True}]
+    return MuonAdamW(groups, lr=1e-2, weight_decay=0.1, muon_lr=muon_lr, muon_weight_decay=0.1)
+
+
+def train_steps(model: nn.Sequential, inputs: torch.Tensor, optimizer: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(inputs).square().mean().backward()
+        optimizer.step()
+
+
+def test_muon_and_adamw_steps_are_torchs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With torch's bfloat16 orthogonalisation, the Muon group steps bitwise as torch.optim.Muon and the
+    others as torch.optim.AdamW."""
+    monkeypatch.setattr(optimizers, "orthogonalisation_dtype", lambda device: torch.bfloat16)
+    model, inputs = two_layer_problem()
+    reference = copy.deepcopy(model)
+    train_steps(model, inputs, muon_adamw(model), 3)
+
+    muon = torch.optim.Muon([reference[0].weight], lr=0.05, weight_decay=0.1, momentum=0.95, nesterov=True)
+    biases = [reference[0].bias, reference[2].bias]
+    adamw_groups = [{"params": [reference[2].weight], "weight_decay": 0.1}, {"params": biases, "weight_decay": 0.0}]
+    adamw = torch.optim.AdamW(adamw_groups, lr=1e-2)
+    for _ in range(3):
+        muon.zero_grad()
+        adamw.zero_grad()
+        reference(inputs).square().mean().backward()
+        muon.step()
+        adamw.step()
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_state_dict_round_trip_gives_the_same_next_steps() -> None:
+    model, inputs = two_layer_problem()
+    optimizer = muon_adamw(model)
+    train_steps(model, inputs, optimizer, 3)
+    saved = io.BytesIO()
+    torch.save(optimizer.state_dict(), saved)
+    restored_model = copy.deepcopy(model)
+    restored = muon_adamw(restored_model, muon_lr=1.0)  # the saved param groups win
+    restored.load_state_dict(torch.load(io.BytesIO(saved.getvalue()), weights_only=True))
+    assert restored.param_groups[2]["lr"] == 0.05 and "momentum_buffer" in restored.state[restored_model[0].weight]
+    train_steps(model, inputs, optimizer, 2)
+    train_steps(restored_model, inputs, restored, 2)
+    for ours, theirs in zip(model.parameters(), restored_model.parameters(), strict=True):
+        assert torch.equal(ours, theirs)
+
+
+def test_a_muon_group_takes_matrices_only() -> None:
+    with pytest.raises(ValueError, match="not a matrix"):
+        MuonAdamW([{"params": [nn.Parameter(torch.zeros(3))], "muon": True}])
+
+
+def composed(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose("train", overrides=["experiment=clm_tiny", "data.dir=/data", *overrides])
+
+
+@pytest.mark.parametrize("experiment", ["clm_tiny", "mlm_tiny", "contrastive_tiny"])
+def test_muon_composes_with_each_objective_and_keeps_its_adamw_settings(experiment: str) -> None:
+    cfg = composed(f"experiment={experiment}", "model/optimizer=muon", "model.schedule=wsd")
+    check_config(cfg)
+    adamw = composed(f"experiment={experiment}").model.optimizer
+    assert cfg.model.optimizer._target_ == "pretraining.objectives.optimizers.MuonAdamW"
+    assert cfg.model.optimizer.muon_lr == 0.02
+    for key in ("lr", "betas", "eps", "weight_decay"):  # the objective's, as with AdamW
+        assert cfg.model.optimizer[key] == adamw[key]
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.optimizer.muon_lr=-0.1", r"model.optimizer.muon_lr=-0.1 must be > 0"),
+        ("model.optimizer.lr=-1", r"model.optimizer.lr=-1 must be > 0"),
+        ("model.optimizer.muon_momentum=1.0", r"model.optimizer.muon_momentum=1.0 must be in \[0, 1\)"),
+        ("model.optimizer.muon_ns_steps=0", r"model.optimizer.muon_ns_steps=0 must be in \[1, 99\]"),
+        ("model.optimizer.muon_weight_decay=-1", r"model.optimizer.muon_weight_decay=-1 must be at least 0"),
+        ("model.optimizer.muon_lr_scaling=rms", r"model.optimizer.muon_lr_scaling='rms' is not one of"),
+        ("trainer=fsdp_cpu", r"^model/optimizer=muon needs whole matrices.*choose trainer=ddp"),
+    ],
+)
+def test_bad_muon_settings_are_refused_naming_the_key(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        check_config(composed("model/optimizer=muon", override))
+
+
+def test_a_muon_run_logs_both_learning_rates_under_the_schedule(compose_train, tmp_path: Path) -> None:
+    overrides = ["model/optimizer=muon", "model.schedule=wsd", "model.decay_steps=4", "trainer.max_steps=8"]
+    train(compose_train(*overrides, "trainer.log_every_n_steps=1"))
+    with (tmp_path / "csv" / "metrics.csv").open() as file:
+        rows = [row for row in csv.DictReader(file) if row.get("lr-MuonAdamW/muon")]
+    muon = [float(row["lr-MuonAdamW/muon"]) for row in rows]
+    adamw = [float(row["lr-MuonAdamW/adamw"]) for row in rows]
+    assert len(muon) == 8 and all(row["lr-MuonAdamW/adamw_no_decay"] for row in rows)
+    assert muon[:2] == pytest.approx([0.01, 0.02]) and muon[4] == pytest.approx(0.02)  # warmup 2, then the peak
+    assert muon[-1] < muon[5] < muon[4]  # the decay over the last 4 steps
+    assert [m / a for m, a in zip(muon, adamw, strict=True)] == pytest.approx([0.02 / 3e-3] * 8)  # one multiplier
