@@ -187,6 +187,31 @@ def test_contrastive(tmp_path: Path, pair_dir: Path) -> None:
     kill_twice_and_compare(tmp_path, overrides, kills=(5, 10), max_steps=12)
 
 
+MUON_WSD = ["model/optimizer=muon", "model.schedule=wsd", "model.decay_steps=4"]
+
+
+@pytest.mark.slow  # the optimizer and schedule states resume as AdamW's do; their round trips: tests/test_optimizers.py
+def test_muon_and_warmup_stable_decay(tmp_path: Path, small_shards: Path) -> None:
+    """Killed in the stable phase (batch 6) and in the decay (batch 11, decay from step 8 of 12)."""
+    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *MUON_WSD, f"data.dir={small_shards}"]
+    kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=12)
+
+
+@pytest.mark.slow  # three runs; the schedule's continuation rules: tests/test_schedules.py
+def test_a_wsd_run_extended_in_its_stable_phase_trains_as_if_planned_longer(tmp_path: Path, small_shards: Path) -> None:
+    """A run of 12 steps (decay from step 8) killed after batch 10 and continued, from its step-8 checkpoint,
+    with trainer.max_steps=16: bitwise the run that had 16 steps from the start. Continued again, now in its
+    decay, with 20, it is refused."""
+    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *MUON_WSD, f"data.dir={small_shards}"]
+    assert pretrain(tmp_path, "reference", [*overrides, "trainer.max_steps=16"]) == 0
+    killed = pretrain(tmp_path, "extended", [*overrides, "trainer.max_steps=12"], kill_after=10)
+    assert killed == -signal.SIGKILL
+    assert pretrain(tmp_path, "extended", [*overrides, "trainer.max_steps=16"]) == 0
+    assert_same_training(tmp_path, "reference", "extended", 16)
+    with pytest.raises(AssertionError, match=r"the checkpoint \(step 16\) is in its LR decay \(steps 12 to 16\)"):
+        pretrain(tmp_path, "extended", [*overrides, "trainer.max_steps=20"])
+
+
 @pytest.mark.slow  # 35 s; the stream's accumulation layouts resume exactly in tests/test_stream.py
 def test_gradient_accumulation(tmp_path: Path, small_shards: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, f"data.dir={small_shards}"]
