@@ -12,10 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 from lightning.pytorch import Trainer
 from omegaconf import DictConfig
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from pretraining.config import CONFIG_DIR
@@ -157,9 +160,16 @@ def test_a_state_dict_round_trip_gives_the_same_next_steps() -> None:
         assert torch.equal(ours, theirs)
 
 
-def test_a_muon_group_takes_matrices_only() -> None:
+def test_a_muon_group_takes_whole_matrices_only() -> None:
     with pytest.raises(ValueError, match="not a matrix"):
         MuonAdamW([{"params": [nn.Parameter(torch.zeros(3))], "muon": True}])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # a mesh of this process
+    try:
+        sharded = distribute_tensor(torch.zeros(4, 4), init_device_mesh("cpu", (1,)), [Shard(0)])
+        with pytest.raises(ValueError, match="sharded"):
+            MuonAdamW([{"params": [nn.Parameter(sharded)], "muon": True}])
+    finally:
+        dist.destroy_process_group()
 
 
 def composed(*overrides: str) -> DictConfig:

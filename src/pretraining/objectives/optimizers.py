@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.optim import AdamW, Optimizer
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr
 from torch.optim.adam import adam
@@ -70,9 +71,11 @@ class MuonAdamW(AdamW):
             "lr_scaling": muon_lr_scaling,
         }
         groups = [muon_defaults | group if group.get("muon") else group for group in params]
-        for group in groups:
-            if group.get("muon") and any(p.dim() != 2 for p in group["params"]):
+        for param in (p for group in groups if group.get("muon") for p in group["params"]):
+            if param.dim() != 2:
                 raise ValueError("a Muon param group holds a parameter that is not a matrix: give it to AdamW")
+            if isinstance(param, DTensor):
+                raise ValueError("Muon needs whole matrices, and this one is sharded (FSDP): use AdamW under FSDP")
         super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
         # The Muon groups cannot take a loss scale inside the step: a GradScaler unscales the gradients first.
         self._step_supports_amp_scaling = False
