@@ -66,7 +66,7 @@ def check_config(cfg: DictConfig) -> None:
 
 def check_optimizer_fits_strategy(cfg: DictConfig) -> None:
     """Refuse Muon under FSDP: Muon orthogonalises each hidden matrix whole, and FSDP shards it over ranks."""
-    optimizer = target_of(cfg.model.optimizer)
+    optimizer = target_of(cfg.model.get("optimizer"))
     if not (isinstance(optimizer, type) and issubclass(optimizer, MuonAdamW)) or not shards_parameters(cfg):
         return
     raise ConfigError(
