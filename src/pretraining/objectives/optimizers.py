@@ -17,6 +17,7 @@ Muon needs each matrix whole: FSDP, which shards parameters across ranks, is ref
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Annotated, Any, Literal
@@ -25,13 +26,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import AdamW, Optimizer
-from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, EPS, _adjust_lr
-from torch.optim.adam import adam
 
 from pretraining.models.backbone import backbones
 from pretraining.ranges import Range, checked_ranges
 
-NS_COEFFICIENTS = (DEFAULT_A, DEFAULT_B, DEFAULT_C)  # the quintic's (a, b, c): torch.optim.Muon's
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic's (a, b, c): Keller Jordan's, as torch.optim.Muon's
+EPS = 1e-7  # what a matrix's norm is clamped to before dividing by it
 LRScaling = Literal["original", "match_rms_adamw"]  # torch.optim.Muon's adjust_lr_fn
 PositiveFloat = Annotated[float, Range(gt=0)]
 NonNegative = Annotated[float, Range(ge=0)]
@@ -41,7 +41,7 @@ Beta = Annotated[float, Range(ge=0, lt=1)]
 class MuonAdamW(AdamW):
     """AdamW on every param group, except those flagged `muon: True`, which Muon updates.
 
-    `lr`, `betas`, `eps`, `weight_decay` and `fused` are AdamW's, as for torch.optim.AdamW. The `muon_*`
+    `lr`, `betas`, `eps` and `weight_decay` are AdamW's, as for torch.optim.AdamW (unfused). The `muon_*`
     settings are the Muon groups' defaults: their learning rate (`muon_lr`, scaled per matrix shape as
     `muon_lr_scaling` says), decoupled weight decay (multiplied by the learning rate, as torch.optim.Muon),
     momentum, Nesterov and the number of Newton-Schulz steps."""
@@ -60,7 +60,6 @@ class MuonAdamW(AdamW):
         muon_nesterov: bool = True,
         muon_ns_steps: Annotated[int, Range(ge=1, le=99)] = 5,
         muon_lr_scaling: LRScaling = "original",
-        fused: bool | None = None,
     ) -> None:
         muon_defaults = {
             "lr": muon_lr,
@@ -76,54 +75,29 @@ class MuonAdamW(AdamW):
                 raise ValueError("a Muon param group holds a parameter that is not a matrix: give it to AdamW")
             if isinstance(param, DTensor):
                 raise ValueError("Muon needs whole matrices, and this one is sharded (FSDP): use AdamW under FSDP")
-        super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused)
-        # The Muon groups cannot take a loss scale inside the step: a GradScaler unscales the gradients first.
-        self._step_supports_amp_scaling = False
+        # Not fused: a fused step takes the loss scale of 16-mixed inside it, which the Muon groups cannot.
+        super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Muon's update of the Muon groups, then AdamW's step, which skips parameters without a gradient:
+        the Muon groups' gradients are set aside for it."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            if group.get("muon"):
-                self.muon_step(group)
-            else:
-                self.adamw_step(group)
+        muon_groups = [group for group in self.param_groups if group.get("muon")]
+        for group in muon_groups:
+            self.muon_step(group)
+        set_aside = [(param, param.grad) for group in muon_groups for param in group["params"]]
+        for param, _ in set_aside:
+            param.grad = None
+        try:
+            super().step()
+        finally:
+            for param, grad in set_aside:
+                param.grad = grad
         return loss
-
-    def adamw_step(self, group: dict[str, Any]) -> None:
-        """torch.optim.AdamW's step over one group (Adam.step's body, with decoupled weight decay)."""
-        params: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        exp_avgs: list[torch.Tensor] = []
-        exp_avg_sqs: list[torch.Tensor] = []
-        max_exp_avg_sqs: list[torch.Tensor] = []
-        steps: list[torch.Tensor] = []
-        has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
-        beta1, beta2 = group["betas"]
-        adam(
-            params,
-            grads,
-            exp_avgs,
-            exp_avg_sqs,
-            max_exp_avg_sqs,
-            steps,
-            amsgrad=group["amsgrad"],
-            has_complex=has_complex,
-            beta1=beta1,
-            beta2=beta2,
-            lr=group["lr"],
-            weight_decay=group["weight_decay"],
-            eps=group["eps"],
-            maximize=group["maximize"],
-            foreach=group["foreach"],
-            capturable=group["capturable"],
-            differentiable=group["differentiable"],
-            fused=group["fused"],
-            decoupled_weight_decay=True,
-        )
 
     def muon_step(self, group: dict[str, Any]) -> None:
         """torch.optim.Muon's update of each matrix of one group, orthogonalised in `orthogonalisation_dtype`."""
@@ -143,7 +117,14 @@ class MuonAdamW(AdamW):
             update = grad.lerp(buffer, momentum) if group["nesterov"] else buffer
             update = orthogonalised(update, group["ns_steps"], orthogonalisation_dtype(update.device))
             param.mul_(1 - lr * group["weight_decay"])
-            param.add_(update, alpha=-_adjust_lr(lr, group["lr_scaling"], param.shape))
+            param.add_(update, alpha=-lr * shape_scale(param.shape, group["lr_scaling"]))
+
+
+def shape_scale(shape: torch.Size, scaling: LRScaling) -> float:
+    """What Muon's LR is multiplied by for a matrix of `shape` (torch.optim.Muon's `adjust_lr_fn`): original,
+    sqrt(max(1, rows / cols)); match_rms_adamw, 0.2 sqrt(max(rows, cols)), an update as large as AdamW's."""
+    rows, cols = shape[:2]
+    return math.sqrt(max(1, rows / cols)) if scaling == "original" else 0.2 * math.sqrt(max(rows, cols))
 
 
 def orthogonalisation_dtype(device: torch.device) -> torch.dtype:
