@@ -105,12 +105,12 @@ def test_the_core_imports_no_extra() -> None:
                 assert not name.startswith("pretraining.extras"), f"pretraining.{module} (the core) imports {name}"
 
 
-def test_the_backbone_imports_only_torch_and_the_checks_of_its_settings() -> None:
+@pytest.mark.parametrize("module", [module for module in MODULES if module.startswith("models.")])
+def test_a_backbone_imports_only_torch_the_checks_of_its_settings_and_other_models(module: str) -> None:
     checks = {"pretraining.ranges", "pretraining.errors"}
-    for name, _ in imports(MODULES["models.transformer"]):
-        assert name.split(".")[0] in {"__future__", "collections", "functools", "math", "os", "typing", "torch"} or (
-            name in checks
-        ), name
+    standard = {"__future__", "abc", "collections", "functools", "math", "os", "typing", "torch"}
+    for name, _ in imports(MODULES[module]):
+        assert name.split(".")[0] in standard or name in checks or name.startswith("pretraining.models."), name
 
 
 def test_no_import_cycles() -> None:

@@ -11,7 +11,8 @@ from lightning.pytorch import Trainer
 
 from conftest import fit_batch
 from pretraining.errors import ConfigError
-from pretraining.models import Transformer, transformer
+from pretraining.models import Transformer
+from pretraining.models import backbone as backbone_module
 from pretraining.models.transformer import parameter_count
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.schedules import warmup_cosine
@@ -86,7 +87,7 @@ def test_the_parameters_are_counted_before_the_model_is_built(bias: bool, positi
 
 
 def test_a_model_larger_than_the_machines_memory_is_refused_before_allocating(monkeypatch) -> None:
-    monkeypatch.setattr(transformer, "physical_memory", lambda: 16 * 2**30)
+    monkeypatch.setattr(backbone_module, "physical_memory", lambda: 16 * 2**30)
     # 10^10 learned positions of width 128: a 5 TB table, refused at once instead of allocated.
     message = r"makes 1,280,000,820,352 parameters, 4,768\.4 GiB in float32, and this machine has 16\.0 GiB of memory"
     with pytest.raises(ConfigError, match=message):

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import abc
 import functools
+import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from pretraining.errors import ConfigError
 
 
 class Backbone(nn.Module, metaclass=abc.ABCMeta):
@@ -115,3 +119,28 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
 def backbones(module: nn.Module) -> list[Backbone]:
     """Every backbone inside `module`: an objective's, a second contrastive tower, a distillation's teacher."""
     return [m for m in module.modules() if isinstance(m, Backbone)]
+
+
+def padded_vocabulary(vocab_size: int) -> int:
+    """The rows of an embedding table or head: a multiple of 64, for faster matmuls."""
+    return math.ceil(vocab_size / 64) * 64
+
+
+def check_fits_in_memory(parameters: int, fix: str) -> None:
+    """Refuse a model whose float32 weights alone exceed this machine's memory, before allocating them: the
+    allocation would fail (or swap the machine to a halt) only after the data is read. `fix` says which
+    sizes to lower."""
+    needed, memory = 4 * parameters, physical_memory()
+    if memory and needed > memory:
+        raise ConfigError(
+            f"model.backbone makes {parameters:,} parameters, {needed / 2**30:,.1f} GiB in float32, and this machine "
+            f"has {memory / 2**30:,.1f} GiB of memory: {fix}"
+        )
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes; None where the OS does not say (Windows)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from pretraining.errors import ConfigError
+from pretraining.models.attention import document_positions
 from pretraining.models.backbone import Backbone
-from pretraining.models.transformer import document_positions
 from pretraining.objectives.base import PretrainingObjective
 from pretraining.ranges import Range, checked_ranges
 

@@ -1,0 +1,125 @@
+"""Attention parts every backbone shares: rotary positions, document masks and the attention call.
+
+Packed blocks hold several documents. Given each token's document (`documents`), a position attends
+only within its own document: on CUDA through FlexAttention's block-sparse kernel (whole blocks of the
+score matrix that cross documents are never computed), elsewhere through a boolean SDPA mask.
+
+Rotary positions (RoPE, Su et al. 2021; Llama, ModernBERT) rotate each head's queries and keys by angles
+proportional to their positions, so that attention scores depend on the offset between two positions.
+The layout (first half of a head's dimensions paired with the second) is GPT-NeoX's and Llama's, so the
+weights of a rotary backbone mean the same in Hugging Face's Llama.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+# What attention may see: None (everything, or causal), a boolean mask (batch, 1, query, key) that is True
+# where attention is allowed, or FlexAttention's block-sparse form of one.
+AttentionMask = torch.Tensor | BlockMask | None
+# The cosines and sines of the rotary angles (length, head width / 2), or (batch, 1, length, head width / 2)
+# for positions that differ by row; None without rotary positions.
+Rotary = tuple[torch.Tensor, torch.Tensor] | None
+ROTARY_BASE = 10000.0
+# FlexAttention's kernels need heads of this many dimensions at least.
+FLEX_MIN_HEAD_WIDTH = 16
+
+
+@functools.cache
+def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function` compiled once for every block and step (shapes are fixed), on first use (importing the
+    compiler costs seconds of start-up). FlexAttention and its block masks are fast only compiled."""
+    return torch.compile(function, dynamic=False)
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, causal: bool, dropout: float = 0.0
+) -> torch.Tensor:
+    """Attention of queries (batch, head, length, width) over keys and values, which may have fewer heads
+    (grouped-query attention: each key/value head serves n_head / n_kv_head query heads, never copied).
+    `mask`: see `AttentionMask`; None keeps the fused (causal) kernels."""
+    grouped = q.shape[1] != k.shape[1]
+    if isinstance(mask, BlockMask):
+        return document_attention(q, k, v, mask, grouped)
+    is_causal = causal and mask is None
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, enable_gqa=grouped
+    )
+
+
+def document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, grouped: bool = False
+) -> torch.Tensor:
+    """FlexAttention under a block mask, compiled. Inside a compiled block (`model.compile`) the block's graph
+    takes it in: a compiled function called while another is traced breaks torch.compile's view replay."""
+    if torch.compiler.is_compiling():
+        return cast(torch.Tensor, flex_attention(q, k, v, block_mask=mask, enable_gqa=grouped))
+    return cast(torch.Tensor, compiled(flex_attention)(q, k, v, block_mask=mask, enable_gqa=grouped))
+
+
+def rotary_angles(position_ids: torch.Tensor, head_width: int, base: float = ROTARY_BASE) -> Rotary:
+    """The rotary cosines and sines of `position_ids` (length,) or (batch, length): pair i of a head's
+    dimensions turns by position * base^(-2i / head_width)."""
+    exponents = torch.arange(0, head_width, 2, device=position_ids.device, dtype=torch.float32) / head_width
+    angles = position_ids[..., None].float() * base**-exponents
+    if angles.dim() == 3:
+        angles = angles[:, None]  # a head dimension
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Queries or keys (batch, head, length, width) rotated: the first half of each head's dimensions
+    paired with the second half (GPT-NeoX's and Llama's layout)."""
+    cos, sin = (part.to(x.dtype) for part in rotary)  # bfloat16 queries stay bfloat16 under autocast
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
+
+
+def attention_mask(
+    attend: torch.Tensor | None, documents: torch.Tensor | None, causal: bool, flex: bool
+) -> AttentionMask:
+    """What each position may attend to (`AttentionMask`): FlexAttention's block mask for documents on
+    CUDA when `flex` allows it (the caller knows its dropout and head width), else a boolean mask, or None
+    when nothing is masked. `attend` and `documents` as in `Backbone.forward`."""
+    if attend is None:
+        if documents is None:
+            return None
+        if documents.is_cuda and flex:
+            return document_block_mask(documents, causal)
+    parts = []  # broadcastable to (batch, query, key)
+    if attend is not None:
+        parts.append(attend[:, None, :])
+    if documents is not None:
+        parts.append(documents[:, :, None] == documents[:, None, :])
+    if causal:
+        length = parts[0].shape[-1]
+        parts.append(torch.ones(length, length, dtype=torch.bool, device=parts[0].device).tril())
+    mask = parts[0]
+    for part in parts[1:]:
+        mask = mask & part
+    return mask.unsqueeze(-3)  # a head dimension: (batch, 1, query, key)
+
+
+def document_block_mask(documents: torch.Tensor, causal: bool) -> BlockMask:
+    """FlexAttention's block-sparse mask: each position sees its own document (causally when `causal`)."""
+
+    def same_document(batch: torch.Tensor, head: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+        inside = documents[batch, query] == documents[batch, key]
+        return inside & (query >= key) if causal else inside
+
+    batch, length = documents.shape
+    return compiled(create_block_mask)(same_document, batch, None, length, length, device=documents.device)
+
+
+def document_positions(documents: torch.Tensor) -> torch.Tensor:
+    """Position ids restarting at 0 where each document starts in a packed block (batch, length)."""
+    index = torch.arange(documents.shape[1], device=documents.device).expand_as(documents)
+    starts_here = torch.ones_like(documents, dtype=torch.bool)
+    starts_here[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    return index - torch.where(starts_here, index, 0).cummax(dim=1).values
