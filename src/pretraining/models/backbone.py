@@ -7,7 +7,7 @@ that subclasses `Backbone` and one config (`configs/model/backbone/`):
 - `forward(tokens, attend, documents, position_ids)`: hidden states (batch, length, `d_model`);
 - `head_weight` (and `logits`): the head the losses apply to hidden states;
 - `vocab_size`, `max_seq_len`, `d_model`, `causal`: the sizes and the kind the objectives check;
-- `layers()`: the repeated units that FSDP2 shards one by one, `model.compile` compiles and activation
+- `repeated_layers()`: the repeated units that FSDP2 shards one by one, `model.compile` compiles and activation
   checkpointing recomputes; `run_layers` runs them, checkpointed when a strategy asks;
 - `flops_per_token` and `head_flops_per_token`: the model FLOPs behind `perf/mfu`;
 - `init_weights()` (a second contrastive tower draws its own) and `describe()` (the run's model line).
@@ -64,8 +64,10 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
         Its rows may exceed `vocab_size` (padding for faster matmuls); the padded ids never occur in data."""
 
     @abc.abstractmethod
-    def layers(self) -> Sequence[nn.Module]:
-        """The repeated units, in order: each one FSDP2 unit, one compiled module, one checkpointed region."""
+    def repeated_layers(self) -> Sequence[nn.Module]:
+        """The repeated units, in order: each one FSDP2 unit, one compiled module, one checkpointed region.
+        Not named `layers`: Hugging Face's decoders keep theirs in a submodule of that name (`layers.0.mlp`),
+        which a backbone named as theirs (`Llama`) must be free to have."""
 
     @abc.abstractmethod
     def init_weights(self) -> None:
@@ -78,7 +80,7 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
     def run_layers(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
         """`x` through every layer (each called as `layer(x, *args)`), each recomputed in backward when
         `checkpoint_activations` is set."""
-        for layer in self.layers():
+        for layer in self.repeated_layers():
             if self.checkpoint_activations and torch.is_grad_enabled():
                 # Non-reentrant: works under FSDP hooks and torch.compile, and replays the same dropout masks.
                 x = checkpoint(layer, x, *args, use_reentrant=False)
@@ -95,13 +97,14 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
         PaLM does. Left out: embedding lookups, norms, biases, softmax (not matmuls), and the recomputation
         of activation checkpointing (MFU counts the model's FLOPs, not the hardware's). The head is apart:
         `head_flops_per_token`, for each token it scores. Override where attention is wider or narrower."""
-        return 6 * self.layer_matmul_weights + 12 * len(self.layers()) * self.d_model * seq_len
+        return 6 * self.layer_matmul_weights + 12 * len(self.repeated_layers()) * self.d_model * seq_len
 
     @functools.cached_property
     def layer_matmul_weights(self) -> int:
         """The weights of the layers' linear layers, counted once: their count is fixed, and asked for at every
         step (the throughput count)."""
-        return sum(m.weight.numel() for layer in self.layers() for m in layer.modules() if isinstance(m, nn.Linear))
+        layers = self.repeated_layers()
+        return sum(m.weight.numel() for layer in layers for m in layer.modules() if isinstance(m, nn.Linear))
 
     def head_flops_per_token(self) -> int:
         """Training FLOPs of the head for one scored token (padded vocabulary)."""
@@ -109,7 +112,7 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
 
     def describe(self) -> str:
         """Its shape in a few words, for the run's model line."""
-        count = len(self.layers())
+        count = len(self.repeated_layers())
         return (
             f"{count} layer{'' if count == 1 else 's'} of width {self.d_model}, vocabulary {self.vocab_size}, "
             f"{self.max_seq_len} positions"

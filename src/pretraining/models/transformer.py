@@ -74,7 +74,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-norm transformer layer: the backbone's unit (`Backbone.layers`)."""
+    """A pre-norm transformer layer: the backbone's unit (`Backbone.repeated_layers`)."""
 
     def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, causal: bool) -> None:
         super().__init__()
@@ -188,7 +188,7 @@ class Transformer(Backbone):
         """The head is tied to the token embedding."""
         return self.token_embedding.weight
 
-    def layers(self) -> list[nn.Module]:
+    def repeated_layers(self) -> list[nn.Module]:
         return list(self.blocks)
 
     def describe(self) -> str:

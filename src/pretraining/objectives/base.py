@@ -92,8 +92,8 @@ class PretrainingObjective(LightningModule):
     def configure_model(self) -> None:
         """Under FSDP2 (Lightning's `ModelParallelStrategy`), shard the model by the strategy's policy
         (`pretraining.plugins.fsdp.shard`); then, with `compile`, compile each backbone's layers in place
-        (`Backbone.layers`; `nn.Module.compile`: no wrapper, so checkpoint keys stay as they are). Lightning calls this
-        for every `validate` and `fit`, so it acts only once."""
+        (`Backbone.repeated_layers`; `nn.Module.compile`: no wrapper, so checkpoint keys stay as they are).
+        Lightning calls this for every `validate` and `fit`, so it acts only once."""
         if self.model_configured:
             return
         if self.device_mesh is not None:
@@ -101,7 +101,7 @@ class PretrainingObjective(LightningModule):
             policy = strategy.policy if isinstance(strategy, FSDP2Strategy) else ShardingPolicy()
             shard(self, self.device_mesh["data_parallel"], policy)
         if self.compile_blocks:
-            for layer in (layer for backbone in backbones(self) for layer in backbone.layers()):
+            for layer in (layer for backbone in backbones(self) for layer in backbone.repeated_layers()):
                 layer.compile(dynamic=False)  # pretraining shapes are fixed: no dynamic-shape kernels
         self.model_configured = True
 

@@ -2,7 +2,7 @@
 
 `FSDP2Strategy` is Lightning's `ModelParallelStrategy` plus the policy, and checkpoints written whole
 or not at all; the objective applies the policy in `configure_model` (`shard`): each of a backbone's
-layers (`Backbone.layers`) becomes one FSDP unit (its parameters all-gathered just before it runs, freed
+layers (`Backbone.repeated_layers`) becomes one FSDP unit (its parameters all-gathered just before it runs, freed
 after), then the rest of the objective another.
 
     trainer:
@@ -90,7 +90,7 @@ def shard(module: nn.Module, mesh: DeviceMesh, policy: ShardingPolicy) -> None:
     options = policy.fsdp_options()
     for backbone in found:
         backbone.checkpoint_activations = policy.activation_checkpointing
-        for layer in backbone.layers():
+        for layer in backbone.repeated_layers():
             fully_shard(layer, mesh=mesh, **options)
     fully_shard(module, mesh=mesh, **options)
     for name in FORWARD_METHODS:
