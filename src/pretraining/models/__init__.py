@@ -1,5 +1,6 @@
 """Backbones in plain PyTorch (no Lightning inside)."""
 
+from pretraining.models.llama import Llama
 from pretraining.models.transformer import Transformer
 
-__all__ = ["Transformer"]
+__all__ = ["Llama", "Transformer"]

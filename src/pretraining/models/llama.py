@@ -1,0 +1,270 @@
+"""A Llama-style backbone in plain PyTorch (`Backbone`'s second kind), named as Hugging Face's Llama.
+
+Against the GPT-2-style `Transformer`: RMSNorm instead of LayerNorm, rotary positions always (no position
+table: `max_seq_len` only bounds the input), a gated MLP (`down(act(gate(x)) * up(x))`, SwiGLU with
+`activation=silu`, or squared ReLU with `relu2`), grouped-query attention (`n_kv_head` key/value heads
+shared by the `n_head` query heads: a smaller key/value cache at generation), optional QK-norm (an RMSNorm
+on each head's queries and keys before rotary, as Qwen3 and OLMo-2: attention logits cannot blow up), no
+biases anywhere, and a head tied to the token embedding or its own (`tie_head`).
+
+Every parameter is named as in Hugging Face's `LlamaForCausalLM` without its `model.` prefix
+(`embed_tokens`, `layers.0.self_attn.q_proj`, `layers.0.mlp.gate_proj`, `norm`, `lm_head`; with QK-norm
+Qwen3's `q_norm`, `k_norm`), and computes as it does (RMSNorm in float32, rotary over the first and
+second halves of each head), so that an export renames nothing and reproduces the logits. The embedding
+(and an untied head) has its rows padded to a multiple of 64; an export drops the padding.
+
+`causal=True` for next-token prediction, `causal=False` for masked-LM and contrastive encoders.
+Document masking and `position_ids` work as in the `Transformer` (`pretraining.models.attention`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Annotated
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretraining.errors import ConfigError
+from pretraining.models.attention import (
+    FLEX_MIN_HEAD_WIDTH,
+    AttentionMask,
+    attend,
+    attention_mask,
+    rotary_angles,
+    rotate,
+)
+from pretraining.models.backbone import Backbone, check_fits_in_memory, padded_vocabulary
+from pretraining.ranges import Positive, Range, checked_ranges
+
+
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """relu(x)^2 (Primer, So et al. 2021; modded-nanogpt): Hugging Face's `hidden_act="relu2"`."""
+    return F.relu(x).square()
+
+
+# The gate's activation, by Hugging Face's `hidden_act` name.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "relu2": squared_relu}
+# How the projections back into the residual stream (o_proj, down_proj) start: `zero` (modded-nanogpt,
+# nanochat): every layer starts as the identity, so the residual stream keeps its scale at any depth with
+# no depth-dependent std to tune, and the layers grow in from the first update; `scaled`: GPT-2's
+# N(0, 0.02 / sqrt(2 n_layer)).
+OUTPUT_INITS = ("zero", "scaled")
+INIT_STD = 0.02
+
+
+def default_mlp_width(d_model: int) -> int:
+    """8/3 d_model rounded up to a multiple of 64: a gated MLP's three matrices then hold about the weights of
+    GPT-2's two at 4 d_model (Shazeer 2020; Llama)."""
+    return math.ceil(8 * d_model / 3 / 64) * 64
+
+
+class RMSNorm(nn.Module):
+    """Scale by the reciprocal root mean square, then by a learned weight; computed in float32 and the
+    weight applied after casting back, as Hugging Face's `LlamaRMSNorm` (the same logits in bfloat16)."""
+
+    def __init__(self, width: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        wide = x.float()
+        normed = wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary positions (Hugging Face's `self_attn`)."""
+
+    def __init__(self, d_model: int, n_head: int, n_kv_head: int, qk_norm: bool, norm_eps: float, causal: bool) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_width, self.causal = n_head, n_kv_head, d_model // n_head, causal
+        self.q_proj = nn.Linear(d_model, n_head * self.head_width, bias=False)
+        self.k_proj = nn.Linear(d_model, n_kv_head * self.head_width, bias=False)
+        self.v_proj = nn.Linear(d_model, n_kv_head * self.head_width, bias=False)
+        self.o_proj = nn.Linear(n_head * self.head_width, d_model, bias=False)
+        self.q_norm = RMSNorm(self.head_width, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_width, norm_eps) if qk_norm else None
+
+    def forward(self, x: torch.Tensor, mask: AttentionMask, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q = self.q_proj(x).view(batch, length, self.n_head, self.head_width)
+        k = self.k_proj(x).view(batch, length, self.n_kv_head, self.head_width)
+        v = self.v_proj(x).view(batch, length, self.n_kv_head, self.head_width)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # each head's own vector, before rotary (Qwen3)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, head, length, width)
+        y = attend(rotate(q, rotary), rotate(k, rotary), v, mask, self.causal)
+        return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
+
+
+class MLP(nn.Module):
+    """The gated MLP: `down_proj(act(gate_proj(x)) * up_proj(x))`."""
+
+    def __init__(self, d_model: int, width: int, activation: str) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, width, bias=False)
+        self.up_proj = nn.Linear(d_model, width, bias=False)
+        self.down_proj = nn.Linear(width, d_model, bias=False)
+        self.act = ACTIVATIONS[activation]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """A pre-norm layer (Hugging Face's `LlamaDecoderLayer`): the backbone's unit (`Backbone.repeated_layers`)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_head: int,
+        n_kv_head: int,
+        mlp_width: int,
+        activation: str,
+        qk_norm: bool,
+        norm_eps: float,
+        causal: bool,
+    ) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(d_model, norm_eps)
+        self.self_attn = Attention(d_model, n_head, n_kv_head, qk_norm, norm_eps, causal)
+        self.post_attention_layernorm = RMSNorm(d_model, norm_eps)
+        self.mlp = MLP(d_model, mlp_width, activation)
+
+    def forward(self, x: torch.Tensor, mask: AttentionMask, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), mask, rotary)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def parameter_count(
+    vocab_size: int,
+    d_model: int,
+    n_layer: int,
+    n_head: int,
+    n_kv_head: int,
+    mlp_width: int,
+    qk_norm: bool,
+    tie_head: bool,
+) -> int:
+    """The parameters of a `Llama` of these sizes, counted without building it."""
+    head_width = d_model // n_head
+    attention = 2 * d_model * n_head * head_width + 2 * d_model * n_kv_head * head_width + 2 * head_width * qk_norm
+    layer = attention + 3 * d_model * mlp_width + 2 * d_model  # and the two norms
+    table = padded_vocabulary(vocab_size) * d_model
+    return table * (1 if tie_head else 2) + n_layer * layer + d_model
+
+
+def check_shape(d_model: int, n_head: int, n_kv_head: int, activation: str, output_init: str) -> None:
+    """Refuse sizes and names that build no model, naming the key and the fix."""
+    if d_model % n_head:
+        raise ConfigError(
+            f"model.backbone.d_model={d_model} must be divisible by model.backbone.n_head={n_head}: change either, "
+            "so that each of the n_head attention heads gets d_model / n_head dimensions"
+        )
+    if d_model // n_head % 2:
+        raise ConfigError(
+            f"rotary positions turn pairs of each head's dimensions, and model.backbone.d_model={d_model} / "
+            f"n_head={n_head} is odd: choose d_model and n_head with an even head width"
+        )
+    if n_head % n_kv_head:
+        raise ConfigError(
+            f"model.backbone.n_head={n_head} must be divisible by model.backbone.n_kv_head={n_kv_head}: each "
+            "key/value head serves n_head / n_kv_head query heads; choose a divisor of n_head (n_head itself: "
+            "plain multi-head attention)"
+        )
+    if activation not in ACTIVATIONS:
+        raise ConfigError(f"model.backbone.activation={activation!r} must be one of {', '.join(ACTIVATIONS)}")
+    if output_init not in OUTPUT_INITS:
+        raise ConfigError(f"model.backbone.output_init={output_init!r} must be one of {', '.join(OUTPUT_INITS)}")
+
+
+class Llama(Backbone):
+    """Token embeddings, `n_layer` pre-norm decoder layers (grouped-query attention with rotary positions,
+    a gated MLP), a final RMSNorm, and a head tied to the embedding or its own.
+
+    `Backbone.flops_per_token` holds as it is for grouped-query attention: the linear weights it counts are
+    the smaller key/value projections, and attention's matmuls against the sequence run in n_head heads of
+    d_model / n_head dimensions, d_model in all, whatever n_kv_head is."""
+
+    @checked_ranges("model.backbone")
+    def __init__(
+        self,
+        vocab_size: Positive,
+        max_seq_len: Positive = 256,
+        d_model: Positive = 128,
+        n_layer: Positive = 4,
+        n_head: Positive = 4,
+        n_kv_head: Positive | None = None,
+        mlp_width: Positive | None = None,
+        activation: str = "silu",
+        qk_norm: bool = False,
+        tie_head: bool = True,
+        rope_theta: Annotated[float, Range(gt=0)] = 10000.0,
+        norm_eps: Annotated[float, Range(gt=0, lt=1)] = 1e-5,
+        output_init: str = "zero",
+        causal: bool = True,
+    ) -> None:
+        super().__init__()
+        n_kv_head = n_kv_head or n_head
+        mlp_width = mlp_width or default_mlp_width(d_model)
+        check_shape(d_model, n_head, n_kv_head, activation, output_init)
+        check_fits_in_memory(
+            parameter_count(vocab_size, d_model, n_layer, n_head, n_kv_head, mlp_width, qk_norm, tie_head),
+            "lower model.backbone.d_model, n_layer or mlp_width",
+        )
+        self.vocab_size, self.max_seq_len, self.d_model, self.causal = vocab_size, max_seq_len, d_model, causal
+        self.n_head, self.n_kv_head, self.head_width = n_head, n_kv_head, d_model // n_head
+        self.rope_theta, self.output_init = rope_theta, output_init
+        self.embed_tokens = nn.Embedding(padded_vocabulary(vocab_size), d_model)
+        self.layers = nn.ModuleList(
+            DecoderLayer(d_model, n_head, n_kv_head, mlp_width, activation, qk_norm, norm_eps, causal)
+            for _ in range(n_layer)
+        )
+        self.norm = RMSNorm(d_model, norm_eps)
+        self.lm_head = None if tie_head else nn.Linear(d_model, padded_vocabulary(vocab_size), bias=False)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Draw fresh weights: N(0, 0.02), norms at one, the output projections as `output_init` says."""
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear | nn.Embedding):
+                if name.endswith(("o_proj", "down_proj")) and self.output_init == "zero":
+                    nn.init.zeros_(module.weight)
+                elif name.endswith(("o_proj", "down_proj")):
+                    nn.init.normal_(module.weight, std=INIT_STD / math.sqrt(2 * len(self.layers)))
+                else:
+                    nn.init.normal_(module.weight, std=INIT_STD)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        attend: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states (batch, length, d_model): see `Backbone.forward`."""
+        length = tokens.shape[1]
+        if length > self.max_seq_len:
+            raise ValueError(f"sequence of {length} tokens exceeds model.backbone.max_seq_len={self.max_seq_len}")
+        if position_ids is None:
+            position_ids = torch.arange(length, device=tokens.device)
+        rotary = rotary_angles(position_ids, self.head_width, self.rope_theta)
+        mask = attention_mask(attend, documents, self.causal, flex=self.head_width >= FLEX_MIN_HEAD_WIDTH)
+        return self.norm(self.run_layers(self.embed_tokens(tokens), mask, rotary))
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        """The untied head's weight, or the token embedding when tied."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def repeated_layers(self) -> list[nn.Module]:
+        return list(self.layers)
+
+    def describe(self) -> str:
+        return f"{super().describe()}, {self.n_head} heads, {self.n_kv_head} key/value heads"
