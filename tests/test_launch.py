@@ -25,6 +25,7 @@ from pretraining.config import CONFIG_DIR, PROJECT_ROOT
 from pretraining.errors import ConfigError
 from pretraining.instantiate import build
 from pretraining.launch import check_devices, hydra_quote
+from pretraining.models.llama import DecoderLayer
 from pretraining.models.transformer import Block
 from pretraining.train import train
 
@@ -99,9 +100,9 @@ def test_every_trainer_preset_composes_and_the_cpu_ones_build(compose_train, pre
     assert trainer.world_size == trainer_cfg.devices * trainer_cfg.get("num_nodes", 1)
 
 
-def test_fsdp1_makes_each_transformer_block_a_unit(compose_train) -> None:
+def test_fsdp1_makes_each_layer_of_either_backbone_a_unit(compose_train) -> None:
     strategy = build(compose_train("trainer=fsdp1").trainer.strategy)
-    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block}
+    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Block, DecoderLayer}
 
 
 def test_ddp_takes_every_gpu_of_a_node_and_any_number_of_nodes(compose_train) -> None:
