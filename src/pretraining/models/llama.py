@@ -218,7 +218,9 @@ class Llama(Backbone):
         )
         self.vocab_size, self.max_seq_len, self.d_model, self.causal = vocab_size, max_seq_len, d_model, causal
         self.n_head, self.n_kv_head, self.head_width = n_head, n_kv_head, d_model // n_head
-        self.rope_theta, self.output_init = rope_theta, output_init
+        # The settings an export writes into Hugging Face's config.json.
+        self.mlp_width, self.activation, self.qk_norm = mlp_width, activation, qk_norm
+        self.rope_theta, self.norm_eps, self.output_init = rope_theta, norm_eps, output_init
         self.embed_tokens = nn.Embedding(padded_vocabulary(vocab_size), d_model)
         self.layers = nn.ModuleList(
             DecoderLayer(d_model, n_head, n_kv_head, mlp_width, activation, qk_norm, norm_eps, causal)

@@ -25,6 +25,7 @@ from pretraining.evaluate import evaluate
 from pretraining.extras.distill.objectives import Distill, DistillMasked, FrozenTeacher, distillation_sums
 from pretraining.extras.registry.versions import Registry
 from pretraining.info import ancestry, describe
+from pretraining.models import Llama
 from pretraining.models.transformer import Transformer
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.masked_lm import MaskedLM
@@ -97,6 +98,25 @@ def test_the_loss_mixes_the_soft_and_hard_terms_as_configured() -> None:
     same, teacher = student_with_teacher(alpha=1.0)
     teacher.backbone.load_state_dict(same.backbone.state_dict())
     assert same.training_loss(batch).item() == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")  # no Trainer here
+@pytest.mark.parametrize("kind", [Distill, DistillMasked])
+def test_a_llama_student_learns_from_a_llama_teacher_in_every_parameter(kind: type) -> None:
+    causal = kind is Distill
+
+    def llama(seed: int) -> Llama:
+        torch.manual_seed(seed)  # GPT-2's init: zero output projections would give the rest no gradient yet
+        return Llama(
+            vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layer=1, n_head=2, causal=causal, output_init="scaled"
+        )
+
+    student = kind(llama(0), teacher="unused", optimizer=optimizer, alpha=0.5)
+    student.attach_teacher(FrozenTeacher((CausalLM if causal else MaskedLM)(llama(1), optimizer=optimizer)))
+    loss = student.training_loss(blocks(length=33))
+    loss.backward()
+    assert loss.isfinite()
+    assert all(p.grad is not None and p.grad.any() for p in student.parameters())
 
 
 def test_a_masked_student_is_taught_at_its_masked_positions_on_the_same_masked_input() -> None:
