@@ -36,6 +36,15 @@ from pretraining.train import train
 TESTS = Path(__file__).parent
 # Dropout on, so that the per-batch reseeding matters; checkpoints every 4 steps.
 RESUMABLE = ["model.backbone.dropout=0.1", "callbacks=[default,batch_log]", "callbacks.checkpoint.every_n_steps=4"]
+# The Llama backbone with grouped-query attention (2 query heads share 1 key/value head) and QK-norm. It
+# has no dropout: the same masks of masked-LM and the same data order are what resume must replay.
+LLAMA = [
+    "model/backbone=llama",
+    "model.backbone.n_kv_head=1",
+    "model.backbone.qk_norm=true",
+    "callbacks=[default,batch_log]",
+    "callbacks.checkpoint.every_n_steps=4",
+]
 DDP = ["trainer=ddp_cpu"]
 FSDP = ["trainer=fsdp_cpu"]
 
@@ -235,6 +244,32 @@ def test_ddp_on_two_processes_with_two_workers(tmp_path: Path, small_shards: Pat
 def test_fsdp2_on_two_processes(tmp_path: Path, small_shards: Path) -> None:
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *FSDP, f"data.dir={small_shards}"]
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
+
+
+@pytest.mark.slow  # the objectives and backbones share the resume path: next-token's is in the fast suite
+def test_the_llama_backbone(tmp_path: Path, small_shards: Path) -> None:
+    overrides = [*tiny_run("clm_tiny"), *LLAMA, f"data.dir={small_shards}"]
+    kill_twice_and_compare(tmp_path, overrides, kills=(5, 10), max_steps=12)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # two processes per run
+def test_the_llama_backbone_with_ddp_on_two_processes(tmp_path: Path, small_shards: Path) -> None:
+    overrides = [*tiny_run("mlm_tiny"), *LLAMA, *DDP, f"data.dir={small_shards}"]
+    kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow  # two processes per run
+def test_the_llama_backbone_with_fsdp2_and_activation_checkpointing_on_two_processes(
+    tmp_path: Path, small_shards: Path
+) -> None:
+    """Each Llama DecoderLayer an FSDP2 unit, recomputed in backward; the sharded checkpoints name its
+    parameters `layers.0.self_attn.q_proj.weight` ..., as Hugging Face does."""
+    checkpointed = "trainer.strategy.activation_checkpointing=true"
+    overrides = [*tiny_run("clm_tiny"), *LLAMA, *FSDP, checkpointed, f"data.dir={small_shards}"]
+    kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
+    assert "backbone.layers.0.self_attn.q_proj.weight" in final_weights(tmp_path, "killed")
 
 
 class Unseeded(Callback):
