@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from pretraining.errors import ConfigError
+
 # What attention may see: None (everything, or causal), a boolean mask (batch, 1, query, key) that is True
 # where attention is allowed, or FlexAttention's block-sparse form of one.
 AttentionMask = torch.Tensor | BlockMask | None
@@ -36,6 +38,16 @@ def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
     """`function` compiled once for every block and step (shapes are fixed), on first use (importing the
     compiler costs seconds of start-up). FlexAttention and its block masks are fast only compiled."""
     return torch.compile(function, dynamic=False)
+
+
+def head_width(d_model: int, n_head: int) -> int:
+    """The dimensions of each attention head, refused unless d_model splits evenly into n_head heads."""
+    if d_model % n_head:
+        raise ConfigError(
+            f"model.backbone.d_model={d_model} must be divisible by model.backbone.n_head={n_head}: change "
+            f"either, so that each of the n_head attention heads gets d_model / n_head dimensions"
+        )
+    return d_model // n_head
 
 
 def attend(

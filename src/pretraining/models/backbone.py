@@ -73,6 +73,14 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
     def init_weights(self) -> None:
         """Draw fresh weights, as at construction."""
 
+    def position_ids(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        """The positions of `tokens` (batch, length): `position_ids` if given, else 0, 1, ...; a sequence longer
+        than `max_seq_len` is refused."""
+        length = tokens.shape[1]
+        if length > self.max_seq_len:
+            raise ValueError(f"sequence of {length} tokens exceeds model.backbone.max_seq_len={self.max_seq_len}")
+        return torch.arange(length, device=tokens.device) if position_ids is None else position_ids
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head's logits over its (padded) vocabulary."""
         return F.linear(hidden, self.head_weight)

@@ -33,6 +33,7 @@ from pretraining.models.attention import (
     AttentionMask,
     attend,
     attention_mask,
+    head_width,
     rotary_angles,
     rotate,
 )
@@ -151,8 +152,8 @@ def parameter_count(
     tie_head: bool,
 ) -> int:
     """The parameters of a `Llama` of these sizes, counted without building it."""
-    head_width = d_model // n_head
-    attention = 2 * d_model * n_head * head_width + 2 * d_model * n_kv_head * head_width + 2 * head_width * qk_norm
+    width = d_model // n_head  # of a head
+    attention = 2 * d_model * n_head * width + 2 * d_model * n_kv_head * width + 2 * width * qk_norm
     layer = attention + 3 * d_model * mlp_width + 2 * d_model  # and the two norms
     table = padded_vocabulary(vocab_size) * d_model
     return table * (1 if tie_head else 2) + n_layer * layer + d_model
@@ -160,12 +161,7 @@ def parameter_count(
 
 def check_shape(d_model: int, n_head: int, n_kv_head: int, activation: str, output_init: str) -> None:
     """Refuse sizes and names that build no model, naming the key and the fix."""
-    if d_model % n_head:
-        raise ConfigError(
-            f"model.backbone.d_model={d_model} must be divisible by model.backbone.n_head={n_head}: change either, "
-            "so that each of the n_head attention heads gets d_model / n_head dimensions"
-        )
-    if d_model // n_head % 2:
+    if head_width(d_model, n_head) % 2:
         raise ConfigError(
             f"rotary positions turn pairs of each head's dimensions, and model.backbone.d_model={d_model} / "
             f"n_head={n_head} is odd: choose d_model and n_head with an even head width"
@@ -251,11 +247,7 @@ class Llama(Backbone):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states (batch, length, d_model): see `Backbone.forward`."""
-        length = tokens.shape[1]
-        if length > self.max_seq_len:
-            raise ValueError(f"sequence of {length} tokens exceeds model.backbone.max_seq_len={self.max_seq_len}")
-        if position_ids is None:
-            position_ids = torch.arange(length, device=tokens.device)
+        position_ids = self.position_ids(tokens, position_ids)
         rotary = rotary_angles(position_ids, self.head_width, self.rope_theta)
         mask = attention_mask(attend, documents, self.causal, flex=self.head_width >= FLEX_MIN_HEAD_WIDTH)
         return self.norm(self.run_layers(self.embed_tokens(tokens), mask, rotary))

@@ -31,6 +31,7 @@ from pretraining.models.attention import (
     Rotary,
     attend,
     attention_mask,
+    head_width,
     rotary_angles,
     rotate,
 )
@@ -43,11 +44,7 @@ POSITIONS = ("learned", "rotary")
 class SelfAttention(nn.Module):
     def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, causal: bool) -> None:
         super().__init__()
-        if d_model % n_head:
-            raise ConfigError(
-                f"model.backbone.d_model={d_model} must be divisible by model.backbone.n_head={n_head}: change "
-                f"either, so that each of the n_head attention heads gets d_model / n_head dimensions"
-            )
+        head_width(d_model, n_head)
         self.n_head, self.dropout, self.causal = n_head, dropout, causal
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
@@ -161,11 +158,7 @@ class Transformer(Backbone):
     ) -> torch.Tensor:
         """Hidden states (batch, length, d_model): see `Backbone.forward`. Packed blocks have no padding;
         padded pairs are no packed documents."""
-        length = tokens.shape[1]
-        if length > self.max_seq_len:
-            raise ValueError(f"sequence of {length} tokens exceeds model.backbone.max_seq_len={self.max_seq_len}")
-        if position_ids is None:
-            position_ids = torch.arange(length, device=tokens.device)
+        position_ids = self.position_ids(tokens, position_ids)
         x = self.token_embedding(tokens)
         rotary = None
         if self.positions == "learned":
