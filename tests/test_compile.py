@@ -12,16 +12,30 @@ import torch
 
 from conftest import tiny_run
 from pretraining.callbacks.batch_log import read_batch_log
-from pretraining.models import Transformer
+from pretraining.models import Llama, Transformer
+from pretraining.models.backbone import Backbone
 from pretraining.objectives.causal_lm import CausalLM
 from test_resume import RESUMABLE, TEST_ENV, final_weights, kill_twice_and_compare, pretrain, run_dir
 
 
 def test_compiled_blocks_compute_what_eager_blocks_do() -> None:
+    torch.manual_seed(0)
+    assert_compiled_computes_what_eager_does(
+        Transformer(vocab_size=64, max_seq_len=32, d_model=32, n_layer=2, n_head=2)
+    )
+
+
+@pytest.mark.slow  # about 20 s of compiling (cold cache); the Transformer's layers compile in the fast suite
+def test_compiled_llama_layers_compute_what_eager_layers_do() -> None:
+    """Grouped-query attention and QK-norm compiled; GPT-2's init, so that every layer has gradients."""
+    torch.manual_seed(0)
+    settings = {"n_head": 4, "n_kv_head": 2, "qk_norm": True, "output_init": "scaled"}
+    assert_compiled_computes_what_eager_does(Llama(vocab_size=64, max_seq_len=32, d_model=32, n_layer=2, **settings))
+
+
+def assert_compiled_computes_what_eager_does(backbone: Backbone) -> None:
     """Loss and gradients of a compiled model against the same model eager, on the same batch, with documents
     masked (the boolean SDPA mask path)."""
-    torch.manual_seed(0)
-    backbone = Transformer(vocab_size=64, max_seq_len=32, d_model=32, n_layer=2, n_head=2)
     settings = {"optimizer": torch.optim.AdamW, "document_masking": True}
     models = {compiled: CausalLM(copy.deepcopy(backbone), compile=compiled, **settings) for compiled in (False, True)}
     models[True].configure_model()
