@@ -18,7 +18,7 @@ from pretraining.data.tokenizer import CLS_ID, PAD_ID
 from pretraining.errors import ConfigError
 from pretraining.instantiate import check_targets
 from pretraining.models import Llama
-from pretraining.models.attention import attend, document_positions
+from pretraining.models.attention import document_positions, multi_head_attention
 from pretraining.models.llama import default_mlp_width, parameter_count
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.contrastive import Contrastive
@@ -108,7 +108,7 @@ def test_flex_attention_groups_query_heads_as_sdpa_does() -> None:
     k, v = torch.randn(2, 2, 2, 32, 16).unbind(0)
     with torch.no_grad():
         flex = flex_attention(q, k, v, enable_gqa=True)
-    torch.testing.assert_close(flex, attend(q, k, v, None, causal=False), rtol=0, atol=1e-5)
+    torch.testing.assert_close(flex, multi_head_attention(q, k, v, None, causal=False), rtol=0, atol=1e-5)
 
 
 def test_qk_norm_makes_attention_blind_to_the_scale_of_queries_and_keys() -> None:

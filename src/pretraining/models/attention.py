@@ -50,7 +50,7 @@ def head_width(d_model: int, n_head: int) -> int:
     return d_model // n_head
 
 
-def attend(
+def multi_head_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, causal: bool, dropout: float = 0.0
 ) -> torch.Tensor:
     """Attention of queries (batch, head, length, width) over keys and values, which may have fewer heads

@@ -31,9 +31,9 @@ from pretraining.errors import ConfigError
 from pretraining.models.attention import (
     FLEX_MIN_HEAD_WIDTH,
     AttentionMask,
-    attend,
     attention_mask,
     head_width,
+    multi_head_attention,
     rotary_angles,
     rotate,
 )
@@ -98,7 +98,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # each head's own vector, before rotary (Qwen3)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, head, length, width)
-        y = attend(rotate(q, rotary), rotate(k, rotary), v, mask, self.causal)
+        y = multi_head_attention(rotate(q, rotary), rotate(k, rotary), v, mask, self.causal)
         return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 

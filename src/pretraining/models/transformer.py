@@ -29,9 +29,9 @@ from pretraining.models.attention import (
     FLEX_MIN_HEAD_WIDTH,
     AttentionMask,
     Rotary,
-    attend,
     attention_mask,
     head_width,
+    multi_head_attention,
     rotary_angles,
     rotate,
 )
@@ -55,7 +55,7 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv(x).view(batch, length, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
         if rotary is not None:
             q, k = rotate(q, rotary), rotate(k, rotary)
-        y = attend(q, k, v, mask, self.causal, self.dropout if self.training else 0.0)
+        y = multi_head_attention(q, k, v, mask, self.causal, self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(batch, length, width))
 
 
