@@ -1,14 +1,22 @@
 """The Llama backbone against Hugging Face's own: its weights load by name alone (the `model.` prefix
 added) into `LlamaForCausalLM`, or `Qwen3ForCausalLM` with QK-norm, and give the same logits. What a native
-export of the backbone rests on: no renaming, no re-layout of the rotary halves, RMSNorm computed alike."""
+export of the backbone rests on: no renaming, no re-layout of the rotary halves, RMSNorm computed alike.
+Until that export exists, the GPT-2 routes refuse a Llama backbone, naming the fix."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen3Config, Qwen3ForCausalLM
 
+from pretraining.data.tokenizer import ByteTokenizer
+from pretraining.errors import ConfigError
+from pretraining.extras.hf.export import model_files
+from pretraining.extras.hf.init_from import initialise_from
 from pretraining.models import Llama
+from pretraining.objectives.causal_lm import CausalLM
 
 SHAPE = {"vocab_size": 100, "max_seq_len": 64, "d_model": 64, "n_layer": 2, "n_head": 4}
 
@@ -56,3 +64,11 @@ def test_the_logits_are_hugging_faces(settings: dict[str, object]) -> None:
         ours = backbone.logits(backbone(tokens))
         theirs = hugging_face_twin(backbone)(tokens).logits
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+
+
+def test_the_gpt2_routes_refuse_a_llama_backbone_naming_the_fix(tmp_path: Path) -> None:
+    backbone = Llama(**SHAPE)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"Llama has no Hugging Face export"):
+        model_files(CausalLM(backbone, optimizer=torch.optim.AdamW), ByteTokenizer(), {})
+    with pytest.raises(ConfigError, match=r"this run's is Llama: train it from scratch .* or choose model/backbone="):
+        initialise_from(backbone, str(tmp_path), ByteTokenizer())

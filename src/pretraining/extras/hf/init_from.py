@@ -21,6 +21,7 @@ from pretraining.extras.hf.directory import LINEAGE, read_config, read_json, rea
 from pretraining.extras.hf.tokenizer import check_same_tokenizer
 from pretraining.extras.hf.weights import check_gpt2_fits, from_gpt2
 from pretraining.files import sha256_of
+from pretraining.models.backbone import Backbone
 from pretraining.models.transformer import Transformer
 
 try:  # the registry extra, where this fork keeps it: a model exported from a tainted checkpoint is refused
@@ -78,9 +79,14 @@ def check_same_origin(init_from: str, origin: dict[str, Any] | None, checkpoint:
     )
 
 
-def initialise_from(backbone: Transformer, given: str, tokenizer: Tokenizer) -> dict[str, Any]:
-    """Load the GPT-2 model in the directory `given` (as `callbacks.init_from.path` names it) into `backbone`;
-    return its origin record for the lineage."""
+def initialise_from(backbone: Backbone, given: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    """Load the GPT-2 model in the directory `given` (as `callbacks.init_from.path` names it) into `backbone`,
+    a `Transformer`; return its origin record for the lineage."""
+    if not isinstance(backbone, Transformer):
+        raise ConfigError(
+            f"{KEY} loads GPT-2 weights into the GPT-2-style backbone, and this run's is {type(backbone).__name__}: "
+            f"train it from scratch (drop {KEY}), or choose model/backbone=transformer"
+        )
     directory, source = Path(given), f"{KEY}.path={given}"
     if not directory.is_dir():
         raise MissingFileError(f"{source}: no such directory; name a Hugging Face GPT-2 model directory")
