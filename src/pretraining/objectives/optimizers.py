@@ -149,13 +149,13 @@ def orthogonalised(matrix: torch.Tensor, steps: int, dtype: torch.dtype) -> torc
 
 
 def hidden_matrices(module: nn.Module) -> list[nn.Parameter]:
-    """The matrices Muon updates: the 2-D parameters inside the layers (`Backbone.layers`) of every backbone
+    """The matrices Muon updates: the 2-D parameters inside the layers (`Backbone.repeated_layers`) of every backbone
     in `module`. Not embeddings, the head, norms, biases, or parameters outside the layers (a contrastive
     projection, a temperature)."""
     return [
         param
         for backbone in backbones(module)
-        for layer in backbone.layers()
+        for layer in backbone.repeated_layers()
         for param in layer.parameters()
         if param.dim() == 2
     ]
