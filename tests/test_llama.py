@@ -189,6 +189,13 @@ def test_zero_output_projections_start_every_layer_as_the_identity() -> None:
     assert scaled.layers[0].mlp.up_proj.weight.std().item() == pytest.approx(0.02, rel=0.15)
 
 
+def test_dropout_acts_in_training_only() -> None:
+    model, ids = llama(dropout=0.5).train(), tokens()
+    assert not torch.equal(model(ids), model(ids))
+    model.eval()
+    assert torch.equal(model(ids), llama()(ids))  # the same weights (seeded), no dropout
+
+
 def test_rms_norm_computes_in_float32_and_scales_after_casting_back() -> None:
     norm = llama().norm
     with torch.no_grad():
@@ -256,6 +263,6 @@ def test_each_experiment_trains_with_the_llama_backbone(compose_train, experimen
 
 def test_a_transformer_key_is_refused_for_a_llama_run_before_any_work(compose_train) -> None:
     with pytest.raises(
-        ConfigError, match=r"model.backbone.dropout=0.1: .* is not a parameter of pretraining.models.Llama"
+        ConfigError, match=r"model.backbone.positions='learned': .* is not a parameter of pretraining.models.Llama"
     ):
-        train(compose_train("model/backbone=llama", "+model.backbone.dropout=0.1"))
+        train(compose_train("model/backbone=llama", "+model.backbone.positions=learned"))

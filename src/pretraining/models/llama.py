@@ -5,7 +5,9 @@ table: `max_seq_len` only bounds the input), a gated MLP (`down(act(gate(x)) * u
 `activation=silu`, or squared ReLU with `relu2`), grouped-query attention (`n_kv_head` key/value heads
 shared by the `n_head` query heads: a smaller key/value cache at generation), optional QK-norm (an RMSNorm
 on each head's queries and keys before rotary, as Qwen3 and OLMo-2: attention logits cannot blow up), no
-biases anywhere, and a head tied to the token embedding or its own (`tie_head`).
+biases anywhere, and a head tied to the token embedding or its own (`tie_head`). `dropout` (none by default,
+as in Llama) drops attention weights, each layer's two outputs and the embeddings, as the `Transformer`'s
+does: for runs that read the same data many times.
 
 Every parameter is named as in Hugging Face's `LlamaForCausalLM` without its `model.` prefix
 (`embed_tokens`, `layers.0.self_attn.q_proj`, `layers.0.mlp.gate_proj`, `norm`, `lm_head`; with QK-norm
@@ -80,9 +82,12 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """Grouped-query self-attention with rotary positions (Hugging Face's `self_attn`)."""
 
-    def __init__(self, d_model: int, n_head: int, n_kv_head: int, qk_norm: bool, norm_eps: float, causal: bool) -> None:
+    def __init__(
+        self, d_model: int, n_head: int, n_kv_head: int, qk_norm: bool, norm_eps: float, dropout: float, causal: bool
+    ) -> None:
         super().__init__()
         self.n_head, self.n_kv_head, self.head_width, self.causal = n_head, n_kv_head, d_model // n_head, causal
+        self.dropout = dropout
         self.q_proj = nn.Linear(d_model, n_head * self.head_width, bias=False)
         self.k_proj = nn.Linear(d_model, n_kv_head * self.head_width, bias=False)
         self.v_proj = nn.Linear(d_model, n_kv_head * self.head_width, bias=False)
@@ -98,7 +103,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # each head's own vector, before rotary (Qwen3)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, head, length, width)
-        y = multi_head_attention(rotate(q, rotary), rotate(k, rotary), v, mask, self.causal)
+        dropout = self.dropout if self.training else 0.0
+        y = multi_head_attention(rotate(q, rotary), rotate(k, rotary), v, mask, self.causal, dropout)
         return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -128,17 +134,19 @@ class DecoderLayer(nn.Module):
         activation: str,
         qk_norm: bool,
         norm_eps: float,
+        dropout: float,
         causal: bool,
     ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(d_model, norm_eps)
-        self.self_attn = Attention(d_model, n_head, n_kv_head, qk_norm, norm_eps, causal)
+        self.self_attn = Attention(d_model, n_head, n_kv_head, qk_norm, norm_eps, dropout, causal)
         self.post_attention_layernorm = RMSNorm(d_model, norm_eps)
         self.mlp = MLP(d_model, mlp_width, activation)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: AttentionMask, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), mask, rotary)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.dropout(self.self_attn(self.input_layernorm(x), mask, rotary))
+        return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
 
 
 def parameter_count(
@@ -202,6 +210,7 @@ class Llama(Backbone):
         rope_theta: Annotated[float, Range(gt=0)] = 10000.0,
         norm_eps: Annotated[float, Range(gt=0, lt=1)] = 1e-5,
         output_init: str = "zero",
+        dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0,
         causal: bool = True,
     ) -> None:
         super().__init__()
@@ -218,8 +227,9 @@ class Llama(Backbone):
         self.mlp_width, self.activation, self.qk_norm = mlp_width, activation, qk_norm
         self.rope_theta, self.norm_eps, self.output_init = rope_theta, norm_eps, output_init
         self.embed_tokens = nn.Embedding(padded_vocabulary(vocab_size), d_model)
+        self.dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleList(
-            DecoderLayer(d_model, n_head, n_kv_head, mlp_width, activation, qk_norm, norm_eps, causal)
+            DecoderLayer(d_model, n_head, n_kv_head, mlp_width, activation, qk_norm, norm_eps, dropout, causal)
             for _ in range(n_layer)
         )
         self.norm = RMSNorm(d_model, norm_eps)
@@ -249,8 +259,10 @@ class Llama(Backbone):
         """Hidden states (batch, length, d_model): see `Backbone.forward`."""
         position_ids = self.position_ids(tokens, position_ids)
         rotary = rotary_angles(position_ids, self.head_width, self.rope_theta)
-        mask = attention_mask(attend, documents, self.causal, flex=self.head_width >= FLEX_MIN_HEAD_WIDTH)
-        return self.norm(self.run_layers(self.embed_tokens(tokens), mask, rotary))
+        # FlexAttention has no dropout, and its kernels need heads of 16 dimensions at least.
+        flex = not (self.training and self.dropout.p) and self.head_width >= FLEX_MIN_HEAD_WIDTH
+        mask = attention_mask(attend, documents, self.causal, flex=flex)
+        return self.norm(self.run_layers(self.dropout(self.embed_tokens(tokens)), mask, rotary))
 
     @property
     def head_weight(self) -> torch.Tensor:
