@@ -400,13 +400,12 @@ def test_the_worked_objective_example_trains(tmp_path: Path, small_shards: Path,
 
 
 def test_the_backbone_example_trains(tmp_path: Path, small_shards: Path, example_config_dir: Path) -> None:
-    overrides = ["model.backbone._target_=my_backbone.SwiGLUTransformer"]
-    result = run_example("my_backbone.py", overrides, tmp_path, small_shards, example_config_dir)
+    result = run_example("my_backbone.py", ["model/backbone=parallel"], tmp_path, small_shards, example_config_dir)
     assert result.returncode == 0, result.stderr[-3000:]
     assert len(logged(tmp_path, "val/loss")) == 3
     checkpoint = tmp_path / "logs" / "train" / "runs" / "example" / "checkpoints" / "last.ckpt"
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
-    assert "backbone.blocks.0.mlp.gate.weight" in state
+    assert "backbone.blocks.0.attention.q_proj.weight" in state
 
 
 @pytest.mark.slow  # the README's two examples train in the fast suite
