@@ -113,7 +113,8 @@ def from_gpt2(weights: dict[str, Any], backbone: Transformer, source: str) -> di
         tensor = weights.get(theirs)
         if not isinstance(tensor, torch.Tensor):
             raise ConfigError(f"{source} has no tensor {theirs}: it is not a complete GPT-2 model")
-        check_tensor(tensor, ours, transposed, state, backbone.vocab_size, f"{source} has {theirs}")
+        vocabulary = backbone.vocab_size if ours == "token_embedding.weight" else None
+        check_tensor(tensor, gpt2_shape(ours, transposed, state), vocabulary, f"{source} has {theirs}")
         tensor = tensor.T if transposed else tensor
         if ours in state:
             loaded[ours] = tensor.to(state[ours].dtype)
@@ -133,19 +134,23 @@ def from_gpt2(weights: dict[str, Any], backbone: Transformer, source: str) -> di
     return {**loaded, "token_embedding.weight": embedding}
 
 
-def check_tensor(
-    tensor: torch.Tensor, ours: str, transposed: bool, state: dict[str, torch.Tensor], vocab_size: int, found: str
-) -> None:
-    """Refuse `tensor` unless it is a finite float tensor of the shape of `ours` in `state` (in GPT-2's
-    layout: matrices transposed); a bias the backbone lacks has its weight's rows. The token embedding
-    may have any number of rows that covers the tokenizer's `vocab_size`."""
-    expected = tuple(state[ours].shape if ours in state else state[ours.replace(".bias", ".weight")].shape[:1])
-    expected = expected[::-1] if transposed else expected
-    embedding = ours == "token_embedding.weight"
+def gpt2_shape(ours: str, transposed: bool, state: dict[str, torch.Tensor]) -> tuple[int, ...]:
+    """The shape GPT-2 stores the backbone's `ours` in (matrices transposed); a bias the backbone lacks has
+    its weight's rows."""
+    shape = tuple(state[ours].shape if ours in state else state[ours.replace(".bias", ".weight")].shape[:1])
+    return shape[::-1] if transposed else shape
+
+
+def check_tensor(tensor: torch.Tensor, expected: tuple[int, ...], vocab_size: int | None, found: str) -> None:
+    """Refuse `tensor` unless it is a finite float tensor of the `expected` shape; a vocabulary table
+    (`vocab_size` given: the token embedding, an untied head) may have any number of rows that covers the
+    tokenizer's `vocab_size`."""
     shape = tuple(tensor.shape)
-    rows_fit = len(shape) == len(expected) and (shape[0] >= vocab_size if embedding else shape[0] == expected[0])
+    rows_fit = len(shape) == len(expected) and (
+        shape[0] >= vocab_size if vocab_size is not None else shape[0] == expected[0]
+    )
     if not rows_fit or shape[1:] != expected[1:]:
-        wanted = f"(at least {vocab_size}, {expected[1]})" if embedding else str(expected)
+        wanted = f"(at least {vocab_size}, {expected[1]})" if vocab_size is not None else str(expected)
         raise ConfigError(f"{found} of shape {shape}, not {wanted}: it does not fit its config.json")
     if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
         raise ConfigError(
