@@ -12,6 +12,8 @@ from pretraining.extras.hf.init_from import describe_origin
 # (library_name, pipeline_tag) by the kind of export
 CARD_TAGS = {
     "gpt2": ("transformers", "text-generation"),
+    "llama": ("transformers", "text-generation"),
+    "qwen3": ("transformers", "text-generation"),
     "masked-lm": ("transformers", "fill-mask"),
     "embedding": ("sentence-transformers", "sentence-similarity"),
 }

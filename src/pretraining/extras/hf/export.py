@@ -1,7 +1,8 @@
 """Export a checkpoint as a Hugging Face model directory: `pretrain-export CKPT OUT` (or `make export`).
 
 `transformers` loads the directory without this package installed:
-- a next-token model as GPT-2 (`GPT2LMHeadModel`, `AutoModelForCausalLM`);
+- a next-token model as GPT-2 (`GPT2LMHeadModel`, `AutoModelForCausalLM`), or, with the Llama backbone, as
+  `LlamaForCausalLM` (`Qwen3ForCausalLM` with QK-norm);
 - a masked-LM model as `AutoModelForMaskedLM`, and a contrastive one as `AutoModel` and as a
   `sentence-transformers` model, both with their modelling code written beside the weights
   (`trust_remote_code=True`);
@@ -30,8 +31,11 @@ from pretraining.errors import ConfigError
 from pretraining.extras.hf import AUTO_MAP, MODELLING_CODE
 from pretraining.extras.hf.card import model_card
 from pretraining.extras.hf.directory import CONFIG, LINEAGE, SAFETENSORS, Content, check_destination, write_directory
+from pretraining.extras.hf.llama import llama_config, to_llama
 from pretraining.extras.hf.tokenizer import CLS, EOS, MASK, PAD, tokenizer_files
 from pretraining.extras.hf.weights import encoder_config, gpt2_config, to_encoder, to_gpt2
+from pretraining.models.backbone import Backbone, padded_vocabulary
+from pretraining.models.llama import Llama
 from pretraining.models.transformer import Transformer
 from pretraining.objectives.base import PretrainingObjective
 from pretraining.objectives.causal_lm import CausalLM
@@ -82,15 +86,17 @@ def export(
 
 
 def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict[str, int]) -> tuple[str, Files]:
-    """(kind, files) of the model and its tokenizer, by objective."""
+    """(kind, files) of the model and its tokenizer, by backbone and objective."""
     backbone = model.backbone
+    if isinstance(backbone, Llama):
+        return llama_files(model, backbone, tokenizer)
     if not isinstance(backbone, Transformer):
         raise ConfigError(
             f"{type(backbone).__name__} has no Hugging Face export: pretrain-export writes the template's own "
-            "backbones (pretraining.models.Transformer)"
+            "backbones (pretraining.models.Transformer, pretraining.models.Llama)"
         )
     if isinstance(model, CausalLM):
-        return "gpt2", gpt2_files(backbone, tokenizer)
+        return "gpt2", next_token_files(gpt2_config(backbone), to_gpt2(backbone), backbone, tokenizer)
     if isinstance(model, MaskedLM):
         return "masked-lm", masked_lm_files(backbone, tokenizer)
     if isinstance(model, Contrastive):
@@ -100,13 +106,28 @@ def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict
     )
 
 
-def gpt2_files(backbone: Transformer, tokenizer: Tokenizer) -> Files:
-    """GPT-2, which `transformers` loads as it is."""
+def llama_files(model: PretrainingObjective, backbone: Llama, tokenizer: Tokenizer) -> tuple[str, Files]:
+    """A next-token Llama as Hugging Face's Llama (Qwen3 with QK-norm). A bidirectional one has no stock
+    architecture in `transformers`, and the modelling code written beside encoder exports is the Transformer's."""
+    if not isinstance(model, CausalLM):
+        raise ConfigError(
+            f"a {type(model).__name__} Llama is bidirectional, and transformers has no Llama encoder to load it "
+            "without custom code: train the encoder with model/backbone=transformer to export it"
+        )
+    config = llama_config(backbone)
+    return config["model_type"], next_token_files(config, to_llama(backbone), backbone, tokenizer)
+
+
+def next_token_files(
+    config: dict[str, Any], weights: dict[str, torch.Tensor], backbone: Backbone, tokenizer: Tokenizer
+) -> Files:
+    """A next-token model in an architecture `transformers` loads as it is (no code of ours): its config,
+    weights, generation settings and tokenizer."""
     special = {"bos_token": EOS, "eos_token": EOS, "pad_token": PAD}
     return {
-        CONFIG: as_json(gpt2_config(backbone)),
+        CONFIG: as_json(config),
         "generation_config.json": as_json(generation_config(backbone)),
-        SAFETENSORS: weights_file(to_gpt2(backbone)),
+        SAFETENSORS: weights_file(weights),
         **tokenizer_files(tokenizer, special, backbone.max_seq_len),
     }
 
@@ -141,13 +162,13 @@ def embedding_files(model: Contrastive, backbone: Transformer, tokenizer: Tokeni
 ENCODER_TOKENS = {"eos_token": EOS, "pad_token": PAD, "mask_token": MASK, "cls_token": CLS}
 
 
-def generation_config(backbone: Transformer) -> dict[str, Any]:
+def generation_config(backbone: Backbone) -> dict[str, Any]:
     """The padded ids never occur in data: generation leaves them out, as the template's sampler does."""
     return {
         "bos_token_id": EOS_ID,
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
-        "suppress_tokens": list(range(backbone.vocab_size, backbone.token_embedding.num_embeddings)),
+        "suppress_tokens": list(range(backbone.vocab_size, padded_vocabulary(backbone.vocab_size))),
     }
 
 
@@ -210,12 +231,15 @@ def usage(kind: str, out: Path) -> str:
     return USAGE[kind].format(out=repr(str(out)))
 
 
-USAGE = {
-    "gpt2": """from transformers import AutoModelForCausalLM, AutoTokenizer
+NEXT_TOKEN_USAGE = """from transformers import AutoModelForCausalLM, AutoTokenizer
 tokenizer = AutoTokenizer.from_pretrained({out})
 model = AutoModelForCausalLM.from_pretrained({out})
 ids = model.generate(**tokenizer("def ", return_tensors="pt"), max_new_tokens=40, do_sample=False)
-print(tokenizer.decode(ids[0]))""",
+print(tokenizer.decode(ids[0]))"""
+USAGE = {
+    "gpt2": NEXT_TOKEN_USAGE,
+    "llama": NEXT_TOKEN_USAGE,
+    "qwen3": NEXT_TOKEN_USAGE,
     "masked-lm": """from transformers import AutoModelForMaskedLM, AutoTokenizer
 tokenizer = AutoTokenizer.from_pretrained({out}, trust_remote_code=True)
 model = AutoModelForMaskedLM.from_pretrained({out}, trust_remote_code=True)
