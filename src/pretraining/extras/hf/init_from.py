@@ -1,14 +1,17 @@
 """`callbacks=[default,init_from] callbacks.init_from.path=DIR`: a fresh run starts from the weights of a
-Hugging Face GPT-2 directory, for continued pretraining: one `pretrain-export` wrote, or one of your own that
-computes what the backbone computes and reads the run's tokenizer (a stock GPT-2 does neither: `gelu_new`,
-and no `<pad>`, `<eos>`, `<mask>`, `<cls>` at ids 0-3). Its sizes and tokenizer are checked against the
-run's before any weights are loaded; the run's lineage records where it started (`origin`)."""
+Hugging Face directory, for continued pretraining: GPT-2 for the `Transformer` backbone, Llama (Qwen3 with
+QK-norm) for the `Llama` one. One `pretrain-export` wrote, or one of your own that computes what the backbone
+computes and reads the run's tokenizer (a stock GPT-2 does neither: `gelu_new`, and no `<pad>`, `<eos>`,
+`<mask>`, `<cls>` at ids 0-3). Its sizes and tokenizer are checked against the run's before any weights are
+loaded; the run's lineage records where it started (`origin`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -18,10 +21,12 @@ from pretraining.data.contract import training_data
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError, MissingFileError
 from pretraining.extras.hf.directory import LINEAGE, read_config, read_json, read_weights, weight_files
+from pretraining.extras.hf.llama import LLAMA_TYPES, check_llama_fits, from_llama
 from pretraining.extras.hf.tokenizer import check_same_tokenizer
 from pretraining.extras.hf.weights import check_gpt2_fits, from_gpt2
 from pretraining.files import sha256_of
 from pretraining.models.backbone import Backbone
+from pretraining.models.llama import Llama
 from pretraining.models.transformer import Transformer
 
 try:  # the registry extra, where this fork keeps it: a model exported from a tainted checkpoint is refused
@@ -33,7 +38,7 @@ KEY = "callbacks.init_from"
 
 
 class InitFrom(Callback):
-    """Load the GPT-2 directory `path` into a fresh run's backbone at set-up, before any validation or step;
+    """Load the model directory `path` into a fresh run's backbone at set-up, before any validation or step;
     a resumed run keeps its checkpoint's weights, and must name the directory it started from. A directory
     exported from a checkpoint that the registry in `registry_dir` marks tainted is refused unless
     `allow_tainted`."""
@@ -79,24 +84,29 @@ def check_same_origin(init_from: str, origin: dict[str, Any] | None, checkpoint:
     )
 
 
+# What each backbone starts from: the model types it reads, in words, and the config that chooses it.
+STARTS = [
+    (Transformer, ("gpt2",), "GPT-2 models (model_type gpt2)", "model/backbone=transformer"),
+    (Llama, LLAMA_TYPES, "Llama models (model_type llama, or qwen3 with QK-norm)", "model/backbone=llama"),
+]
+Loader = Callable[[dict[str, Any]], dict[str, torch.Tensor]]
+
+
 def initialise_from(backbone: Backbone, given: str, tokenizer: Tokenizer) -> dict[str, Any]:
-    """Load the GPT-2 model in the directory `given` (as `callbacks.init_from.path` names it) into `backbone`,
-    a `Transformer`; return its origin record for the lineage."""
-    if not isinstance(backbone, Transformer):
+    """Load the model in the directory `given` (as `callbacks.init_from.path` names it) into `backbone`: a
+    GPT-2 model into a `Transformer`, a Llama (or Qwen3) one into a `Llama`; return its origin record for
+    the lineage."""
+    if not isinstance(backbone, Transformer | Llama):
         raise ConfigError(
-            f"{KEY} loads GPT-2 weights into the GPT-2-style backbone, and this run's is {type(backbone).__name__}: "
-            f"train it from scratch (drop {KEY}), or choose model/backbone=transformer"
+            f"{KEY} loads GPT-2 or Llama weights into the template's backbones, and this run's is "
+            f"{type(backbone).__name__}: train it from scratch (drop {KEY}), or choose model/backbone=transformer "
+            "or model/backbone=llama"
         )
     directory, source = Path(given), f"{KEY}.path={given}"
     if not directory.is_dir():
-        raise MissingFileError(f"{source}: no such directory; name a Hugging Face GPT-2 model directory")
+        raise MissingFileError(f"{source}: no such directory; name a Hugging Face model directory")
     config = read_config(directory)
-    if config.get("model_type") != "gpt2":
-        raise ConfigError(
-            f"{source} holds a {config.get('model_type')!r} model: {KEY} starts from GPT-2 models "
-            "(model_type gpt2, as `pretrain-export` writes a next-token model)"
-        )
-    check_gpt2_fits(config, backbone, tokenizer.vocab_size, source)
+    load = checked_loader(config, backbone, tokenizer.vocab_size, source)
     check_same_tokenizer(
         directory / "tokenizer.json",
         tokenizer,
@@ -112,8 +122,27 @@ def initialise_from(backbone: Backbone, given: str, tokenizer: Tokenizer) -> dic
     }
     origin["summary"] = describe_origin(origin)  # what `pretrain-info` shows
     weights = read_weights(files)
-    backbone.load_state_dict(from_gpt2(weights, backbone, source))
+    backbone.load_state_dict(load(weights))
     return origin
+
+
+def checked_loader(config: dict[str, Any], backbone: Transformer | Llama, vocab_size: int, source: str) -> Loader:
+    """What loads the weights of the model `config` describes into `backbone`, once the config is checked to
+    fit it; a model of another kind than the backbone's is refused, naming both."""
+    kind = config.get("model_type")
+    if isinstance(backbone, Llama) and kind in LLAMA_TYPES:
+        check_llama_fits(config, backbone, vocab_size, source)
+        return lambda weights: from_llama(weights, backbone, source)
+    if isinstance(backbone, Transformer) and kind == "gpt2":
+        check_gpt2_fits(config, backbone, vocab_size, source)
+        return lambda weights: from_gpt2(weights, backbone, source)
+    (words,) = [words for kinds, _, words, _ in STARTS if isinstance(backbone, kinds)]
+    other = [choice for kinds, types, _, choice in STARTS if kind in types]
+    hint = f"; a {kind} model starts a run with {other[0]}" if other else ""
+    raise ConfigError(
+        f"{source} holds a {kind!r} model: {KEY} starts from {words} into this run's "
+        f"{type(backbone).__name__} backbone{hint}"
+    )
 
 
 def is_origin(given: str, origin: dict[str, Any]) -> bool:
