@@ -117,7 +117,8 @@ def from_llama(weights: dict[str, Any], backbone: Llama, source: str) -> dict[st
         check_tensor(tensor, tuple(own.shape), backbone.vocab_size if table else None, f"{source} has {hf_name(name)}")
         loaded[name] = with_own_padding(own, tensor) if table else tensor.to(own.dtype)
     head = weights.get("lm_head.weight")  # transformers leaves a tied head out; a stored one must be the same
-    if backbone.lm_head is None and head is not None and not torch.equal(head, weights["embed_tokens.weight"]):
+    tied = isinstance(head, torch.Tensor) and torch.equal(head, weights["embed_tokens.weight"])
+    if backbone.lm_head is None and head is not None and not tied:
         raise ConfigError(
             f"{source} has a head apart from its token embedding, and model.backbone.tie_head=true ties them: "
             "pass model.backbone.tie_head=false"
