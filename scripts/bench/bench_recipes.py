@@ -67,7 +67,13 @@ def train(log_dir: Path, experiment: str, seed: int, every: int, metric: str, ov
     started = time.perf_counter()
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - started
-    with (log_dir / "train" / "runs" / run / "csv" / "metrics.csv").open() as file:
+    return read_curve(log_dir / "train" / "runs" / run / "csv" / "metrics.csv", metric, wall)
+
+
+def read_curve(path: Path, metric: str, wall: float) -> Curve:
+    """A run's curve from its CSV log: `metric` at each validation after step 0, and the training seconds
+    to each logged step (`perf/step_time` times the steps since the previous log)."""
+    with path.open() as file:
         rows = list(csv.DictReader(file))
     values = {int(float(row["step"])): float(row[metric]) for row in rows if row.get(metric)}
     values.pop(0, None)  # the untrained model's validation
