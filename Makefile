@@ -69,7 +69,7 @@ $(PAIRS_DIR)/tokenizer.json: $(PAIRS_DIR)/manifest.json
 tokenizer: data ## Train a BPE tokenizer on the default shards (then use tokenizer=bpe)
 	$(BIN)/pretrain-data tokenizer --data $(DATA_DIR) $(ARGS)
 
-train: install data ## Train (EXPERIMENT=clm_modern, clm_tiny, mlm_modern, mlm_tiny, contrastive_modern, contrastive_tiny; gpt2_124m, bert_base, contrastive_code need ARGS="data.dir=...")
+train: install data ## Train (EXPERIMENT=clm_modern, clm_tiny, mlm_modern, mlm_tiny, contrastive_tiny; gpt2_124m, bert_base, contrastive_code need ARGS="data.dir=...")
 	$(BIN)/pretrain experiment=$(EXPERIMENT) $(ARGS)
 
 sweep: install data ## A Hydra multirun, each job in logs/train/multiruns/<sweep>/<job>: make sweep ARGS="model.optimizer.lr=1e-3,3e-3"

@@ -1,10 +1,10 @@
 # The sweeps extra's verbs (src/pretraining/extras/sweeps).
 .PHONY: sweep-optuna sweep-report
 SWEEP ?=
-# The Optuna search preset (configs/hparams_search/) of the experiment's objective: clm_tiny -> clm.
-SEARCH ?= $(firstword $(subst _, ,$(EXPERIMENT)))
+# The Optuna search preset (configs/hparams_search/): the experiment's own (clm_modern), else its objective's (clm_tiny -> clm).
+SEARCH ?= $(if $(wildcard configs/hparams_search/$(EXPERIMENT).yaml),$(EXPERIMENT),$(firstword $(subst _, ,$(EXPERIMENT))))
 
-sweep-optuna: install data ## An Optuna search (configs/hparams_search/, by objective: SEARCH=clm for clm_modern); run again to continue
+sweep-optuna: install data ## An Optuna search (configs/hparams_search/: the experiment's own, else its objective's: SEARCH=clm for clm_tiny); run again to continue
 	$(BIN)/pretrain -m experiment=$(EXPERIMENT) hparams_search=$(SEARCH) $(ARGS)
 
 sweep-report: install ## A sweep's jobs ranked, as report.md/report.csv and plots/overlay.png: make sweep-report SWEEP=<dir>

@@ -206,3 +206,18 @@ def test_a_muon_run_logs_both_learning_rates_under_the_schedule(compose_train, t
     assert muon[:2] == pytest.approx([0.01, 0.02]) and muon[4] == pytest.approx(0.02)  # warmup 2, then the peak
     assert muon[-1] < muon[5] < muon[4]  # the decay over the last 4 steps
     assert [m / a for m, a in zip(muon, adamw, strict=True)] == pytest.approx([0.02 / 3e-3] * 8)  # one multiplier
+
+
+def test_a_checkpoint_continues_only_with_the_optimizer_it_was_trained_with() -> None:
+    muon, adamw = CausalLM(backbone(), optimizer=MUON), CausalLM(backbone(), optimizer=partial(torch.optim.AdamW))
+    states = {"muon": configured(muon)["optimizer"].state_dict(), "adamw": configured(adamw)["optimizer"].state_dict()}
+    saved = {name: {"global_step": 3, "optimizer_states": [state]} for name, state in states.items()}
+    muon.on_load_checkpoint(saved["muon"])
+    adamw.on_load_checkpoint(saved["adamw"])
+    adamw.on_load_checkpoint({"global_step": 3})  # weights alone: nothing to compare
+    with pytest.raises(
+        ConfigError, match=r"^the checkpoint was trained with model/optimizer=muon, and this run builds"
+    ):
+        adamw.on_load_checkpoint(saved["muon"])
+    with pytest.raises(ConfigError, match=r"^the checkpoint was trained with model/optimizer=adamw, .* or start a"):
+        muon.on_load_checkpoint(saved["adamw"])

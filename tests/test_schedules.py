@@ -23,7 +23,7 @@ def test_cosine_is_a_lambda_lr_of_warmup_cosine_as_before() -> None:
     """The state of a LambdaLR, as checkpoints before wsd hold, and the same multipliers."""
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     scheduler = lr_schedule(optimizer, "cosine", warmup_steps=10, min_lr_ratio=0.1, decay_steps=7, total_steps=110)
-    assert type(scheduler) is LambdaLR
+    assert isinstance(scheduler, LambdaLR) and "decay_start" not in scheduler.state_dict()
     expected = partial(warmup_cosine, warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
     rates = []
     for _ in range(120):
@@ -36,9 +36,10 @@ def test_cosine_is_a_lambda_lr_of_warmup_cosine_as_before() -> None:
 def test_warmup_stable_decay_phases() -> None:
     schedule = partial(warmup_stable_decay, warmup_steps=10, decay_start=80, decay_steps=20, min_lr_ratio=0.1)
     assert [schedule(step) for step in (0, 4, 9)] == pytest.approx([0.1, 0.5, 1.0])  # linear warmup
-    assert all(schedule(step) == 1.0 for step in range(9, 81))  # the peak, until the decay starts
-    assert schedule(85) == pytest.approx(0.1 + 0.9 * (1 - 0.5))  # 1 - sqrt(progress): a quarter of the way
-    assert schedule(99) > schedule(100) == pytest.approx(0.1) == schedule(500)  # the floor after the last step
+    assert all(schedule(step) == 1.0 for step in range(9, 80))  # the peak, until the decay starts
+    assert schedule(80) == pytest.approx(0.1 + 0.9 * (1 - 0.05**0.5))  # the decay's first step
+    assert schedule(84) == pytest.approx(0.1 + 0.9 * (1 - 0.5))  # 1 - sqrt(progress): a quarter of the way
+    assert schedule(98) > schedule(99) == pytest.approx(0.1) == schedule(500)  # the decay's last step: the floor
 
 
 def wsd(total_steps: int, decay_steps: int = 20) -> tuple[torch.optim.Optimizer, WarmupStableDecay]:
@@ -87,8 +88,8 @@ def resumed(saved: dict, total_steps: int, then: int, decay_steps: int = 20) -> 
 def test_the_state_records_the_decay_and_the_phase() -> None:
     assert {"decay_start": 80, "decay_steps": 20, "phase": "warmup"}.items() <= saved_at(5, 100)["scheduler"].items()
     assert saved_at(50, 100)["scheduler"]["phase"] == "stable"
-    assert saved_at(80, 100)["scheduler"]["phase"] == "stable"  # step 80 (the 81st) not yet trained
-    assert saved_at(81, 100)["scheduler"]["phase"] == "decay"
+    assert saved_at(79, 100)["scheduler"]["phase"] == "stable"  # the phase of the next step
+    assert saved_at(80, 100)["scheduler"]["phase"] == "decay"
 
 
 @pytest.mark.parametrize("step", [5, 50, 80])
@@ -98,12 +99,21 @@ def test_a_stable_phase_state_continues_exactly_with_more_steps(step: int) -> No
 
 def test_a_cooldown_from_a_stable_phase_state() -> None:
     """The run planned 1000 steps; from step 50 it decays over the next 20 instead."""
-    rates = resumed(saved_at(50, 1000), 50 + 20, then=21)
-    assert rates == rates_after(70, 50, then=21) and rates[0] == 1.0 and rates[-1] == pytest.approx(0.1)
+    rates = resumed(saved_at(50, 1000), 50 + 20, then=20)
+    assert rates == rates_after(70, 50, then=20) and rates[0] < 1.0 and rates[-1] == pytest.approx(0.1)
 
 
 def test_the_same_decay_continues_anywhere() -> None:
     assert resumed(saved_at(90, 100), 100, then=10) == rates_after(100, 90, then=10)
+
+
+def test_the_schedules_refuse_each_others_states() -> None:
+    cosine_optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    cosine = lr_schedule(cosine_optimizer, "cosine", warmup_steps=10, min_lr_ratio=0.1, decay_steps=7, total_steps=110)
+    with pytest.raises(ConfigError, match=r"^the checkpoint was trained with model.schedule=wsd: continue it with"):
+        cosine.load_state_dict(saved_at(50, 100)["scheduler"])
+    with pytest.raises(ConfigError, match=r"^the checkpoint was trained with model.schedule=cosine: continue it"):
+        wsd(100)[1].load_state_dict(cosine.state_dict())
 
 
 def test_a_state_in_its_decay_is_refused_another_decay() -> None:

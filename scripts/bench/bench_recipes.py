@@ -36,7 +36,6 @@ class Pair:
 PAIRS = {
     "clm": Pair("clm_tiny", "clm_modern", "val/bpb", higher_is_better=False),
     "mlm": Pair("mlm_tiny", "mlm_modern", "val/accuracy_mask", higher_is_better=True),
-    "contrastive": Pair("contrastive_tiny", "contrastive_modern", "val/q2p_mrr", higher_is_better=True),
 }
 
 

@@ -126,7 +126,7 @@ def fit_schedule(cfg: DictConfig) -> None:
         )
     decay_steps, room = cfg.model.get("decay_steps"), max_steps - cfg.model.warmup_steps
     if cfg.model.get("schedule") == "wsd" and decay_steps is not None and decay_steps > room:
-        cfg.model.decay_steps = shortened = min(max_steps // 5, room)
+        cfg.model.decay_steps = shortened = max(1, min(max_steps // 5, room))
         rank_zero_info(
             f"model.decay_steps={decay_steps} does not fit in trainer.max_steps={max_steps} after "
             f"model.warmup_steps={cfg.model.warmup_steps}: decaying over the last {counted(shortened, 'step')} "

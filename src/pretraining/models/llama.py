@@ -13,7 +13,8 @@ Every parameter is named as in Hugging Face's `LlamaForCausalLM` without its `mo
 (`embed_tokens`, `layers.0.self_attn.q_proj`, `layers.0.mlp.gate_proj`, `norm`, `lm_head`; with QK-norm
 Qwen3's `q_norm`, `k_norm`), and computes as it does (RMSNorm in float32, rotary over the first and
 second halves of each head), so that an export renames nothing and reproduces the logits. The embedding
-(and an untied head) has its rows padded to a multiple of 64; an export drops the padding.
+(and an untied head) has its rows padded to a multiple of 64; an export keeps them, and its generation
+config suppresses the padded ids.
 
 `causal=True` for next-token prediction, `causal=False` for masked-LM and contrastive encoders.
 Document masking and `position_ids` work as in the `Transformer` (`pretraining.models.attention`).
@@ -257,7 +258,7 @@ class Llama(Backbone):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states (batch, length, d_model): see `Backbone.forward`."""
-        position_ids = self.position_ids(tokens, position_ids)
+        position_ids = self.positions(tokens, position_ids)
         rotary = rotary_angles(position_ids, self.head_width, self.rope_theta)
         # FlexAttention has no dropout, and its kernels need heads of 16 dimensions at least.
         flex = not (self.training and self.dropout.p) and self.head_width >= FLEX_MIN_HEAD_WIDTH

@@ -44,7 +44,7 @@ from pretraining.ranges import Range, checked_ranges
 # The ranges of the settings every objective takes (subclasses pass them on as **settings).
 WarmupSteps = Annotated[int, Range(ge=0)]
 LRRatio = Annotated[float, Range(ge=0, le=1)]
-DecaySteps = Annotated[int, Range(ge=0)]
+DecaySteps = Annotated[int, Range(ge=1)]
 
 
 def sums(*names: str) -> dict[str, Metric]:
@@ -157,6 +157,7 @@ class PretrainingObjective(LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.restored_step = checkpoint["global_step"]
+        check_same_optimizer(checkpoint, is_muon(self.optimizer_factory))
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         for name, value in self.validation_update(batch).items():
@@ -198,6 +199,20 @@ class PretrainingObjective(LightningModule):
             super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
 
+def check_same_optimizer(checkpoint: dict[str, Any], muon: bool) -> None:
+    """Refuse to continue a checkpoint's optimizer state with the other optimizer (its param groups differ),
+    naming the one it was trained with; a checkpoint without an optimizer state (weights) passes."""
+    states = checkpoint.get("optimizer_states") or [{}]
+    groups = states[0].get("param_groups")
+    if groups is None or any(group.get("muon") for group in groups) == muon:
+        return
+    saved, wanted = ("muon", "adamw") if not muon else ("adamw", "muon")
+    raise ConfigError(
+        f"the checkpoint was trained with model/optimizer={saved}, and this run builds {wanted}: continue it with "
+        f"model/optimizer={saved}, or start a separate run (run_name=<new name> or resume=never)"
+    )
+
+
 def optimizer_and_schedule(
     factory: Callable[..., Optimizer],
     parameters: Sequence[torch.Tensor],
@@ -206,7 +221,7 @@ def optimizer_and_schedule(
     min_lr_ratio: float,
     *,
     schedule: ScheduleName = "cosine",
-    decay_steps: int = 0,
+    decay_steps: int = 120,
     hidden: Sequence[torch.Tensor] = (),
 ) -> OptimizerLRSchedulerConfig:
     """The optimizer `factory` builds over `parameters` and its LR `schedule` to `trainer.max_steps`

@@ -149,9 +149,9 @@ def orthogonalised(matrix: torch.Tensor, steps: int, dtype: torch.dtype) -> torc
 
 
 def hidden_matrices(module: nn.Module) -> list[nn.Parameter]:
-    """The matrices Muon updates: the 2-D parameters inside the layers (`Backbone.repeated_layers`) of every backbone
-    in `module`. Not embeddings, the head, norms, biases, or parameters outside the layers (a contrastive
-    projection, a temperature)."""
+    """The matrices Muon may update: the 2-D parameters inside the layers (`Backbone.repeated_layers`) of every
+    backbone in `module` (frozen ones too: `optimizer_and_schedule` keeps the trained). Not embeddings, the
+    head, norms, biases, or parameters outside the layers (a contrastive projection, a temperature)."""
     return [
         param
         for backbone in backbones(module)

@@ -34,20 +34,20 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
 
 
 def warmup_stable_decay(step: int, warmup_steps: int, decay_start: int, decay_steps: int, min_lr_ratio: float) -> float:
-    """LR multiplier: linear warmup to 1, 1 until `decay_start`, then 1 - sqrt down to `min_lr_ratio` at
-    `decay_start + decay_steps` (as cosine reaches its floor at the step after the last)."""
+    """LR multiplier of step `step` (from 0): linear warmup to 1, 1 before `decay_start`, then 1 - sqrt over the
+    `decay_steps` steps from `decay_start` on, the last of them at `min_lr_ratio`."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
-    if step <= decay_start:
+    if step < decay_start:
         return 1.0
-    progress = min(1.0, (step - decay_start) / max(1, decay_steps))
+    progress = min(1.0, (step - decay_start + 1) / max(1, decay_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * (1.0 - math.sqrt(progress))
 
 
 class WarmupStableDecay(LambdaLR):
     """`warmup_stable_decay` as a LambdaLR whose state (`state_dict`) records the decay, `decay_start` and
-    `decay_steps`, and the phase of the steps trained; `load_state_dict` refuses a state that this schedule
-    would not continue exactly (`check_continuation`)."""
+    `decay_steps`, and the phase of the next step; `load_state_dict` refuses a state that this schedule would
+    not continue exactly (`check_continuation`), and sets the next step's LRs by this schedule."""
 
     def __init__(
         self, optimizer: Optimizer, warmup_steps: int, decay_steps: int, total_steps: int, min_lr_ratio: float
@@ -64,10 +64,10 @@ class WarmupStableDecay(LambdaLR):
         super().__init__(optimizer, multiplier)
 
     def phase(self) -> str:
-        """The phase of the last step trained (`last_epoch` steps are behind the optimizer)."""
-        if self.last_epoch > self.decay_start:
+        """The phase of the next step (`last_epoch` steps are behind the optimizer): warmup, stable or decay."""
+        if self.last_epoch >= self.decay_start:
             return "decay"
-        return "warmup" if self.last_epoch <= self.warmup_steps else "stable"
+        return "warmup" if self.last_epoch < self.warmup_steps else "stable"
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "phase": self.phase()}
@@ -77,12 +77,16 @@ class WarmupStableDecay(LambdaLR):
         # The configured schedule stays (the saved one is the same wherever the steps so far are concerned).
         own = ("warmup_steps", "decay_start", "decay_steps", "phase")
         super().load_state_dict({key: value for key, value in state_dict.items() if key not in own})
+        # The optimizer's state (restored first) holds the LRs the saved schedule set for the next step; a
+        # cooldown starting at that step takes this schedule's.
+        for group, base_lr, multiplier in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas, strict=True):
+            group["lr"] = base_lr * multiplier(self.last_epoch)
 
 
 def check_continuation(saved: dict[str, Any], decay_start: int, decay_steps: int) -> None:
     """Refuse to continue the saved schedule state with a decay (`decay_start`, `decay_steps`) under which the
-    steps it trained (and the LR it set for the next) would have been different: a checkpoint past its decay's
-    start, or a decay that would start before the checkpoint's step. Steps before both decays are the same."""
+    steps it trained would have been different: a checkpoint past its decay's start, or a decay that would
+    start before the checkpoint's step. Steps before both decays are the same."""
     if "decay_start" not in saved:
         raise ConfigError(
             "the checkpoint was trained with model.schedule=cosine: continue it with model.schedule=cosine "
@@ -95,13 +99,34 @@ def check_continuation(saved: dict[str, Any], decay_start: int, decay_steps: int
         raise ConfigError(
             f"the checkpoint (step {step}) is in its LR decay (steps {saved_start} to {saved_start + saved_steps}): "
             f"it continues only with trainer.max_steps={saved_start + saved_steps} model.decay_steps={saved_steps}; "
-            f"to train longer, continue from a checkpoint of its stable phase (step {saved_start} or earlier)"
+            f"to train longer, start a new run from a checkpoint of its stable phase (step {saved_start} or "
+            "earlier): run_name=<new name> ckpt_path=<that checkpoint> (callbacks.checkpoint.keep_every keeps such "
+            "checkpoints)"
         )
     raise ConfigError(
         f"trainer.max_steps={decay_start + decay_steps} with model.decay_steps={decay_steps} starts the LR decay at "
         f"step {decay_start}, before the checkpoint's step {step}: set trainer.max_steps to at least "
         f"{step + decay_steps} ({step + decay_steps}: a cooldown from this checkpoint)"
     )
+
+
+class WarmupCosine(LambdaLR):
+    """`warmup_cosine` as a LambdaLR (the state of every checkpoint before warmup-stable-decay existed) that
+    refuses a warmup-stable-decay state."""
+
+    def __init__(self, optimizer: Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> None:
+        multiplier = partial(
+            warmup_cosine, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio
+        )
+        super().__init__(optimizer, multiplier)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "decay_start" in state_dict:
+            raise ConfigError(
+                "the checkpoint was trained with model.schedule=wsd: continue it with model.schedule=wsd (a cosine "
+                "run starts with model.schedule=cosine)"
+            )
+        super().load_state_dict(state_dict)
 
 
 def lr_schedule(
@@ -115,5 +140,4 @@ def lr_schedule(
     """The `schedule` of `optimizer`'s learning rates over `total_steps` (`decay_steps`: wsd's only)."""
     if schedule == "wsd":
         return WarmupStableDecay(optimizer, warmup_steps, decay_steps, total_steps, min_lr_ratio)
-    cosine = partial(warmup_cosine, warmup_steps=warmup_steps, total_steps=total_steps, min_lr_ratio=min_lr_ratio)
-    return LambdaLR(optimizer, cosine)
+    return WarmupCosine(optimizer, warmup_steps, total_steps, min_lr_ratio)

@@ -208,7 +208,7 @@ def test_init_from_names_each_setting_that_differs_and_its_override(
     ("edit", "message"),
     [
         ({"head_dim": 32}, r"has head_dim=32, and the backbone's heads are d_model / n_head = 16 wide"),
-        ({"head_dim": None}, r"has no head_dim in its config.json: it does not say the model's size$"),
+        ({"hidden_size": None}, r"has no hidden_size in its config.json: it does not say the model's size$"),
         ({"attention_bias": True}, r"has attention_bias=True, and the backbone computes no biases in attention"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"has rope_scaling=\{.*\}, and the backbone"),
         (
@@ -230,6 +230,15 @@ def test_init_from_reads_a_config_as_transformers_does_and_refuses_what_the_back
     )
     with pytest.raises(ConfigError, match=message):
         initialise_from(llama(), str(directory), ByteTokenizer())
+
+
+def test_init_from_derives_the_sizes_an_older_config_leaves_out_as_transformers_does(tmp_path: Path) -> None:
+    directory = exported(llama(), tmp_path / "out")
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(
+        json.dumps({key: value for key, value in config.items() if key not in ("num_key_value_heads", "head_dim")})
+    )
+    initialise_from(llama(), str(directory), ByteTokenizer())  # as many key/value heads, heads d_model / n_head wide
 
 
 def test_init_from_refuses_weights_that_are_not_the_configs_model_before_loading_any(tmp_path: Path) -> None:

@@ -143,6 +143,7 @@ def check_llama_fits(config: dict[str, Any], backbone: Llama, vocab_size: int, s
             f"{source} is {config.get('model_type')}, a causal model: start a causal objective from it "
             "(experiment=clm_tiny model/backbone=llama)"
         )
+    config = with_size_defaults(config)
     absent = [key for key in [*SIZES, "head_dim"] if key not in config]
     if absent:
         raise ConfigError(f"{source} has no {', '.join(absent)} in its config.json: it does not say the model's size")
@@ -174,6 +175,18 @@ def check_llama_fits(config: dict[str, Any], backbone: Llama, vocab_size: int, s
             f"{source} has vocab_size={vocabulary!r}, not the {vocab_size} ids of the run's tokenizer at least: "
             "use the tokenizer it was trained with"
         )
+
+
+def with_size_defaults(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with the sizes transformers derives where a config.json leaves them out (those of Llama 2's
+    time): as many key/value heads as query heads, and heads of hidden_size / num_attention_heads."""
+    if "num_attention_heads" not in config:
+        return config
+    heads = config["num_attention_heads"]
+    derived = {"num_key_value_heads": heads}
+    if isinstance(config.get("hidden_size"), int) and isinstance(heads, int) and heads > 0:
+        derived["head_dim"] = config["hidden_size"] // heads
+    return {**derived, **config}
 
 
 def read_settings(config: dict[str, Any]) -> dict[str, Any]:
