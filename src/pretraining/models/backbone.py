@@ -73,7 +73,7 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
     def init_weights(self) -> None:
         """Draw fresh weights, as at construction."""
 
-    def positions(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    def checked_positions(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         """The positions of `tokens` (batch, length): `position_ids` if given, else 0, 1, ...; a sequence longer
         than `max_seq_len` is refused."""
         length = tokens.shape[1]

@@ -258,7 +258,7 @@ class Llama(Backbone):
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states (batch, length, d_model): see `Backbone.forward`."""
-        position_ids = self.positions(tokens, position_ids)
+        position_ids = self.checked_positions(tokens, position_ids)
         rotary = rotary_angles(position_ids, self.head_width, self.rope_theta)
         # FlexAttention has no dropout, and its kernels need heads of 16 dimensions at least.
         flex = not (self.training and self.dropout.p) and self.head_width >= FLEX_MIN_HEAD_WIDTH

@@ -158,7 +158,7 @@ class Transformer(Backbone):
     ) -> torch.Tensor:
         """Hidden states (batch, length, d_model): see `Backbone.forward`. Packed blocks have no padding;
         padded pairs are no packed documents."""
-        position_ids = self.positions(tokens, position_ids)
+        position_ids = self.checked_positions(tokens, position_ids)
         x = self.token_embedding(tokens)
         rotary = None
         if self.positions == "learned":
