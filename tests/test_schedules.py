@@ -152,7 +152,7 @@ def test_every_objective_takes_the_schedule_keys(experiment: str) -> None:
     ("override", "message"),
     [
         ("model.schedule=linear", r"^model.schedule='linear' is not one of 'cosine', 'wsd': change model.schedule"),
-        ("model.decay_steps=-1", r"^model.decay_steps=-1 must be at least 0: set model.decay_steps within"),
+        ("model.decay_steps=0", r"^model.decay_steps=0 must be at least 1: set model.decay_steps within"),
     ],
 )
 def test_bad_schedule_values_are_refused_naming_the_key(override: str, message: str) -> None:
