@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -216,12 +217,14 @@ def test_the_readme_snippet_and_every_model_cards_usage_run_without_this_package
 # --- starting from an export ------------------------------------------------------------------------------
 
 
-def test_init_from_an_export_starts_at_the_exported_models_loss(exports: Path, tmp_path: Path, shard_dir: Path) -> None:
-    directory = exports / "clm_tiny"
+def started_from_export(directory: Path, tmp_path: Path, shard_dir: Path, *overrides: str) -> dict[str, Any]:
+    """Train two steps of a run started from the export `directory`; check that its first batch's loss is the
+    exported model's loss on that batch (in transformers), and return the run's recorded origin."""
     cfg = compose_run(
         tmp_path,
         "clm_tiny",
         shard_dir,
+        *overrides,
         *init_from(directory, "batch_log"),
         "validate_before_training=false",
         "trainer.max_steps=2",
@@ -241,6 +244,11 @@ def test_init_from_an_export_starts_at_the_exported_models_loss(exports: Path, t
     assert float.fromhex(first["loss"]) == pytest.approx(loss.item(), abs=1e-5)
     origin = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["lineage"]["origin"]
     assert origin["init_from"] == str(directory.resolve()) and origin["exported_from"]["step"] == 6
+    return origin
+
+
+def test_init_from_an_export_starts_at_the_exported_models_loss(exports: Path, tmp_path: Path, shard_dir: Path) -> None:
+    origin = started_from_export(exports / "clm_tiny", tmp_path, shard_dir)
     assert set(origin["weights_sha256"]) == {"model.safetensors"}
 
 

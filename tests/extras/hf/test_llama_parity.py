@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
-from hf.test_export import TEXT, compose_run, init_from, template
+from hf.test_export import TEXT, compose_run, started_from_export, template
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
@@ -27,17 +26,14 @@ from transformers import (
 )
 
 from conftest import tiny_run
-from pretraining.callbacks.batch_log import read_batch_log
 from pretraining.data.tokenizer import EOS_ID, ByteTokenizer
 from pretraining.errors import ConfigError, MissingFileError
 from pretraining.extras.hf.directory import SAFETENSORS, write_directory
 from pretraining.extras.hf.export import export, model_files
 from pretraining.extras.hf.init_from import initialise_from
-from pretraining.instantiate import build
 from pretraining.models import Llama, Transformer
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.masked_lm import MaskedLM
-from pretraining.stored import load_checkpoint
 from pretraining.train import train
 from test_resume import pretrain, run_dir
 from test_sharded_checkpoint import SHARDED
@@ -301,30 +297,7 @@ def test_a_trained_llama_exports_as_hugging_faces_llama_with_its_tokenizer_and_c
 def test_init_from_a_llama_export_starts_at_the_exported_models_loss(
     llama_export: tuple[Path, Path], tmp_path: Path, shard_dir: Path
 ) -> None:
-    directory = llama_export[1]
-    cfg = compose_run(
-        tmp_path,
-        "clm_tiny",
-        shard_dir,
-        *LLAMA_RUN,
-        *init_from(directory, "batch_log"),
-        "validate_before_training=false",
-        "trainer.max_steps=2",
-        "model.warmup_steps=0",
-    )
-    train(cfg)
-    log = read_batch_log(tmp_path / "batches" / "rank0.jsonl")
-    first = log[min(log)]
-    batch = next(iter(build(cfg.data, tokenizer=build(cfg.tokenizer)).train_dataloader()))
-    assert batch["sample_id"].tolist() == first["samples"]
-    hf = AutoModelForCausalLM.from_pretrained(directory).eval()
-    tokens = batch["tokens"]
-    with torch.no_grad():
-        logits = hf(tokens[:, :-1]).logits
-    loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-    assert float.fromhex(first["loss"]) == pytest.approx(loss.item(), abs=1e-5)
-    origin = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["lineage"]["origin"]
-    assert origin["init_from"] == str(directory.resolve()) and origin["exported_from"]["step"] == 6
+    started_from_export(llama_export[1], tmp_path, shard_dir, *LLAMA_RUN)
 
 
 def test_an_fsdp2_sharded_llama_checkpoint_exports_as_its_single_process_model(
