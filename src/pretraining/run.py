@@ -29,7 +29,7 @@ from pretraining.errors import ConfigError, MissingExtraError
 from pretraining.instantiate import build
 from pretraining.launch import check_devices
 from pretraining.objectives.base import PretrainingObjective, check_lengths, logged_values
-from pretraining.objectives.optimizers import MuonAdamW
+from pretraining.objectives.optimizers import is_muon
 from pretraining.quiet import set_up_messages
 from pretraining.resume import Resume, check_fits
 from pretraining.schema import check_schema
@@ -66,8 +66,7 @@ def check_config(cfg: DictConfig) -> None:
 
 def check_optimizer_fits_strategy(cfg: DictConfig) -> None:
     """Refuse Muon under FSDP: Muon orthogonalises each hidden matrix whole, and FSDP shards it over ranks."""
-    optimizer = target_of(cfg.model.get("optimizer"))
-    if not (isinstance(optimizer, type) and issubclass(optimizer, MuonAdamW)) or not shards_parameters(cfg):
+    if not is_muon(target_of(cfg.model.get("optimizer"))) or not shards_parameters(cfg):
         return
     raise ConfigError(
         "model/optimizer=muon needs whole matrices, and FSDP (trainer.strategy) shards them over ranks: choose "

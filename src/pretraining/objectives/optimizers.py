@@ -162,8 +162,8 @@ def hidden_matrices(module: nn.Module) -> list[nn.Parameter]:
 
 
 def is_muon(factory: Callable[..., Optimizer]) -> bool:
-    """Whether `factory` (a config's partial) builds a `MuonAdamW`, which wants the hidden matrices in a group
-    of their own."""
+    """Whether `factory` (a config's partial, or the class a config names) builds a `MuonAdamW`, which wants the
+    hidden matrices in a group of their own."""
     target = factory.func if isinstance(factory, partial) else factory
     return isinstance(target, type) and issubclass(target, MuonAdamW)
 
