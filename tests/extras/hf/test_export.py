@@ -54,6 +54,7 @@ SHAPES = {
     "clm_tiny": ["model.backbone.n_layer=2"],
     "mlm_tiny": ["model.backbone.n_layer=2", "model.backbone.bias=true"],
     "contrastive_tiny": ["model.backbone.n_layer=2", "model.backbone.bias=true", "model.pooling=first"],
+    "clm_modern": ["model.backbone.n_layer=2"],
 }
 TEXT = "def add(a, b):\n    return a + b  # naïve ☃"
 EXPERIMENTS = ("clm_tiny", "mlm_tiny", "contrastive_tiny")
@@ -204,9 +205,14 @@ def test_an_fsdp2_sharded_checkpoint_exports_as_its_single_process_model(tmp_pat
         torch.testing.assert_close(hf(ids).logits, model(ids), rtol=0, atol=1e-5)
 
 
-def test_the_readme_snippet_and_every_model_cards_usage_run_without_this_package(exports: Path, tmp_path: Path) -> None:
+def test_the_readme_snippet_and_every_model_cards_usage_run_without_this_package(
+    exports: Path, tmp_path: Path, shard_dir: Path
+) -> None:
     (snippet,) = [block for block in code_blocks("python") if "# use_export.py" in block]
-    (tmp_path / "exports").symlink_to(exports)  # the README's exports/clm_tiny
+    (tmp_path / "exports").mkdir()
+    root = tmp_path / "run"
+    train(compose_run(root, "clm_modern", shard_dir))  # the docs' exports/clm_modern: a Llama
+    export(root / "checkpoints" / "last.ckpt", tmp_path / "exports" / "clm_modern")
     cards = [(exports / name / "README.md").read_text().split("```python\n")[1].split("```")[0] for name in EXPERIMENTS]
     script = "\n".join(["import sys", "sys.modules['pretraining'] = None  # importing it fails", snippet, *cards])
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
