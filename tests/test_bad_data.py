@@ -414,14 +414,19 @@ def test_fewer_shards_than_sub_streams_warns_and_trains(compose_train: ComposeTr
     data = tmp_path / "shards"
     manifest = build_text_shards(data, documents=20, shard_samples=100)
     assert len(manifest.shards("train")) == 1
-    with pytest.warns(UserWarning, match=r"1 training shards for 8 sub-streams .* build more, smaller shards"):
+    with pytest.warns(UserWarning, match=r"1 training shards of \S+ for 8 sub-streams .* build more, smaller shards"):
         train(compose_train(f"data.dir={data}", "data.streams=4", "data.num_workers=2", "trainer.max_steps=6"))
     assert final_data_state(tmp_path)["steps"] == 6
 
 
 def test_the_counts_travel_in_the_data_position(bad_shards: Path) -> None:
     data = ShardDataModule(str(bad_shards), ByteTokenizer(), format=packed_blocks(32), global_batch_size=4, streams=2)
-    batch = {"positions": torch.tensor([[0, 1, 3]]), "read": torch.tensor(9), "skipped": torch.tensor(2)}
+    batch = {
+        "positions": torch.tensor([[0, 0, 1, 3]]),
+        "drawn": torch.tensor([4]),
+        "read": torch.tensor(9),
+        "skipped": torch.tensor(2),
+    }
     assert data.on_before_batch_transfer(dict(batch), 0).keys() == set()  # the objective sees none of it
     data.on_before_batch_transfer(dict(batch, read=torch.tensor(4), skipped=torch.tensor(0)), 0)
     state = data.state_dict()

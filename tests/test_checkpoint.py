@@ -183,8 +183,8 @@ def test_an_off_by_one_position_gives_other_batches(small_shards: Path) -> None:
     first = datamodule(small_shards, 2)
     consume(first, 7)
     state = first.state_dict()
-    assert state["steps"] == 7 and len(state["cursors"]) == 2 and all(block > 0 for _, _, block in state["cursors"])
-    shifted = {**state, "cursors": [[sub, shard, block - 1] for sub, shard, block in state["cursors"]]}
+    assert state["steps"] == 7 and len(state["cursors"]) == 2 and all(block > 0 for *_, block in state["cursors"])
+    shifted = {**state, "cursors": [[name, sub, shard, block - 1] for name, sub, shard, block in state["cursors"]]}
     rotated = {**state, "steps": 8}
     for name, wrong in (("shifted", shifted), ("rotated", rotated)):
         restored = datamodule(small_shards, 2)
@@ -209,11 +209,11 @@ def test_another_worker_count_resumes_approximately_where_allowed(small_shards: 
     first = datamodule(small_shards, 2)
     consume(first, 30)
     state = first.state_dict()
-    done = sum(shard for _, shard, _ in state["cursors"])
+    done = sum(shard for _, _, shard, _ in state["cursors"])
     restored = datamodule(small_shards, 0)  # one sub-stream instead of two
     with pytest.warns(UserWarning, match=r"data topology changed .* resumes approximately"):
         restored.load_state_dict(state)
-    assert restored.cursors == {0: Cursor(done)} and restored.batches_consumed == 30
+    assert restored.cursors == {(0, 0): Cursor(done)} and restored.batches_consumed == 30
     assert len(consume(restored, 3)) == 3
 
 

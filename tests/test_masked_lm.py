@@ -129,7 +129,7 @@ def test_ranks_and_steps_never_mask_alike(shard_dir: Path) -> None:
     tokenizer = ByteTokenizer()
 
     def batches(rank: int, count: int) -> list[dict[str, torch.Tensor]]:
-        stream = BatchStream(ShardStream(urls, PackedBlocks(tokenizer, 63), seed=3), batch_plan(16, 8, 2, 2), rank)
+        stream = BatchStream([ShardStream(urls, PackedBlocks(tokenizer, 63), seed=3)], batch_plan(16, 8, 2, 2), rank)
         return list(itertools.islice(stream, count))
 
     rank0, rank1 = batches(0, 6), batches(1, 6)

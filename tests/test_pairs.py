@@ -214,7 +214,7 @@ def test_pair_datamodule_batches(pair_dir: Path) -> None:
     assert int(batch["skipped"]) == 0
     # Real texts fill the short query side; a short text is padded with PAD after its tokens.
     assert (batch["query"] != PAD_ID).sum(1).max() == 16
-    validation = dm.validation_set
+    (validation,) = dm.validation_sets
     assert [int(e["sample_id"]) for e in validation[:5]] == list(range(5))
     texts = [s["query.txt"].decode() for s in read_shard(Manifest.load(pair_dir).urls("validation")[0])]
     tokens = ByteTokenizer().encode(texts[0])[:15]

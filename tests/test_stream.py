@@ -502,7 +502,7 @@ def test_batch_plan_derives_the_accumulation():
 
 def micro_batches(plan: BatchPlan, rank: int, urls, count: int, workers: int = 0, **state) -> list:
     """The first `count` micro-batches of a rank, through a DataLoader with `workers` workers."""
-    stream = BatchStream(ShardStream(urls, PackedBlocks(ByteTokenizer(), BLOCK), SEED, BUFFER), plan, rank, **state)
+    stream = BatchStream([ShardStream(urls, PackedBlocks(ByteTokenizer(), BLOCK), SEED, BUFFER)], plan, rank, **state)
     return take(training_loader(stream, workers, pin_memory=False), count)
 
 
@@ -543,7 +543,9 @@ def test_batch_stream_resumes_exactly_on_any_number_of_devices(train_urls, worke
     cursors = {}
     for rank in (0, 1):
         for batch in micro_batches(plan, rank, train_urls, 4 * plan.accumulation, workers):
-            cursors |= {sub: Cursor(shard, block) for sub, shard, block in batch["positions"].tolist()}
+            cursors |= {
+                (source, sub): Cursor(shard, block) for source, sub, shard, block in batch["positions"].tolist()
+            }
     # One device, or four, continues from them at step 4 exactly where the uninterrupted run went.
     for continued in (batch_plan(8, 2, 4, 1), batch_plan(8, None, 4, 4)):
         ranks = [
@@ -812,14 +814,16 @@ def test_datamodule_train_batches(shard_dir):
         str(shard_dir), ByteTokenizer(), format=packed_blocks(32), global_batch_size=4, streams=1, num_workers=0
     )
     loader = dm.train_dataloader()
-    assert loader.dataset.source.shuffle_buffer == 4096
+    assert loader.dataset.streams[0].shuffle_buffer == 4096
     batch = next(iter(loader))
     assert batch["tokens"].shape == (4, 33) and batch["tokens"].dtype == torch.int64
     assert batch["doc_ids"].shape == (4, 33) and batch["doc_ids"].dtype == torch.int64
     assert batch["target_bytes"].shape == (4,) and (batch["target_bytes"] > 0).all()
-    assert batch["positions"].tolist() == [[0, 0, 4]]  # sub-stream 0 continues after block 4 of its shard 0
+    assert batch["positions"].tolist() == [[0, 0, 0, 4]]  # source 0's sub-stream 0 continues after block 4 of shard 0
+    assert batch["drawn"].tolist() == [4]  # the one source gave all four examples
     dm.on_before_batch_transfer(batch, 0)
-    assert "positions" not in batch and dm.cursors == {0: Cursor(0, 4)} and dm.batches_consumed == 1
+    assert "positions" not in batch and dm.cursors == {(0, 0): Cursor(0, 4)} and dm.batches_consumed == 1
+    assert dm.drawn == [4]
 
 
 def test_global_batch_in_tokens(shard_dir):

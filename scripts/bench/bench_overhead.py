@@ -41,7 +41,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from omegaconf import DictConfig
 from torch.utils.data import DataLoader
 
-from pretraining.callbacks.skipped_samples import SkippedSamples
+from pretraining.callbacks.data_counts import DataCounts
 from pretraining.config import CONFIG_DIR  # registers the config resolvers
 from pretraining.objectives.base import PretrainingObjective, build_objective
 from pretraining.run import build_trainer, fit, prepare_process, run_lineage
@@ -140,7 +140,7 @@ def run_both(cfg: DictConfig, initial: PretrainingObjective, batches: list[Batch
     lockstep = Lockstep(plain, batches, warmup)
     datamodule = instantiate(cfg.data, tokenizer=instantiate(cfg.tokenizer))
     lineage = run_lineage(cfg, datamodule, None)
-    trainer = build_trainer(cfg, datamodule, callbacks=[lineage, SkippedSamples(), lockstep])
+    trainer = build_trainer(cfg, datamodule, callbacks=[lineage, DataCounts(), lockstep])
     start = time.perf_counter()
     fit(trainer, lightning, datamodule, validate_first=True, resume=None)
     end = time.perf_counter()

@@ -50,6 +50,8 @@ def build_from_checkpoint(
                 trust_pipe_commands=data_overrides.get("trust_pipe_commands", False),
                 trust_option="trust_pipe_commands=true",
             )
+        if directory is not None and run.data.get("sources") is not None:
+            data_overrides = data_overrides | {"sources": None}  # data_dir stands for the run's mixture
         return model, build(run.data, tokenizer=examples.tokenizer, **data_overrides)
 
 
@@ -71,7 +73,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
         result["sample"] = model.complete(
             datamodule.tokenizer, cfg.prompt, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k
         )
-    if datamodule.manifest.version != checkpoint["lineage"]["data_version"]:
+    if datamodule.data_version != checkpoint["lineage"]["data_version"]:
         result["note"] = "evaluated on a different data version than the checkpoint was trained on"
     out = Path(cfg.paths.output_dir) / "metrics.json"
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -19,7 +19,19 @@ from omegaconf import OmegaConf
 from pretraining.checkpoint import CheckpointError, read_lineage, verify
 
 # The lineage keys `Lineage` writes; any other was added by a callback or the objective (an extra's).
-OWN_KEYS = {"format", "config", "code", "data_version", "tokenizer_fingerprint", "parent", "step", "topology"}
+OWN_KEYS = {
+    "format",
+    "config",
+    "code",
+    "data_version",
+    "tokenizer_fingerprint",
+    "parent",
+    "step",
+    "topology",
+    "sources",
+    "mixture",
+    "mixture_phases",
+}
 
 
 def ancestry(path: Path) -> list[dict[str, Any]]:
@@ -59,6 +71,7 @@ def describe(chain: list[dict[str, Any]]) -> str:
         ("code", f"{code.get('commit')}{dirty}"),
         ("model", config.get("model", {}).get("_target_")),
         ("data", f"version {lineage.get('data_version')} from {config.get('data', {}).get('dir')}"),
+        *mixture_rows(lineage),
         ("tokenizer", f"fingerprint {lineage.get('tokenizer_fingerprint')}"),
         ("topology", ", ".join(f"{key} {value}" for key, value in (lineage.get("topology") or {}).items())),
     ]
@@ -74,6 +87,27 @@ def describe(chain: list[dict[str, Any]]) -> str:
     rows += list(zip(labels, ancestors or ["nothing: a first start"], strict=False))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def mixture_rows(lineage: dict[str, Any]) -> list[tuple[str, str]]:
+    """A mixture's sources (directory, version, weight, cap) and its phases, as rows (none for one source)."""
+    mixture = lineage.get("mixture")
+    if not mixture:
+        return []
+    sources = lineage.get("sources") or {}
+    rows = []
+    for name, settings in mixture.items():
+        where = sources.get(name, {})
+        cap = (
+            f", at most {settings['max_epochs']} epochs then {settings['exhausted']}" if settings["max_epochs"] else ""
+        )
+        rows.append(
+            (f"  {name}", f"weight {settings['weight']:g}{cap}: version {where.get('version')} from {where.get('dir')}")
+        )
+    for phase in lineage.get("mixture_phases") or []:
+        weights = ", ".join(f"{name} {weight:g}" for name, weight in phase["weights"].items())
+        rows.append(("  phase", f"from step {phase['step']}: {weights}"))
+    return rows
 
 
 def print_info(checkpoint: Path, config: bool = False, as_json: bool = False) -> None:

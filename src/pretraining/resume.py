@@ -30,13 +30,14 @@ RESUME_MODES = get_args(ResumeMode)
 # What a resume compares (the lineage key, and the fix for a difference); each may be named in
 # `resume_allow` to accept a deliberate change. Parameter shapes are compared too and never accepted.
 FIT_CHECKS: dict[Change, tuple[str, str]] = {
-    "data": ("data_version", "point data.dir at the shards it was trained on"),
+    "data": ("data_version", "point data.dir (or data.sources) at the shards it was trained on"),
     "tokenizer": ("tokenizer_fingerprint", "use the tokenizer it was trained with"),
     "topology": (
         "topology",
         "use the same data.global_batch_size, data.streams, data.num_workers, accumulation (devices x "
         "data.micro_batch_size), data.shuffle_buffer, sequence lengths, sample fields and seed",
     ),
+    "mixture": ("mixture", "use the data.sources weights, max_epochs and exhausted it was trained with"),
 }
 ALLOWABLE_CHANGES = get_args(Change)
 
@@ -113,7 +114,8 @@ def check_fits(
         raise CheckpointError(
             f"{checkpoint} does not fit this run:\n  " + "\n  ".join(problems) + f"\nTo change this deliberately, pass "
             f"resume_allow=[{','.join(changed)}] (topology: the data position resumes approximately; data: the new "
-            f"data starts from its beginning); to start a separate run, pass run_name=<new name> or resume=never"
+            f"data starts from its beginning; mixture: every source continues where it was, under the new weights "
+            f"from this step on); to start a separate run, pass run_name=<new name> or resume=never"
         )
     saved = sidecar["parameters"]
     if saved != parameters:

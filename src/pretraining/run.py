@@ -39,7 +39,7 @@ from pretraining.settings import TrainSettings
 # other groups interpolate some (data.dir in tokenizer.path) and OmegaConf alone would name the wrong key.
 LEFT_TO_YOU = {
     "data.dir": "<shard directory> (built with `pretrain-data build --out <dir>`, plus "
-    "`pretrain-data tokenizer --data <dir>` for tokenizer=bpe)",
+    "`pretrain-data tokenizer --data <dir>` for tokenizer=bpe), or data.dir=null with a mixture in data.sources",
 }
 FILLED_BY_THE_RUN = {"model.backbone.vocab_size"}  # from the tokenizer, by `build_objective`
 
@@ -59,9 +59,23 @@ def check_config(cfg: DictConfig) -> None:
         )
     check_schema(cfg, TrainSettings, "configs/train.yaml")
     check_optimizer_fits_strategy(cfg)
+    check_mixture_tokenizer(cfg)
     loggers = cfg.logger or {}
     if "tensorboard" in loggers and not any(importlib.util.find_spec(m) for m in ("tensorboardX", "tensorboard")):
         raise MissingExtraError("logger=tensorboard", "tensorboard")
+
+
+def check_mixture_tokenizer(cfg: DictConfig) -> None:
+    """Refuse a tokenizer path that names data.dir in a mixture, which has none: its sources share one
+    tokenizer, which the run must name."""
+    tokenizer = cfg.get("tokenizer")
+    unresolved = OmegaConf.to_container(tokenizer, resolve=False) if isinstance(tokenizer, DictConfig) else {}
+    path = cast(dict[str, Any], unresolved).get("path")
+    if cfg.data.get("sources") is not None and isinstance(path, str) and "${data.dir}" in path:
+        raise ConfigError(
+            f"tokenizer.path={path}, and a mixture (data.sources) has no data.dir: its sources share one tokenizer; "
+            f"pass tokenizer.path=<tokenizer.json> (`pretrain-data tokenizer --data <dir>` trains one on a source)"
+        )
 
 
 def check_optimizer_fits_strategy(cfg: DictConfig) -> None:
@@ -156,7 +170,7 @@ def run_lineage(cfg: DictConfig, datamodule: ShardDataModule, resume: Resume | N
     config = cast(dict[str, Any], redact_secrets(OmegaConf.to_container(cfg, resolve=True)))
     parent = str(resume.path) if resume else None
     code = code_revision(PROJECT_ROOT)
-    return Lineage(config, datamodule.manifest.version, datamodule.tokenizer.fingerprint, code, parent)
+    return Lineage(config, datamodule.data_version, datamodule.tokenizer.fingerprint, code, parent)
 
 
 def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[Callback]) -> Trainer:
@@ -198,9 +212,10 @@ def check_resume(
             f"pass trainer=fsdp_cpu (or another ModelParallelStrategy config) with as many processes as wrote it"
         )
     expected = {
-        "data_version": datamodule.manifest.version,
+        "data_version": datamodule.data_version,
         "tokenizer_fingerprint": datamodule.tokenizer.fingerprint,
         "topology": datamodule.topology_for(trainer.world_size),
+        "mixture": datamodule.mixture_settings,
     }
     check_fits(resume.path, resume.sidecar, expected, parameter_shapes(model.state_dict()), allow)
 

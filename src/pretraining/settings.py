@@ -9,7 +9,7 @@ from pretraining.ranges import Range
 
 ResumeMode = Literal["auto", "never"]
 # A deliberate change a resume accepts when `resume_allow` names it (`pretraining.resume.FIT_CHECKS`).
-Change = Literal["data", "tokenizer", "topology"]
+Change = Literal["data", "tokenizer", "topology", "mixture"]
 
 
 @dataclass

@@ -15,7 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from pretraining.callbacks.skipped_samples import SkippedSamples
+from pretraining.callbacks.data_counts import DataCounts
 from pretraining.checkpoint import storage_faults_stop_the_run
 from pretraining.instantiate import build
 from pretraining.launch import distributed_job, is_rank_zero_process
@@ -57,8 +57,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.resume == "never":
         start_over(Path(cfg.paths.output_dir))  # only now: a start refused above leaves the earlier run in place
     lineage = run_lineage(cfg, datamodule, resume)
-    # Every run stamps its checkpoints (Lineage) and keeps to the data config's bad-data policy (SkippedSamples).
-    trainer = build_trainer(cfg, datamodule, callbacks=[lineage, SkippedSamples()])
+    # Every run stamps its checkpoints (Lineage), keeps to the data config's bad-data policy and logs what the
+    # data gave (DataCounts).
+    trainer = build_trainer(cfg, datamodule, callbacks=[lineage, DataCounts()])
     if resume:
         check_resume(trainer, datamodule, model, resume, list(cfg.resume_allow))
         schedule = cfg.model.get("schedule", "cosine")

@@ -28,7 +28,8 @@ def code_revision(directory: Path) -> dict[str, Any]:
 class Lineage(Callback):
     """Adds `checkpoint["lineage"]`: the resolved config, code revision, data
     version, tokenizer fingerprint, the checkpoint this run continued from
-    (`parent`), the W&B run id, the step and the data topology, so every
+    (`parent`), the W&B run id, the step, and the data's topology and sources
+    (a mixture's weights and phases too), so every
     checkpoint can be traced back, rebuilt by `evaluate.py`, and checked
     against a run that would resume it. Another callback, or the objective, may
     add what it knows to the same record in its `on_save_checkpoint` (the
@@ -51,8 +52,8 @@ class Lineage(Callback):
         wandb_ids = [logger.version for logger in trainer.loggers if isinstance(logger, WandbLogger)]
         checkpoint.setdefault("lineage", {}).update(
             self.record,
+            **training_data(trainer, "lineage").lineage,
             step=trainer.global_step,
-            topology=training_data(trainer, "lineage").topology,
             wandb_run_id=wandb_ids[0] if wandb_ids else None,
         )
 

@@ -7,22 +7,25 @@ So the examples of a step depend on the seed, the global batch, the number of
 streams and of DataLoader workers, never on the number of devices or the
 micro-batch: one process with accumulation trains on exactly what two DDP
 processes train on, and each device reads only its own streams (`BatchStream`).
-Each micro-batch carries, for the sub-streams it read, the `Cursor` where they
-continue (`positions`), and how many samples were read and skipped while it
-was made (`read`, `skipped`).
+Each micro-batch carries, for the (source, sub-stream)s it read, the `Cursor`
+where they continue (`positions`), how many of its examples each source gave
+(`drawn`), and how many samples were read and skipped while it was made
+(`read`, `skipped`).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, default_collate, get_worker_info
 
-from pretraining.data.formats import Tensors
+from pretraining.data.formats import ExampleFormat, Tensors
+from pretraining.data.mixture import MixedExamples, Mixture, SourceSettings
 from pretraining.data.stream import Cursor, ShardStream, StreamExample
 from pretraining.errors import ConfigError
 
@@ -102,48 +105,58 @@ def batch_plan(global_batch: int, micro_batch: int | None, streams: int, world_s
 
 
 class BatchStream(IterableDataset):
-    """A rank's infinite sequence of micro-batches, continuing after its first `start` ones.
+    """A rank's infinite sequence of micro-batches, continuing after its first `start` ones, its
+    examples drawn from the sources as the mixture says (`pretraining.data.mixture`).
 
     Inside DataLoader worker `w` of `n`, it yields the rank's micro-batches `start + w`, `start + w +
     n`, ... (the DataLoader takes them in turn). A stream's chunks at steps congruent to `j` modulo
     `n` are sub-stream `j * streams + stream`: each sub-stream is then always read by the same
     worker, and which examples make a step depends on the loader's worker count, never on the
-    number of devices or the micro-batch.
+    number of devices or the micro-batch. `cursors` are where each (source, sub-stream) continues.
     """
 
     def __init__(
         self,
-        examples: ShardStream,
+        streams: Sequence[ShardStream],
         plan: BatchPlan,
         rank: int = 0,
-        cursors: Mapping[int, Cursor] | None = None,
+        cursors: Mapping[tuple[int, int], Cursor] | None = None,
         start: int = 0,
+        mixture: Mixture | None = None,
     ) -> None:
-        self.source, self.plan, self.rank = examples, plan, rank
+        self.streams, self.plan, self.rank = streams, plan, rank
         self.cursors, self.start = dict(cursors or {}), start
+        self.mixture = mixture or Mixture([SourceSettings("data", "")], seed=0)  # None: one source
 
     def __iter__(self) -> Iterator[Tensors]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        readers: dict[int, Iterator[StreamExample]] = {}
-        plan, total = self.plan, self.plan.streams * workers
+        plan = self.plan
+        examples = MixedExamples(self.streams, self.mixture, plan.streams * workers, self.cursors)
         for index in itertools.count(self.start + worker, workers):
             step, slot = plan.slot_of(self.rank, index)
             rows: list[StreamExample] = []
-            positions = []
+            positions: dict[tuple[int, int], Cursor] = {}
+            drawn = [0] * len(self.streams)
             for stream in plan.streams_of(slot):
                 sub = (step % workers) * plan.streams + stream
-                if sub not in readers:
-                    readers[sub] = self.source.examples(sub, total, self.cursors.get(sub, Cursor()))
-                chunk = list(itertools.islice(readers[sub], plan.chunk))
-                rows += chunk
-                positions.append([sub, chunk[-1].cursor.shard, chunk[-1].cursor.block])
-            yield self.collate(rows) | {"positions": torch.tensor(positions)}
+                first = step * plan.global_batch + stream * plan.chunk  # the run's index of the chunk's first example
+                for example in range(first, first + plan.chunk):
+                    source, row = examples.next(sub, example, step)
+                    rows.append(row)
+                    positions[source, sub] = row.cursor
+                    drawn[source] += 1
+            cursors = [[source, sub, cursor.shard, cursor.block] for (source, sub), cursor in positions.items()]
+            yield self.collate(rows) | {"positions": torch.tensor(cursors), "drawn": torch.tensor(drawn)}
 
     def collate(self, rows: list[StreamExample]) -> Tensors:
-        tensors = [self.source.format.tensors(row.example) | {"sample_id": torch.tensor(row.sample_id)} for row in rows]
+        tensors = [self.format.tensors(row.example) | {"sample_id": torch.tensor(row.sample_id)} for row in rows]
         counts = {"read": sum(row.read for row in rows), "skipped": sum(row.skipped for row in rows)}
         return default_collate(tensors) | {name: torch.tensor(count) for name, count in counts.items()}
+
+    @property
+    def format(self) -> ExampleFormat[Any]:
+        return self.streams[0].format
 
 
 def global_batch_examples(examples: int | None, tokens: int | None, example_tokens: int) -> int:

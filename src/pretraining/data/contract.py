@@ -7,7 +7,7 @@ from typing import Any, Protocol, runtime_checkable
 from lightning.pytorch import Trainer
 
 from pretraining.data.formats import ExampleFormat
-from pretraining.data.manifest import Manifest
+from pretraining.data.mixture import Source
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
 
@@ -17,11 +17,22 @@ class TrainingData(Protocol):
     """The data side of a run, as the callbacks see it."""
 
     tokenizer: Tokenizer
-    manifest: Manifest
+    sources: list[Source]  # the shard sets it reads (one, or a mixture's), in `data.sources` order
     format: ExampleFormat[Any]
     batches_consumed: int  # training micro-batches this rank has consumed
     samples_read: int  # training samples this rank's consumed batches read ...
     samples_skipped: int  # ... and skipped as unusable
+    drawn: list[int]  # examples each source gave this rank's consumed batches
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Each source's weight in the mixture, by name."""
+        ...
+
+    @property
+    def lineage(self) -> dict[str, Any]:
+        """What a checkpoint's lineage records of the data besides its version."""
+        ...
 
     @property
     def batch_slot(self) -> tuple[int, int]:

@@ -26,20 +26,28 @@ uninterrupted run drew, whatever happened in between (validation, a sample, a
 restart), and one process accumulating gradients draws what several devices
 draw. (Per-sample randomness in the data, MLM masks, is keyed on sample ids.)
 
+It reads one shard directory (`dir`) or a weighted mixture of several (`sources`, by name: each its
+own manifest, weight, optional cap on repetitions; `pretraining.data.mixture`). A mixture's data
+position is a cursor per (source, sub-stream); it validates on each source apart (one validation
+loader per source, `val/<source>/<metric>` beside the weighted mixture's `val/<metric>`), and counts the
+examples each source gave (`drawn`: logged as tokens and shares by `DataCounts`).
+
 Bad data follows `bad_data`: `skip` (the default) skips unusable samples and
 shards with a warning and counts them (`samples_read`, `samples_skipped`, kept in
 the checkpoint with the position); `raise` stops on the first. A shard missing
 or altered at start-up keeps its place in the stream order and is skipped
 whole. `check_skips` stops the run once too much was skipped
-(`pretraining.callbacks.skipped_samples.SkippedSamples` calls it with the totals of all ranks).
+(`pretraining.callbacks.data_counts.DataCounts` calls it with the totals of all ranks).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
@@ -53,6 +61,7 @@ from pretraining.data.batches import BatchPlan, BatchStream, batch_plan, default
 from pretraining.data.formats import ExampleFormat, Tensors
 from pretraining.data.loader import training_loader, validation_loader
 from pretraining.data.manifest import Manifest
+from pretraining.data.mixture import Mixture, Source, SourceSettings, source_settings
 from pretraining.data.stream import Cursor, ShardStream, stable_hash
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.data.validation import validation_examples
@@ -72,12 +81,12 @@ class ShardDataModule(LightningDataModule):
     `streams` None: `default_streams`.
     """
 
-    STATE_FORMAT = 2
+    STATE_FORMAT = 3  # 2: one source, cursors [sub, shard, block] (read as a mixture of one)
 
     @checked_ranges("data")
     def __init__(
         self,
-        dir: str,
+        dir: str | None,
         tokenizer: Tokenizer,
         format: Callable[[Tokenizer], ExampleFormat[Any]],
         global_batch_size: Positive | None = None,
@@ -94,22 +103,17 @@ class ShardDataModule(LightningDataModule):
         bad_data: Literal["skip", "raise"] = "skip",
         max_skip_fraction: Annotated[float, Range(ge=0, le=1)] = 0.01,
         trust_pipe_commands: bool = False,
+        sources: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         super().__init__()
         self.tokenizer, self.format = tokenizer, format(tokenizer)
         global_batch_size = global_batch_examples(global_batch_size, global_batch_tokens, self.format.example_tokens)
         streams = streams or default_streams(global_batch_size)
         batch_plan(global_batch_size, micro_batch_size, streams, 1)  # a config error shows before any work
+        settings = source_settings(sources, dir)  # a config error shows before any data is read
         self.bad_data, self.max_skip_fraction = bad_data, max_skip_fraction
-        self.manifest = Manifest.load(
-            dir, verify_checksums, check=bad_data == "raise", key="data.dir", trust_pipe_commands=trust_pipe_commands
-        )
-        self.refused = self.manifest.problems(verify_checksums) if bad_data == "skip" else {}
-        self.manifest.require_fields(
-            [(f"data.format.{key}", name) for key, name in self.format.field_keys.items()],
-            "set it to one of those (a .json key reads as json:<key>), or choose the data config that matches these "
-            "shards (data=text, data=pairs)",
-        )
+        self.sources = [self.load_source(source, verify_checksums, trust_pipe_commands) for source in settings]
+        self.mixture = Mixture(settings, seed)
         self.global_batch_size, self.micro_batch_size, self.streams = global_batch_size, micro_batch_size, streams
         self.seed, self.num_workers = seed, num_workers
         self.shuffle_buffer, self.pin_memory = shuffle_buffer, pin_memory
@@ -117,20 +121,79 @@ class ShardDataModule(LightningDataModule):
         # Workers already tokenize in parallel; Rust threads in forked workers can hang.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.batches_consumed = 0  # training micro-batches this rank has consumed
-        self.cursors: dict[int, Cursor] = {}  # where each sub-stream this rank has read continues
+        self.cursors: dict[tuple[int, int], Cursor] = {}  # where each (source, sub-stream) this rank reads continues
         self.samples_read = self.samples_skipped = 0  # by the training batches this rank consumed
+        self.drawn = [0] * len(self.sources)  # examples each source gave the training batches this rank consumed
+        self.phases = [{"step": 0, "weights": self.weights}]  # the mixture's weights, from the step each took effect
         self.check_refused_shards()
+
+    def load_source(self, source: SourceSettings, verify_checksums: bool, trust_pipe_commands: bool) -> Source:
+        """A source's manifest, checked: its shards (refused now under `bad_data=raise`, else skipped later with
+        a warning), a training split, and the sample fields the example format reads."""
+        manifest = Manifest.load(
+            source.dir,
+            verify_checksums,
+            check=self.bad_data == "raise",
+            key=f"{source.key}.dir",
+            trust_pipe_commands=trust_pipe_commands,
+        )
+        manifest.shards("train")  # an empty source stops here, naming its manifest
+        manifest.require_fields(
+            [(f"data.format.{key}", name) for key, name in self.format.field_keys.items()],
+            "set it to one of those (a .json key reads as json:<key>), or choose the data config that matches these "
+            "shards (data=text, data=pairs)"
+            + ("" if source.key == "data" else f"; every source of a mixture needs the fields ({source.key})"),
+        )
+        refused = manifest.problems(verify_checksums) if self.bad_data == "skip" else {}
+        return Source(source, manifest, refused)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        return {source.name: source.weight for source in self.sources}
+
+    @property
+    def data_version(self) -> str:
+        """The version of the data: the manifest's for one source; for a mixture, a hash of its sources'
+        names and versions (the weights are the mixture's, `mixture_settings`, compared apart on resume)."""
+        if len(self.sources) == 1:
+            return self.sources[0].manifest.version
+        versions = {source.name: source.manifest.version for source in self.sources}
+        return hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:16]
+
+    @property
+    def mixture_settings(self) -> dict[str, dict[str, Any]] | None:
+        """What decides the mixture besides the data (None for one source): each source's weight, cap and
+        policy. A resume with other settings is a change of mixture (`resume_allow=[mixture]`)."""
+        if len(self.sources) == 1:
+            return None
+        return {
+            source.name: {key: getattr(source.settings, key) for key in ("weight", "max_epochs", "exhausted")}
+            for source in self.sources
+        }
+
+    @property
+    def lineage(self) -> dict[str, Any]:
+        """What a checkpoint's lineage records of the data besides its version: the data topology, each
+        source's directory and version, and for a mixture its settings and phases."""
+        sources = {
+            source.name: {"dir": source.settings.dir, "version": source.manifest.version} for source in self.sources
+        }
+        mixture = self.mixture_settings
+        phases = {"mixture_phases": self.phases} if mixture else {}
+        return {"topology": self.topology, "sources": sources, "mixture": mixture, **phases}
 
     @property
     def train_samples(self) -> int:
-        return sum(shard.samples for shard in self.manifest.shards("train"))
+        return sum(shard.samples for source in self.sources for shard in source.manifest.shards("train"))
 
     def check_refused_shards(self) -> None:
         """Warn about each shard refused at start-up (missing or altered), and stop if they hold too much
         of the training data."""
-        for name, problem in self.refused.items():
-            warnings.warn(f"shard {self.manifest.location(name)}: {problem}; it is skipped", stacklevel=2)
-        lost = sum(shard.samples for shard in self.manifest.shards("train") if shard.name in self.refused)
+        lost = 0
+        for source in self.sources:
+            for name, problem in source.refused.items():
+                warnings.warn(f"shard {source.manifest.location(name)}: {problem}; it is skipped", stacklevel=2)
+            lost += sum(shard.samples for shard in source.manifest.shards("train") if shard.name in source.refused)
         self.check_skips(lost, 0)
 
     def check_skips(self, skipped: int, read: int) -> None:
@@ -191,27 +254,41 @@ class ShardDataModule(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         """The training micro-batches of this rank, continuing from the data position."""
         rank, _ = self.rank_and_world
-        shards = self.manifest.shards("train")
-        refused = {index: self.refused[shard.name] for index, shard in enumerate(shards) if shard.name in self.refused}
-        samples = [shard.samples for shard in shards]
-        examples = ShardStream(
-            self.manifest.urls("train"), self.format, self.seed, self.shuffle_buffer, samples, refused, self.bad_data
-        )
+        streams = [self.shard_stream(source) for source in self.sources]
+        stream = BatchStream(streams, self.plan, rank, self.cursors, self.batches_consumed, self.mixture)
+        return training_loader(stream, self.num_workers, self.pin_memory)
+
+    def shard_stream(self, source: Source) -> ShardStream:
+        """The shard streams of a source's training split."""
+        shards = source.manifest.shards("train")
+        refused = {
+            index: source.refused[shard.name] for index, shard in enumerate(shards) if shard.name in source.refused
+        }
         sub_streams = self.streams * self.workers
         if len(shards) < sub_streams:
             warnings.warn(
-                f"{len(shards)} training shards for {sub_streams} sub-streams (data.streams x data.num_workers): "
-                f"several sub-streams read the same shard at once, so a step can repeat examples; build more, "
-                f"smaller shards (`pretrain-data build --shard-bytes`) or lower data.streams",
-                stacklevel=2,
+                f"{len(shards)} training shards of {source.settings.dir} for {sub_streams} sub-streams (data.streams x "
+                f"data.num_workers): several sub-streams read the same shard at once, so a step can repeat examples; "
+                f"build more, smaller shards (`pretrain-data build --shard-bytes`) or lower data.streams",
+                stacklevel=3,
             )
-        stream = BatchStream(examples, self.plan, rank, self.cursors, self.batches_consumed)
-        return training_loader(stream, self.num_workers, self.pin_memory)
+        return ShardStream(
+            source.manifest.urls("train"),
+            self.format,
+            self.seed,
+            self.shuffle_buffer,
+            [shard.samples for shard in shards],
+            refused,
+            self.bad_data,
+            source.settings.max_epochs,
+        )
 
     def on_before_batch_transfer(self, batch: Tensors, dataloader_idx: int) -> Tensors:
         if "positions" in batch:  # a training batch (validation has none): it advances the position
-            for sub, shard, block in batch.pop("positions").tolist():
-                self.cursors[sub] = Cursor(shard, block)
+            for source, sub, shard, block in batch.pop("positions").tolist():
+                self.cursors[source, sub] = Cursor(shard, block)
+            for source, drawn in enumerate(batch.pop("drawn").tolist()):
+                self.drawn[source] += drawn
             self.batches_consumed += 1
             self.samples_read += int(batch.pop("read"))
             self.samples_skipped += int(batch.pop("skipped"))
@@ -220,73 +297,135 @@ class ShardDataModule(LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         """The data position of every rank (a collective under DDP/FSDP: every rank calls it on save)."""
-        ranks = gather((self.cursors, self.samples_read, self.samples_skipped))
-        cursors = {sub: [c.shard, c.block] for rank_cursors, _, _ in ranks for sub, c in rank_cursors.items()}
+        ranks = gather((self.cursors, self.samples_read, self.samples_skipped, self.drawn))
+        cursors = {key: cursor for rank_cursors, *_ in ranks for key, cursor in rank_cursors.items()}
+        names = [source.name for source in self.sources]
         return {
             "format": self.STATE_FORMAT,
-            "data_version": self.manifest.version,
+            "data_version": self.data_version,
+            "versions": {source.name: source.manifest.version for source in self.sources},
             "topology": self.topology,
             "steps": self.batches_consumed // self.plan.accumulation,
-            "cursors": [[sub, *cursor] for sub, cursor in sorted(cursors.items())],
-            "samples_read": sum(read for _, read, _ in ranks),
-            "samples_skipped": sum(skipped for _, _, skipped in ranks),
+            "cursors": [[names[source], sub, c.shard, c.block] for (source, sub), c in sorted(cursors.items())],
+            "samples_read": sum(read for _, read, _, _ in ranks),
+            "samples_skipped": sum(skipped for _, _, skipped, _ in ranks),
+            "drawn": {name: sum(drawn[index] for *_, drawn in ranks) for index, name in enumerate(names)},
+            "phases": self.phases,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved position: exactly if the topology is unchanged, else approximately
-        (the caller decides whether a change is allowed: see `pretraining.resume`)."""
-        if state.get("format") != self.STATE_FORMAT:
+        """Continue from a saved position: each source whose data is unchanged from its cursors, exactly if the
+        topology is unchanged, else approximately; a source that changed, or is new, from its start (the
+        caller decides whether a change is allowed: see `pretraining.resume`). New mixture weights take effect
+        from the saved step, which starts a phase."""
+        state = self.in_current_format(state)
+        steps = state["steps"]
+        self.batches_consumed = steps * self.plan.accumulation
+        # The run's totals, on rank zero only: summed over ranks, they stay the totals.
+        first = self.rank_and_world[0] == 0
+        self.samples_read = state["samples_read"] if first else 0
+        self.samples_skipped = state["samples_skipped"] if first else 0
+        self.drawn = [state["drawn"].get(source.name, 0) if first else 0 for source in self.sources]
+        self.phases = list(state["phases"])
+        if self.phases[-1]["weights"] != self.weights:
+            self.phases.append({"step": steps, "weights": self.weights})
+            if len(self.sources) > 1:
+                rank_zero_info(f"data.sources: the weights {self.weights} take effect at step {steps}")
+        index = {source.name: number for number, source in enumerate(self.sources)}
+        unchanged = {
+            name for name, version in state["versions"].items() if name in index and self.version_of(name) == version
+        }
+        for source in self.sources:
+            if source.name not in unchanged:
+                warnings.warn(
+                    f"the data of {source.settings.key} is not the checkpoint's: it is read from its start",
+                    stacklevel=1,
+                )
+        saved = {
+            (index[name], sub): Cursor(shard, block)
+            for name, sub, shard, block in state["cursors"]
+            if name in unchanged
+        }
+        if state["topology"] == self.topology:
+            self.cursors = self.own(saved)
+            return
+        # Every sub-stream of a source starts at the same ordinal: the shards the old run finished of it,
+        # counted over all its sub-streams, shared out among the new ones (rounded up). Approximate: a shard in
+        # progress then may be skipped or read again from its start.
+        sub_streams = self.streams * self.workers
+        starts = {}
+        for number in range(len(self.sources)):
+            done = sum(cursor.shard for (source, _), cursor in saved.items() if source == number)
+            starts[number] = Cursor(-(-done // sub_streams))
+        warnings.warn(
+            f"data topology changed from {state['topology']} to {self.topology}: the stream resumes approximately, at "
+            f"shard {', '.join(str(start.shard) for start in starts.values())} of every stream (by source)",
+            stacklevel=1,
+        )
+        self.cursors = self.own(
+            {(number, sub): start for number, start in starts.items() for sub in range(sub_streams)}
+        )
+
+    def version_of(self, name: str) -> str:
+        return next(source.manifest.version for source in self.sources if source.name == name)
+
+    def in_current_format(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A saved position in this code's format. One source's position (format 2, or a source renamed with
+        its directory) continues this run's one source."""
+        if state.get("format") not in (2, self.STATE_FORMAT):
             raise CheckpointError(
                 f"the checkpoint's data position has format {state.get('format')}, this code reads "
                 f"{self.STATE_FORMAT}: resume it with the code revision that wrote it"
             )
-        self.batches_consumed = state["steps"] * self.plan.accumulation
-        # The run's totals, on rank zero only: summed over ranks, they stay the totals.
-        first = self.rank_and_world[0] == 0
-        self.samples_read = state.get("samples_read", 0) if first else 0
-        self.samples_skipped = state.get("samples_skipped", 0) if first else 0
-        if state["data_version"] != self.manifest.version:
-            warnings.warn("the data changed since the checkpoint: the new data is read from its start", stacklevel=1)
-            self.cursors = {}
-            return
-        saved = {sub: Cursor(shard, block) for sub, shard, block in state["cursors"]}
-        if state["topology"] == self.topology:
-            self.cursors = self.own(saved)
-            return
-        # Every sub-stream starts at the same ordinal: the shards the old run finished, counted over all
-        # its sub-streams, shared out among the new ones (rounded up). Approximate: a shard in progress
-        # then may be skipped or read again from its start.
-        done = sum(cursor.shard for cursor in saved.values())
-        start = Cursor(-(-done // (self.streams * self.workers)))
-        warnings.warn(
-            f"data topology changed from {state['topology']} to {self.topology}: the stream resumes approximately, "
-            f"at shard {start.shard} of every stream, after about {done} shards",
-            stacklevel=1,
-        )
-        self.cursors = self.own(dict.fromkeys(range(self.streams * self.workers), start))
+        if state["format"] == 2:
+            name = self.sources[0].name
+            state = state | {
+                "versions": {name: state["data_version"]},
+                "cursors": [[name, *cursor] for cursor in state["cursors"]],
+                "drawn": {name: state["steps"] * self.global_batch_size},
+                "phases": [{"step": 0, "weights": {name: 1.0}}],
+            }
+        if len(state["versions"]) == len(self.sources) == 1:
+            (saved,), name = state["versions"], self.sources[0].name
+            state = state | {
+                "versions": {name: state["versions"][saved]},
+                "cursors": [[name, *cursor[1:]] for cursor in state["cursors"]],
+                "drawn": {name: state["drawn"].get(saved, 0)},
+                "phases": [{"step": phase["step"], "weights": {name: 1.0}} for phase in state["phases"]],
+            }
+        return state
 
-    def own(self, cursors: dict[int, Cursor]) -> dict[int, Cursor]:
+    def own(self, cursors: dict[tuple[int, int], Cursor]) -> dict[tuple[int, int], Cursor]:
         """The cursors of the sub-streams this rank reads (each rank saves only its own, so that the
         gathered position holds each sub-stream's cursor from the one rank that moves it)."""
         mine = self.plan.streams_of_rank(self.rank_and_world[0])
-        return {sub: cursor for sub, cursor in cursors.items() if sub % self.streams in mine}
+        return {(source, sub): cursor for (source, sub), cursor in cursors.items() if sub % self.streams in mine}
 
     @cached_property
-    def validation_set(self) -> list[Tensors]:
-        """All ranks' validation examples, read once however often validation runs."""
-        shards = [shard for shard in self.manifest.shards("validation") if shard.name not in self.refused]
-        urls, documents = [self.manifest.url(shard) for shard in shards], sum(shard.samples for shard in shards)
+    def validation_sets(self) -> list[list[Tensors]]:
+        """All ranks' validation examples of each source, read once however often validation runs."""
+        return [self.validation_examples(source) for source in self.sources]
+
+    def validation_examples(self, source: Source) -> list[Tensors]:
+        shards = [shard for shard in source.manifest.shards("validation") if shard.name not in source.refused]
+        urls, documents = [source.manifest.url(shard) for shard in shards], sum(shard.samples for shard in shards)
         chosen = validation_examples(urls, self.format, self.val_size, documents, self.bad_data)
+        of = f" of {source.settings.key}" if len(self.sources) > 1 else ""
         rank_zero_info(
-            f"validation: {len(chosen.examples)} {self.format.kind} from {chosen.text_bytes:,} bytes of text of "
+            f"validation{of}: {len(chosen.examples)} {self.format.kind} from {chosen.text_bytes:,} bytes of text of "
             f"{chosen.documents} of the {chosen.split_documents} documents of the validation split, "
             f"in {len(shards)} shards"
         )
         return chosen.examples
 
-    def val_dataloader(self) -> DataLoader:
+    def val_dataloader(self) -> DataLoader | list[DataLoader]:
+        """One loader of this rank's validation examples, or for a mixture one per source (in `sources` order:
+        the objective reports each, and their weighted mean)."""
+        loaders = [self.validation_loader(examples) for examples in self.validation_sets]
+        return loaders[0] if len(loaders) == 1 else loaders
+
+    def validation_loader(self, examples: list[Tensors]) -> DataLoader:
         rank, world_size = self.rank_and_world
-        examples = self.validation_set
         per_rank = len(examples) // world_size
         if per_rank == 0:
             raise ShardError(

@@ -145,7 +145,8 @@ class ShardStream:
     `samples` gives each shard's sample count (to count what a corrupt shard loses); `refused` the
     shards found bad before reading (missing, or not matching their checksum) with the reason: they keep
     their place in the order, so the position arithmetic is unchanged, and are skipped whole when their
-    turn comes. `policy` is the bad-data policy (`SampleReader`)."""
+    turn comes. `policy` is the bad-data policy (`SampleReader`). With `max_epochs`, a stream ends where
+    its next shard would be of that epoch (a source's cap on repetitions: `pretraining.data.mixture`)."""
 
     def __init__(
         self,
@@ -156,9 +157,11 @@ class ShardStream:
         samples: Sequence[int] | None = None,
         refused: Mapping[int, str] | None = None,
         policy: str = "skip",
+        max_epochs: int | None = None,
     ) -> None:
         self.urls, self.format, self.seed, self.shuffle_buffer = list(urls), format, seed, shuffle_buffer
         self.samples, self.refused, self.policy = samples, dict(refused or {}), policy
+        self.max_epochs = max_epochs
 
     def examples(self, stream: int, streams: int, start: Cursor) -> Iterator[StreamExample]:
         """The stream's examples from `start` on."""
@@ -171,6 +174,8 @@ class ShardStream:
                     f"warnings); make the examples shorter ({lengths(self.format)}) or rebuild the shards"
                 )
             epoch, shard = stream_shard(ordinal, stream, streams, len(self.urls), self.seed)
+            if self.max_epochs is not None and epoch >= self.max_epochs:
+                return
             samples = self.shard_texts(reader, shard, again=epoch > 0)
             rng = seeded_rng(self.seed, epoch, shard)
             made = warn_on_long_documents(self.format, samples, self.shuffle_buffer, self.urls[shard])

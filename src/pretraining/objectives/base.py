@@ -15,6 +15,7 @@ the steps Lightning writes (`LogStepValues`); anything else is logged as in any 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from functools import partial
@@ -30,6 +31,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torchmetrics import Metric, SumMetric
 
+from pretraining.data.contract import training_data
 from pretraining.data.formats import ExampleFormat, PackedBlocks
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
@@ -81,6 +83,7 @@ class PretrainingObjective(LightningModule):
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
         self.schedule, self.decay_steps = schedule, decay_steps  # decay_steps: the wsd schedule's
         self.validation_state = nn.ModuleDict(validation_state or {})
+        self.validation_states = nn.ModuleList([self.validation_state])  # one per data source validated
         # Not `self.compile`: that is nn.Module's method.
         self.compile_blocks, self.model_configured = compile, False
         self.restored_step = 0  # the step of the checkpoint restored into this module, if any
@@ -159,21 +162,46 @@ class PretrainingObjective(LightningModule):
         self.restored_step = checkpoint["global_step"]
         check_same_optimizer(checkpoint, is_muon(self.optimizer_factory))
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        states = self.source_states(dataloader_idx)
         for name, value in self.validation_update(batch).items():
-            cast(Metric, self.validation_state[name]).update(value)
+            cast(Metric, states[name]).update(value)
+
+    def source_states(self, source: int) -> nn.ModuleDict:
+        """The validation states of a data source (the loader of a mixture's `source`-th), made on first use
+        as copies of `validation_state`, which is the first source's."""
+        while len(self.validation_states) <= source:
+            self.validation_states.append(copy.deepcopy(self.validation_state))
+        return cast(nn.ModuleDict, self.validation_states[source])
 
     def on_validation_epoch_end(self) -> None:
-        states = {name: cast(Metric, metric) for name, metric in self.validation_state.items()}
-        totals = {name: metric.compute() for name, metric in states.items()}  # reduced over ranks
-        for metric in states.values():
-            metric.reset()
-        metrics = {f"val/{name}": value.float() for name, value in self.validation_metrics(totals).items()}
+        per_source = [self.computed_metrics(cast(nn.ModuleDict, states)) for states in self.validation_states]
+        if len(per_source) == 1:
+            metrics = per_source[0]
+        else:  # a mixture's: each source's, and their mean weighted as the mixture weighs the sources
+            data = training_data(self.trainer, "data")
+            weights = [source.weight for source in data.sources]
+            metrics = {
+                name: torch.stack([w * source[name] for w, source in zip(weights, per_source, strict=True)]).sum()
+                / sum(weights)
+                for name in per_source[0]
+            }
+            for source, values in zip(data.sources, per_source, strict=True):
+                metrics |= {f"{source.name}/{name}": value for name, value in values.items()}
+        metrics = {f"val/{name}": value for name, value in metrics.items()}
         # Already global: the max over ranks of the same value is that value, and Lightning does not warn.
         self.log_dict(metrics, prog_bar=True, sync_dist=True, reduce_fx="max")
         # Logged at the step of the weights validated (Lightning's `step` key), wherever the validation runs.
         self.log("step", float(self.trained_steps), sync_dist=True, reduce_fx="max")
         self.last_validated_step = self.trained_steps
+
+    def computed_metrics(self, states: nn.ModuleDict) -> dict[str, torch.Tensor]:
+        """The validation metrics of one source's states, reduced over ranks; the states start afresh."""
+        metrics = {name: cast(Metric, metric) for name, metric in states.items()}
+        totals = {name: metric.compute() for name, metric in metrics.items()}
+        for metric in metrics.values():
+            metric.reset()
+        return {name: value.float() for name, value in self.validation_metrics(totals).items()}
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         # trainer.max_steps is above warmup_steps (+ decay_steps): see pretraining.run.fit_schedule

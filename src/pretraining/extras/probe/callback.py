@@ -135,9 +135,9 @@ class LinearProbe(Callback):
             self.inputs = self.prepare(training_data(trainer, KEY), pl_module)
 
     def prepare(self, data: TrainingData, pl_module: LightningModule) -> ProbeInputs:
-        """The probe set of the run's shards, each text encoded as the model reads its training texts
-        (`ExampleFormat.encode_text`), cut to the length it trains on."""
-        examples = self.source(data.manifest)
+        """The probe set of the run's shards (its first source's), each text encoded as the model reads its
+        training texts (`ExampleFormat.encode_text`), cut to the length it trains on."""
+        examples = self.source(data.sources[0].manifest)
         probe = probe_set(examples, self.max_classes, self.min_per_class, self.max_examples, self.test_fraction)
         trained = min(data.format.trained_length, int(pl_module.backbone.max_seq_len))  # type: ignore[union-attr,arg-type]
         length = min(self.max_tokens or trained, trained)

@@ -1,0 +1,45 @@
+"""What the training data gave, on the logs: the samples read and skipped as unusable (and the limit on
+them), and for a mixture each source's tokens and share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from pretraining.data.contract import training_data
+from pretraining.objectives.step_values import logs_written_at
+
+
+class DataCounts(Callback):
+    """Every `trainer.log_every_n_steps` optimizer steps and at the last, sum over all ranks the
+    samples the training stream read and skipped (`ShardDataModule.samples_read`, `samples_skipped`)
+    and the examples each source gave (`drawn`); log `data/samples_read` and `data/skipped_samples`,
+    for a mixture `data/<source>/tokens` and `data/<source>/share` (of the tokens trained on so far), and
+    stop the run if too many samples were skipped (`ShardDataModule.check_skips`). One small
+    all-reduce, at the same steps on every rank, so that all stop together. `train.py` adds it to every
+    run: it enforces the data config's policy.
+    """
+
+    def __init__(self) -> None:
+        self.checked_step = -1
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        if step == self.checked_step or not logs_written_at(trainer, step):
+            return  # mid-accumulation, checked already, or not a logging step
+        self.checked_step = step
+        data = training_data(trainer, "data.bad_data")
+        counts = torch.tensor([data.samples_read, data.samples_skipped, *data.drawn], device=pl_module.device)
+        read, skipped, *drawn = trainer.strategy.reduce(counts, reduce_op="sum").tolist()
+        logged = {"data/samples_read": read, "data/skipped_samples": skipped}
+        if len(drawn) > 1:
+            tokens_per_example, total = data.format.example_tokens, max(sum(drawn), 1)
+            for source, examples in zip(data.sources, drawn, strict=True):
+                logged[f"data/{source.name}/tokens"] = examples * tokens_per_example
+                logged[f"data/{source.name}/share"] = examples / total
+        pl_module.log_dict(logged)
+        data.check_skips(skipped, read)

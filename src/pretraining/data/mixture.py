@@ -1,0 +1,178 @@
+"""A weighted mixture of shard sets (`data.sources`): which source each training example comes from.
+
+Each source is a shard directory with a manifest, as `data.dir` is (a run with `data.dir` trains on a
+mixture of one), and a weight. A weight is a share of the training tokens. The sources are packed apart
+and mixed afterwards, so a block never spans two sources, and every example of a format holds the same
+number of tokens (a packed block, a padded pair): a share of the tokens is the same share of the
+examples, whatever the sources' document lengths (torchtitan's "pack first counts rows").
+
+The source of the run's k-th training example (k = step x global batch + its place in the step's
+global batch) is a pure function of the seed and k, whatever the devices, DataLoader workers or
+micro-batches: a Weyl sequence (k times the golden ratio, mod 1, from a seeded offset) read against the
+cumulative weights. Over any n consecutive examples each source's share is within about log(n) / n of
+its weight (a random draw's would be within about 1 / sqrt(n)), and the sources interleave within every
+batch.
+
+Each source is read by its own shard streams (`pretraining.data.stream.ShardStream`), one per
+sub-stream of the batches (`pretraining.data.batches`), so the data position is a cursor per (source,
+sub-stream). A source may cap its repetitions (`max_epochs`: passes over its shards); a sub-stream that
+reaches the cap has run out of that source, and `exhausted` says what follows: `stop` ends the run with an
+error naming the source (the checkpoints saved so far are intact), `renormalise` shares its weight among
+the sources left, with a warning.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+from pretraining.data.manifest import Manifest
+from pretraining.data.stream import Cursor, ShardStream, StreamExample, stable_hash
+from pretraining.errors import ConfigError, ShardError
+
+Exhausted = Literal["stop", "renormalise"]
+SOURCE_KEYS = ("dir", "weight", "max_epochs", "exhausted")
+WEYL_STEP = 0x9E3779B97F4A7C15  # 2**64 divided by the golden ratio (odd): the sequence's step, in 64-bit fixed point
+
+
+@dataclass(frozen=True)
+class SourceSettings:
+    """One entry of `data.sources`, checked: where its shards are and how much of the mixture it is."""
+
+    name: str
+    dir: str
+    weight: float = 1.0
+    max_epochs: int | None = None  # passes over its shards before it runs out; None: never
+    exhausted: Exhausted = "stop"
+    key: str = "data"  # where it is configured: data (data.dir) or data.sources.<name>
+
+
+def source_settings(sources: Mapping[str, Mapping[str, Any]] | None, dir: str | None) -> list[SourceSettings]:
+    """The sources of a run: `data.sources` (name -> dir, weight, max_epochs, exhausted), or `data.dir` as
+    a mixture of one. A bad entry stops the run before any data is read, naming its key and the fix."""
+    if (sources is None) == (dir is None):
+        raise ConfigError(
+            "set exactly one of data.dir (one shard directory) and data.sources (a mixture: name -> dir, weight); "
+            f"got data.dir={dir} and data.sources={None if sources is None else dict(sources)} (set the other to null)"
+        )
+    if dir is not None:
+        return [SourceSettings(name=dir.rstrip("/").rsplit("/", 1)[-1] or "data", dir=dir)]
+    if not sources:
+        raise ConfigError("data.sources is empty: name at least one shard directory (data.sources.<name>.dir=<dir>)")
+    settings = [one_source(str(name), entry) for name, entry in sources.items()]
+    if not sum(source.weight for source in settings) > 0:
+        raise ConfigError(
+            "the weights of data.sources are all zero: give at least one source a positive weight "
+            "(a source of weight 0 is only validated on)"
+        )
+    return settings
+
+
+def one_source(name: str, entry: Mapping[str, Any] | None) -> SourceSettings:
+    key = f"data.sources.{name}"
+    if not isinstance(entry, Mapping) or entry.get("dir") is None:
+        raise ConfigError(f"{key} has no dir: set {key}.dir=<shard directory> (and {key}.weight)")
+    unknown = sorted(set(entry) - set(SOURCE_KEYS))
+    if unknown:
+        raise ConfigError(f"{key}.{unknown[0]} is not a setting of a source: a source has {', '.join(SOURCE_KEYS)}")
+    weight, max_epochs = entry.get("weight", 1.0), entry.get("max_epochs")
+    exhausted = entry.get("exhausted", "stop")
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight >= 0:
+        raise ConfigError(f"{key}.weight={weight!r}: a weight is a number >= 0 (its share of the training tokens)")
+    if max_epochs is not None and (isinstance(max_epochs, bool) or not isinstance(max_epochs, int) or max_epochs < 1):
+        raise ConfigError(f"{key}.max_epochs={max_epochs!r}: a whole number of passes >= 1, or null for no cap")
+    if exhausted not in get_args(Exhausted):
+        raise ConfigError(f"{key}.exhausted={exhausted!r}: use one of {', '.join(get_args(Exhausted))}")
+    return SourceSettings(name, str(entry["dir"]), float(weight), max_epochs, exhausted, key)
+
+
+@dataclass(frozen=True)
+class Source:
+    """A source of the run: its settings, its manifest, and the shards refused at start-up (by name,
+    with the reason: missing or altered, under `data.bad_data=skip`)."""
+
+    settings: SourceSettings
+    manifest: Manifest
+    refused: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.settings.name
+
+    @property
+    def weight(self) -> float:
+        return self.settings.weight
+
+
+class Mixture:
+    """Which source the run's k-th training example comes from (see module doc): a pure function of the
+    sources' weights, the seed and k; `out` names sources that have run out, whose weight the others share."""
+
+    def __init__(self, sources: Sequence[SourceSettings], seed: int) -> None:
+        self.sources = list(sources)
+        self.offset = stable_hash("mixture", seed) % 2**64
+        self.bounds: dict[frozenset[int], list[float]] = {}  # cumulative weights, by the sources out
+
+    def source_of(self, example: int, out: frozenset[int] = frozenset()) -> int:
+        point = ((example * WEYL_STEP + self.offset) % 2**64) / 2**64
+        bounds = self.bounds.get(out) or self.bounds.setdefault(out, self.cumulative(out))
+        return bisect.bisect_right(bounds, point * bounds[-1])
+
+    def cumulative(self, out: frozenset[int]) -> list[float]:
+        # A source without weight gets an empty interval: bisect never lands on it.
+        weights = [0.0 if index in out else source.weight for index, source in enumerate(self.sources)]
+        return list(itertools.accumulate(weights))
+
+
+class MixedExamples:
+    """A rank's (or DataLoader worker's) reader of the mixture: the next example of a sub-stream, from
+    the source the mixture names for it, read by that source's shard stream from its cursor."""
+
+    def __init__(
+        self, streams: Sequence[ShardStream], mixture: Mixture, total: int, cursors: Mapping[tuple[int, int], Cursor]
+    ) -> None:
+        self.streams, self.mixture, self.total, self.cursors = streams, mixture, total, cursors
+        self.readers: dict[tuple[int, int], Iterator[StreamExample]] = {}
+        self.out: dict[int, frozenset[int]] = {}  # by sub-stream: the sources it has run out of
+
+    def next(self, sub: int, example: int, step: int) -> tuple[int, StreamExample]:
+        """(source, example) of the run's `example`-th example, which sub-stream `sub` reads at `step`."""
+        while True:
+            out = self.out.get(sub, frozenset())
+            if self.mixture.cumulative(out)[-1] == 0:
+                raise ShardError(
+                    f"at step {step} every source with weight has run out (data.sources.<name>.max_epochs): raise "
+                    f"a cap and continue with resume_allow=[mixture]"
+                )
+            source = self.mixture.source_of(example, out)
+            try:
+                return source, next(self.reader(source, sub))
+            except StopIteration:
+                self.run_out(source, sub, step)
+
+    def reader(self, source: int, sub: int) -> Iterator[StreamExample]:
+        if (source, sub) not in self.readers:
+            start = self.cursors.get((source, sub), Cursor())
+            self.readers[source, sub] = self.streams[source].examples(sub, self.total, start)
+        return self.readers[source, sub]
+
+    def run_out(self, source: int, sub: int, step: int) -> None:
+        settings = self.mixture.sources[source]
+        passes = f"{settings.key}.max_epochs={settings.max_epochs}"
+        if settings.exhausted == "stop":
+            raise ShardError(
+                f"{settings.key} has run out at step {step}: its shards were read {passes} times "
+                f"({settings.key}.exhausted=stop). The checkpoints saved so far are intact: raise {passes} and "
+                f"continue with resume_allow=[mixture], or set {settings.key}.exhausted=renormalise to share its "
+                f"weight among the other sources"
+            )
+        warnings.warn(
+            f"{settings.key} has run out at step {step} ({passes}): its weight is shared among "
+            f"the other sources from here on ({settings.key}.exhausted=renormalise)",
+            stacklevel=2,
+        )
+        self.out[sub] = self.out.get(sub, frozenset()) | {source}
