@@ -70,7 +70,7 @@ def describe(chain: list[dict[str, Any]]) -> str:
         ("run", f"{config.get('task_name')}/{config.get('run_name')} (W&B run {lineage.get('wandb_run_id')})"),
         ("code", f"{code.get('commit')}{dirty}"),
         ("model", config.get("model", {}).get("_target_")),
-        ("data", f"version {lineage.get('data_version')} from {config.get('data', {}).get('dir')}"),
+        ("data", f"version {lineage.get('data_version')} from {config.get('data', {}).get('dir') or 'a mixture of'}"),
         *mixture_rows(lineage),
         ("tokenizer", f"fingerprint {lineage.get('tokenizer_fingerprint')}"),
         ("topology", ", ".join(f"{key} {value}" for key, value in (lineage.get("topology") or {}).items())),

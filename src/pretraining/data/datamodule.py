@@ -66,7 +66,7 @@ from pretraining.data.stream import Cursor, ShardStream, stable_hash
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.data.validation import validation_examples
 from pretraining.distributed import gather
-from pretraining.errors import CheckpointError, ShardError
+from pretraining.errors import CheckpointError, ConfigError, ShardError
 from pretraining.ranges import Positive, Range, checked_ranges
 
 
@@ -112,7 +112,7 @@ class ShardDataModule(LightningDataModule):
         batch_plan(global_batch_size, micro_batch_size, streams, 1)  # a config error shows before any work
         settings = source_settings(sources, dir)  # a config error shows before any data is read
         self.bad_data, self.max_skip_fraction = bad_data, max_skip_fraction
-        self.sources = [self.load_source(source, verify_checksums, trust_pipe_commands) for source in settings]
+        self.sources = [self.load_source(source, format, verify_checksums, trust_pipe_commands) for source in settings]
         self.mixture = Mixture(settings, seed)
         self.global_batch_size, self.micro_batch_size, self.streams = global_batch_size, micro_batch_size, streams
         self.seed, self.num_workers = seed, num_workers
@@ -127,9 +127,23 @@ class ShardDataModule(LightningDataModule):
         self.phases = [{"step": 0, "weights": self.weights}]  # the mixture's weights, from the step each took effect
         self.check_refused_shards()
 
-    def load_source(self, source: SourceSettings, verify_checksums: bool, trust_pipe_commands: bool) -> Source:
+    def load_source(
+        self,
+        source: SourceSettings,
+        format: Callable[..., ExampleFormat[Any]],
+        verify_checksums: bool,
+        trust_pipe_commands: bool,
+    ) -> Source:
         """A source's manifest, checked: its shards (refused now under `bad_data=raise`, else skipped later with
-        a warning), a training split, and the sample fields the example format reads."""
+        a warning), a training split, and the sample fields its example format reads (`format` with the
+        source's own `fields`)."""
+        unknown = sorted(set(source.fields) - set(self.format.field_keys))
+        if unknown:
+            raise ConfigError(
+                f"{source.key}.fields.{unknown[0]}: a source names only its sample fields, which data.format names "
+                f"as {', '.join(self.format.field_keys)} (its lengths are the run's)"
+            )
+        source_format = format(self.tokenizer, **source.fields) if source.fields else self.format
         manifest = Manifest.load(
             source.dir,
             verify_checksums,
@@ -138,14 +152,15 @@ class ShardDataModule(LightningDataModule):
             trust_pipe_commands=trust_pipe_commands,
         )
         manifest.shards("train")  # an empty source stops here, naming its manifest
+        fields_key = f"{source.key}.fields" if source.fields else "data.format"
         manifest.require_fields(
-            [(f"data.format.{key}", name) for key, name in self.format.field_keys.items()],
+            [(f"{fields_key}.{key}", name) for key, name in source_format.field_keys.items()],
             "set it to one of those (a .json key reads as json:<key>), or choose the data config that matches these "
             "shards (data=text, data=pairs)"
             + ("" if source.key == "data" else f"; every source of a mixture needs the fields ({source.key})"),
         )
         refused = manifest.problems(verify_checksums) if self.bad_data == "skip" else {}
-        return Source(source, manifest, refused)
+        return Source(source, manifest, source_format, refused)
 
     @property
     def weights(self) -> dict[str, float]:
@@ -168,6 +183,7 @@ class ShardDataModule(LightningDataModule):
             return None
         return {
             source.name: {key: getattr(source.settings, key) for key in ("weight", "max_epochs", "exhausted")}
+            | {"fields": source.format.field_keys}
             for source in self.sources
         }
 
@@ -274,7 +290,7 @@ class ShardDataModule(LightningDataModule):
             )
         return ShardStream(
             source.manifest.urls("train"),
-            self.format,
+            source.format,
             self.seed,
             self.shuffle_buffer,
             [shard.samples for shard in shards],
@@ -409,7 +425,7 @@ class ShardDataModule(LightningDataModule):
     def validation_examples(self, source: Source) -> list[Tensors]:
         shards = [shard for shard in source.manifest.shards("validation") if shard.name not in source.refused]
         urls, documents = [source.manifest.url(shard) for shard in shards], sum(shard.samples for shard in shards)
-        chosen = validation_examples(urls, self.format, self.val_size, documents, self.bad_data)
+        chosen = validation_examples(urls, source.format, self.val_size, documents, self.bad_data)
         of = f" of {source.settings.key}" if len(self.sources) > 1 else ""
         rank_zero_info(
             f"validation{of}: {len(chosen.examples)} {self.format.kind} from {chosen.text_bytes:,} bytes of text of "

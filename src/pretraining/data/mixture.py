@@ -15,7 +15,8 @@ batch.
 
 Each source is read by its own shard streams (`pretraining.data.stream.ShardStream`), one per
 sub-stream of the batches (`pretraining.data.batches`), so the data position is a cursor per (source,
-sub-stream). A source may cap its repetitions (`max_epochs`: passes over its shards); a sub-stream that
+sub-stream). A source may name its own sample fields (`fields`: a source of docstrings read from pair shards'
+`query.txt`), and cap its repetitions (`max_epochs`: passes over its shards); a sub-stream that
 reaches the cap has run out of that source, and `exhausted` says what follows: `stop` ends the run with an
 error naming the source (the checkpoints saved so far are intact), `renormalise` shares its weight among
 the sources left, with a warning.
@@ -30,12 +31,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+from pretraining.data.formats import ExampleFormat
 from pretraining.data.manifest import Manifest
 from pretraining.data.stream import Cursor, ShardStream, StreamExample, stable_hash
 from pretraining.errors import ConfigError, ShardError
 
 Exhausted = Literal["stop", "renormalise"]
-SOURCE_KEYS = ("dir", "weight", "max_epochs", "exhausted")
+SOURCE_KEYS = ("dir", "weight", "max_epochs", "exhausted", "fields")
 WEYL_STEP = 0x9E3779B97F4A7C15  # 2**64 divided by the golden ratio (odd): the sequence's step, in 64-bit fixed point
 
 
@@ -49,6 +51,8 @@ class SourceSettings:
     max_epochs: int | None = None  # passes over its shards before it runs out; None: never
     exhausted: Exhausted = "stop"
     key: str = "data"  # where it is configured: data (data.dir) or data.sources.<name>
+    # Its own sample fields, by data.format key (text_field: query.txt), where they differ from data.format's.
+    fields: Mapping[str, str] = field(default_factory=dict)
 
 
 def source_settings(sources: Mapping[str, Mapping[str, Any]] | None, dir: str | None) -> list[SourceSettings]:
@@ -87,16 +91,20 @@ def one_source(name: str, entry: Mapping[str, Any] | None) -> SourceSettings:
         raise ConfigError(f"{key}.max_epochs={max_epochs!r}: a whole number of passes >= 1, or null for no cap")
     if exhausted not in get_args(Exhausted):
         raise ConfigError(f"{key}.exhausted={exhausted!r}: use one of {', '.join(get_args(Exhausted))}")
-    return SourceSettings(name, str(entry["dir"]), float(weight), max_epochs, exhausted, key)
+    fields = entry.get("fields") or {}
+    if not isinstance(fields, Mapping):
+        raise ConfigError(f"{key}.fields={fields!r}: a mapping of data.format's field keys (text_field: query.txt)")
+    return SourceSettings(name, str(entry["dir"]), float(weight), max_epochs, exhausted, key, dict(fields))
 
 
 @dataclass(frozen=True)
 class Source:
-    """A source of the run: its settings, its manifest, and the shards refused at start-up (by name,
-    with the reason: missing or altered, under `data.bad_data=skip`)."""
+    """A source of the run: its settings, its manifest, the example format that reads its fields, and the
+    shards refused at start-up (by name, with the reason: missing or altered, under `data.bad_data=skip`)."""
 
     settings: SourceSettings
     manifest: Manifest
+    format: ExampleFormat[Any]
     refused: Mapping[str, str] = field(default_factory=dict)
 
     @property
