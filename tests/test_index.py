@@ -101,7 +101,7 @@ def test_tarwriter_shards_are_indexed_in_place_and_read_as_written(tmp_path: Pat
 def test_a_datamodule_reads_the_field_the_config_names(tmp_path: Path) -> None:
     tarwriter_shards(tmp_path / "shards")
     index(str(tmp_path / "shards"), "--validation-fraction", "0.25", "--out", str(tmp_path / "shards"))
-    assert datamodule(tmp_path / "shards", text_field="json:text").validation_set
+    assert datamodule(tmp_path / "shards", text_field="json:text").validation_sets[0]
     with pytest.raises(ShardError) as refused:
         datamodule(tmp_path / "shards", text_field="text")
     message = str(refused.value)
@@ -249,7 +249,7 @@ def test_a_manifest_runs_no_command_it_names_unless_trusted(tmp_path: Path) -> N
     with pytest.raises(SystemExit, match=r"running shell commands .* allow them with --trust-pipe-commands$"):
         pretrain_data(["tokenizer", "--data", str(tmp_path / "index"), "--quiet"])
     assert not ran.exists()
-    assert datamodule(tmp_path / "index", trust_pipe_commands=True).validation_set and ran.exists()
+    assert datamodule(tmp_path / "index", trust_pipe_commands=True).validation_sets[0] and ran.exists()
 
 
 def test_a_build_never_replaces_a_directory_of_indexed_shards(tmp_path: Path) -> None:

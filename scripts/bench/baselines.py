@@ -6,7 +6,7 @@
 
 The run's config is composed as `pretrain` composes it (configs/train.yaml and the overrides); the run's
 tokenizer and DataModule are built from it, and the validation examples are the DataModule's
-`validation_set`, the examples the run validates on. Training statistics are counted on the training shards
+`validation_sets`, the examples the run validates on. Training statistics are counted on the training shards
 the run reads, tokenised as its example format tokenises them. Each line names its metrics as the run logs them.
 
 clm, scored as `CausalLM` scores validation: every block's token t+1 predicted from the tokens before it in its
@@ -67,7 +67,7 @@ from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.formats import PackedBlocks, TokenizedPairs, encode_document
 from pretraining.data.reader import SampleReader
 from pretraining.data.tokenizer import MASK_ID, SPECIAL_TOKENS
-from pretraining.errors import PretrainingError
+from pretraining.errors import ConfigError, PretrainingError
 from pretraining.instantiate import build
 from pretraining.objectives.contrastive import Contrastive, retrieval_metrics, retrieval_ranks
 from pretraining.objectives.masked_lm import IGNORE, mask_tokens, selected_kinds
@@ -99,13 +99,17 @@ def run_config(objective: str, overrides: Sequence[str]) -> DictConfig:
 
 
 def run_data(cfg: DictConfig) -> ShardDataModule:
-    """The run's DataModule, built with the run's tokenizer, as `pretraining.train.train` builds it."""
+    """The run's DataModule, built with the run's tokenizer, as `pretraining.train.train` builds it (one shard
+    directory: the floors are counted on one corpus)."""
+    if cfg.data.get("sources") is not None:
+        raise ConfigError("the floors are counted on one shard directory, and data.sources is a mixture: pass data.dir")
     return build(cfg.data, tokenizer=build(cfg.tokenizer))
 
 
 def train_texts(data: ShardDataModule) -> Iterator[tuple[str, ...]]:
     """The texts of the format's fields of every training sample the run can read."""
-    urls = [data.manifest.url(s) for s in data.manifest.shards("train") if s.name not in data.refused]
+    (source,) = data.sources
+    urls = [source.manifest.url(s) for s in source.manifest.shards("train") if s.name not in source.refused]
     return SampleReader(data.format.fields, data.bad_data).all_texts(urls)
 
 
@@ -192,8 +196,8 @@ def run_training_blocks(cfg: DictConfig, data: ShardDataModule) -> np.ndarray:
 
 def clm_floors(cfg: DictConfig, data: ShardDataModule) -> Floors:
     vocab = data.tokenizer.vocab_size
-    blocks = torch.stack([example["tokens"] for example in data.validation_set]).numpy()
-    target_bytes = sum(int(example["target_bytes"]) for example in data.validation_set)
+    blocks = torch.stack([example["tokens"] for example in data.validation_sets[0]]).numpy()
+    target_bytes = sum(int(example["target_bytes"]) for example in data.validation_sets[0])
     run_blocks = run_training_blocks(cfg, data)
     sources = {
         "the whole training split": train_tokens(data)[None, :],
@@ -218,7 +222,7 @@ def clm_floors(cfg: DictConfig, data: ShardDataModule) -> Floors:
 def mlm_floors(cfg: DictConfig, data: ShardDataModule) -> Floors:
     counts = np.bincount(train_tokens(data), minlength=data.tokenizer.vocab_size)[SPECIALS:]
     top = SPECIALS + int(counts.argmax())
-    examples = data.validation_set
+    examples = data.validation_sets[0]
     inputs, positions, labels = mask_tokens(
         torch.stack([example["tokens"][:-1] for example in examples]),
         torch.stack([example["sample_id"] for example in examples]),
@@ -266,7 +270,7 @@ def training_idf(data: ShardDataModule) -> torch.Tensor:
 
 def validation_pairs(data: ShardDataModule) -> list[dict[str, torch.Tensor]]:
     """The validation pairs in sample_id order, the order `Contrastive.validation_metrics` ranks them in."""
-    return sorted(data.validation_set, key=lambda example: int(example["sample_id"]))
+    return sorted(data.validation_sets[0], key=lambda example: int(example["sample_id"]))
 
 
 def floor_embeddings(data: ShardDataModule) -> dict[str, list[Embeddings]]:
@@ -417,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     floors = FLOORS[args.objective](cfg, data)
     tokenizer = data.tokenizer
     print(
-        f"{args.objective} floors on {len(data.validation_set)} validation {data.format.kind} of {cfg.data.dir}, "
+        f"{args.objective} floors on {len(data.validation_sets[0])} validation {data.format.kind} of {cfg.data.dir}, "
         f"{type(tokenizer).__name__} (vocabulary {tokenizer.vocab_size}), {time.perf_counter() - start:.1f} s:"
     )
     width = max(len(name) for name in floors)

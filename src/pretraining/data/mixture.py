@@ -127,13 +127,15 @@ class Mixture:
 
     def source_of(self, example: int, out: frozenset[int] = frozenset()) -> int:
         point = ((example * WEYL_STEP + self.offset) % 2**64) / 2**64
-        bounds = self.bounds.get(out) or self.bounds.setdefault(out, self.cumulative(out))
+        bounds = self.cumulative(out)
         return bisect.bisect_right(bounds, point * bounds[-1])
 
     def cumulative(self, out: frozenset[int]) -> list[float]:
-        # A source without weight gets an empty interval: bisect never lands on it.
-        weights = [0.0 if index in out else source.weight for index, source in enumerate(self.sources)]
-        return list(itertools.accumulate(weights))
+        """The cumulative weights of the sources, those `out` at zero (an empty interval: never chosen)."""
+        if out not in self.bounds:
+            weights = [0.0 if index in out else source.weight for index, source in enumerate(self.sources)]
+            self.bounds[out] = list(itertools.accumulate(weights))
+        return self.bounds[out]
 
 
 class MixedExamples:

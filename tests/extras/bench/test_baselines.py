@@ -124,7 +124,7 @@ def test_clm_unigram_is_the_hand_count(markov_dir: Path, tokenizer: str) -> None
             counts.update([*data.tokenizer.encode(text), EOS_ID])
     total = sum(counts.values()) + data.tokenizer.vocab_size
     nll = target_bytes = targets = 0
-    for block in data.validation_set:
+    for block in data.validation_sets[0]:
         for token in block["tokens"][1:].tolist():
             nll -= math.log((counts[token] + 1) / total)
             target_bytes += int(data.tokenizer.token_bytes[token])
@@ -224,7 +224,9 @@ def test_mlm_floors_on_the_objectives_masks(markov_dir: Path, capsys: pytest.Cap
     (top,) = data.tokenizer.encode(letters.most_common(1)[0][0])
     # The masks of the objective itself, validating.
     model = build_objective(OmegaConf.merge(cfg.model, {"backbone": {"d_model": 32, "n_layer": 1}}), data.format)
-    batch = {key: torch.stack([example[key] for example in data.validation_set]) for key in data.validation_set[0]}
+    batch = {
+        key: torch.stack([example[key] for example in data.validation_sets[0]]) for key in data.validation_sets[0][0]
+    }
     scored = model.scored_inputs(batch, validation=True)
     counted = scored.targets != IGNORE
     labels, visible = scored.targets[counted], scored.inputs.gather(1, scored.positions)[counted]
@@ -286,7 +288,7 @@ def test_model_reciprocal_ranks_are_its_validation_mrr(pairs_dir: Path) -> None:
     cfg = baselines.run_config("contrastive", ["tokenizer=bytes", f"data.dir={pairs_dir}", "model.pool_size=10"])
     data = baselines.run_data(cfg)
     model = build_objective(OmegaConf.merge(cfg.model, {"backbone": {"d_model": 32, "n_layer": 1}}), data.format)
-    pairs = data.validation_set[::-1]  # validation_metrics puts them in sample_id order
+    pairs = data.validation_sets[0][::-1]  # validation_metrics puts them in sample_id order
     batch = {key: torch.stack([pair[key] for pair in pairs]) for key in pairs[0]}
     model.eval()
     with torch.no_grad():

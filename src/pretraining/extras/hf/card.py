@@ -40,7 +40,7 @@ def model_card(kind: str, record: dict[str, Any], usage: str) -> str:
         ("step", lineage.get("step")),
         ("checkpoint", f"`{record['checkpoint']}` ({checksum(record['checkpoint_sha256'])})"),
         ("code revision", f"{code.get('commit')}{dirty}"),
-        ("data version", f"{lineage.get('data_version')} (data.dir={config.get('data', {}).get('dir')})"),
+        ("data version", f"{lineage.get('data_version')} ({data_origin(config.get('data', {}))})"),
         (
             "tokenizer",
             f"{config.get('tokenizer', {}).get('_target_')} (fingerprint {lineage.get('tokenizer_fingerprint')})",
@@ -74,4 +74,14 @@ def model_card(kind: str, record: dict[str, Any], usage: str) -> str:
             f"```python\n{usage}\n```",
             "",
         ]
+    )
+
+
+def data_origin(data: dict[str, Any]) -> str:
+    """Where the run's data came from: its directory, or a mixture's sources with their weights."""
+    sources = data.get("sources")
+    if not sources:
+        return f"data.dir={data.get('dir')}"
+    return "data.sources: " + ", ".join(
+        f"{name} {source.get('weight', 1.0):g} ({source['dir']})" for name, source in sources.items()
     )
