@@ -148,7 +148,13 @@ def compose_train(tmp_path: Path, shard_dir: Path, request: pytest.FixtureReques
         base = [f"paths.output_dir={tmp_path}", f"paths.log_dir={tmp_path}/logs"]
         with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
             cfg = compose("train", overrides=[*base, *(tiny_run(experiment) if tiny else []), *overrides])
-        if not any(override.startswith("data.dir=") for override in overrides):
+        if any(override.startswith(("data.dir=", "data.sources")) for override in overrides):
+            return cfg
+        if cfg.data.get("sources"):  # a mixture's sources: the text shards, or the pair shards for a pair field
+            for source in cfg.data.sources.values():
+                pairs = set(source.get("fields", {}).values()) & set(PAIR_FIELDS)
+                source.dir = str(request.getfixturevalue("pair_dir") if pairs else shard_dir)
+        else:
             pairs = cfg.data.format._target_.endswith("TokenizedPairs")
             cfg.data.dir = str(request.getfixturevalue("pair_dir") if pairs else shard_dir)
         return cfg

@@ -127,8 +127,8 @@ def test_next_token_with_two_workers_across_shards_and_epochs(tmp_path: Path, sm
     epochs = []
     for _, path in reversed(checkpoints):
         cursors = torch.load(path, weights_only=True)["ShardDataModule"]["cursors"]
-        assert len(cursors) == 4 and any(block > 0 for _, _, block in cursors)  # 2 streams x 2 workers
-        epochs.append(max(stream_shard(shard, sub, 4, num_shards, 1234)[0] for sub, shard, _ in cursors))
+        assert len(cursors) == 4 and any(block > 0 for *_, block in cursors)  # 2 streams x 2 workers
+        epochs.append(max(stream_shard(shard, sub, 4, num_shards, 1234)[0] for _, sub, shard, _ in cursors))
     assert epochs[0] == 0 and epochs[-1] >= 1
 
 
@@ -417,7 +417,9 @@ def test_other_data_or_accumulation_is_refused_unless_allowed(
     compose_train, tmp_path: Path, small_shards: Path
 ) -> None:
     train(compose_train("trainer.max_steps=6"))
-    with pytest.raises(CheckpointError, match=r"data: the checkpoint has \w+, this run has \w+ \(point data.dir at"):
+    with pytest.raises(
+        CheckpointError, match=r"data: the checkpoint has \w+, this run has \w+ \(point data.dir \(or data.sources\) at"
+    ):
         train(compose_train("trainer.max_steps=12", f"data.dir={small_shards}"))
     sidecar = tmp_path / "checkpoints" / "step-000006.ckpt.json"
     record = json.loads(sidecar.read_text())

@@ -37,7 +37,14 @@ FIT_CHECKS: dict[Change, tuple[str, str]] = {
         "use the same data.global_batch_size, data.streams, data.num_workers, accumulation (devices x "
         "data.micro_batch_size), data.shuffle_buffer, sequence lengths, sample fields and seed",
     ),
-    "mixture": ("mixture", "use the data.sources weights, max_epochs and exhausted it was trained with"),
+    "mixture": ("mixture", "use the data.sources weights, max_epochs, exhausted and fields it was trained with"),
+}
+# What `resume_allow=[...]` does for each change it accepts.
+ALLOWED_MEANS = {
+    "data": "the new data starts from its beginning",
+    "tokenizer": "the model reads the new tokenizer's ids",
+    "topology": "the data position resumes approximately",
+    "mixture": "every source continues where it was, under the new settings from this step on",
 }
 ALLOWABLE_CHANGES = get_args(Change)
 
@@ -113,9 +120,8 @@ def check_fits(
             problems.append(f"{what}: the checkpoint has {lineage.get(key)}, this run has {expected[key]} ({fix})")
         raise CheckpointError(
             f"{checkpoint} does not fit this run:\n  " + "\n  ".join(problems) + f"\nTo change this deliberately, pass "
-            f"resume_allow=[{','.join(changed)}] (topology: the data position resumes approximately; data: the new "
-            f"data starts from its beginning; mixture: every source continues where it was, under the new weights "
-            f"from this step on); to start a separate run, pass run_name=<new name> or resume=never"
+            f"resume_allow=[{','.join(changed)}] ({'; '.join(f'{what}: {ALLOWED_MEANS[what]}' for what in changed)}); "
+            f"to start a separate run, pass run_name=<new name> or resume=never"
         )
     saved = sidecar["parameters"]
     if saved != parameters:

@@ -354,7 +354,7 @@ class ShardDataModule(LightningDataModule):
         for source in self.sources:
             if source.name not in unchanged:
                 warnings.warn(
-                    f"the data of {source.settings.key} is not the checkpoint's: it is read from its start",
+                    f"the data changed since the checkpoint: {source.settings.key}.dir is read from its start",
                     stacklevel=1,
                 )
         saved = {
