@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 
 from pretraining.data.contract import training_data
 from pretraining.objectives.step_values import logs_written_at
@@ -16,9 +17,10 @@ class DataCounts(Callback):
     """Every `trainer.log_every_n_steps` optimizer steps and at the last, sum over all ranks the
     samples the training stream read and skipped (`ShardDataModule.samples_read`, `samples_skipped`)
     and the examples each source gave (`drawn`); log `data/samples_read` and `data/skipped_samples`,
-    for a mixture `data/<source>/tokens` and `data/<source>/share` (of the tokens trained on so far), and
-    stop the run if too many samples were skipped (`ShardDataModule.check_skips`). One small
-    all-reduce, at the same steps on every rank, so that all stop together. `train.py` adds it to every
+    for a mixture `data/<source>/tokens` and `data/<source>/share` (of the tokens trained on so far); stop
+    the run if too many samples were skipped (`ShardDataModule.check_skips`), and save and stop it where a
+    source that stops the run has run out (`ShardDataModule.stop_reason`). One small all-reduce, at the
+    same steps on every rank, so that all stop together. `train.py` adds it to every
     run: it enforces the data config's policy.
     """
 
@@ -33,8 +35,12 @@ class DataCounts(Callback):
             return  # mid-accumulation, checked already, or not a logging step
         self.checked_step = step
         data = training_data(trainer, "data.bad_data")
-        counts = torch.tensor([data.samples_read, data.samples_skipped, *data.drawn], device=pl_module.device)
-        read, skipped, *drawn = trainer.strategy.reduce(counts, reduce_op="sum").tolist()
+        sources = len(data.sources)
+        ran_out = [source in data.ran_out for source in range(sources)]
+        counts = [data.samples_read, data.samples_skipped, *data.drawn, *ran_out]
+        summed = trainer.strategy.reduce(torch.tensor(counts, device=pl_module.device), reduce_op="sum")
+        read, skipped, *per_source = summed.tolist()
+        drawn, ran_out = per_source[:sources], [out > 0 for out in per_source[sources:]]
         logged = {"data/samples_read": read, "data/skipped_samples": skipped}
         if len(drawn) > 1:
             tokens_per_example, total = data.format.example_tokens, max(sum(drawn), 1)
@@ -43,3 +49,7 @@ class DataCounts(Callback):
                 logged[f"data/{source.name}/share"] = examples / total
         pl_module.log_dict(logged)
         data.check_skips(skipped, read)
+        reason = data.stop_reason(ran_out)
+        if reason:  # every rank agrees (the sums are global): the checkpoint callback saves this step
+            rank_zero_warn(reason)
+            trainer.should_stop = True

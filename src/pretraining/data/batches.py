@@ -9,8 +9,8 @@ micro-batch: one process with accumulation trains on exactly what two DDP
 processes train on, and each device reads only its own streams (`BatchStream`).
 Each micro-batch carries, for the (source, sub-stream)s it read, the `Cursor`
 where they continue (`positions`), how many of its examples each source gave
-(`drawn`), and how many samples were read and skipped while it was made
-(`read`, `skipped`).
+(`drawn`) and which have run out (`ran_out`), and how many samples were read
+and skipped while it was made (`read`, `skipped`).
 """
 
 from __future__ import annotations
@@ -147,7 +147,8 @@ class BatchStream(IterableDataset):
                     positions[source, sub] = row.cursor
                     drawn[source] += 1
             cursors = [[source, sub, cursor.shard, cursor.block] for (source, sub), cursor in positions.items()]
-            yield self.collate(rows) | {"positions": torch.tensor(cursors), "drawn": torch.tensor(drawn)}
+            sources = {"drawn": torch.tensor(drawn), "ran_out": torch.tensor(examples.ran_out)}
+            yield self.collate(rows) | {"positions": torch.tensor(cursors)} | sources
 
     def collate(self, rows: list[StreamExample]) -> Tensors:
         tensors = [self.format.tensors(row.example) | {"sample_id": torch.tensor(row.sample_id)} for row in rows]

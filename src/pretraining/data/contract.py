@@ -23,6 +23,7 @@ class TrainingData(Protocol):
     samples_read: int  # training samples this rank's consumed batches read ...
     samples_skipped: int  # ... and skipped as unusable
     drawn: list[int]  # examples each source gave this rank's consumed batches
+    ran_out: set[int]  # the sources that ran out (their max_epochs) in a sub-stream this rank reads
 
     @property
     def weights(self) -> dict[str, float]:
@@ -46,6 +47,10 @@ class TrainingData(Protocol):
 
     def check_skips(self, skipped: int, read: int) -> None:
         """Stop the run if too many of the training samples read were skipped."""
+        ...
+
+    def stop_reason(self, ran_out: list[bool]) -> str | None:
+        """Why the run stops here, given which sources ran out on any rank (None: it goes on)."""
         ...
 
 

@@ -124,6 +124,7 @@ class ShardDataModule(LightningDataModule):
         self.cursors: dict[tuple[int, int], Cursor] = {}  # where each (source, sub-stream) this rank reads continues
         self.samples_read = self.samples_skipped = 0  # by the training batches this rank consumed
         self.drawn = [0] * len(self.sources)  # examples each source gave the training batches this rank consumed
+        self.ran_out: set[int] = set()  # the sources that have run out (max_epochs) in a sub-stream this rank reads
         self.phases = [{"step": 0, "weights": self.weights}]  # the mixture's weights, from the step each took effect
         self.check_refused_shards()
 
@@ -305,6 +306,7 @@ class ShardDataModule(LightningDataModule):
                 self.cursors[source, sub] = Cursor(shard, block)
             for source, drawn in enumerate(batch.pop("drawn").tolist()):
                 self.drawn[source] += drawn
+            self.ran_out |= {source for source, out in enumerate(batch.pop("ran_out").tolist()) if out}
             self.batches_consumed += 1
             self.samples_read += int(batch.pop("read"))
             self.samples_skipped += int(batch.pop("skipped"))
@@ -313,7 +315,7 @@ class ShardDataModule(LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         """The data position of every rank (a collective under DDP/FSDP: every rank calls it on save)."""
-        ranks = gather((self.cursors, self.samples_read, self.samples_skipped, self.drawn))
+        ranks = gather((self.cursors, self.samples_read, self.samples_skipped, self.drawn, self.ran_out))
         cursors = {key: cursor for rank_cursors, *_ in ranks for key, cursor in rank_cursors.items()}
         names = [source.name for source in self.sources]
         return {
@@ -323,9 +325,11 @@ class ShardDataModule(LightningDataModule):
             "topology": self.topology,
             "steps": self.batches_consumed // self.plan.accumulation,
             "cursors": [[names[source], sub, c.shard, c.block] for (source, sub), c in sorted(cursors.items())],
-            "samples_read": sum(read for _, read, _, _ in ranks),
-            "samples_skipped": sum(skipped for _, _, skipped, _ in ranks),
-            "drawn": {name: sum(drawn[index] for *_, drawn in ranks) for index, name in enumerate(names)},
+            "samples_read": sum(read for _, read, *_ in ranks),
+            "samples_skipped": sum(skipped for _, _, skipped, *_ in ranks),
+            "drawn": {name: sum(rank[3][index] for rank in ranks) for index, name in enumerate(names)},
+            # Each source that ran out, with the cap it ran out at.
+            "ran_out": {names[index]: self.sources[index].settings.max_epochs for *_, out in ranks for index in out},
             "phases": self.phases,
         }
 
@@ -343,6 +347,7 @@ class ShardDataModule(LightningDataModule):
         self.samples_skipped = state["samples_skipped"] if first else 0
         self.drawn = [state["drawn"].get(source.name, 0) if first else 0 for source in self.sources]
         self.phases = list(state["phases"])
+        self.ran_out = self.still_run_out(state.get("ran_out", {}))
         if self.phases[-1]["weights"] != self.weights:
             self.phases.append({"step": steps, "weights": self.weights})
             if len(self.sources) > 1:
@@ -382,6 +387,41 @@ class ShardDataModule(LightningDataModule):
             {(number, sub): start for number, start in starts.items() for sub in range(sub_streams)}
         )
 
+    def still_run_out(self, ran_out: dict[str, int]) -> set[int]:
+        """The sources that ran out before the checkpoint and still have the cap they ran out at; one that
+        stops the run refuses to continue it."""
+        still = {
+            index
+            for index, source in enumerate(self.sources)
+            if ran_out.get(source.name, 0) == source.settings.max_epochs
+        }
+        stopped = [
+            self.sources[index].settings for index in sorted(still) if self.sources[index].settings.exhausted == "stop"
+        ]
+        if stopped:
+            keys = ", ".join(source.key for source in stopped)
+            raise ShardError(
+                f"{keys} ran out before this checkpoint (max_epochs) and stopped the run: to continue it, raise "
+                f"{stopped[0].key}.max_epochs (or set {stopped[0].key}.exhausted=renormalise to go on without it), "
+                f"with resume_allow=[mixture]"
+            )
+        return still
+
+    def stop_reason(self, ran_out: list[bool]) -> str | None:
+        """Why the run stops at this step, if it does: a source with `exhausted: stop` ran out, on any rank
+        (`ran_out`: each source, over all ranks)."""
+        stopped = [source.settings for source, out in zip(self.sources, ran_out, strict=True) if out]
+        stopped = [source for source in stopped if source.exhausted == "stop"]
+        if not stopped:
+            return None
+        source = stopped[0]
+        return (
+            f"{source.key} has run out: its shards were read max_epochs={source.max_epochs} times, and its share "
+            f"filled by the other sources since (at most trainer.log_every_n_steps steps); saving and stopping "
+            f"({source.key}.exhausted=stop). To go on, raise {source.key}.max_epochs, or set {source.key}.exhausted="
+            f"renormalise, and continue with resume_allow=[mixture]"
+        )
+
     def version_of(self, name: str) -> str:
         return next(source.manifest.version for source in self.sources if source.name == name)
 
@@ -407,6 +447,7 @@ class ShardDataModule(LightningDataModule):
                 "versions": {name: state["versions"][saved]},
                 "cursors": [[name, *cursor[1:]] for cursor in state["cursors"]],
                 "drawn": {name: state["drawn"].get(saved, 0)},
+                "ran_out": {name: state["ran_out"][saved]} if saved in state.get("ran_out", {}) else {},
                 "phases": [{"step": phase["step"], "weights": {name: 1.0}} for phase in state["phases"]],
             }
         return state

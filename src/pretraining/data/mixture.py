@@ -17,9 +17,9 @@ Each source is read by its own shard streams (`pretraining.data.stream.ShardStre
 sub-stream of the batches (`pretraining.data.batches`), so the data position is a cursor per (source,
 sub-stream). A source may name its own sample fields (`fields`: a source of docstrings read from pair shards'
 `query.txt`), and cap its repetitions (`max_epochs`: passes over its shards); a sub-stream that
-reaches the cap has run out of that source, and `exhausted` says what follows: `stop` ends the run with an
-error naming the source (the checkpoints saved so far are intact), `renormalise` shares its weight among
-the sources left, with a warning.
+reaches the cap has run out of that source, whose share the other sources fill from then on. `exhausted`
+says what follows: `stop` (the default) saves and stops the run at the next logging step, and refuses
+to continue it until the cap is raised; `renormalise` goes on, with a warning.
 """
 
 from __future__ import annotations
@@ -171,18 +171,19 @@ class MixedExamples:
         return self.readers[source, sub]
 
     def run_out(self, source: int, sub: int, step: int) -> None:
+        """Take `source` out of sub-stream `sub`: the other sources fill its share from here on (a source
+        that stops the run does so at the next logging step: `ShardDataModule.stop_reason`)."""
         settings = self.mixture.sources[source]
-        passes = f"{settings.key}.max_epochs={settings.max_epochs}"
-        if settings.exhausted == "stop":
-            raise ShardError(
-                f"{settings.key} has run out at step {step}: its shards were read {passes} times "
-                f"({settings.key}.exhausted=stop). The checkpoints saved so far are intact: raise {passes} and "
-                f"continue with resume_allow=[mixture], or set {settings.key}.exhausted=renormalise to share its "
-                f"weight among the other sources"
+        if settings.exhausted == "renormalise":
+            warnings.warn(
+                f"{settings.key} has run out at step {step} ({settings.key}.max_epochs={settings.max_epochs}): its "
+                f"weight is shared among the other sources from here on ({settings.key}.exhausted=renormalise)",
+                stacklevel=2,
             )
-        warnings.warn(
-            f"{settings.key} has run out at step {step} ({passes}): its weight is shared among "
-            f"the other sources from here on ({settings.key}.exhausted=renormalise)",
-            stacklevel=2,
-        )
         self.out[sub] = self.out.get(sub, frozenset()) | {source}
+
+    @property
+    def ran_out(self) -> list[bool]:
+        """Whether each source has run out in a sub-stream read here."""
+        out = frozenset().union(*self.out.values())
+        return [source in out for source in range(len(self.streams))]
