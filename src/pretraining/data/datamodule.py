@@ -298,6 +298,7 @@ class ShardDataModule(LightningDataModule):
             refused,
             self.bad_data,
             source.settings.max_epochs,
+            source.name if len(self.sources) > 1 else "",
         )
 
     def on_before_batch_transfer(self, batch: Tensors, dataloader_idx: int) -> Tensors:
