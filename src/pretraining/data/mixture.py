@@ -121,21 +121,29 @@ class Mixture:
     sources' weights, the seed and k; `out` names sources that have run out, whose weight the others share."""
 
     def __init__(self, sources: Sequence[SourceSettings], seed: int) -> None:
-        self.sources = list(sources)
+        self.sources, self.seed = list(sources), seed
         self.offset = stable_hash("mixture", seed) % 2**64
-        self.bounds: dict[frozenset[int], list[float]] = {}  # cumulative weights, by the sources out
+        # The cumulative weights: a source without weight gets an empty interval, which bisect never lands on.
+        self.bounds = list(itertools.accumulate(source.weight for source in self.sources))
 
     def source_of(self, example: int, out: frozenset[int] = frozenset()) -> int:
-        point = ((example * WEYL_STEP + self.offset) % 2**64) / 2**64
-        bounds = self.cumulative(out)
-        return bisect.bisect_right(bounds, point * bounds[-1])
+        """The source of the run's `example`-th example. Where the sequence's point falls on a source that
+        has run out, the example takes the source of a further point (a hash of the seed, the example and the
+        try), and so on until one that has not: the sources left share the weight in proportion, and the source
+        depends only on which sources are out, never on the order they were found out in, so that a resumed
+        run (which finds them out again as it reads) draws what the uninterrupted run drew."""
+        if out and not self.has_weight(out):
+            raise ValueError(f"every source with weight is out: {sorted(out)}")
+        point = (((example * WEYL_STEP + self.offset) % 2**64) >> 11) / 2**53  # 53 bits: exactly below 1
+        attempt = 0
+        while (source := bisect.bisect_right(self.bounds, point * self.bounds[-1])) in out:
+            point = (stable_hash("mixture", self.seed, example, attempt) >> 10) / 2**53
+            attempt += 1
+        return source
 
-    def cumulative(self, out: frozenset[int]) -> list[float]:
-        """The cumulative weights of the sources, those `out` at zero (an empty interval: never chosen)."""
-        if out not in self.bounds:
-            weights = [0.0 if index in out else source.weight for index, source in enumerate(self.sources)]
-            self.bounds[out] = list(itertools.accumulate(weights))
-        return self.bounds[out]
+    def has_weight(self, out: frozenset[int]) -> bool:
+        """Whether a source with weight is left when the sources `out` have run out."""
+        return any(source.weight > 0 for index, source in enumerate(self.sources) if index not in out)
 
 
 class MixedExamples:
@@ -153,7 +161,7 @@ class MixedExamples:
         """(source, example) of the run's `example`-th example, which sub-stream `sub` reads at `step`."""
         while True:
             out = self.out.get(sub, frozenset())
-            if self.mixture.cumulative(out)[-1] == 0:
+            if not self.mixture.has_weight(out):
                 raise ShardError(
                     f"at step {step} every source with weight has run out (data.sources.<name>.max_epochs): raise "
                     f"a cap and continue with resume_allow=[mixture]"
