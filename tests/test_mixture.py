@@ -1,0 +1,385 @@
+"""A weighted mixture of shard sets (`data.sources`): each source's share over any window of steps, the
+source of each example independent of the layout, exact resume of every source's cursors (in the stream,
+the DataModule's state, and killed runs), caps on a source's repetitions, the config checks, and a real
+run's per-source validation, counts, lineage and change of weights on resume."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import re
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import packed_blocks
+from pretraining.data.batches import BatchPlan, BatchStream, batch_plan
+from pretraining.data.corpus import Document
+from pretraining.data.datamodule import ShardDataModule
+from pretraining.data.formats import PackedBlocks
+from pretraining.data.loader import training_loader
+from pretraining.data.manifest import Manifest
+from pretraining.data.mixture import Mixture, SourceSettings
+from pretraining.data.shards import BuildSettings, build_shards
+from pretraining.data.stream import Cursor, ShardStream
+from pretraining.data.tokenizer import ByteTokenizer
+from pretraining.errors import ShardError
+
+BLOCK = 32  # bytes (ByteTokenizer): a document of a few hundred gives several blocks
+SEED = 11
+BUFFER = 16
+# Each source's text is written in its own characters, so a block tells which source it came from.
+ALPHABETS = {"a": "abcdefgh", "b": "0123456789", "c": "KLMNOPQR"}
+
+
+# --- small shard sets, one per source -------------------------------------------------------------------
+
+
+def documents(name: str, count: int) -> list[Document]:
+    rng = random.Random(name)
+    letters = ALPHABETS[name]
+    texts = [
+        "\n".join(
+            " ".join("".join(rng.choice(letters) for _ in range(rng.randint(2, 7))) for _ in range(rng.randint(3, 9)))
+            for _ in range(rng.randint(3, 6))
+        )
+        for _ in range(count)
+    ]
+    return [Document(f"{name}/doc{number}", {"txt": text}) for number, text in enumerate(texts)]
+
+
+def build_source(root: Path, name: str, count: int) -> Path:
+    out = root / name
+    build_shards(documents(name, count), out, [name], BuildSettings(0.25, max_shard_samples=3), show_progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Three text shard sets: `a` and `b` of about ten training shards each, `c` of a few (it runs out)."""
+    root = tmp_path_factory.mktemp("mixture")
+    built = {"a": build_source(root, "a", 48), "b": build_source(root, "b", 48), "c": build_source(root, "c", 10)}
+    assert all(len(Manifest.load(path).urls("train")) >= 8 for path in (built["a"], built["b"]))
+    return built
+
+
+def source_of_tokens(tokens: list[int]) -> str:
+    """The source a block's text is written in."""
+    characters = set(ByteTokenizer().decode(tokens)) - set(" \n")
+    (name,) = [name for name, letters in ALPHABETS.items() if characters <= set(letters)]
+    return name
+
+
+def shard_stream(directory: Path, max_epochs: int | None = None) -> ShardStream:
+    urls = Manifest.load(directory).urls("train")
+    format = PackedBlocks(ByteTokenizer(), BLOCK)
+    return ShardStream(urls, format, SEED, BUFFER, max_epochs=max_epochs, source=directory.name)
+
+
+def settings(**weights: float) -> list[SourceSettings]:
+    return [SourceSettings(name, "", weight, key=f"data.sources.{name}") for name, weight in weights.items()]
+
+
+# --- the mixture: each source's share ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weights", [{"a": 0.7, "b": 0.3}, {"a": 0.5, "b": 0.3, "c": 0.2}], ids=["70-30", "50-30-20"])
+def test_every_window_of_1000_steps_gives_each_source_its_weight_within_one_point(weights: dict[str, float]) -> None:
+    """The source of the run's k-th example (k = step x global batch + place in the step) over 6,000 steps
+    of 16: every window of 1,000 consecutive steps, and windows far into a run, within 1 percentage point
+    of each weight (a random draw's shares stray 3 standard deviations, about 1 point, somewhere)."""
+    global_batch, window, steps = 16, 1000, 6000
+    for seed in (0, 1234):
+        mixture = Mixture(settings(**weights), seed)
+        for first_step in (0, 10**9, 2**40 + 12345):  # a run's start, and steps no run reaches
+            first = first_step * global_batch
+            sources = np.array([mixture.source_of(k) for k in range(first, first + steps * global_batch)])
+            per_step = np.stack(
+                [(sources == index).reshape(steps, global_batch).sum(1) for index in range(len(weights))]
+            )
+            cumulative = np.concatenate([np.zeros((len(weights), 1)), per_step.cumsum(1)], axis=1)
+            shares = (cumulative[:, window:] - cumulative[:, :-window]) / (window * global_batch)  # every window start
+            expected = np.array(list(weights.values()))[:, None]
+            assert np.abs(shares - expected).max() < 0.01, (seed, first_step)
+            # Much better than a random draw: within a few examples of each weight, and every step of 16 within
+            # two examples of each weight's share of it.
+            assert np.abs(shares - expected).max() * window * global_batch < 8
+            assert np.abs(per_step - expected * global_batch).max() < 2
+
+
+def test_the_source_of_an_example_is_a_function_of_the_seed_and_its_index() -> None:
+    mixture = Mixture(settings(a=0.7, b=0.3), 5)
+    drawn = [mixture.source_of(k) for k in range(1000)]
+    assert drawn == [Mixture(settings(a=0.7, b=0.3), 5).source_of(k) for k in range(1000)]
+    assert drawn != [Mixture(settings(a=0.7, b=0.3), 6).source_of(k) for k in range(1000)]
+    # A source of weight 0 never gives an example; one out of the mixture neither, its weight shared by the rest.
+    assert {Mixture(settings(a=0.7, b=0.0, c=0.3), 5).source_of(k) for k in range(1000)} == {0, 2}
+    assert {mixture.source_of(k, out=frozenset({0})) for k in range(1000)} == {1}
+
+
+# --- the stream of a mixture -------------------------------------------------------------------------------
+
+
+def mixed_datamodule(
+    paths: Mapping[str, Path], weights: Mapping[str, float], workers: int = 0, **kwargs: Any
+) -> ShardDataModule:
+    """Blocks of 32 bytes, 16 per step from 4 streams."""
+    extra = kwargs.pop("source_settings", {})
+    sources = {
+        name: {"dir": str(paths[name]), "weight": weight} | extra.get(name, {}) for name, weight in weights.items()
+    }
+    options = {"global_batch_size": 16, "streams": 4, "num_workers": workers, "shuffle_buffer": BUFFER, "seed": SEED}
+    return ShardDataModule(None, ByteTokenizer(), packed_blocks(BLOCK), sources=sources, **(options | kwargs))
+
+
+def consume(module: ShardDataModule, batches: int) -> list[list[tuple[str, int, tuple[int, ...]]]]:
+    """The (source, sample id, tokens) of the next `batches` training batches, each passed through the
+    module's hook as the training loop does."""
+    loader = iter(module.train_dataloader())
+    taken = []
+    for _ in range(batches):
+        batch = module.on_before_batch_transfer(next(loader), 0)
+        tokens = batch["tokens"].tolist()
+        taken.append([(source_of_tokens(t), int(i), tuple(t)) for t, i in zip(tokens, batch["sample_id"], strict=True)])
+    return taken
+
+
+def test_a_datamodules_batches_come_from_the_sources_the_mixture_names_and_it_counts_them(
+    sources: dict[str, Path],
+) -> None:
+    """200 steps of 16 examples: each example is of the source the mixture names for its index in the run,
+    and the counts the module keeps (and saves) are the mixture's."""
+    module = mixed_datamodule(sources, {"a": 0.7, "b": 0.3})
+    steps = 200
+    batches = consume(module, steps)
+    mixture = Mixture(settings(a=0.7, b=0.3), SEED)
+    expected = [mixture.source_of(k) for k in range(steps * 16)]
+    assert [source for batch in batches for source, _, _ in batch] == [["a", "b"][index] for index in expected]
+    assert module.drawn == [expected.count(0), expected.count(1)]
+    assert module.state_dict()["drawn"] == {"a": expected.count(0), "b": expected.count(1)}
+    assert abs(expected.count(0) / len(expected) - 0.7) < 0.001
+    # A sample id names one example of the run (the MLM masks and the batch log go by it), whatever its source:
+    # over the first pass of each, as many ids as different examples.
+    first_pass = {(source, tokens): sample_id for batch in batches[:8] for source, sample_id, tokens in batch}
+    assert len(set(first_pass.values())) == len(first_pass) == 8 * 16
+
+
+def stream_batches(
+    paths: Mapping[str, Path],
+    weights: Mapping[str, float],
+    plan: BatchPlan,
+    rank: int,
+    count: int,
+    workers: int,
+    **state,
+) -> list[dict[str, torch.Tensor]]:
+    """The first `count` micro-batches of a rank of a mixture, through a DataLoader with `workers` workers."""
+    streams = [shard_stream(paths[name]) for name in weights]
+    mixture = Mixture(settings(**weights), SEED)
+    stream = BatchStream(streams, plan, rank, mixture=mixture, **state)
+    return list(itertools.islice(iter(training_loader(stream, workers, pin_memory=False)), count))
+
+
+def per_step(plan: BatchPlan, ranks: list[list[dict[str, torch.Tensor]]], steps: int) -> list[list[tuple]]:
+    """Each step's (sample id, tokens) over all devices, in slot order."""
+    per = plan.accumulation
+    return [
+        [
+            (int(i), tuple(t))
+            for rank in ranks
+            for batch in rank[step * per : (step + 1) * per]
+            for i, t in zip(batch["sample_id"], batch["tokens"].tolist(), strict=True)
+        ]
+        for step in range(steps)
+    ]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_every_layout_of_devices_and_micro_batches_draws_each_example_from_the_same_source(
+    sources: dict[str, Path], workers: int
+) -> None:
+    weights = {"a": 0.7, "b": 0.3}
+    layouts = [(None, 1), (2, 1), (4, 2), (2, 4), (None, 4)]  # (micro-batch, devices) of a global batch of 8
+    steps = []
+    for micro, devices in layouts:
+        plan = batch_plan(8, micro, 4, devices)
+        ranks = [
+            stream_batches(sources, weights, plan, rank, 5 * plan.accumulation, workers) for rank in range(devices)
+        ]
+        steps.append(per_step(plan, ranks, 5))
+    assert all(other == steps[0] for other in steps[1:])
+    mixture = Mixture(settings(**weights), SEED)
+    drawn = [source_of_tokens(list(tokens)) for step in steps[0] for _, tokens in step]
+    assert drawn == [["a", "b"][mixture.source_of(k)] for k in range(40)]
+    assert {"a", "b"} <= set(drawn[:8])  # the sources interleave within a step
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_mixed_batch_stream_resumes_exactly_on_any_number_of_devices(sources: dict[str, Path], workers: int) -> None:
+    weights = {"a": 0.6, "b": 0.4}
+    single = batch_plan(8, 2, 4, 1)
+    reference = per_step(single, [stream_batches(sources, weights, single, 0, 9 * single.accumulation, workers)], 9)
+    # Two devices run 4 steps and keep the cursors of each (source, sub-stream) of the batches they consumed.
+    plan = batch_plan(8, 2, 4, 2)
+    cursors = {}
+    for rank in (0, 1):
+        for batch in stream_batches(sources, weights, plan, rank, 4 * plan.accumulation, workers):
+            cursors |= {
+                (source, sub): Cursor(shard, block) for source, sub, shard, block in batch["positions"].tolist()
+            }
+    assert {source for source, _ in cursors} == {0, 1}  # both sources have a position
+    # One device, or four, continues from them at step 4 exactly where the uninterrupted run went.
+    for continued in (single, batch_plan(8, None, 4, 4)):
+        count = 5 * continued.accumulation
+        ranks = [
+            stream_batches(
+                sources, weights, continued, rank, count, workers, cursors=cursors, start=4 * continued.accumulation
+            )
+            for rank in range(continued.world_size)
+        ]
+        assert per_step(continued, ranks, 5) == reference[4:]
+
+
+# --- the DataModule's state ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_restoring_a_mixtures_position_after_any_number_of_batches_continues_exactly(
+    sources: dict[str, Path], workers: int
+) -> None:
+    """Restart points inside shards and across epochs of either source (every one with the batches read in the
+    main process, a few with two workers: each start of theirs takes a second) continue each source exactly,
+    and keep its counts."""
+    weights, total = {"a": 0.7, "b": 0.3}, 24  # about 2 epochs of a, 1 of b
+    whole = mixed_datamodule(sources, weights, workers)
+    reference = consume(whole, total)
+    for consumed in range(total) if workers == 0 else (5, 16):
+        first = mixed_datamodule(sources, weights, workers)
+        consume(first, consumed)
+        state = first.state_dict()
+        assert (
+            state["format"] == 3 and state["steps"] == consumed and state["phases"] == [{"step": 0, "weights": weights}]
+        )
+        assert {name for name, *_ in state["cursors"]} == ({"a", "b"} if consumed else set())
+        restored = mixed_datamodule(sources, weights, workers)
+        restored.load_state_dict(state)
+        assert consume(restored, total - consumed) == reference[consumed:], f"restart after {consumed} batches"
+        assert restored.drawn == whole.drawn and restored.phases == whole.phases
+
+
+def as_format_2(state: dict[str, Any]) -> dict[str, Any]:
+    """A one-source position as the code before `data.sources` saved it (format 2): cursors [sub, shard, block],
+    one data version, no counts per source."""
+    (version,) = state["versions"].values()
+    return {
+        "format": 2,
+        "data_version": version,
+        "topology": state["topology"],
+        "steps": state["steps"],
+        "cursors": [[sub, shard, block] for _, sub, shard, block in state["cursors"]],
+        "samples_read": state["samples_read"],
+        "samples_skipped": state["samples_skipped"],
+    }
+
+
+def test_a_one_source_position_of_format_2_continues_exactly(sources: dict[str, Path]) -> None:
+    """A checkpoint of a run on data.dir from before mixtures: it continues the same directory, read as
+    data.dir or as a mixture of one under any name, exactly."""
+
+    def one_source(as_mixture: bool) -> ShardDataModule:
+        options = {"global_batch_size": 16, "streams": 4, "num_workers": 0, "shuffle_buffer": BUFFER, "seed": SEED}
+        if as_mixture:
+            return ShardDataModule(
+                None, ByteTokenizer(), packed_blocks(BLOCK), sources={"code": {"dir": str(sources["a"])}}, **options
+            )
+        return ShardDataModule(str(sources["a"]), ByteTokenizer(), packed_blocks(BLOCK), **options)
+
+    whole = one_source(False)
+    reference = consume(whole, 14)
+    first = one_source(False)
+    consume(first, 9)
+    old = as_format_2(first.state_dict())
+    assert len(old["cursors"]) == 4 and all(block > 0 for *_, block in old["cursors"])
+    for as_mixture in (False, True):
+        restored = one_source(as_mixture)
+        restored.load_state_dict(old)
+        assert consume(restored, 5) == reference[9:], f"as a mixture: {as_mixture}"
+        assert restored.drawn == whole.drawn == [14 * 16] and restored.samples_read == whole.samples_read
+        (name,) = restored.weights
+        assert restored.phases == [{"step": 0, "weights": {name: 1.0}}]  # no change of mixture
+
+
+# --- caps on a source's repetitions ------------------------------------------------------------------------------
+
+
+def one_pass(directory: Path) -> list[tuple[int, ...]]:
+    """The blocks of one pass over a source's training shards."""
+    return [tuple(item.example.tokens) for item in shard_stream(directory, max_epochs=1).examples(0, 1, Cursor())]
+
+
+def test_a_source_that_runs_out_stops_the_run_naming_it_and_the_fixes(sources: dict[str, Path]) -> None:
+    capped = {"c": {"max_epochs": 1, "exhausted": "stop"}}
+    module = mixed_datamodule(sources, {"a": 0.5, "c": 0.5}, streams=2, source_settings=capped)
+    loader = iter(module.train_dataloader())
+    with pytest.raises(ShardError) as stopped:
+        for _ in range(100):
+            module.on_before_batch_transfer(next(loader), 0)
+    message = str(stopped.value)
+    assert re.match(
+        r"data\.sources\.c has run out at step \d+: its shards were read data\.sources\.c\.max_epochs=1", message
+    )
+    assert "raise data.sources.c.max_epochs=1 and continue with resume_allow=[mixture]" in message
+    assert "or set data.sources.c.exhausted=renormalise" in message
+    assert module.drawn[1] <= len(one_pass(sources["c"]))  # no block of c twice
+
+
+def test_a_source_that_runs_out_under_renormalise_gives_its_weight_to_the_others(sources: dict[str, Path]) -> None:
+    """c (a third of the mixture) gives each of its blocks once, then the run goes on with a alone; once a
+    runs out too, nothing is left."""
+    capped = {"a": {"max_epochs": 3, "exhausted": "renormalise"}, "c": {"max_epochs": 1, "exhausted": "renormalise"}}
+    module = mixed_datamodule(sources, {"a": 0.7, "c": 0.3}, streams=2, source_settings=capped)
+    loader = iter(module.train_dataloader())
+    drawn: list[str] = []
+    with pytest.warns(
+        UserWarning, match=r"data\.sources\.c has run out at step \d+ \(data\.sources\.c\.max_epochs=1\)"
+    ):
+        while len(drawn) < 24 * 16:
+            batch = module.on_before_batch_transfer(next(loader), 0)
+            drawn += [source_of_tokens(tokens) for tokens in batch["tokens"].tolist()]
+    last_c = max(index for index, source in enumerate(drawn) if source == "c")
+    assert drawn.count("c") == len(one_pass(sources["c"])) == module.drawn[1]  # each block of c once
+    assert set(drawn[last_c + 1 :]) == {"a"} and len(drawn) - last_c > 100  # then a alone
+    with (
+        pytest.warns(UserWarning, match=r"data\.sources\.a has run out at step \d+ \(data\.sources\.a\.max_epochs=3\)"),
+        pytest.raises(ShardError, match=r"at step \d+ every source with weight has run out .* raise a cap"),
+    ):
+        for _ in range(100):
+            module.on_before_batch_transfer(next(loader), 0)
+    assert len(one_pass(sources["a"])) * 2 < module.drawn[0] <= 3 * len(one_pass(sources["a"]))
+
+
+def test_a_mixture_resumes_exactly_after_a_source_ran_out(sources: dict[str, Path]) -> None:
+    """Three sources, c capped at one pass and renormalised: restored after c has run out (on some
+    sub-streams, or all), the run draws from a and b exactly what the uninterrupted run drew."""
+    weights = {"a": 0.5, "b": 0.3, "c": 0.2}
+    capped = {"c": {"max_epochs": 1, "exhausted": "renormalise"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # c's running out, on each sub-stream
+        reference = consume(mixed_datamodule(sources, weights, streams=2, source_settings=capped), 30)
+        out = next(
+            step
+            for step, batch in enumerate(reference)
+            if all(s != "c" for s, _, _ in itertools.chain(*reference[step:]))
+        )
+        assert 3 < out < 25
+        for consumed in (out - 2, out, out + 3):
+            first = mixed_datamodule(sources, weights, streams=2, source_settings=capped)
+            consume(first, consumed)
+            restored = mixed_datamodule(sources, weights, streams=2, source_settings=capped)
+            restored.load_state_dict(first.state_dict())
+            assert consume(restored, 30 - consumed) == reference[consumed:], f"restart after {consumed} batches"
