@@ -169,9 +169,14 @@ class PretrainingObjective(LightningModule):
 
     def source_states(self, source: int) -> nn.ModuleDict:
         """The validation states of a data source (the loader of a mixture's `source`-th), made on first use
-        as copies of `validation_state`, which is the first source's."""
+        as copies of `validation_state`, which is the first source's: emptied of what that source has added
+        so far, and in training mode, as Lightning leaves the objective's modules after a validation (it puts
+        back the modes of those it knew before, and warns of any other in eval mode when training starts)."""
         while len(self.validation_states) <= source:
-            self.validation_states.append(copy.deepcopy(self.validation_state))
+            states = copy.deepcopy(self.validation_state).train()
+            for metric in states.values():
+                cast(Metric, metric).reset()
+            self.validation_states.append(states)
         return cast(nn.ModuleDict, self.validation_states[source])
 
     def on_validation_epoch_end(self) -> None:
