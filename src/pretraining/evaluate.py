@@ -65,7 +65,9 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     trusted = list(cfg.trusted_targets)
     model, datamodule = build_from_checkpoint(checkpoint, str(cfg.ckpt_path), overrides, cfg.tokenizer_path, trusted)
     trainer = Trainer(accelerator=cfg.accelerator, devices=1, logger=False, enable_checkpointing=False)
-    (validated,) = trainer.validate(model, datamodule=datamodule, verbose=not cfg.quiet)
+    # One result per validation loader (a mixture has one per source), each holding every metric: the objective
+    # logs them all at the epoch's end.
+    validated = trainer.validate(model, datamodule=datamodule, verbose=not cfg.quiet)[0]
     metrics = logged_values(validated)  # the checkpoint's step is below
     result: dict[str, Any] = {"checkpoint": str(cfg.ckpt_path), "step": checkpoint["global_step"], **metrics}
     if cfg.prompt and isinstance(model, CausalLM):
