@@ -5,10 +5,12 @@ run's per-source validation, counts, lineage and change of weights on resume."""
 
 from __future__ import annotations
 
+import csv
 import itertools
 import random
 import re
 import warnings
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -16,8 +18,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
-from conftest import packed_blocks
+from conftest import ComposeTrain, packed_blocks
+from pretraining.callbacks.batch_log import read_batch_log
+from pretraining.cli import info as info_main
+from pretraining.config import CONFIG_DIR
 from pretraining.data.batches import BatchPlan, BatchStream, batch_plan
 from pretraining.data.corpus import Document
 from pretraining.data.datamodule import ShardDataModule
@@ -28,7 +34,10 @@ from pretraining.data.mixture import Mixture, SourceSettings
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.stream import Cursor, ShardStream
 from pretraining.data.tokenizer import ByteTokenizer
-from pretraining.errors import ShardError
+from pretraining.errors import CheckpointError, ShardError
+from pretraining.evaluate import evaluate
+from pretraining.stored import load_checkpoint
+from pretraining.train import train
 
 BLOCK = 32  # bytes (ByteTokenizer): a document of a few hundred gives several blocks
 SEED = 11
@@ -383,3 +392,112 @@ def test_a_mixture_resumes_exactly_after_a_source_ran_out(sources: dict[str, Pat
             restored = mixed_datamodule(sources, weights, streams=2, source_settings=capped)
             restored.load_state_dict(first.state_dict())
             assert consume(restored, 30 - consumed) == reference[consumed:], f"restart after {consumed} batches"
+
+
+# --- a real run ----------------------------------------------------------------------------------------------
+
+
+def mixture_overrides(paths: Mapping[str, Path], **weights: float) -> list[str]:
+    """data.dir=null and data.sources as a Hydra override: {a:{dir:'<dir>',weight:0.7},...}."""
+    entries = ",".join(f"{name}:{{dir:'{paths[name]}',weight:{weight}}}" for name, weight in weights.items())
+    return ["data.dir=null", f"data.sources={{{entries}}}"]
+
+
+def run_metrics(run_dir: Path) -> list[dict[str, str]]:
+    with (run_dir / "csv" / "metrics.csv").open() as file:
+        return list(csv.DictReader(file))
+
+
+def test_a_run_on_a_mixture_validates_each_source_counts_them_and_records_them(
+    compose_train: ComposeTrain,
+    tmp_path: Path,
+    sources: dict[str, Path],
+    capsys: pytest.CaptureFixture,
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    cfg = compose_train(*mixture_overrides(sources, a=0.7, b=0.3))
+    metrics = train(cfg)
+    assert not [warning for warning in recwarn if "in eval mode" in str(warning.message)]  # b's validation states
+    rows = run_metrics(tmp_path)
+    validated = [row for row in rows if row.get("val/bpb")]
+    assert [int(row["step"]) for row in validated] == [0, 6, 12]
+    for row in validated:  # each source's, and the mean weighted as the mixture weighs them
+        for metric in ("bpb", "loss"):
+            each = {name: float(row[f"val/{name}/{metric}"]) for name in ("a", "b")}
+            assert each["a"] != each["b"]
+            assert float(row[f"val/{metric}"]) == pytest.approx(0.7 * each["a"] + 0.3 * each["b"], rel=1e-5)
+    assert metrics["val/bpb"] == pytest.approx(float(validated[-1]["val/bpb"]), rel=1e-6)
+    # The examples each source gave (the mixture's, of the 4 a step trained on), as tokens and shares: logged
+    # after 10 steps (trainer.log_every_n_steps) and reported at the last.
+    mixture = Mixture(settings(a=0.7, b=0.3), cfg.data.seed)
+    counts = {steps: Counter(mixture.source_of(k) for k in range(steps * 4)) for steps in (10, 12)}
+    (logged,) = [row for row in rows if row.get("data/a/share")]
+    assert float(logged["data/a/share"]) == pytest.approx(counts[10][0] / 40) and int(logged["step"]) == 9
+    assert float(logged["data/b/tokens"]) == counts[10][1] * 64  # blocks of 64 tokens
+    assert metrics["data/a/share"] == pytest.approx(counts[12][0] / 48) and abs(counts[12][0] / 48 - 0.7) < 0.03
+    assert (
+        metrics["data/b/share"] == pytest.approx(counts[12][1] / 48) and metrics["data/a/tokens"] == counts[12][0] * 64
+    )
+    checkpoint = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    lineage = checkpoint["lineage"]
+    versions = {name: Manifest.load(sources[name]).version for name in ("a", "b")}
+    assert lineage["sources"] == {name: {"dir": str(sources[name]), "version": versions[name]} for name in "ab"}
+    assert lineage["mixture"] == {
+        name: {"weight": weight, "max_epochs": None, "exhausted": "stop", "fields": {"text_field": "txt"}}
+        for name, weight in (("a", 0.7), ("b", 0.3))
+    }
+    assert lineage["mixture_phases"] == [{"step": 0, "weights": {"a": 0.7, "b": 0.3}}]
+    assert lineage["data_version"] not in versions.values()
+    assert checkpoint["ShardDataModule"]["drawn"] == {"a": counts[12][0], "b": counts[12][1]}
+
+    last = tmp_path / "checkpoints" / "last.ckpt"
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        eval_cfg = compose("eval", overrides=[f"ckpt_path={last}", f"paths.output_dir={tmp_path}", "max_new_tokens=4"])
+    result = evaluate(eval_cfg)  # the checkpoint's mixture, validated again (its first validation: b's starts empty)
+    for key in ("val/bpb", "val/a/bpb", "val/b/bpb"):
+        assert result[key] == pytest.approx(metrics[key], abs=1e-5), key
+    assert "note" not in result  # the same data version
+
+    capsys.readouterr()
+    info_main([str(tmp_path / "checkpoints" / "last.ckpt")])
+    printed = capsys.readouterr().out
+    assert re.search(rf"\ndata +version {lineage['data_version']} from a mixture of\n", printed)
+    for name, weight in (("a", 0.7), ("b", 0.3)):
+        assert re.search(rf"\n  {name} +weight {weight}: version {versions[name]} from {sources[name]}\n", printed)
+    assert re.search(r"\n  phase +from step 0: a 0.7, b 0.3\n", printed)
+
+
+def test_other_weights_on_resume_are_refused_unless_allowed_and_every_source_continues(
+    compose_train: ComposeTrain, tmp_path: Path, sources: dict[str, Path]
+) -> None:
+    logged = ["callbacks=[default,batch_log]", "trainer.max_steps=6"]
+    cfg = compose_train(*mixture_overrides(sources, a=0.7, b=0.3), *logged)
+    train(cfg)
+    checkpoints = tmp_path / "checkpoints"
+    reweighed = mixture_overrides(sources, a=0.2, b=0.8)
+    with pytest.raises(CheckpointError) as refused:
+        train(compose_train(*reweighed, "trainer.max_steps=12"))
+    message = str(refused.value)
+    assert (
+        "mixture: the checkpoint has {'a': {'weight': 0.7" in message and "this run has {'a': {'weight': 0.2" in message
+    )
+    assert "use the data.sources weights, max_epochs and exhausted it was trained with" in message
+    assert "pass resume_allow=[mixture]" in message
+    assert not (checkpoints / "step-000012.ckpt").exists()
+
+    train(compose_train(*reweighed, *logged[:1], "trainer.max_steps=12", "resume_allow=[mixture]"))
+    checkpoint = load_checkpoint(checkpoints / "step-000012.ckpt")
+    assert checkpoint["lineage"]["mixture_phases"] == [
+        {"step": 0, "weights": {"a": 0.7, "b": 0.3}},
+        {"step": 6, "weights": {"a": 0.2, "b": 0.8}},
+    ]
+    assert checkpoint["lineage"]["mixture"]["a"]["weight"] == 0.2
+    # Steps 1 to 6 drew from the first weights, 7 to 12 from the second: the counts saved are theirs.
+    before, after = Mixture(settings(a=0.7, b=0.3), cfg.data.seed), Mixture(settings(a=0.2, b=0.8), cfg.data.seed)
+    drawn = Counter(before.source_of(k) for k in range(24)) + Counter(after.source_of(k) for k in range(24, 48))
+    assert checkpoint["ShardDataModule"]["drawn"] == {"a": drawn[0], "b": drawn[1]}
+    # Each source continued from its cursors: nothing trained before the change is trained again after it.
+    log = read_batch_log(tmp_path / "batches" / "rank0.jsonl")
+    assert sorted(log) == list(range(1, 13))
+    trained = [{i for batch in range(first, first + 6) for i in log[batch]["samples"]} for first in (1, 7)]
+    assert len(trained[0]) == len(trained[1]) == 24 and trained[0].isdisjoint(trained[1])
