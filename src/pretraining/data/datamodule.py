@@ -42,6 +42,7 @@ whole. `check_skips` stops the run once too much was skipped
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -60,7 +61,7 @@ from torch.utils.data import DataLoader
 from pretraining.data.batches import BatchPlan, BatchStream, batch_plan, default_streams, global_batch_examples
 from pretraining.data.formats import ExampleFormat, Tensors
 from pretraining.data.loader import training_loader, validation_loader
-from pretraining.data.manifest import Manifest
+from pretraining.data.manifest import MANIFEST, Manifest
 from pretraining.data.mixture import Mixture, Source, SourceSettings, source_settings
 from pretraining.data.stream import Cursor, ShardStream, stable_hash
 from pretraining.data.tokenizer import Tokenizer
@@ -112,7 +113,10 @@ class ShardDataModule(LightningDataModule):
         batch_plan(global_batch_size, micro_batch_size, streams, 1)  # a config error shows before any work
         settings = source_settings(sources, dir)  # a config error shows before any data is read
         self.bad_data, self.max_skip_fraction = bad_data, max_skip_fraction
-        self.sources = [self.load_source(source, format, verify_checksums, trust_pipe_commands) for source in settings]
+        # Every source's manifest and fields, checked before any shard is read for its checksum (which can take
+        # minutes): a mistake in the last source shows at once.
+        loaded = [self.load_source(source, format, trust_pipe_commands) for source in settings]
+        self.sources = [self.checked_shards(source, verify_checksums) for source in loaded]
         self.mixture = Mixture(settings, seed)
         self.global_batch_size, self.micro_batch_size, self.streams = global_batch_size, micro_batch_size, streams
         self.seed, self.num_workers = seed, num_workers
@@ -129,15 +133,10 @@ class ShardDataModule(LightningDataModule):
         self.check_refused_shards()
 
     def load_source(
-        self,
-        source: SourceSettings,
-        format: Callable[..., ExampleFormat[Any]],
-        verify_checksums: bool,
-        trust_pipe_commands: bool,
+        self, source: SourceSettings, format: Callable[..., ExampleFormat[Any]], trust_pipe_commands: bool
     ) -> Source:
-        """A source's manifest, checked: its shards (refused now under `bad_data=raise`, else skipped later with
-        a warning), a training split, and the sample fields its example format reads (`format` with the
-        source's own `fields`)."""
+        """A source's manifest, checked: a training split, and the sample fields its example format reads
+        (`format` with the source's own `fields`). Its shards are checked apart (`checked_shards`)."""
         unknown = sorted(set(source.fields) - set(self.format.field_keys))
         if unknown:
             raise ConfigError(
@@ -145,23 +144,37 @@ class ShardDataModule(LightningDataModule):
                 f"as {', '.join(self.format.field_keys)} (its lengths are the run's)"
             )
         source_format = format(self.tokenizer, **source.fields) if source.fields else self.format
-        manifest = Manifest.load(
-            source.dir,
-            verify_checksums,
-            check=self.bad_data == "raise",
-            key=f"{source.key}.dir",
-            trust_pipe_commands=trust_pipe_commands,
-        )
-        manifest.shards("train")  # an empty source stops here, naming its manifest
-        fields_key = f"{source.key}.fields" if source.fields else "data.format"
-        manifest.require_fields(
-            [(f"{fields_key}.{key}", name) for key, name in source_format.field_keys.items()],
-            "set it to one of those (a .json key reads as json:<key>), or choose the data config that matches these "
-            "shards (data=text, data=pairs)"
-            + ("" if source.key == "data" else f"; every source of a mixture needs the fields ({source.key})"),
-        )
-        refused = manifest.problems(verify_checksums) if self.bad_data == "skip" else {}
-        return Source(source, manifest, source_format, refused)
+        key, trust = f"{source.key}.dir", trust_pipe_commands
+        manifest = Manifest.load(source.dir, check=False, key=key, trust_pipe_commands=trust)
+        if not manifest.splits.get("train"):
+            raise ShardError(
+                f"{source.key}.dir={source.dir}: its manifest ({manifest.directory / MANIFEST}) lists no "
+                f"training shards: rebuild them with more data (or a smaller --validation-fraction), or point "
+                f"{source.key}.dir at a directory that has them"
+            )
+        if source.key == "data":
+            fields_key = "data.format"
+            fix = (
+                "set it to one of those (a .json key reads as json:<key>), or choose the data config that matches "
+                "these shards (data=text, data=pairs)"
+            )
+        else:  # a source of a mixture reads data.format's fields, or its own
+            fields_key = f"{source.key}.fields" if source.fields else "data.format"
+            example = next(iter(source_format.field_keys))
+            fix = (
+                f"every source of a mixture needs them: give {source.key} its own, {source.key}.fields.{example}="
+                "<one of those> (a .json key reads as json:<key>)"
+            )
+        manifest.require_fields([(f"{fields_key}.{key}", name) for key, name in source_format.field_keys.items()], fix)
+        return Source(source, manifest, source_format)
+
+    def checked_shards(self, source: Source, verify_checksums: bool) -> Source:
+        """A source with its shards checked (sizes, and checksums with `verify_checksums`): one missing or altered
+        is refused now under `bad_data=raise`, else skipped when its turn comes, with a warning (`refused`)."""
+        if self.bad_data == "raise":
+            source.manifest.check(verify_checksums)
+            return source
+        return dataclasses.replace(source, refused=source.manifest.problems(verify_checksums))
 
     @property
     def weights(self) -> dict[str, float]:
