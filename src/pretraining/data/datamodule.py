@@ -462,7 +462,8 @@ class ShardDataModule(LightningDataModule):
                 "cursors": [[name, *cursor[1:]] for cursor in state["cursors"]],
                 "drawn": {name: state["drawn"].get(saved, 0)},
                 "ran_out": {name: state["ran_out"][saved]} if saved in state.get("ran_out", {}) else {},
-                "phases": [{"step": phase["step"], "weights": {name: 1.0}} for phase in state["phases"]],
+                # A mixture of one draws from it whatever its weight: one phase, with this run's weight.
+                "phases": [{"step": 0, "weights": self.weights}],
             }
         return state
 
