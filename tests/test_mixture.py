@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import csv
 import itertools
+import json
 import random
 import re
+import shutil
 import warnings
 from collections import Counter
 from collections.abc import Mapping
@@ -20,6 +22,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+import pretraining.data.manifest as manifest_module
 from conftest import ComposeTrain, packed_blocks
 from pretraining.callbacks.batch_log import read_batch_log
 from pretraining.cli import info as info_main
@@ -29,13 +32,15 @@ from pretraining.data.corpus import Document
 from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.formats import PackedBlocks
 from pretraining.data.loader import training_loader
-from pretraining.data.manifest import Manifest
+from pretraining.data.manifest import MANIFEST, PAIR_FIELDS, Manifest
 from pretraining.data.mixture import Mixture, SourceSettings
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.stream import Cursor, ShardStream
 from pretraining.data.tokenizer import ByteTokenizer
-from pretraining.errors import CheckpointError, ShardError
+from pretraining.errors import CheckpointError, ConfigError, PretrainingError, ShardError
 from pretraining.evaluate import evaluate
+from pretraining.instantiate import build
+from pretraining.run import check_config
 from pretraining.stored import load_checkpoint
 from pretraining.train import train
 
@@ -301,12 +306,12 @@ def test_a_one_source_position_of_format_2_continues_exactly(sources: dict[str, 
     data.dir or as a mixture of one under any name, exactly."""
 
     def one_source(as_mixture: bool) -> ShardDataModule:
-        options = {"global_batch_size": 16, "streams": 4, "num_workers": 0, "shuffle_buffer": BUFFER, "seed": SEED}
-        if as_mixture:
-            return ShardDataModule(
-                None, ByteTokenizer(), packed_blocks(BLOCK), sources={"code": {"dir": str(sources["a"])}}, **options
-            )
-        return ShardDataModule(str(sources["a"]), ByteTokenizer(), packed_blocks(BLOCK), **options)
+        options: dict[str, Any] = {"global_batch_size": 16, "streams": 4, "num_workers": 0, "seed": SEED}
+        options["shuffle_buffer"] = BUFFER
+        if as_mixture:  # of one, of another name, and weighed
+            options["sources"] = {"code": {"dir": str(sources["a"]), "weight": 0.5}}
+        directory = None if as_mixture else str(sources["a"])
+        return ShardDataModule(directory, ByteTokenizer(), packed_blocks(BLOCK), **options)
 
     whole = one_source(False)
     reference = consume(whole, 14)
@@ -319,8 +324,45 @@ def test_a_one_source_position_of_format_2_continues_exactly(sources: dict[str, 
         restored.load_state_dict(old)
         assert consume(restored, 5) == reference[9:], f"as a mixture: {as_mixture}"
         assert restored.drawn == whole.drawn == [14 * 16] and restored.samples_read == whole.samples_read
-        (name,) = restored.weights
-        assert restored.phases == [{"step": 0, "weights": {name: 1.0}}]  # no change of mixture
+        # No change of mixture: the weight of a mixture of one changes nothing, and is kept as the run's.
+        assert restored.phases == [{"step": 0, "weights": restored.weights}]
+        again = one_source(as_mixture)
+        again.load_state_dict(restored.state_dict())
+        assert again.phases == restored.phases and again.cursors == restored.cursors
+
+
+@pytest.mark.parametrize("old_format", [False, True], ids=["format_3", "format_2"])
+def test_a_source_added_to_a_run_starts_from_its_beginning_and_the_first_continues(
+    sources: dict[str, Path], old_format: bool
+) -> None:
+    """A run on data.dir=<a> continued on a mixture of a (the same directory, so the same name) and b: a from its
+    cursors, b from its start, under a phase of the new weights."""
+    options = {"global_batch_size": 16, "streams": 4, "num_workers": 0, "shuffle_buffer": BUFFER, "seed": SEED}
+    first = ShardDataModule(str(sources["a"]), ByteTokenizer(), packed_blocks(BLOCK), **options)
+    before = {tokens for batch in consume(first, 6) for _, _, tokens in batch}  # 96 of a's 138 blocks
+    state = as_format_2(first.state_dict()) if old_format else first.state_dict()
+    mixed = mixed_datamodule(sources, {"a": 0.5, "b": 0.5})
+    with pytest.warns(UserWarning, match=r"the data of data\.sources\.b is not the checkpoint's: it is read from"):
+        mixed.load_state_dict(state)
+    assert mixed.phases == [{"step": 0, "weights": {"a": 1.0}}, {"step": 6, "weights": {"a": 0.5, "b": 0.5}}]
+    after = consume(mixed, 2)
+    counts = Counter(Mixture(settings(a=0.5, b=0.5), SEED).source_of(k) for k in range(6 * 16, 8 * 16))
+    assert mixed.drawn == [6 * 16 + counts[0], counts[1]]
+    assert before.isdisjoint(tokens for batch in after for source, _, tokens in batch if source == "a")  # a goes on
+    # b from its start: each stream (4 rows of a batch) reads b's examples from the first.
+    from_start = by_stream(consume(mixed_datamodule(sources, {"a": 0.5, "b": 0.5}), 4), "b")
+    for stream, read in by_stream(after, "b").items():
+        assert read == from_start[stream][: len(read)]
+
+
+def by_stream(batches: list[list[tuple[str, int, tuple[int, ...]]]], source: str) -> dict[int, list[tuple[int, ...]]]:
+    """The examples of `source` that each of the 4 streams gave to steps of 16 (one micro-batch each)."""
+    read: dict[int, list[tuple[int, ...]]] = {stream: [] for stream in range(4)}
+    for batch in batches:
+        for row, (name, _, tokens) in enumerate(batch):
+            if name == source:
+                read[row // 4].append(tokens)
+    return read
 
 
 # --- caps on a source's repetitions ------------------------------------------------------------------------------
@@ -501,3 +543,195 @@ def test_other_weights_on_resume_are_refused_unless_allowed_and_every_source_con
     assert sorted(log) == list(range(1, 13))
     trained = [{i for batch in range(first, first + 6) for i in log[batch]["samples"]} for first in (1, 7)]
     assert len(trained[0]) == len(trained[1]) == 24 and trained[0].isdisjoint(trained[1])
+
+
+# --- bad mixtures: refused before any data is read ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Pair shards (query.txt, passage.txt): queries in c's characters, passages in b's."""
+    queries, passages = documents("c", 24), documents("b", 24)
+    pairs = [
+        Document(f"pair{number}", {"query.txt": query.texts["txt"], "passage.txt": passage.texts["txt"]})
+        for number, (query, passage) in enumerate(zip(queries, passages, strict=True))
+    ]
+    out = tmp_path_factory.mktemp("mixture") / "pairs"
+    settings = BuildSettings(0.25, max_shard_samples=3)
+    build_shards(pairs, out, ["pairs"], settings, show_progress=False, fields=PAIR_FIELDS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def empty(tmp_path_factory: pytest.TempPathFactory, sources: dict[str, Path]) -> Path:
+    """A shard directory whose manifest lists validation shards and no training ones."""
+    out = tmp_path_factory.mktemp("mixture") / "empty"
+    shutil.copytree(sources["c"], out)
+    manifest = json.loads((out / MANIFEST).read_text())
+    manifest["splits"]["train"]["shards"] = []
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    return out
+
+
+def test_a_source_reads_its_own_fields(sources: dict[str, Path], pairs: Path) -> None:
+    """The docstrings of pair shards as a text source (data=mixture's): only the query side is read."""
+    docstrings = {"dir": str(pairs), "weight": 0.5, "fields": {"text_field": "query.txt"}}
+    module = ShardDataModule(
+        None,
+        ByteTokenizer(),
+        packed_blocks(BLOCK),
+        global_batch_size=8,
+        streams=2,
+        num_workers=0,
+        sources={"a": {"dir": str(sources["a"])}, "docstrings": docstrings},
+    )
+    drawn = {source for batch in consume(module, 4) for source, _, _ in batch}
+    assert drawn == {"a", "c"}  # c's characters: the queries, never the passages (b's)
+    assert module.mixture_settings["docstrings"]["fields"] == {"text_field": "query.txt"}
+    assert len(module.validation_sets[1]) > 0
+
+
+NOWHERE = "/nonexistent/shards"  # a source's directory that the config checks come before
+A, NOT_A_NUMBER = {"dir": "{a}"}, r"a weight is a number >= 0 \(its share of the training tokens\)"
+# (data.dir, data.sources, the error, its message), filled with the directories of the test.
+BAD_MIXTURES = {
+    "negative_weight": (
+        None,
+        {"a": {"dir": NOWHERE, "weight": -0.5}},
+        ConfigError,
+        rf"\.a\.weight=-0\.5: {NOT_A_NUMBER}",
+    ),
+    "weight_not_a_number": (None, {"a": {"dir": NOWHERE, "weight": "heavy"}}, ConfigError, r"\.a\.weight='heavy': a"),
+    "all_weights_zero": (
+        None,
+        {"a": {"dir": NOWHERE, "weight": 0}, "b": {"dir": NOWHERE, "weight": 0.0}},
+        ConfigError,
+        r"the weights of data\.sources are all zero: give at least one source a positive weight",
+    ),
+    "dir_and_sources": (
+        "{a}",
+        {"a": {"dir": NOWHERE}},
+        ConfigError,
+        r"set exactly one of data\.dir .* and data\.sources",
+    ),
+    "neither": (None, None, ConfigError, r"set exactly one .* got data\.dir=None and data\.sources=None \(set the"),
+    "no_source": (None, {}, ConfigError, r"data\.sources is empty: name at least one shard directory"),
+    "no_dir": (
+        None,
+        {"a": {"weight": 0.5}},
+        ConfigError,
+        r"\.a has no dir: set data\.sources\.a\.dir=<shard directory>",
+    ),
+    "empty_entry": (None, {"a": None}, ConfigError, r"data\.sources\.a has no dir"),
+    "unknown_key": (
+        None,
+        {"a": {"dir": NOWHERE, "colour": "red"}},
+        ConfigError,
+        r"\.a\.colour is not a setting of a source: a source has dir, weight, max_epochs, exhausted, fields",
+    ),
+    "max_epochs_0": (None, {"a": {"dir": NOWHERE, "max_epochs": 0}}, ConfigError, r"\.a\.max_epochs=0: a whole number"),
+    "exhausted": (
+        None,
+        {"a": {"dir": NOWHERE, "exhausted": "wrap"}},
+        ConfigError,
+        r"\.exhausted='wrap': use one of stop",
+    ),
+    "fields_length": (
+        None,
+        {"a": {"dir": NOWHERE, "fields": {"block_size": 8}}},
+        ConfigError,
+        r"\.a\.fields\.block_size: a source names only its sample fields, which data\.format names as text_field",
+    ),
+    "dir_missing": (
+        None,
+        {"a": A, "b": {"dir": "{tmp}/missing"}},
+        ShardError,
+        r"data\.sources\.b\.dir={tmp}/missing: the directory does not exist",
+    ),
+    "no_training_shards": (
+        None,
+        {"a": A, "e": {"dir": "{empty}"}},
+        ShardError,
+        r"data\.sources\.e\.dir={empty}: its manifest \(.*manifest\.json\) lists no training shards",
+    ),
+    "fields_not_in_shards": (
+        None,
+        {"a": A, "p": {"dir": "{pairs}"}},
+        ShardError,
+        r"data\.format\.text_field='txt': not a field of every sample in {pairs}, whose samples all have "
+        r"query\.txt, passage\.txt: every source of a mixture needs them: give data\.sources\.p its own, "
+        r"data\.sources\.p\.fields\.text_field=<one of those>",
+    ),
+    "own_fields_not_in_shards": (
+        None,
+        {"a": A, "p": {"dir": "{pairs}", "fields": {"text_field": "title.txt"}}},
+        ShardError,
+        r"data\.sources\.p\.fields\.text_field='title\.txt': not a field of every sample in {pairs}",
+    ),
+}
+
+
+@pytest.mark.parametrize(("dir", "entries", "error", "message"), BAD_MIXTURES.values(), ids=BAD_MIXTURES.keys())
+def test_a_bad_mixture_is_refused_naming_its_key_before_any_shard_is_read(
+    sources: dict[str, Path],
+    pairs: Path,
+    empty: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    dir: str | None,
+    entries: dict[str, Any] | None,
+    error: type[Exception],
+    message: str,
+) -> None:
+    """Each refused as the module is made, with the key to change; the config's mistakes before any directory
+    is looked at (their sources' directories do not exist), and no shard read for its checksum (a's, say,
+    which can take minutes) before a later source's mistake is found."""
+    paths = {"a": sources["a"], "pairs": pairs, "empty": empty, "tmp": tmp_path}
+    checksummed: list[str] = []
+    monkeypatch.setattr(manifest_module, "checksum_problem", lambda url, *args: checksummed.append(url))
+
+    def filled(value: Any) -> Any:
+        if isinstance(value, str):
+            return value.format(**paths)
+        return {key: filled(item) for key, item in value.items()} if isinstance(value, dict) else value
+
+    with pytest.raises(error, match=filled(message)):
+        ShardDataModule(
+            filled(dir), ByteTokenizer(), packed_blocks(BLOCK), global_batch_size=4, sources=filled(entries)
+        )
+    assert checksummed == []
+
+
+def test_a_bad_mixture_on_the_command_line_stops_before_any_work(
+    compose_train: ComposeTrain, tmp_path: Path, sources: dict[str, Path]
+) -> None:
+    """Through the run's own path, each an error of ours (printed alone, no traceback: tests/test_errors.py)."""
+    for overrides, message in [
+        (mixture_overrides(sources, a=-1, b=1), r"data\.sources\.a\.weight=-1: a weight is a number >= 0"),
+        (mixture_overrides(sources, a=0.5, b=0.5)[1:], r"set exactly one of data\.dir .* and data\.sources"),
+        (
+            ["tokenizer=bpe", *mixture_overrides(sources, a=0.5, b=0.5)],
+            r"tokenizer\.path=\$\{data\.dir\}/tokenizer\.json, and a mixture \(data\.sources\) has no data\.dir: its "
+            r"sources share one tokenizer; pass tokenizer\.path=<tokenizer\.json>",
+        ),
+    ]:
+        with pytest.raises(PretrainingError, match=message):
+            train(compose_train(*overrides))
+        assert not (tmp_path / "checkpoints").exists()
+    # A tokenizer named, the mixture's config passes.
+    check_config(compose_train("tokenizer=bpe", "tokenizer.path=/any/tokenizer.json", *mixture_overrides(sources, a=1)))
+
+
+def test_the_mixture_preset_reads_code_and_its_docstrings(
+    compose_train: ComposeTrain, tmp_path: Path, sources: dict[str, Path], pairs: Path
+) -> None:
+    """data=mixture over the corpus `make data` builds (here a's text as the code, the pairs' queries as its
+    docstrings)."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "stdlib").symlink_to(sources["a"])
+    (tmp_path / "data" / "stdlib_pairs").symlink_to(pairs)
+    cfg = compose_train("data=mixture", f"paths.data_dir={tmp_path / 'data'}", "data.dir=null")
+    module = build(cfg.data, tokenizer=ByteTokenizer())
+    assert module.weights == {"code": 0.7, "docstrings": 0.3}
+    fields = [source.format.field_keys["text_field"] for source in module.sources]
+    assert fields == ["txt", "query.txt"]
