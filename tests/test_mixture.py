@@ -344,7 +344,7 @@ def test_a_source_added_to_a_run_starts_from_its_beginning_and_the_first_continu
     before = {tokens for batch in consume(first, 6) for _, _, tokens in batch}  # 96 of a's 138 blocks
     state = as_format_2(first.state_dict()) if old_format else first.state_dict()
     mixed = mixed_datamodule(sources, {"a": 0.5, "b": 0.5})
-    with pytest.warns(UserWarning, match=r"the data of data\.sources\.b is not the checkpoint's: it is read from"):
+    with pytest.warns(UserWarning, match=r"shards of data\.sources\.b\.dir are not the checkpoint's: they are read"):
         mixed.load_state_dict(state)
     assert mixed.phases == [{"step": 0, "weights": {"a": 1.0}}, {"step": 6, "weights": {"a": 0.5, "b": 0.5}}]
     after = consume(mixed, 2)

@@ -373,7 +373,7 @@ class ShardDataModule(LightningDataModule):
         for source in self.sources:
             if source.name not in unchanged:
                 warnings.warn(
-                    f"the data changed since the checkpoint: {source.settings.key}.dir is read from its start",
+                    f"the shards of {source.settings.key}.dir are not the checkpoint's: they are read from their start",
                     stacklevel=1,
                 )
         saved = {
