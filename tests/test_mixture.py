@@ -77,7 +77,8 @@ def build_source(root: Path, name: str, count: int) -> Path:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Three text shard sets: `a` and `b` of about ten training shards each, `c` of a few (it runs out)."""
+    """Three text shard sets: `a` and `b` of a dozen training shards (about 150 blocks of 32 bytes), `c` of a
+    few (it runs out)."""
     root = tmp_path_factory.mktemp("mixture")
     built = {"a": build_source(root, "a", 48), "b": build_source(root, "b", 48), "c": build_source(root, "c", 10)}
     assert all(len(Manifest.load(path).urls("train")) >= 8 for path in (built["a"], built["b"]))
@@ -114,10 +115,8 @@ def test_every_window_of_1000_steps_gives_each_source_its_weight_within_one_poin
         mixture = Mixture(settings(**weights), seed)
         for first_step in (0, 10**9, 2**40 + 12345):  # a run's start, and steps no run reaches
             first = first_step * global_batch
-            sources = np.array([mixture.source_of(k) for k in range(first, first + steps * global_batch)])
-            per_step = np.stack(
-                [(sources == index).reshape(steps, global_batch).sum(1) for index in range(len(weights))]
-            )
+            drawn = np.array([mixture.source_of(k) for k in range(first, first + steps * global_batch)])
+            per_step = np.stack([(drawn == index).reshape(steps, global_batch).sum(1) for index in range(len(weights))])
             cumulative = np.concatenate([np.zeros((len(weights), 1)), per_step.cumsum(1)], axis=1)
             shares = (cumulative[:, window:] - cumulative[:, :-window]) / (window * global_batch)  # every window start
             expected = np.array(list(weights.values()))[:, None]
@@ -271,7 +270,7 @@ def test_restoring_a_mixtures_position_after_any_number_of_batches_continues_exa
     """Restart points inside shards and across epochs of either source (every one with the batches read in the
     main process, a few with two workers: each start of theirs takes a second) continue each source exactly,
     and keep its counts."""
-    weights, total = {"a": 0.7, "b": 0.3}, 24  # about 2 epochs of a, 1 of b
+    weights, total = {"a": 0.7, "b": 0.3}, 24  # about 2 epochs of a, most of one of b
     whole = mixed_datamodule(sources, weights, workers)
     reference = consume(whole, total)
     for consumed in range(total) if workers == 0 else (5, 16):
