@@ -374,20 +374,37 @@ def one_pass(directory: Path) -> list[tuple[int, ...]]:
     return [tuple(item.example.tokens) for item in shard_stream(directory, max_epochs=1).examples(0, 1, Cursor())]
 
 
-def test_a_source_that_runs_out_stops_the_run_naming_it_and_the_fixes(sources: dict[str, Path]) -> None:
+def test_a_source_that_runs_out_fills_nothing_twice_and_names_the_stop_and_its_fixes(sources: dict[str, Path]) -> None:
     capped = {"c": {"max_epochs": 1, "exhausted": "stop"}}
     module = mixed_datamodule(sources, {"a": 0.5, "c": 0.5}, streams=2, source_settings=capped)
     loader = iter(module.train_dataloader())
-    with pytest.raises(ShardError) as stopped:
-        for _ in range(100):
-            module.on_before_batch_transfer(next(loader), 0)
-    message = str(stopped.value)
-    assert re.match(
-        r"data\.sources\.c has run out at step \d+: its shards were read data\.sources\.c\.max_epochs=1", message
-    )
-    assert "raise data.sources.c.max_epochs=1 and continue with resume_allow=[mixture]" in message
-    assert "or set data.sources.c.exhausted=renormalise" in message
-    assert module.drawn[1] <= len(one_pass(sources["c"]))  # no block of c twice
+    for _ in range(100):
+        module.on_before_batch_transfer(next(loader), 0)
+    assert module.ran_out == {1} and module.drawn[1] == len(one_pass(sources["c"]))  # each block of c once, then a
+    assert module.stop_reason([False, False]) is None
+    message = module.stop_reason([False, True])
+    assert message is not None and message.startswith("data.sources.c has run out: its shards were read max_epochs=1")
+    assert "raise data.sources.c.max_epochs, or set data.sources.c.exhausted=renormalise" in message
+    assert "continue with resume_allow=[mixture]" in message
+
+
+def test_a_run_whose_source_runs_out_saves_stops_and_goes_on_only_with_a_higher_cap(
+    compose_train: ComposeTrain, tmp_path: Path, sources: dict[str, Path]
+) -> None:
+    def capped(max_epochs: int) -> list[str]:
+        entries = f"a:{{dir:'{sources['a']}',weight:0.5}},c:{{dir:'{sources['c']}',weight:0.5,max_epochs:{max_epochs}}}"
+        return ["data.dir=null", f"data.sources={{{entries}}}", "trainer.val_check_interval=100"]
+
+    steps = ["trainer.max_steps=300", "trainer.log_every_n_steps=5"]
+    with pytest.warns(UserWarning, match=r"data\.sources\.c has run out: .* saving and stopping"):
+        train(compose_train(*capped(1), *steps))
+    (saved,) = [int(path.stem.split("-")[1]) for path in (tmp_path / "checkpoints").glob("step-*.ckpt")]
+    assert saved < 300 and saved % 5 == 0  # stopped at a logging step, where every rank agrees, and saved it
+    with pytest.raises(ShardError, match=r"data\.sources\.c ran out before this checkpoint .* raise data\.sources\.c"):
+        train(compose_train(*capped(1), *steps))  # the same command: refused, nothing trained
+    assert not (tmp_path / "checkpoints" / f"step-{saved + 5:06d}.ckpt").exists()
+    train(compose_train(*capped(2), "trainer.max_steps=" + str(saved + 5), "resume_allow=[mixture]"))
+    assert (tmp_path / "checkpoints" / f"step-{saved + 5:06d}.ckpt").exists()  # a second pass of c
 
 
 def test_a_source_that_runs_out_under_renormalise_gives_its_weight_to_the_others(sources: dict[str, Path]) -> None:
@@ -524,7 +541,7 @@ def test_other_weights_on_resume_are_refused_unless_allowed_and_every_source_con
     assert (
         "mixture: the checkpoint has {'a': {'weight': 0.7" in message and "this run has {'a': {'weight': 0.2" in message
     )
-    assert "use the data.sources weights, max_epochs and exhausted it was trained with" in message
+    assert "use the data.sources weights, max_epochs, exhausted and fields it was trained with" in message
     assert "pass resume_allow=[mixture]" in message
     assert not (checkpoints / "step-000012.ckpt").exists()
 

@@ -147,7 +147,7 @@ class ShardStream:
     their place in the order, so the position arithmetic is unchanged, and are skipped whole when their
     turn comes. `policy` is the bad-data policy (`SampleReader`). With `max_epochs`, a stream ends where
     its next shard would be of that epoch (a source's cap on repetitions: `pretraining.data.mixture`).
-    `name`, a mixture's source's, enters its sample ids, so that two sources' examples never share one."""
+    `source`, a mixture's source's name, enters its sample ids, so that two sources' examples never share one."""
 
     def __init__(
         self,
@@ -159,12 +159,12 @@ class ShardStream:
         refused: Mapping[int, str] | None = None,
         policy: str = "skip",
         max_epochs: int | None = None,
-        name: str = "",
+        source: str = "",
     ) -> None:
         self.urls, self.format, self.seed, self.shuffle_buffer = list(urls), format, seed, shuffle_buffer
         self.samples, self.refused, self.policy = samples, dict(refused or {}), policy
         self.max_epochs = max_epochs
-        self.id_parts = (name,) if name else ()  # a mixture's source: its sample ids differ from another's
+        self.id_parts = (source,) if source else ()  # a mixture's source: its sample ids differ from another's
 
     def examples(self, stream: int, streams: int, start: Cursor) -> Iterator[StreamExample]:
         """The stream's examples from `start` on."""
