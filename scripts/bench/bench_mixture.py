@@ -20,6 +20,9 @@ variant, over all its runs:
   every (source, sub-stream) fills its first shuffle buffer: a mixture opens a shard for each) and before
   the first step (the workers' start and the first batches); and the Throughput callback's
   `perf/data_wait`, the mean of the values it logged;
+- the DataLoader workers' CPU time per step (Linux's /proc; on a CPU, time they may take from the step), and
+  the memory the stream holds after `--steps` steps (read again in this process, `tracemalloc`): each
+  (source, sub-stream) read holds a shuffle buffer of up to `data.shuffle_buffer` examples;
 - the share of the examples each source gave (`ShardDataModule.drawn`) against its weight.
 
 Goal (the issue that asked for mixtures): no measurable cost, the data wait below 2 % of a step.
@@ -30,6 +33,7 @@ Goal (the issue that asked for mixtures): no measurable cost, the data wait belo
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import hashlib
 import itertools
@@ -38,6 +42,7 @@ import os
 import statistics
 import tempfile
 import time
+import tracemalloc
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -119,15 +124,63 @@ def build_parts(root: Path, shard_kb: int, max_documents: int | None) -> Corpus:
 
 
 class StepClock(Callback):
-    """When each training batch starts, and the seconds the loop had waited for batches by then."""
+    """When each training batch starts, the seconds the loop had waited for batches by then, and what the run's
+    DataLoader workers used."""
 
     def __init__(self) -> None:
         self.starts: list[float] = []
         self.waited: list[float] = []
+        self.earlier: set[Path] = set()
+        self.worker_cpu: float | None = None
 
     def on_train_batch_start(self, trainer: Trainer, module: LightningModule, batch: Any, batch_idx: int) -> None:
         self.starts.append(time.perf_counter())
         self.waited.append(trainer.train_dataloader.waited)  # type: ignore[union-attr]
+
+    def on_fit_start(self, trainer: Trainer, module: LightningModule) -> None:
+        self.earlier = children()  # an earlier run's workers, if still there
+
+    def on_train_end(self, trainer: Trainer, module: LightningModule) -> None:
+        self.worker_cpu = workers_cpu(children() - self.earlier)
+
+
+def children() -> set[Path]:
+    """The /proc directories of this process's child processes (none off Linux)."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                found.add(stat.parent)
+        except (OSError, IndexError, ValueError):
+            continue  # gone, or not readable
+    return found
+
+
+def workers_cpu(workers: set[Path]) -> float | None:
+    """The CPU seconds so far of the DataLoader `workers` (their /proc directories); None without any."""
+    seconds = None
+    for directory in workers:
+        try:
+            fields = (directory / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone
+        seconds = (seconds or 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+    return seconds
+
+
+def stream_memory(cfg: DictConfig, sources: dict[str, tuple[Path, float]], steps: int) -> float:
+    """MB that the training stream holds after `steps` steps' batches, read in this process (Python's
+    allocations, `tracemalloc`): the shuffle buffers, one per (source, sub-stream) read so far."""
+    cfg = data_config(cfg, sources)
+    cfg.data.num_workers = 0
+    datamodule = instantiate(cfg.data, tokenizer=instantiate(cfg.tokenizer), verify_checksums=False)
+    tracemalloc.start()
+    batches = iter(datamodule.train_dataloader())
+    for _ in range(steps * datamodule.plan.accumulation):
+        next(batches)
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    return held / 1e6
 
 
 @dataclass
@@ -140,6 +193,8 @@ class Runs:
     warmup_waits: list[float] = field(default_factory=list)
     first: list[float] = field(default_factory=list)  # seconds waited before the first step
     logged_wait: list[float] = field(default_factory=list)  # perf/data_wait as logged
+    worker_cpu: list[float] = field(default_factory=list)  # CPU seconds of the DataLoader workers per step
+    stream_memory: float = float("nan")  # MB the stream holds at the end (read apart, in this process)
     drawn: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     weights: dict[str, float] = field(default_factory=dict)
 
@@ -147,14 +202,7 @@ class Runs:
 def run_once(cfg: DictConfig, sources: dict[str, tuple[Path, float]], out: Path, warmup: int, runs: Runs) -> None:
     """Train the clm_tiny job on `sources` for the configured steps, adding its measurements to `runs`."""
     prepare_process(cfg)
-    if len(sources) == 1:
-        ((directory, _),) = sources.values()
-        cfg.data.dir = str(directory)
-    else:
-        cfg.data.dir = None
-        cfg.data.sources = {
-            name: {"dir": str(directory), "weight": weight} for name, (directory, weight) in sources.items()
-        }
+    cfg = data_config(cfg, sources)
     tokenizer = instantiate(cfg.tokenizer)
     datamodule = instantiate(cfg.data, tokenizer=tokenizer)
     model = build_objective(cfg.model, datamodule.format)
@@ -165,6 +213,8 @@ def run_once(cfg: DictConfig, sources: dict[str, tuple[Path, float]], out: Path,
     steps = [b - a for a, b in itertools.pairwise(clock.starts)]
     waits = [b - a for a, b in itertools.pairwise(clock.waited)]
     runs.first.append(clock.waited[0])
+    if clock.worker_cpu is not None:
+        runs.worker_cpu.append(clock.worker_cpu / cfg.trainer.max_steps)
     runs.warmup_steps += steps[:warmup]
     runs.warmup_waits += waits[:warmup]
     runs.steps += steps[warmup:]
@@ -175,6 +225,20 @@ def run_once(cfg: DictConfig, sources: dict[str, tuple[Path, float]], out: Path,
     for source, drawn in zip(datamodule.sources, datamodule.drawn, strict=True):
         runs.drawn[source.name] += drawn
     runs.weights = {name: weight for name, (_, weight) in sources.items()}
+
+
+def data_config(cfg: DictConfig, sources: dict[str, tuple[Path, float]]) -> DictConfig:
+    """`cfg` training on `sources`: one as `data.dir`, several as `data.sources`."""
+    cfg = copy.deepcopy(cfg)
+    if len(sources) == 1:
+        ((directory, _),) = sources.values()
+        cfg.data.dir = str(directory)
+    else:
+        cfg.data.dir = None
+        cfg.data.sources = {
+            name: {"dir": str(directory), "weight": weight} for name, (directory, weight) in sources.items()
+        }
+    return cfg
 
 
 def run_config(args: argparse.Namespace, out: Path) -> DictConfig:
@@ -224,6 +288,8 @@ def main() -> None:
             out.mkdir(parents=True)
             run_once(run_config(args, out), variants[count], out, args.warmup, results[count])
         cfg = run_config(args, root)
+        for count, runs in results.items():
+            runs.stream_memory = stream_memory(cfg, variants[count], args.steps)
         tokens_per_step = cfg.data.global_batch_size * cfg.model.backbone.max_seq_len
     print_report(args, corpus, built, results, tokens_per_step, cfg.data.num_workers)
 
@@ -248,7 +314,7 @@ def print_report(
     )
     base = statistics.median(results[1].steps)
     header = f"{'sources':<8}{'ms/step':>9}{'/ one':>8}{'data wait':>11}{'warm-up':>9}{'perf/data_wait':>16}"
-    print(f"{header}{'before step 1':>15}")
+    print(f"{header}{'before step 1':>15}{'worker CPU ms/step':>20}{'stream MB':>11}")
     for count, runs in results.items():
         median = statistics.median(runs.steps)
         logged = statistics.mean(runs.logged_wait) if runs.logged_wait else float("nan")
@@ -256,7 +322,8 @@ def print_report(
             f"{count:<8}{median * 1e3:>9.1f}{median / base:>8.3f}{share(runs.waits, runs.steps):>11.2%}"
             f"{share(runs.warmup_waits, runs.warmup_steps):>9.2%}{logged:>16.2%}"
         )
-        print(f"{row}{statistics.median(runs.first):>14.2f}s")
+        cpu = f"{statistics.mean(runs.worker_cpu) * 1e3:>20.1f}" if runs.worker_cpu else f"{'n/a':>20}"
+        print(f"{row}{statistics.median(runs.first):>14.2f}s{cpu}{runs.stream_memory:>11.1f}")
     print("realised shares (examples drawn / all examples, against the weight):")
     for count, runs in results.items():
         if count == 1:

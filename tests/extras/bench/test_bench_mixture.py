@@ -30,7 +30,7 @@ def test_the_mixture_benchmark_prints_each_variant_and_its_shares() -> None:
     rows = [line.split() for line in lines[start + 1 : start + 4]]
     assert [row[0] for row in rows] == ["1", "2", "8"]
     assert rows[0][2] == "1.000"  # the ratio of the one source to itself
-    assert all(len(row) == 7 and float(row[1]) > 0 and row[3].endswith("%") for row in rows)
+    assert all(len(row) == 9 and float(row[1]) > 0 and row[3].endswith("%") for row in rows)
 
     report = "\n".join(lines[start + 4 :])
     for sources, names in ((2, ["parts0-3", "parts4-7"]), (8, [f"part{i}" for i in range(8)])):
