@@ -23,7 +23,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 import pretraining.data.manifest as manifest_module
-from conftest import ComposeTrain, packed_blocks, tiny_run
+from conftest import ComposeTrain, packed_blocks
 from pretraining.callbacks.batch_log import read_batch_log
 from pretraining.cli import info as info_main
 from pretraining.config import CONFIG_DIR
@@ -43,8 +43,6 @@ from pretraining.instantiate import build
 from pretraining.run import check_config
 from pretraining.stored import load_checkpoint
 from pretraining.train import train
-from test_resume import DDP, FSDP, RESUMABLE, kill_twice_and_compare
-from test_resume import run_dir as resumed_run
 
 BLOCK = 32  # bytes (ByteTokenizer): a document of a few hundred gives several blocks
 SEED = 11
@@ -753,30 +751,3 @@ def test_the_mixture_preset_reads_code_and_its_docstrings(
     assert module.weights == {"code": 0.7, "docstrings": 0.3}
     fields = [source.format.field_keys["text_field"] for source in module.sources]
     assert fields == ["txt", "query.txt"]
-
-
-# --- killed and resumed: bitwise the uninterrupted run -----------------------------------------------------------
-
-
-@pytest.mark.slow  # four runs of `pretrain` (each in two processes under DDP and FSDP2); the stream's and the
-# DataModule's exact resume of a mixture are in the fast suite (above)
-@pytest.mark.parametrize(
-    "layout",
-    [
-        ["data.num_workers=2"],
-        pytest.param([*DDP, "data.num_workers=2"], marks=pytest.mark.distributed),
-        pytest.param(FSDP, marks=pytest.mark.distributed),
-    ],
-    ids=["one_process_two_workers", "ddp", "fsdp2"],
-)
-def test_a_mixture_killed_twice_trains_as_if_never_interrupted(
-    tmp_path: Path, sources: dict[str, Path], layout: list[str]
-) -> None:
-    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *layout, *mixture_overrides(sources, a=0.7, b=0.3)]
-    kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
-    position = load_checkpoint(resumed_run(tmp_path, "killed") / "checkpoints" / "last.ckpt")["ShardDataModule"]
-    subs = 4 if "data.num_workers=2" in layout else 2  # 2 streams, each in a sub-stream per worker
-    assert {(name, sub) for name, sub, _, _ in position["cursors"]} == {(n, s) for n in "ab" for s in range(subs)}
-    mixture = Mixture(settings(a=0.7, b=0.3), 1234)  # the tiny run's seed
-    drawn = Counter(mixture.source_of(k) for k in range(14 * 4))
-    assert position["steps"] == 14 and position["drawn"] == {"a": drawn[0], "b": drawn[1]}

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,11 @@ from conftest import tiny_run
 from pretraining.callbacks.batch_log import batch_log_differences, read_batch_log
 from pretraining.checkpoint import CheckpointError, read_sidecar, saved_checkpoints
 from pretraining.config import CONFIG_DIR, default_run_name, run_name
+from pretraining.data.corpus import stdlib_root
+from pretraining.data.documents import Document
 from pretraining.data.manifest import Manifest
+from pretraining.data.mixture import Mixture, SourceSettings
+from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.stream import stream_shard
 from pretraining.errors import ConfigError
 from pretraining.job_status import read_status
@@ -199,13 +204,6 @@ def test_contrastive(tmp_path: Path, pair_dir: Path) -> None:
 MUON_WSD = ["model/optimizer=muon", "model.schedule=wsd", "model.decay_steps=4"]
 
 
-@pytest.mark.slow  # the optimizer and schedule states resume as AdamW's do; their round trips: tests/test_optimizers.py
-def test_muon_and_warmup_stable_decay(tmp_path: Path, small_shards: Path) -> None:
-    """Killed in the stable phase (batch 6) and in the decay (batch 11, decay from step 8 of 12)."""
-    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *MUON_WSD, f"data.dir={small_shards}"]
-    kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=12)
-
-
 @pytest.mark.slow  # three runs; the schedule's continuation rules: tests/test_schedules.py
 def test_a_wsd_run_extended_in_its_stable_phase_trains_as_if_planned_longer(tmp_path: Path, small_shards: Path) -> None:
     """A run of 12 steps (decay from step 8) killed after batch 10 and continued, from its step-8 checkpoint,
@@ -227,49 +225,63 @@ def test_gradient_accumulation(tmp_path: Path, small_shards: Path) -> None:
     kill_twice_and_compare(tmp_path, overrides, kills=(10, 15), max_steps=8, accumulate=2)
 
 
+@pytest.fixture(scope="module")
+def mixture(small_shards: Path, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """A mixture of `small_shards` (0.7) and shards as small of another file (0.3), both crossing shards and
+    epochs in a short run: as `data.sources` overrides."""
+    source = (stdlib_root() / "json" / "encoder.py").read_text()
+    documents = [Document(f"doc{i}", {"txt": source[i * 300 : (i + 1) * 300]}) for i in range(24)]
+    other = tmp_path_factory.mktemp("data") / "other"
+    build_shards(documents, other, ["json/encoder.py"], BuildSettings(0.25, max_shard_bytes=800), show_progress=False)
+    return ["data.dir=null", f"data.sources={{a:{{dir:'{small_shards}',weight:0.7}},b:{{dir:'{other}',weight:0.3}}}}"]
+
+
+def check_mixture_position(log_dir: Path, steps: int, sub_streams: int) -> None:
+    """The killed run's last data position: every (source, sub-stream)'s cursor, from every rank, and the
+    examples each source gave, as the mixture draws them."""
+    position = load_checkpoint(run_dir(log_dir, "killed") / "checkpoints" / "last.ckpt")["ShardDataModule"]
+    saved = {(name, sub) for name, sub, _, _ in position["cursors"]}
+    assert saved == {(name, sub) for name in "ab" for sub in range(sub_streams)}
+    sources = [SourceSettings("a", "", 0.7), SourceSettings("b", "", 0.3)]
+    drawn = Counter(Mixture(sources, seed=1234).source_of(k) for k in range(steps * 4))  # the tiny run's seed, batch
+    assert position["steps"] == steps and position["drawn"] == {"a": drawn[0], "b": drawn[1]}
+
+
+# Each of the next three kills a run twice and compares it with the uninterrupted one, in one process, under
+# DDP and under FSDP2, each on a Llama backbone and a two-source mixture: the resume paths they share with
+# GPT-2 and one directory are killed in the fast suite (test_next_token_with_two_workers_across_shards_and_epochs)
+# and in tests/test_scale.py, tests/test_sharded_checkpoint.py.
+
+
+@pytest.mark.slow  # three runs; the optimizer and schedule round trips: tests/test_optimizers.py, test_schedules.py
+def test_the_llama_backbone_with_muon_and_wsd_on_a_mixture_with_two_workers(tmp_path: Path, mixture: list[str]) -> None:
+    """Killed in the stable phase (batch 6) and in the decay (batch 11, decay from step 8 of 12)."""
+    overrides = [*tiny_run("clm_tiny"), *LLAMA, *MUON_WSD, *mixture, "data.num_workers=2"]
+    kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=12)
+    check_mixture_position(tmp_path, steps=12, sub_streams=4)  # 2 streams, each in a sub-stream per worker
+
+
 @pytest.mark.distributed
 @pytest.mark.slow  # two processes per run
-def test_ddp_on_two_processes_with_two_workers(tmp_path: Path, small_shards: Path) -> None:
-    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *DDP, f"data.dir={small_shards}", "data.num_workers=2"]
+def test_ddp_on_two_processes_with_two_workers(tmp_path: Path, mixture: list[str]) -> None:
+    """Masked-LM with dropout: its masks and dropout are keyed on the sample and the step's slot."""
+    overrides = [*tiny_run("mlm_tiny"), *LLAMA, "model.backbone.dropout=0.1", *DDP, *mixture, "data.num_workers=2"]
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
     # Rank zero's checkpoint holds every rank's data position (each rank reads one of the 2 streams,
-    # in 2 sub-streams, one per worker).
-    checkpoint = torch.load(run_dir(tmp_path, "killed") / "checkpoints" / "last.ckpt", weights_only=True)
-    position = checkpoint["ShardDataModule"]
-    assert position["steps"] == 14 and [sub for sub, _, _ in position["cursors"]] == [0, 1, 2, 3]
-
-
-@pytest.mark.distributed
-@pytest.mark.slow  # 74 s; FSDP2 training, kills during sharded saves and their evaluation stay in the default suite
-def test_fsdp2_on_two_processes(tmp_path: Path, small_shards: Path) -> None:
-    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *FSDP, f"data.dir={small_shards}"]
-    kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
-
-
-@pytest.mark.slow  # the objectives and backbones share the resume path: next-token's is in the fast suite
-def test_the_llama_backbone(tmp_path: Path, small_shards: Path) -> None:
-    overrides = [*tiny_run("clm_tiny"), *LLAMA, f"data.dir={small_shards}"]
-    kill_twice_and_compare(tmp_path, overrides, kills=(5, 10), max_steps=12)
+    # in 2 sub-streams, one per worker, of each source).
+    check_mixture_position(tmp_path, steps=14, sub_streams=4)
 
 
 @pytest.mark.distributed
 @pytest.mark.slow  # two processes per run
-def test_the_llama_backbone_with_ddp_on_two_processes(tmp_path: Path, small_shards: Path) -> None:
-    overrides = [*tiny_run("mlm_tiny"), *LLAMA, *DDP, f"data.dir={small_shards}"]
-    kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
-
-
-@pytest.mark.distributed
-@pytest.mark.slow  # two processes per run
-def test_the_llama_backbone_with_fsdp2_and_activation_checkpointing_on_two_processes(
-    tmp_path: Path, small_shards: Path
-) -> None:
+def test_fsdp2_with_activation_checkpointing_on_two_processes(tmp_path: Path, mixture: list[str]) -> None:
     """Each Llama DecoderLayer an FSDP2 unit, recomputed in backward; the sharded checkpoints name its
     parameters `layers.0.self_attn.q_proj.weight` ..., as Hugging Face does."""
     checkpointed = "trainer.strategy.activation_checkpointing=true"
-    overrides = [*tiny_run("clm_tiny"), *LLAMA, *FSDP, checkpointed, f"data.dir={small_shards}"]
+    overrides = [*tiny_run("clm_tiny"), *LLAMA, *FSDP, checkpointed, *mixture]
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
     assert "backbone.layers.0.self_attn.q_proj.weight" in final_weights(tmp_path, "killed")
+    check_mixture_position(tmp_path, steps=14, sub_streams=2)
 
 
 class Unseeded(Callback):
