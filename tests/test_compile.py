@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from conftest import tiny_run
-from pretraining.callbacks.batch_log import read_batch_log
 from pretraining.models import Llama, Transformer
 from pretraining.models.backbone import Backbone
 from pretraining.objectives.causal_lm import CausalLM
-from test_resume import RESUMABLE, TEST_ENV, final_weights, kill_twice_and_compare, pretrain, run_dir
+from test_resume import RESUMABLE, TEST_ENV, kill_twice_and_compare
 
 
 def test_compiled_blocks_compute_what_eager_blocks_do() -> None:
@@ -52,24 +51,13 @@ def assert_compiled_computes_what_eager_does(backbone: Backbone) -> None:
         torch.testing.assert_close(compiled_grad, eager_grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.slow
-def test_a_compiled_run_resumes_exactly_and_trains_as_eager(tmp_path: Path, small_shards: Path, monkeypatch) -> None:
+@pytest.mark.slow  # four compiled runs
+def test_a_compiled_run_resumes_exactly(tmp_path: Path, small_shards: Path, monkeypatch) -> None:
     """Killed twice and restarted, a compiled run (dropout on: inductor draws its own dropout masks from the
-    reseeded generator) ends bitwise as the uninterrupted one; without dropout, a compiled run's losses and
-    weights equal an eager run's to float rounding."""
+    reseeded generator) ends bitwise as the uninterrupted one. (That compiled layers compute what eager ones
+    do is the fast suite's check of their gradients, above.)"""
     kernels = tmp_path / "inductor"  # where the runs' compiled kernels go: proof that they compiled
     monkeypatch.setitem(TEST_ENV, "TORCHINDUCTOR_CACHE_DIR", str(kernels))
     overrides = [*tiny_run("clm_tiny"), *RESUMABLE, f"data.dir={small_shards}", "model.compile=true"]
     kill_twice_and_compare(tmp_path, overrides, kills=(5, 9), max_steps=12)
     assert any(path.suffix == ".py" for path in kernels.rglob("*")), "no kernel was compiled"
-
-    no_dropout = [*overrides, "model.backbone.dropout=0.0", "trainer.max_steps=12"]
-    assert pretrain(tmp_path, "compiled", no_dropout) == 0
-    assert pretrain(tmp_path, "eager", [*no_dropout, "model.compile=false"]) == 0
-    logs = {run: read_batch_log(run_dir(tmp_path, run) / "batches" / "rank0.jsonl") for run in ("compiled", "eager")}
-    losses = {run: [float.fromhex(row["loss"]) for row in log.values()] for run, log in logs.items()}
-    assert len(losses["compiled"]) == 12
-    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-4)
-    compiled, eager = final_weights(tmp_path, "compiled"), final_weights(tmp_path, "eager")
-    for name, weight in eager.items():
-        torch.testing.assert_close(compiled[name], weight, rtol=1e-3, atol=1e-4, msg=name)

@@ -334,22 +334,6 @@ def stop_with_sigterm(log_dir: Path, overrides: list[str], send: Callable[[subpr
     return step
 
 
-@pytest.mark.slow  # about 50 s; the one-process signal tests below stay in the default suite
-def test_sigterm_to_one_rank_saves_at_the_step_boundary_and_all_ranks_exit(tmp_path: Path, small_shards: Path) -> None:
-    overrides = [*tiny_run("clm_tiny"), *RESUMABLE, *DDP, f"data.dir={small_shards}", "trainer.max_steps=60"]
-    overrides += ["callbacks.checkpoint.every_n_steps=1000"]  # only the stop and the end save
-
-    def to_rank1(process: subprocess.Popen) -> None:
-        group = subprocess.run(["pgrep", "-g", str(process.pid)], capture_output=True, text=True).stdout.split()
-        (rank1,) = {int(pid) for pid in group} - {process.pid}  # no DataLoader workers: num_workers=0
-        os.kill(rank1, signal.SIGTERM)
-
-    assert 5 <= stop_with_sigterm(tmp_path, overrides, to_rank1) < 60
-    assert pretrain(tmp_path, "term", overrides) == 0  # the same command continues
-    assert pretrain(tmp_path, "reference", overrides) == 0
-    assert_same_training(tmp_path, "reference", "term", 60)
-
-
 @pytest.mark.slow  # the one-process signal tests below stay in the fast suite
 def test_sigterm_to_every_process_with_loader_workers(tmp_path: Path, small_shards: Path) -> None:
     """A scheduler signals the whole job: the DataLoader workers must not die before the save."""

@@ -236,14 +236,6 @@ def test_a_registered_teacher_whose_file_changed_is_refused(teacher: Path, shard
         train(compose_run(tmp_path, shard_dir, "distill_tiny", "model.teacher=teacher"))
 
 
-@pytest.mark.slow  # about 40 s on 2 cores; the exact resume of the other objectives runs in the default suite
-def test_a_distilled_run_killed_twice_ends_as_an_uninterrupted_one(
-    teacher: Path, tmp_path: Path, shard_dir: Path
-) -> None:
-    overrides = [*tiny_run("distill_tiny"), *RESUMABLE, f"data.dir={shard_dir}", f"model.teacher={teacher}"]
-    kill_twice_and_compare(tmp_path, overrides, kills=(5, 10), max_steps=12)
-
-
 @pytest.mark.distributed
 @pytest.mark.slow  # two 2-process runs, killed and restarted: about a minute on 2 cores
 @pytest.mark.parametrize("trainer", ["ddp_cpu", "fsdp_cpu"])
