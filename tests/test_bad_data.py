@@ -424,6 +424,7 @@ def test_the_counts_travel_in_the_data_position(bad_shards: Path) -> None:
     batch = {
         "positions": torch.tensor([[0, 0, 1, 3]]),
         "drawn": torch.tensor([4]),
+        "ran_out": torch.tensor([False]),
         "read": torch.tensor(9),
         "skipped": torch.tensor(2),
     }
