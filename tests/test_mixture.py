@@ -354,6 +354,43 @@ def test_a_source_added_to_a_run_starts_from_its_beginning_and_the_first_continu
         assert read == from_start[stream][: len(read)]
 
 
+def test_a_source_under_another_name_continues_where_the_same_shards_stopped(sources: dict[str, Path]) -> None:
+    """A run on data.dir=<a> continued on a mixture that names that directory `code`: the source of the same
+    version continues from a's cursors (not from its start, which would train on what it trained on)."""
+    options = {"global_batch_size": 16, "streams": 4, "num_workers": 0, "shuffle_buffer": BUFFER, "seed": SEED}
+    first = ShardDataModule(str(sources["a"]), ByteTokenizer(), packed_blocks(BLOCK), **options)
+    before = {tokens for batch in consume(first, 6) for _, _, tokens in batch}
+    renamed = {"code": {"dir": str(sources["a"]), "weight": 0.5}, "b": {"dir": str(sources["b"]), "weight": 0.5}}
+    mixed = ShardDataModule(None, ByteTokenizer(), packed_blocks(BLOCK), sources=renamed, **options)
+    with pytest.warns(UserWarning, match=r"shards of data\.sources\.b\.dir are not the checkpoint's"):
+        mixed.load_state_dict(first.state_dict())
+    assert {sub: cursor for (source, sub), cursor in mixed.cursors.items() if source == 0} == {
+        sub: cursor for (_, sub), cursor in first.cursors.items()
+    }
+    after = consume(mixed, 2)
+    assert before.isdisjoint(tokens for batch in after for source, _, tokens in batch if source == "a")
+
+
+def test_only_the_checkpoint_where_a_source_stopped_the_run_refuses_to_continue(sources: dict[str, Path]) -> None:
+    """Saved after c ran out but before the logging step that stops, a checkpoint continues as any other (the
+    run it continues stops at that step); the one saved where it stopped refuses the same cap."""
+    capped = {"c": {"max_epochs": 1, "exhausted": "stop"}}
+    module = mixed_datamodule(sources, {"a": 0.5, "c": 0.5}, streams=2, source_settings=capped)
+    loader = iter(module.train_dataloader())
+    while not module.ran_out:
+        module.on_before_batch_transfer(next(loader), 0)
+    before_the_stop = module.state_dict()
+    assert module.stop_reason([False, True]) is not None  # what DataCounts calls at the logging step
+    stopped = module.state_dict()
+    again = mixed_datamodule(sources, {"a": 0.5, "c": 0.5}, streams=2, source_settings=capped)
+    again.load_state_dict(before_the_stop)
+    assert again.ran_out == {1}  # it goes on, and stops at its own logging step
+    with pytest.raises(ShardError, match=r"data\.sources\.c ran out before this checkpoint .* stopped the run"):
+        mixed_datamodule(sources, {"a": 0.5, "c": 0.5}, streams=2, source_settings=capped).load_state_dict(stopped)
+    raised = {"c": {"max_epochs": 2, "exhausted": "stop"}}
+    mixed_datamodule(sources, {"a": 0.5, "c": 0.5}, streams=2, source_settings=raised).load_state_dict(stopped)
+
+
 def by_stream(batches: list[list[tuple[str, int, tuple[int, ...]]]], source: str) -> dict[int, list[tuple[int, ...]]]:
     """The examples of `source` that each of the 4 streams gave to steps of 16 (one micro-batch each)."""
     read: dict[int, list[tuple[int, ...]]] = {stream: [] for stream in range(4)}
@@ -382,7 +419,7 @@ def test_a_source_that_runs_out_fills_nothing_twice_and_names_the_stop_and_its_f
     assert module.stop_reason([False, False]) is None
     message = module.stop_reason([False, True])
     assert message is not None and message.startswith("data.sources.c has run out: its shards were read max_epochs=1")
-    assert "raise data.sources.c.max_epochs, or set data.sources.c.exhausted=renormalise" in message
+    assert "raise data.sources.c.max_epochs, or pass ++data.sources.c.exhausted=renormalise" in message
     assert "continue with resume_allow=[mixture]" in message
 
 
@@ -608,7 +645,7 @@ def test_a_source_reads_its_own_fields(sources: dict[str, Path], pairs: Path) ->
 
 
 NOWHERE = "/nonexistent/shards"  # a source's directory that the config checks come before
-A, NOT_A_NUMBER = {"dir": "{a}"}, r"a weight is a number >= 0 \(its share of the training tokens\)"
+A, NOT_A_NUMBER = {"dir": "{a}"}, r"a weight is a finite number >= 0 \(its share of the training tokens\)"
 # (data.dir, data.sources, the error, its message), filled with the directories of the test.
 BAD_MIXTURES = {
     "negative_weight": (
@@ -618,6 +655,7 @@ BAD_MIXTURES = {
         rf"\.a\.weight=-0\.5: {NOT_A_NUMBER}",
     ),
     "weight_not_a_number": (None, {"a": {"dir": NOWHERE, "weight": "heavy"}}, ConfigError, r"\.a\.weight='heavy': a"),
+    "infinite_weight": (None, {"a": {"dir": NOWHERE, "weight": float("inf")}}, ConfigError, r"\.a\.weight=inf: a"),
     "all_weights_zero": (
         None,
         {"a": {"dir": NOWHERE, "weight": 0}, "b": {"dir": NOWHERE, "weight": 0.0}},
@@ -676,7 +714,7 @@ BAD_MIXTURES = {
         ShardError,
         r"data\.format\.text_field='txt': not a field of every sample in {pairs}, whose samples all have "
         r"query\.txt, passage\.txt: every source of a mixture needs them: give data\.sources\.p its own, "
-        r"data\.sources\.p\.fields\.text_field=<one of those>",
+        r"\+\+data\.sources\.p\.fields\.text_field=<one of those>",
     ),
     "own_fields_not_in_shards": (
         None,
@@ -723,7 +761,7 @@ def test_a_bad_mixture_on_the_command_line_stops_before_any_work(
 ) -> None:
     """Through the run's own path, each an error of ours (printed alone, no traceback: tests/test_errors.py)."""
     for overrides, message in [
-        (mixture_overrides(sources, a=-1, b=1), r"data\.sources\.a\.weight=-1: a weight is a number >= 0"),
+        (mixture_overrides(sources, a=-1, b=1), r"data\.sources\.a\.weight=-1: a weight is a finite number >= 0"),
         (mixture_overrides(sources, a=0.5, b=0.5)[1:], r"set exactly one of data\.dir .* and data\.sources"),
         (
             ["tokenizer=bpe", *mixture_overrides(sources, a=0.5, b=0.5)],

@@ -41,7 +41,7 @@ FIT_CHECKS: dict[Change, tuple[str, str]] = {
 }
 # What `resume_allow=[...]` does for each change it accepts.
 ALLOWED_MEANS = {
-    "data": "the new data starts from its beginning",
+    "data": "the new data starts from its beginning (in a mixture, each source that changed)",
     "tokenizer": "the model reads the new tokenizer's ids",
     "topology": "the data position resumes approximately",
     "mixture": "every source continues where it was, under the new settings from this step on",

@@ -129,6 +129,7 @@ class ShardDataModule(LightningDataModule):
         self.samples_read = self.samples_skipped = 0  # by the training batches this rank consumed
         self.drawn = [0] * len(self.sources)  # examples each source gave the training batches this rank consumed
         self.ran_out: set[int] = set()  # the sources that have run out (max_epochs) in a sub-stream this rank reads
+        self.stopped_by: dict[str, int | None] = {}  # the sources whose running out stopped the run, with their caps
         self.phases = [{"step": 0, "weights": self.weights}]  # the mixture's weights, from the step each took effect
         self.check_refused_shards()
 
@@ -162,7 +163,7 @@ class ShardDataModule(LightningDataModule):
             fields_key = f"{source.key}.fields" if source.fields else "data.format"
             example = next(iter(source_format.field_keys))
             fix = (
-                f"every source of a mixture needs them: give {source.key} its own, {source.key}.fields.{example}="
+                f"every source of a mixture needs them: give {source.key} its own, ++{source.key}.fields.{example}="
                 "<one of those> (a .json key reads as json:<key>)"
             )
         manifest.require_fields([(f"{fields_key}.{key}", name) for key, name in source_format.field_keys.items()], fix)
@@ -344,6 +345,7 @@ class ShardDataModule(LightningDataModule):
             "drawn": {name: sum(rank[3][index] for rank in ranks) for index, name in enumerate(names)},
             # Each source that ran out, with the cap it ran out at.
             "ran_out": {names[index]: self.sources[index].settings.max_epochs for *_, out in ranks for index in out},
+            "stopped_by": self.stopped_by,
             "phases": self.phases,
         }
 
@@ -361,7 +363,7 @@ class ShardDataModule(LightningDataModule):
         self.samples_skipped = state["samples_skipped"] if first else 0
         self.drawn = [state["drawn"].get(source.name, 0) if first else 0 for source in self.sources]
         self.phases = list(state["phases"])
-        self.ran_out = self.still_run_out(state.get("ran_out", {}))
+        self.ran_out = self.still_run_out(state.get("ran_out", {}), state.get("stopped_by", {}))
         if self.phases[-1]["weights"] != self.weights:
             self.phases.append({"step": steps, "weights": self.weights})
             if len(self.sources) > 1:
@@ -392,31 +394,32 @@ class ShardDataModule(LightningDataModule):
         for number in range(len(self.sources)):
             done = sum(cursor.shard for (source, _), cursor in saved.items() if source == number)
             starts[number] = Cursor(-(-done // sub_streams))
+        by_source = " (by source)" if len(starts) > 1 else ""
         warnings.warn(
             f"data topology changed from {state['topology']} to {self.topology}: the stream resumes approximately, at "
-            f"shard {', '.join(str(start.shard) for start in starts.values())} of every stream (by source)",
+            f"shard {', '.join(str(start.shard) for start in starts.values())} of every stream{by_source}",
             stacklevel=1,
         )
         self.cursors = self.own(
             {(number, sub): start for number, start in starts.items() for sub in range(sub_streams)}
         )
 
-    def still_run_out(self, ran_out: dict[str, int]) -> set[int]:
+    def still_run_out(self, ran_out: dict[str, int], stopped_by: dict[str, int]) -> set[int]:
         """The sources that ran out before the checkpoint and still have the cap they ran out at; one that
-        stops the run refuses to continue it."""
+        stopped the run there (`stopped_by`, not merely run out before the step that stops) refuses to
+        continue it."""
         still = {
             index
             for index, source in enumerate(self.sources)
             if ran_out.get(source.name, 0) == source.settings.max_epochs
         }
-        stopped = [
-            self.sources[index].settings for index in sorted(still) if self.sources[index].settings.exhausted == "stop"
-        ]
+        stopped = [self.sources[index].settings for index in sorted(still) if self.sources[index].name in stopped_by]
+        stopped = [source for source in stopped if source.exhausted == "stop"]
         if stopped:
             keys = ", ".join(source.key for source in stopped)
             raise ShardError(
                 f"{keys} ran out before this checkpoint (max_epochs) and stopped the run: to continue it, raise "
-                f"{stopped[0].key}.max_epochs (or set {stopped[0].key}.exhausted=renormalise to go on without it), "
+                f"{stopped[0].key}.max_epochs (or pass ++{stopped[0].key}.exhausted=renormalise to go on without it), "
                 f"with resume_allow=[mixture]"
             )
         return still
@@ -428,11 +431,12 @@ class ShardDataModule(LightningDataModule):
         stopped = [source for source in stopped if source.exhausted == "stop"]
         if not stopped:
             return None
+        self.stopped_by = {source.name: source.max_epochs for source in stopped}
         source = stopped[0]
         return (
             f"{source.key} has run out: its shards were read max_epochs={source.max_epochs} times, and its share "
             f"filled by the other sources since (at most trainer.log_every_n_steps steps); saving and stopping "
-            f"({source.key}.exhausted=stop). To go on, raise {source.key}.max_epochs, or set {source.key}.exhausted="
+            f"({source.key}.exhausted=stop). To go on, raise {source.key}.max_epochs, or pass ++{source.key}.exhausted="
             f"renormalise, and continue with resume_allow=[mixture]"
         )
 
@@ -447,25 +451,46 @@ class ShardDataModule(LightningDataModule):
                 f"the checkpoint's data position has format {state.get('format')}, this code reads "
                 f"{self.STATE_FORMAT}: resume it with the code revision that wrote it"
             )
-        if state["format"] == 2:
-            name = self.sources[0].name
+        if state["format"] == 2:  # one directory's, unnamed: `renamed` gives it this run's name
             state = state | {
-                "versions": {name: state["data_version"]},
-                "cursors": [[name, *cursor] for cursor in state["cursors"]],
-                "drawn": {name: state["steps"] * self.global_batch_size},
-                "phases": [{"step": 0, "weights": {name: 1.0}}],
+                "versions": {"": state["data_version"]},
+                "cursors": [["", *cursor] for cursor in state["cursors"]],
+                "drawn": {"": state["steps"] * self.global_batch_size},
+                "phases": [{"step": 0, "weights": {"": 1.0}}],
             }
-        if len(state["versions"]) == len(self.sources) == 1:
-            (saved,), name = state["versions"], self.sources[0].name
-            state = state | {
-                "versions": {name: state["versions"][saved]},
-                "cursors": [[name, *cursor[1:]] for cursor in state["cursors"]],
-                "drawn": {name: state["drawn"].get(saved, 0)},
-                "ran_out": {name: state["ran_out"][saved]} if saved in state.get("ran_out", {}) else {},
-                # A mixture of one draws from it whatever its weight: one phase, with this run's weight.
-                "phases": [{"step": 0, "weights": self.weights}],
-            }
+        state = self.renamed(state)
+        if len(self.sources) == 1:  # a mixture of one draws from it whatever its weight: one phase, this run's
+            state = state | {"phases": [{"step": 0, "weights": self.weights}]}
         return state
+
+    def renamed(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A saved position under this run's source names: a saved source this run does not name is the
+        run's one source of the same version (a `data.dir` run continued as a mixture, a source renamed), or,
+        where the checkpoint and the run have one source each, the run's source."""
+        current = {source.name: source.manifest.version for source in self.sources}
+        free = {name: version for name, version in current.items() if name not in state["versions"]}
+        mapping = {}
+        for name, version in state["versions"].items():
+            same = [new for new, new_version in free.items() if new_version == version]
+            if name not in current and len(same) == 1:
+                mapping[name] = same[0]
+                del free[same[0]]
+        if len(state["versions"]) == len(self.sources) == 1 and not mapping and not state["versions"].keys() & current:
+            mapping = {next(iter(state["versions"])): self.sources[0].name}
+        if not mapping:
+            return state
+
+        def by_new_name(entries: dict[str, Any]) -> dict[str, Any]:
+            return {mapping.get(name, name): value for name, value in entries.items()}
+
+        return state | {
+            "versions": by_new_name(state["versions"]),
+            "cursors": [[mapping.get(name, name), *rest] for name, *rest in state["cursors"]],
+            "drawn": by_new_name(state["drawn"]),
+            "ran_out": by_new_name(state.get("ran_out", {})),
+            "stopped_by": by_new_name(state.get("stopped_by", {})),
+            "phases": [phase | {"weights": by_new_name(phase["weights"])} for phase in state["phases"]],
+        }
 
     def own(self, cursors: dict[tuple[int, int], Cursor]) -> dict[tuple[int, int], Cursor]:
         """The cursors of the sub-streams this rank reads (each rank saves only its own, so that the

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -85,8 +86,10 @@ def one_source(name: str, entry: Mapping[str, Any] | None) -> SourceSettings:
         raise ConfigError(f"{key}.{unknown[0]} is not a setting of a source: a source has {', '.join(SOURCE_KEYS)}")
     weight, max_epochs = entry.get("weight", 1.0), entry.get("max_epochs")
     exhausted = entry.get("exhausted", "stop")
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight >= 0:
-        raise ConfigError(f"{key}.weight={weight!r}: a weight is a number >= 0 (its share of the training tokens)")
+    if isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight < math.inf:
+        raise ConfigError(
+            f"{key}.weight={weight!r}: a weight is a finite number >= 0 (its share of the training tokens)"
+        )
     if max_epochs is not None and (isinstance(max_epochs, bool) or not isinstance(max_epochs, int) or max_epochs < 1):
         raise ConfigError(f"{key}.max_epochs={max_epochs!r}: a whole number of passes >= 1, or null for no cap")
     if exhausted not in get_args(Exhausted):
@@ -131,7 +134,8 @@ class Mixture:
         has run out, the example takes the source of a further point (a hash of the seed, the example and the
         try), and so on until one that has not: the sources left share the weight in proportion, and the source
         depends only on which sources are out, never on the order they were found out in, so that a resumed
-        run (which finds them out again as it reads) draws what the uninterrupted run drew."""
+        run (which finds them out again as it reads) draws what the uninterrupted run drew (a draw among the
+        sources left alone would not: those found out so far may be fewer)."""
         if out and not self.has_weight(out):
             raise ValueError(f"every source with weight is out: {sorted(out)}")
         point = (((example * WEYL_STEP + self.offset) % 2**64) >> 11) / 2**53  # 53 bits: exactly below 1

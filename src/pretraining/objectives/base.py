@@ -183,13 +183,16 @@ class PretrainingObjective(LightningModule):
         per_source = [self.computed_metrics(cast(nn.ModuleDict, states)) for states in self.validation_states]
         if len(per_source) == 1:
             metrics = per_source[0]
-        else:  # a mixture's: each source's, and their mean weighted as the mixture weighs the sources
+        else:  # a mixture's: each source's, and the mean of each metric weighted as the mixture weighs the
+            # sources (a source of weight 0, validated only, is left out; val/ppl is the mean of the perplexities)
             data = training_data(self.trainer, "data")
-            weights = [source.weight for source in data.sources]
+            weighted = [(source.weight, values) for source, values in zip(data.sources, per_source, strict=True)]
+            weighted = [(weight, values) for weight, values in weighted if weight > 0]
+            total = sum(weight for weight, _ in weighted)
             metrics = {
-                name: torch.stack([w * source[name] for w, source in zip(weights, per_source, strict=True)]).sum()
-                / sum(weights)
-                for name in per_source[0]
+                name: torch.stack([weight * values[name] for weight, values in weighted]).sum() / total
+                for name in weighted[0][1]
+                if all(name in values for _, values in weighted)
             }
             for source, values in zip(data.sources, per_source, strict=True):
                 metrics |= {f"{source.name}/{name}": value for name, value in values.items()}
