@@ -26,11 +26,6 @@ class TrainingData(Protocol):
     ran_out: set[int]  # the sources that ran out (their max_epochs) in a sub-stream this rank reads
 
     @property
-    def weights(self) -> dict[str, float]:
-        """Each source's weight in the mixture, by name."""
-        ...
-
-    @property
     def lineage(self) -> dict[str, Any]:
         """What a checkpoint's lineage records of the data besides its version."""
         ...

@@ -370,7 +370,9 @@ class ShardDataModule(LightningDataModule):
                 rank_zero_info(f"data.sources: the weights {self.weights} take effect at step {steps}")
         index = {source.name: number for number, source in enumerate(self.sources)}
         unchanged = {
-            name for name, version in state["versions"].items() if name in index and self.version_of(name) == version
+            name
+            for name, version in state["versions"].items()
+            if name in index and self.sources[index[name]].manifest.version == version
         }
         for source in self.sources:
             if source.name not in unchanged:
@@ -439,9 +441,6 @@ class ShardDataModule(LightningDataModule):
             f"({source.key}.exhausted=stop). To go on, raise {source.key}.max_epochs, or pass ++{source.key}.exhausted="
             f"renormalise, and continue with resume_allow=[mixture]"
         )
-
-    def version_of(self, name: str) -> str:
-        return next(source.manifest.version for source in self.sources if source.name == name)
 
     def in_current_format(self, state: dict[str, Any]) -> dict[str, Any]:
         """A saved position in this code's format. One source's position (format 2, or a source renamed with
