@@ -164,13 +164,7 @@ class MixedExamples:
     def next(self, sub: int, example: int, step: int) -> tuple[int, StreamExample]:
         """(source, example) of the run's `example`-th example, which sub-stream `sub` reads at `step`."""
         while True:
-            out = self.out.get(sub, frozenset())
-            if not self.mixture.has_weight(out):
-                raise ShardError(
-                    f"at step {step} every source with weight has run out (data.sources.<name>.max_epochs): raise "
-                    f"a cap and continue with resume_allow=[mixture]"
-                )
-            source = self.mixture.source_of(example, out)
+            source = self.mixture.source_of(example, self.out.get(sub, frozenset()))
             try:
                 return source, next(self.reader(source, sub))
             except StopIteration:
@@ -193,6 +187,11 @@ class MixedExamples:
                 stacklevel=2,
             )
         self.out[sub] = self.out.get(sub, frozenset()) | {source}
+        if not self.mixture.has_weight(self.out[sub]):
+            raise ShardError(
+                f"at step {step} every source with weight has run out (data.sources.<name>.max_epochs): raise "
+                f"a cap and continue with resume_allow=[mixture]"
+            )
 
     @property
     def ran_out(self) -> list[bool]:
