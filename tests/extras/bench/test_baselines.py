@@ -119,8 +119,8 @@ def test_clm_unigram_is_the_hand_count(markov_dir: Path, tokenizer: str) -> None
     floors = baselines.clm_floors(cfg, data)
     assert data.tokenizer.vocab_size == (300 if tokenizer == "bpe" else 256 + len(SPECIAL_TOKENS))
     counts: Counter[int] = Counter()
-    for shard in data.manifest.shards("train"):
-        for (text,) in SampleReader(["txt"]).texts(data.manifest.url(shard)):
+    for shard in data.sources[0].manifest.shards("train"):
+        for (text,) in SampleReader(["txt"]).texts(data.sources[0].manifest.url(shard)):
             counts.update([*data.tokenizer.encode(text), EOS_ID])
     total = sum(counts.values()) + data.tokenizer.vocab_size
     nll = target_bytes = targets = 0
