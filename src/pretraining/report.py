@@ -1,6 +1,10 @@
 """The end of a training run, for `pretraining.train`: where the run is, its last checkpoint, the commands
 for both, its final metrics and how to upload an offline W&B run; then the exit status of a run a signal
-stopped."""
+stopped.
+
+Two protocols let a callback take part without this module knowing it: one that stops training says why
+(`StopsTraining`), and one that keeps an account of the run hears of its end and adds lines
+(`HearsTheRunEnd`: the goodput extra's cost line)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Timer
@@ -19,6 +24,22 @@ from pretraining.callbacks.preemption import stop_signal
 from pretraining.job_status import record_stop
 from pretraining.launch import hydra_quote
 from pretraining.loggers import ResumableCSVLogger, WandbRunLogger
+
+
+@runtime_checkable
+class StopsTraining(Protocol):
+    """A callback that may stop training before `trainer.max_steps` (with `trainer.should_stop`): once it
+    has, `stopped_by` says why and how to go on (DataCounts: a source ran out; a budget)."""
+
+    stopped_by: str | None
+
+
+@runtime_checkable
+class HearsTheRunEnd(Protocol):
+    """A callback told that the run is over, completed or stopped (`stopped_by`, as `stop_cause` says),
+    before the summary is printed; it returns lines for the summary."""
+
+    def on_run_end(self, trainer: Trainer, stopped_by: str | None) -> list[str]: ...
 
 
 def report(trainer: Trainer, metrics: dict[str, float]) -> None:
@@ -47,13 +68,17 @@ def report(trainer: Trainer, metrics: dict[str, float]) -> None:
     if any(syncs):
         hint = next(filter(None, syncs))
         lines.append(f"W&B logged offline (no credentials, or WANDB_MODE=offline); upload the run with: {hint}")
-    rank_zero_info("\n".join(lines))
     stopped_by = stop_cause(trainer)
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, HearsTheRunEnd):
+            lines += callback.on_run_end(trainer, stopped_by)
+    rank_zero_info("\n".join(lines))
     if stopped_by:
-        rank_zero_info(
-            f"stopped by {stopped_by} at step {trainer.global_step} of trainer.max_steps={trainer.max_steps}; "
-            "run the same command to continue"
-        )
+        at = f"at step {trainer.global_step} of trainer.max_steps={trainer.max_steps}"
+        if callback_stop(trainer):  # its words say how to go on
+            rank_zero_info(f"stopped {at}: {stopped_by}")
+        else:
+            rank_zero_info(f"stopped by {stopped_by} {at}; run the same command to continue")
         if trainer.is_global_zero:
             record_stop(Path(trainer.default_root_dir), trainer.global_step, stopped_by)
     status = stop_signal(trainer)
@@ -67,12 +92,21 @@ def stop_cause(trainer: Trainer) -> str | None:
     status = stop_signal(trainer)
     if status:
         return signal.Signals(status - 128).name
+    stopped_by = callback_stop(trainer)
+    if stopped_by:
+        return stopped_by
     if trainer.fast_dev_run or trainer.global_step >= (trainer.max_steps or 0):  # type: ignore[attr-defined]
         return None
     timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer)]  # type: ignore[attr-defined]
     if any(left is not None and left <= 0 for left in (timer.time_remaining() for timer in timers)):
         return "trainer.max_time"
     return "trainer.should_stop" if trainer.should_stop else "trainer.max_epochs"
+
+
+def callback_stop(trainer: Trainer) -> str | None:
+    """Why a callback that says so (`StopsTraining`) stopped training, if one did."""
+    reasons = [c.stopped_by for c in trainer.callbacks if isinstance(c, StopsTraining)]  # type: ignore[attr-defined]
+    return next(filter(None, reasons), None)
 
 
 def has_extra(name: str) -> bool:

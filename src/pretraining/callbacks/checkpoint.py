@@ -4,6 +4,7 @@ whole or not at all (`pretraining.checkpoint`); this callback decides when, and 
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -71,6 +72,7 @@ class StepCheckpoint(Checkpoint):
         self.stop_requested = False  # asked for inside a gradient accumulation: obeyed at the step's end
         self.last_model_path = ""
         self.validated_path: Path | None = None  # the checkpoint whose validation was just recorded
+        self.saving_seconds = 0.0  # this process's time waiting on saves (a goodput account reads it)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Refuse, before any step, a checkpoint IO other than the one that writes each checkpoint atomically
@@ -174,10 +176,13 @@ class StepCheckpoint(Checkpoint):
         path = self.dirpath / f"step-{step:06d}.ckpt"
         self.collect(trainer, wait=True)  # one write in flight at most
         writer = self.writer if writes_through_storage_options(trainer) else None
+        started = time.perf_counter()
         try:
             trainer.save_checkpoint(path, weights_only=False, storage_options=writer)
         except Exception as error:
             raise_failed(path, error, self.dirpath)
+        finally:
+            self.saving_seconds += time.perf_counter() - started
         self.writing_shards = writer is not None and saves_sharded(trainer)
         self.saved_step, self.last_model_path = step, str(path)
         if writer is None or writer.in_flight is None:
@@ -190,11 +195,13 @@ class StepCheckpoint(Checkpoint):
         if self.writer is None or self.writer.in_flight is None or (self.writing_shards and not wait):
             return
         self.writing_shards = False
-        path = self.writer.in_flight
+        path, started = self.writer.in_flight, time.perf_counter()
         try:
             written = self.writer.finished(wait)
         except Exception as error:
             raise_failed(path, error, self.dirpath)
+        finally:
+            self.saving_seconds += time.perf_counter() - started
         if written is not None:
             self.published(trainer, written)
 
