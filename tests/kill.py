@@ -1,5 +1,6 @@
-"""Callbacks for resume tests: a machine failure (`KillAt`), a signal from a scheduler (`SignalAt`) or a
-callback that ends training (`StopAt`)."""
+"""Callbacks that interrupt or slow a run, for the resume and goodput tests: a machine failure (`KillAt`),
+a signal from a scheduler (`SignalAt`), a callback that ends training (`StopAt`), an error (`RaiseAt`) and a
+slow device (`SleepEachStep`)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,28 @@ class StopAt(Callback):
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
         if trainer.datamodule.batches_consumed == self.batch:  # type: ignore[attr-defined]
             trainer.should_stop = True
+
+
+class RaiseAt(Callback):
+    """Raise a RuntimeError after a given training batch: a crash."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.datamodule.batches_consumed == self.batch:  # type: ignore[attr-defined]
+            raise RuntimeError(f"a crash after batch {self.batch}")
+
+
+class SleepEachStep(Callback):
+    """Sleep `seconds` after each training batch from step `after` on: a slow device or a straggler."""
+
+    def __init__(self, seconds: float, after: int = 0) -> None:
+        self.seconds, self.after = seconds, after
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if trainer.global_step >= self.after:
+            time.sleep(self.seconds)
 
 
 class SignalInEveryPhase(Callback):

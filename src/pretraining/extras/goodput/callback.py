@@ -1,0 +1,333 @@
+"""`Goodput`: the callback that keeps a run's goodput record, holds it to a budget and raises alerts."""
+
+from __future__ import annotations
+
+import math
+import socket
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.loggers import WandbLogger
+from lightning.pytorch.utilities import rank_zero_warn
+
+from pretraining.callbacks.checkpoint import StepCheckpoint
+from pretraining.callbacks.lineage import trainer_lineage
+from pretraining.checkpoint.sidecar import read_sidecar
+from pretraining.data.loader import WaitTimedLoader
+from pretraining.errors import ConfigError
+from pretraining.extras.goodput import alerts
+from pretraining.extras.goodput.account import RunAccount, account_run
+from pretraining.extras.goodput.alerts import Condition
+from pretraining.extras.goodput.record import (
+    RECORD_FILE,
+    SPENT_ON,
+    Attempt,
+    RecordWriter,
+    attempt_start_time,
+    read_attempts,
+)
+from pretraining.objectives.step_values import logs_written_at
+from pretraining.ranges import Positive, Range, checked_ranges
+
+Seconds = Annotated[float, Range(ge=0)]
+Share = Annotated[float, Range(gt=0, lt=1)]
+
+
+class Goodput(Callback):
+    """Account for the run's time across restarts in `<dir>/goodput.jsonl` (`pretraining.extras.goodput.record`;
+    rank zero writes it), log `goodput/goodput` (and `goodput/device_hours`, `goodput/cost`, `goodput/restarts`)
+    at every validation, add the cost line to the run's summary, stop at a budget and warn once a run about
+    each alert condition (`pretraining.extras.goodput.alerts`).
+
+    The clock is read at the trainer's hooks, at logging steps and after saves, never in between: a step
+    costs one comparison (`benchmarks.md`, "Goodput").
+
+    - `device_hour`: the price of one device for an hour (any currency), for the cost figures.
+    - `max_device_hours`, `max_cost` (needs `device_hour`): the budget over every attempt of the run. Reached,
+      the run stops at the next logging step, saving it; a restart with the budget spent is refused.
+    - Alerts (null turns one off): `flat_validations` validations in which `monitor` (lower is better) did
+      not improve by more than `min_improvement`; steps slower than the process's median by `slow_share`
+      over `slow_steps` steps; a data wait over `data_wait_share` of those steps; more than
+      `restarts_per_hour` restarts in an hour; a restore over `restore_seconds`. `stop_on` names the ones that
+      also stop the run (with a checkpoint).
+    """
+
+    @checked_ranges("callbacks.goodput")
+    def __init__(
+        self,
+        dir: str,
+        heartbeat_seconds: Seconds = 10.0,
+        device_hour: Seconds | None = None,
+        max_device_hours: Annotated[float, Range(gt=0)] | None = None,
+        max_cost: Annotated[float, Range(gt=0)] | None = None,
+        monitor: str = "val/loss",
+        flat_validations: Positive | None = 5,
+        min_improvement: Seconds = 0.0,
+        slow_share: Share | None = 0.5,
+        slow_steps: Positive = 100,
+        data_wait_share: Share | None = 0.2,
+        restarts_per_hour: Positive | None = 3,
+        restore_seconds: Seconds | None = 600.0,
+        stop_on: list[Condition] | None = None,
+    ) -> None:
+        if max_cost is not None and device_hour is None:
+            raise ConfigError(
+                f"callbacks.goodput.max_cost={max_cost} needs a price: set callbacks.goodput.device_hour (the cost of "
+                "one device for an hour), or budget in callbacks.goodput.max_device_hours"
+            )
+        self.path = Path(dir) / RECORD_FILE
+        self.heartbeat, self.device_hour = heartbeat_seconds, device_hour
+        self.budget = min(
+            [limit for limit in (max_device_hours, None if max_cost is None else max_cost / device_hour) if limit]  # type: ignore[operator]
+            or [math.inf]
+        )
+        self.budget_key = "max_device_hours" if max_device_hours and self.budget == max_device_hours else "max_cost"
+        self.monitor, self.flat_validations, self.min_improvement = monitor, flat_validations, min_improvement
+        self.slow_share, self.slow_steps, self.data_wait_share = slow_share, slow_steps, data_wait_share
+        self.restarts_per_hour, self.restore_seconds = restarts_per_hour, restore_seconds
+        self.stop_on = set(stop_on or ())
+        self.stopped_by: str | None = None  # pretraining.report.StopsTraining
+        self.started = attempt_start_time()
+        self.activity, self.since = "startup", self.started
+        self.spent = dict.fromkeys(SPENT_ON, 0.0)
+        self.saving_seen = self.waited_seen = 0.0
+        self.loader: WaitTimedLoader | None = None
+        self.writer: RecordWriter | None = None
+        self.attempt = 0
+        self.start: dict[str, Any] | None = None  # this attempt's first line, once written
+        self.earlier: list[Attempt] = []  # the run's attempts before this one
+        self.alerted: set[str] = set()
+        self.validated: dict[int, float] = {}  # the monitored metric at each validated step, over the attempts
+        self.step_times: list[float] = []  # seconds a step (training time only), each logging interval
+        self.interval_marks: list[tuple[float, float, int]] = []  # (training, data wait, step) at logging steps
+        self.step_seen, self.in_fit, self.line_due, self.stop_asked = -1, False, False, False
+        self.last_line = 0.0
+
+    # Where the time goes: at each hook that begins another activity, the time since the last one is booked
+    # to it, less the saves' and data waits' shares (their counters are read then).
+    def book(self, trainer: Trainer, activity: str) -> None:
+        now = time.time()
+        saving = sum(c.saving_seconds for c in trainer.checkpoint_callbacks if isinstance(c, StepCheckpoint))
+        loader = trainer.train_dataloader if isinstance(trainer.train_dataloader, WaitTimedLoader) else None
+        if loader is not self.loader:  # a new fit's loader counts from 0
+            self.loader, self.waited_seen = loader, 0.0
+        waited = loader.waited if loader is not None else 0.0
+        saved, wait = saving - self.saving_seen, waited - self.waited_seen
+        self.spent[self.activity] += now - self.since - saved - wait
+        self.spent["saving"] += saved
+        self.spent["data_wait"] += wait
+        self.activity, self.since, self.saving_seen, self.waited_seen = activity, now, saving, waited
+
+    def write(self, trainer: Trainer, event: str, **fields: Any) -> dict[str, Any]:
+        """Book the time so far; the record's line for now (written by rank zero)."""
+        self.book(trainer, self.activity)
+        self.line_due, self.last_line = False, self.since
+        line = {"attempt": self.attempt, "event": event, "t": self.since, "step": trainer.global_step}
+        line |= {"spent": dict(self.spent)} | fields
+        if self.writer is not None:
+            self.writer.write(line)
+        return line
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.start is None:
+            self.begin(trainer, pl_module)
+        self.book(trainer, "setup")
+
+    def begin(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """The first set-up of this process: read the run's record, refuse a spent budget, start this attempt's."""
+        if self.path.is_file():
+            self.earlier, _ = read_attempts(self.path)
+        for line in (line for attempt in self.earlier for line in attempt.lines):
+            if line["event"] == "alert":
+                self.alerted.add(line["condition"])
+            elif line["event"] == "validation" and "value" in line:
+                self.validated[line["step"]] = line["value"]
+        spent = account_run(self.earlier).device_hours
+        if spent >= self.budget:
+            raise ConfigError(f"{self.budget_spent(spent)}; nothing was started. To continue, {self.to_continue()}")
+        device = pl_module.device
+        self.attempt = (self.earlier[-1].number if self.earlier else 0) + 1
+        fields = {
+            "started": self.started,
+            "host": socket.gethostname(),
+            "devices": trainer.world_size,
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+            "resumed_from": resumed_step(trainer),
+            "max_steps": trainer.max_steps,
+            "device_hour": self.device_hour,
+        }
+        # Every rank reads the same record, so all stop at the same logging step.
+        self.deadline = self.started + (self.budget - spent) * 3600 / trainer.world_size
+        if trainer.is_global_zero:
+            self.writer = RecordWriter(self.path)
+        self.start = self.write(trainer, "start", **fields)
+        starts = [attempt.start["started"] for attempt in self.earlier] + [self.started]
+        if self.restarts_per_hour is not None:
+            self.alert(trainer, "crash_loop", alerts.crash_loop(starts, time.time(), self.restarts_per_hour))
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.first_work(trainer)
+        self.book(trainer, "training")
+        self.in_fit = True
+        self.interval_marks = [(self.spent["training"], self.spent["data_wait"], trainer.global_step)]
+
+    def first_work(self, trainer: Trainer) -> None:
+        """At the first step or validation: a resumed process's set-up so far is its restore."""
+        if self.restore_seconds is not None and self.start and self.start["resumed_from"] is not None:
+            self.book(trainer, self.activity)
+            self.alert(trainer, "slow_restore", alerts.slow_restore(self.spent["setup"], self.restore_seconds))
+            self.restore_seconds = None  # once a process
+
+    def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        if self.line_due:  # a save just ended: the line of its step, for the account of a later restart
+            self.write(trainer, "progress")
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        self.line_due = True
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        step = trainer.global_step
+        if step == self.step_seen or not logs_written_at(trainer, step):
+            return  # mid-accumulation, or not a logging step: nothing to do
+        self.step_seen = step
+        self.book(trainer, "training")
+        self.check_steps(trainer)
+        if self.since >= self.deadline:
+            spent = self.budget_spent(self.spent_so_far())
+            self.stopped_by = self.stopped_by or f"{spent}; this step is saved. To continue, {self.to_continue()}"
+            self.stop_asked = True
+        # Every rank at the same steps: all stop at the step one of them asks to.
+        if trainer.strategy.reduce_boolean_decision(self.stop_asked, all=False):
+            trainer.should_stop = True  # StepCheckpoint, after this callback, saves the step
+            self.stopped_by = self.stopped_by or "another rank's alert or budget (see its warning)"
+        if self.since - self.last_line >= self.heartbeat:
+            self.write(trainer, "progress")
+
+    def check_steps(self, trainer: Trainer) -> None:
+        """At a logging step: the interval's seconds a step, and the slow-step and data-wait alerts."""
+        training, waited, step = self.spent["training"], self.spent["data_wait"], trainer.global_step
+        last_training, _, last_step = self.interval_marks[-1]
+        if step > last_step:
+            self.step_times.append((training - last_training) / (step - last_step))
+        self.interval_marks.append((training, waited, step))
+        window = math.ceil(self.slow_steps / trainer.log_every_n_steps)  # type: ignore[attr-defined]
+        if self.slow_share is not None:
+            self.alert(trainer, "slow_steps", alerts.slow_steps(self.step_times, window, self.slow_share))
+        if self.data_wait_share is not None and len(self.interval_marks) > window:
+            old_training, old_waited, _ = self.interval_marks[-1 - window]
+            busy = training - old_training + waited - old_waited
+            self.alert(trainer, "data_wait", alerts.data_wait(waited - old_waited, busy, self.data_wait_share))
+        del self.interval_marks[: -window - 1]
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        if self.line_due:
+            self.write(trainer, "progress")
+        self.first_work(trainer)
+        self.book(trainer, "validation")
+
+    def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking or self.start is None:
+            return
+        self.book(trainer, self.activity)
+        account = self.account(trainer)
+        logged = {"goodput/goodput": account.goodput, "goodput/device_hours": account.device_hours}
+        logged["goodput/restarts"] = float(account.restarts)
+        cost = account.cost(account.device_hours)
+        if cost is not None:
+            logged["goodput/cost"] = cost
+        pl_module.log_dict(logged, sync_dist=True)  # each rank's account of the same record: their mean
+
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        self.book(trainer, "training" if self.in_fit else "other")
+        value = trainer.callback_metrics.get(self.monitor)
+        if value is None:
+            self.write(trainer, "validation")
+            return
+        self.validated[trainer.global_step] = float(value)
+        self.write(trainer, "validation", value=float(value))
+        if self.flat_validations is not None:
+            values = [self.validated[step] for step in sorted(self.validated)]
+            flat = alerts.no_improvement(values, self.monitor, self.flat_validations, self.min_improvement)
+            self.alert(trainer, "no_improvement", flat)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.in_fit = False
+        self.book(trainer, "other")
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        # The record stays open: a stop that ends in `report` (a signal in a validation) writes the last line.
+        if self.start is not None:
+            self.write(trainer, "end", cause=f"error: {type(exception).__name__}: {exception}")
+
+    def on_run_end(self, trainer: Trainer, stopped_by: str | None) -> list[str]:
+        """The run's end (`pretraining.report.HearsTheRunEnd`): the last line of this attempt, and the summary's."""
+        if self.start is None:
+            return []
+        self.book(trainer, "other")
+        self.write(trainer, "end", cause=stopped_by or "completed")
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+        account = self.account(trainer)
+        cost = account.cost(account.device_hours)
+        priced = f", cost {cost:.2f}" if cost is not None else " (set callbacks.goodput.device_hour for its cost)"
+        return [
+            f"goodput {account.goodput:.1%} over {len(account.attempts)} attempt(s), {account.restarts} restart(s); "
+            f"{account.device_hours:.3g} device-hours{priced}; the account: pretrain-goodput {self.path.parent}"
+        ]
+
+    def account(self, trainer: Trainer) -> RunAccount:
+        """The run's account so far: the earlier attempts' and this one's, to the time last booked."""
+        assert self.start is not None
+        now = {"attempt": self.attempt, "event": "progress", "t": self.since, "step": trainer.global_step}
+        return account_run([*self.earlier, Attempt(self.start, [now | {"spent": dict(self.spent)}])], self.device_hour)
+
+    def spent_so_far(self) -> float:
+        return account_run(self.earlier).device_hours + (time.time() - self.started) * self.start["devices"] / 3600  # type: ignore[index]
+
+    def budget_spent(self, device_hours: float) -> str:
+        """The budget is spent, in words: how much of which limit."""
+        cost = "" if self.device_hour is None else f" (cost {device_hours * self.device_hour:.2f})"
+        limit = self.budget if self.budget_key == "max_device_hours" else self.budget * self.device_hour  # type: ignore[operator]
+        return (
+            f"the run's budget is spent: {device_hours:.3g} device-hours{cost} over all its attempts, of "
+            f"callbacks.goodput.{self.budget_key}={limit:g}"
+        )
+
+    def to_continue(self) -> str:
+        return (
+            f"raise callbacks.goodput.{self.budget_key} and run the command again with "
+            f"run_name={self.path.parent.name} (a changed override names another run otherwise)"
+        )
+
+    def alert(self, trainer: Trainer, condition: Condition, message: str | None) -> None:
+        """Warn about `condition` (once a run: the record keeps the alerts raised) on the console and the log,
+        and in W&B (`alert`); stop the run at the next logging step if `stop_on` names it."""
+        if message is None or condition in self.alerted:
+            return
+        self.alerted.add(condition)
+        rank_zero_warn(f"goodput alert, {condition}: {message}")
+        if trainer.is_global_zero:
+            self.write(trainer, "alert", condition=condition, message=message)
+            for logger in trainer.loggers:
+                if isinstance(logger, WandbLogger):
+                    logger.experiment.alert(title=f"{condition} ({self.path.parent.name})", text=message)
+        if condition in self.stop_on:
+            self.stopped_by = f"the alert {condition} (callbacks.goodput.stop_on): {message}"
+            self.stop_asked = True
+
+
+def resumed_step(trainer: Trainer) -> int | None:
+    """The step of the checkpoint the run continues (its sidecar's), None for a fresh start; known at the set-up
+    (before Lightning names it) from the run's `Lineage`."""
+    lineage = trainer_lineage(trainer)
+    if lineage is None or lineage.parent is None:
+        return None
+    return int(read_sidecar(lineage.parent)["step"])
