@@ -424,7 +424,7 @@ def test_a_source_that_runs_out_fills_nothing_twice_and_names_the_stop_and_its_f
 
 
 def test_a_run_whose_source_runs_out_saves_stops_and_goes_on_only_with_a_higher_cap(
-    compose_train: ComposeTrain, tmp_path: Path, sources: dict[str, Path]
+    compose_train: ComposeTrain, tmp_path: Path, sources: dict[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
     def capped(max_epochs: int) -> list[str]:
         entries = f"a:{{dir:'{sources['a']}',weight:0.5}},c:{{dir:'{sources['c']}',weight:0.5,max_epochs:{max_epochs}}}"
@@ -435,6 +435,9 @@ def test_a_run_whose_source_runs_out_saves_stops_and_goes_on_only_with_a_higher_
         train(compose_train(*capped(1), *steps))
     (saved,) = [int(path.stem.split("-")[1]) for path in (tmp_path / "checkpoints").glob("step-*.ckpt")]
     assert saved < 300 and saved % 5 == 0  # stopped at a logging step, where every rank agrees, and saved it
+    # The summary says why and how to go on (not "run the same command", which is refused).
+    assert f"stopped at step {saved} of trainer.max_steps=300: data.sources.c has run out" in caplog.text
+    assert "run the same command" not in caplog.text
     with pytest.raises(ShardError, match=r"data\.sources\.c ran out before this checkpoint .* raise data\.sources\.c"):
         train(compose_train(*capped(1), *steps))  # the same command: refused, nothing trained
     assert not (tmp_path / "checkpoints" / f"step-{saved + 5:06d}.ckpt").exists()
