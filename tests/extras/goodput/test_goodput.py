@@ -23,7 +23,7 @@ from conftest import tiny_run
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.errors import ConfigError
 from pretraining.extras.goodput import cli
-from pretraining.extras.goodput.account import KILLED, account_run
+from pretraining.extras.goodput.account import KILLED, account_run, amount
 from pretraining.extras.goodput.callback import Goodput
 from pretraining.extras.goodput.record import RECORD_FILE, SPENT_ON, read_attempts
 from pretraining.job_status import read_status
@@ -125,7 +125,7 @@ def test_a_run_killed_signalled_and_crashed_is_accounted_for(
     printed = capsys.readouterr().out
     assert f"goodput {got['goodput']:.1%}" in printed and "restarts 3;" in printed
     assert "steps re-done" in printed and "(10 steps)" in printed  # 20-16, 31-31, 38-32
-    assert "over 4 attempt(s), 3 restart(s)" in outputs[-1] and f"cost {got['cost']:.2f}" in outputs[-1]
+    assert "over 4 attempt(s), 3 restart(s)" in outputs[-1] and f"cost {amount(got['cost'])}" in outputs[-1]
     # Alerts, once a run each: the first restore (any, over 0 s), and the crash loop at the third restart.
     assert alerts_raised(run) == [(2, "slow_restore"), (4, "crash_loop")]
     # The goodput at each validation, on the CSV log: the last attempt's counts its three restarts.
@@ -175,7 +175,7 @@ def test_a_flat_validation_loss_is_alerted_once_and_can_stop_the_run(
     monkeypatch.setattr("wandb.sdk.wandb_run.Run.alert", lambda run, title, text, **kwargs: wandb_alerts.append(title))
     flat = [
         "model.optimizer.lr=1e-9",
-            "callbacks.goodput.min_improvement=0.001",
+        "callbacks.goodput.min_improvement=0.001",
         "trainer.val_check_interval=2",
         "trainer.max_steps=16",
         "callbacks.goodput.flat_validations=3",
@@ -277,6 +277,24 @@ def test_the_account_of_a_record_written_by_hand(tmp_path: Path) -> None:
     # The pace without restarts: (training + saving) 70 s over 20 steps; 10 steps left, on 2 devices.
     assert got.seconds_per_step == 3.5 and got.projection() == pytest.approx(10 * 3.5 * 2 / 3600)
     assert math.isclose(got.restart_device_hours(), 25 * 2 / 3600)
+
+
+def test_a_sweeps_report_gives_each_job_and_the_share_that_completed(tmp_path: Path) -> None:
+    zero = dict.fromkeys(SPENT_ON, 0.0)
+    start = {"attempt": 1, "event": "start", "t": 1, "step": 0, "spent": zero | {"startup": 1}, "started": 0}
+    for job, status in enumerate(["completed", "failed", "completed", "stopped"]):
+        (tmp_path / str(job)).mkdir()
+        (tmp_path / str(job) / "status.json").write_text(json.dumps({"status": status}))
+        end = {"attempt": 1, "event": "end", "t": 11, "step": 5, "spent": zero | {"startup": 1, "training": 10}}
+        if job != 1:  # the failed job has no record
+            (tmp_path / str(job) / RECORD_FILE).write_text(f"{json.dumps(start)}\n{json.dumps(end)}\n")
+    (tmp_path / "multirun.yaml").write_text("")
+    got = report(tmp_path, "--device-hour", "36")
+    assert got["success_rate"] == 0.5
+    assert got["statuses"] == {"completed": 2, "failed": 1, "stopped": 1}
+    assert [job["job"] for job in got["jobs"]] == ["0", "1", "2", "3"]
+    assert got["jobs"][0]["goodput"] == 10 / 11 and got["jobs"][0]["cost"] == pytest.approx(36 * 11 / 3600)
+    assert "goodput" not in got["jobs"][1] and "cannot be accounted for" in got["jobs"][1]["unaccounted"][0]
 
 
 def test_a_run_without_a_record_says_what_cannot_be_accounted_for(

@@ -8,5 +8,5 @@
 - `callback`: `Goodput`, the callback that keeps the book, enforces a budget and raises alerts
   (`configs/callbacks/goodput/default.yaml`, on in every run `callbacks=default` trains).
 - `alerts`: the conditions worth a warning before a run wastes a day.
-- `cli`: `pretrain-goodput RUN` (or a sweep's directory: each job, and the share that completed).
+- `cli`, `report`: `pretrain-goodput RUN` (or a sweep's directory: each job, and the share that completed).
 """

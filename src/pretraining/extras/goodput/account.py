@@ -186,6 +186,12 @@ def account_run(
     return RunAccount(accounts, last.get("max_steps"), price, notes)
 
 
+def amount(value: float) -> str:
+    """A cost or a count of device-hours: three significant figures (`0.0123`, `4.56`, `789`), whole above 1,000
+    (`12,345`)."""
+    return f"{value:,.0f}" if value >= 1000 else f"{value:.3g}"
+
+
 def hours(seconds: float) -> str:
     """`1 h 02 min`, `3 min 05 s`, `4.2 s`."""
     if seconds >= 3600:
@@ -206,7 +212,7 @@ def lines(account: RunAccount) -> list[str]:
 
     def money(device_hours: float) -> str:
         cost = account.cost(device_hours)
-        return f"{device_hours:.3g} device-hours" + ("" if cost is None else f", {cost:.2f}")
+        return f"{amount(device_hours)} device-hours" + ("" if cost is None else f", costing {amount(cost)}")
 
     restarted = [attempt for attempt in account.attempts if attempt.number > 1]
     restore = [attempt.kept["setup"] for attempt in restarted]
@@ -225,7 +231,7 @@ def lines(account: RunAccount) -> list[str]:
         out.append(f"restore (set-up of a resumed process): longest {hours(max(restore))}, total {hours(sum(restore))}")
     causes = ", ".join(f"{cause}: {count}" for cause, count in account.causes.items()) or "none"
     out.append(f"restarts {account.restarts}; how the attempts before the last ended: {causes}")
-    out.append(f"cost {money(account.device_hours)}; lost to restarts {money(account.restart_device_hours())}")
+    out.append(f"spent {money(account.device_hours)}; lost to restarts {money(account.restart_device_hours())}")
     projected = account.projection()
     if projected is not None and account.max_steps and account.step < account.max_steps:
         out.append(

@@ -19,7 +19,7 @@ from pretraining.checkpoint.sidecar import read_sidecar
 from pretraining.data.loader import WaitTimedLoader
 from pretraining.errors import ConfigError
 from pretraining.extras.goodput import alerts
-from pretraining.extras.goodput.account import RunAccount, account_run
+from pretraining.extras.goodput.account import RunAccount, account_run, amount
 from pretraining.extras.goodput.alerts import Condition
 from pretraining.extras.goodput.record import (
     RECORD_FILE,
@@ -80,15 +80,20 @@ class Goodput(Callback):
             )
         self.path = Path(dir) / RECORD_FILE
         self.heartbeat, self.device_hour = heartbeat_seconds, device_hour
-        self.budget = min(
-            [limit for limit in (max_device_hours, None if max_cost is None else max_cost / device_hour) if limit]  # type: ignore[operator]
-            or [math.inf]
+        # The budget in device-hours: the tighter of the limits given (a cost at the price), and the key that set it.
+        limits: dict[str, tuple[float, float]] = {}  # key: (its value, in device-hours)
+        if max_device_hours is not None:
+            limits["max_device_hours"] = (max_device_hours, max_device_hours)
+        if max_cost is not None and device_hour:
+            limits["max_cost"] = (max_cost, max_cost / device_hour)
+        self.budget_key, (self.budget_given, self.budget) = min(
+            limits.items(), key=lambda item: item[1][1], default=("", (0.0, math.inf))
         )
-        self.budget_key = "max_device_hours" if max_device_hours and self.budget == max_device_hours else "max_cost"
         self.monitor, self.flat_validations, self.min_improvement = monitor, flat_validations, min_improvement
         self.slow_share, self.slow_steps, self.data_wait_share = slow_share, slow_steps, data_wait_share
         self.restarts_per_hour, self.restore_seconds = restarts_per_hour, restore_seconds
         self.stop_on = set(stop_on or ())
+        self.may_stop = self.budget < math.inf or bool(self.stop_on)  # else no rank asks the others
         self.stopped_by: str | None = None  # pretraining.report.StopsTraining
         self.started = attempt_start_time()
         self.activity, self.since = "startup", self.started
@@ -103,7 +108,7 @@ class Goodput(Callback):
         self.validated: dict[int, float] = {}  # the monitored metric at each validated step, over the attempts
         self.step_times: list[float] = []  # seconds a step (training time only), each logging interval
         self.interval_marks: list[tuple[float, float, int]] = []  # (training, data wait, step) at logging steps
-        self.step_seen, self.in_fit, self.line_due, self.stop_asked = -1, False, False, False
+        self.step_seen, self.in_fit, self.line_due, self.stop_asked, self.restore_seen = -1, False, False, False, False
         self.last_line = 0.0
 
     # Where the time goes: at each hook that begins another activity, the time since the last one is booked
@@ -140,6 +145,7 @@ class Goodput(Callback):
         """The first set-up of this process: read the run's record, refuse a spent budget, start this attempt's."""
         if self.path.is_file():
             self.earlier, _ = read_attempts(self.path)
+        trainer.strategy.barrier("Goodput.begin")  # every rank has read the record before rank zero adds to it
         for line in (line for attempt in self.earlier for line in attempt.lines):
             if line["event"] == "alert":
                 self.alerted.add(line["condition"])
@@ -176,10 +182,12 @@ class Goodput(Callback):
 
     def first_work(self, trainer: Trainer) -> None:
         """At the first step or validation: a resumed process's set-up so far is its restore."""
-        if self.restore_seconds is not None and self.start and self.start["resumed_from"] is not None:
+        if self.restore_seen or self.start is None or self.start["resumed_from"] is None:
+            return
+        self.restore_seen = True
+        if self.restore_seconds is not None:
             self.book(trainer, self.activity)
             self.alert(trainer, "slow_restore", alerts.slow_restore(self.spent["setup"], self.restore_seconds))
-            self.restore_seconds = None  # once a process
 
     def on_train_batch_start(self, trainer: Trainer, *args: Any) -> None:
         if self.line_due:  # a save just ended: the line of its step, for the account of a later restart
@@ -200,7 +208,7 @@ class Goodput(Callback):
             self.stopped_by = self.stopped_by or f"{spent}; this step is saved. To continue, {self.to_continue()}"
             self.stop_asked = True
         # Every rank at the same steps: all stop at the step one of them asks to.
-        if trainer.strategy.reduce_boolean_decision(self.stop_asked, all=False):
+        if self.may_stop and trainer.strategy.reduce_boolean_decision(self.stop_asked, all=False):
             trainer.should_stop = True  # StepCheckpoint, after this callback, saves the step
             self.stopped_by = self.stopped_by or "another rank's alert or budget (see its warning)"
         if self.since - self.last_line >= self.heartbeat:
@@ -212,6 +220,8 @@ class Goodput(Callback):
         last_training, _, last_step = self.interval_marks[-1]
         if step > last_step:
             self.step_times.append((training - last_training) / (step - last_step))
+        if len(self.step_times) == 1:  # the first interval (compilation, workers starting) measures neither alert
+            self.interval_marks = []
         self.interval_marks.append((training, waited, step))
         window = math.ceil(self.slow_steps / trainer.log_every_n_steps)  # type: ignore[attr-defined]
         if self.slow_share is not None:
@@ -277,10 +287,10 @@ class Goodput(Callback):
             self.writer = None
         account = self.account(trainer)
         cost = account.cost(account.device_hours)
-        priced = f", cost {cost:.2f}" if cost is not None else " (set callbacks.goodput.device_hour for its cost)"
+        priced = f", cost {amount(cost)}" if cost is not None else " (set callbacks.goodput.device_hour for its cost)"
         return [
             f"goodput {account.goodput:.1%} over {len(account.attempts)} attempt(s), {account.restarts} restart(s); "
-            f"{account.device_hours:.3g} device-hours{priced}; the account: pretrain-goodput {self.path.parent}"
+            f"{amount(account.device_hours)} device-hours{priced}; the account: pretrain-goodput {self.path.parent}"
         ]
 
     def account(self, trainer: Trainer) -> RunAccount:
@@ -294,11 +304,10 @@ class Goodput(Callback):
 
     def budget_spent(self, device_hours: float) -> str:
         """The budget is spent, in words: how much of which limit."""
-        cost = "" if self.device_hour is None else f" (cost {device_hours * self.device_hour:.2f})"
-        limit = self.budget if self.budget_key == "max_device_hours" else self.budget * self.device_hour  # type: ignore[operator]
+        cost = "" if self.device_hour is None else f" (cost {amount(device_hours * self.device_hour)})"
         return (
-            f"the run's budget is spent: {device_hours:.3g} device-hours{cost} over all its attempts, of "
-            f"callbacks.goodput.{self.budget_key}={limit:g}"
+            f"the run's budget is spent: {amount(device_hours)} device-hours{cost} over all its attempts, of "
+            f"callbacks.goodput.{self.budget_key}={self.budget_given:g}"
         )
 
     def to_continue(self) -> str:
