@@ -58,6 +58,7 @@ ENTRY_POINTS = {
     "pretrain-export": "pretraining.extras.hf.cli:main",
     "pretrain-plot": "pretraining.extras.plots.cli:main",
     "pretrain-sweep-report": "pretraining.extras.sweeps.cli:main",
+    "pretrain-goodput": "pretraining.extras.goodput.cli:main",
 }
 
 
@@ -70,6 +71,7 @@ EXTRA_MENTIONS = {
     "sweeps": r"hparams_search|sweep-optuna|sweep-report|hydra/sweeper=optuna",
     "plots": r"pretrain-plot|\bmake plot\b",
     "probe": r"\bprobe\b",
+    "goodput": r"pretrain-goodput|callbacks\.goodput",
     "bench": r"\bmake bench|scripts/bench/",
 }
 EXTRA_NEEDS = {"sweeps": {"plots"}}

@@ -10,7 +10,8 @@
    LR scheduler and the fetching of the next batch from its loader. The first `--warmup` steps are left out; the
    step times are medians over all timed steps of all runs, and `template / plain` is the median of the per-step
    ratios: goal <= 1.03; the ratio of the mean step times follows (the steps that write logs included). Each
-   callback's hooks are timed in the timed steps too (its cost per step), and the run's fixed costs: before the
+   callback's hooks are timed in the timed steps too (its cost per step and its share of the mean step: the goodput
+   extra's accounting, goal < 0.2 %), and the run's fixed costs: before the
    first step (the Trainer's set-up, the first validation) and after the last (the last
    validation, the text sample, the final checkpoint).
 2. Both models start from the same weights; after N steps every parameter must be bitwise equal (`torch.equal`).
@@ -257,12 +258,13 @@ def print_report(args: argparse.Namespace, runs: list[Run], tokens_per_step: int
         f"template / plain mean step time: {means['lightning'] / means['plain']:.3f} "
         f"({means['lightning'] * 1e3:.1f} / {means['plain'] * 1e3:.1f} ms: the steps that write logs included)"
     )
-    print("per step, in the template's callbacks (mean over the timed steps of all runs):")
+    print("per step, in the template's callbacks (mean over the timed steps of all runs; share of the mean step):")
     names = sorted(
         {name for run in runs for name in run.callbacks}, key=lambda n: -sum(r.callbacks.get(n, 0) for r in runs)
     )
     for name in names:
-        print(f"  {name:<22}{statistics.mean(run.callbacks.get(name, 0.0) for run in runs) * 1e3:>8.3f} ms")
+        seconds = statistics.mean(run.callbacks.get(name, 0.0) for run in runs)
+        print(f"  {name:<22}{seconds * 1e3:>8.3f} ms {seconds / means['lightning']:>8.3%}")
     fixed = {
         "before the first step": "before",
         "  of which the first validation": "validation",
