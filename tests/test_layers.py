@@ -36,6 +36,7 @@ DEFERS_IMPORTS = (
     "extras.plots.cli",
     "extras.registry.cli",
     "extras.sweeps.cli",
+    "extras.goodput.cli",
     "plugins.fsdp",
     "extras.sweeps.callback",
 )
