@@ -29,9 +29,9 @@ from pretraining.loggers import ResumableCSVLogger, WandbRunLogger
 @runtime_checkable
 class StopsTraining(Protocol):
     """A callback that may stop training before `trainer.max_steps` (with `trainer.should_stop`): once it
-    has, `stopped_by` says why and how to go on (DataCounts: a source ran out; a budget)."""
+    has, `stop_reason` says why and how to go on (DataCounts: a source ran out; a budget)."""
 
-    stopped_by: str | None
+    stop_reason: str | None
 
 
 @runtime_checkable
@@ -75,7 +75,7 @@ def report(trainer: Trainer, metrics: dict[str, float]) -> None:
     rank_zero_info("\n".join(lines))
     if stopped_by:
         at = f"at step {trainer.global_step} of trainer.max_steps={trainer.max_steps}"
-        if callback_stop(trainer):  # its words say how to go on
+        if stopped_by == callback_stop(trainer):  # a callback's words, which say how to go on
             rank_zero_info(f"stopped {at}: {stopped_by}")
         else:
             rank_zero_info(f"stopped by {stopped_by} {at}; run the same command to continue")
@@ -92,11 +92,11 @@ def stop_cause(trainer: Trainer) -> str | None:
     status = stop_signal(trainer)
     if status:
         return signal.Signals(status - 128).name
+    if trainer.fast_dev_run or trainer.global_step >= (trainer.max_steps or 0):  # type: ignore[attr-defined]
+        return None
     stopped_by = callback_stop(trainer)
     if stopped_by:
         return stopped_by
-    if trainer.fast_dev_run or trainer.global_step >= (trainer.max_steps or 0):  # type: ignore[attr-defined]
-        return None
     timers = [callback for callback in trainer.callbacks if isinstance(callback, Timer)]  # type: ignore[attr-defined]
     if any(left is not None and left <= 0 for left in (timer.time_remaining() for timer in timers)):
         return "trainer.max_time"
@@ -105,7 +105,7 @@ def stop_cause(trainer: Trainer) -> str | None:
 
 def callback_stop(trainer: Trainer) -> str | None:
     """Why a callback that says so (`StopsTraining`) stopped training, if one did."""
-    reasons = [c.stopped_by for c in trainer.callbacks if isinstance(c, StopsTraining)]  # type: ignore[attr-defined]
+    reasons = [c.stop_reason for c in trainer.callbacks if isinstance(c, StopsTraining)]  # type: ignore[attr-defined]
     return next(filter(None, reasons), None)
 
 

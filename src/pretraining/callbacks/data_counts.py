@@ -21,13 +21,13 @@ class DataCounts(Callback):
     the run if too many samples were skipped (`ShardDataModule.check_skips`), and save and stop it where a
     source that stops the run has run out (`ShardDataModule.stop_reason`). One small all-reduce, at the
     same steps on every rank, so that all stop together. `train.py` adds it to every
-    run: it enforces the data config's policy. Once it has stopped the run, `stopped_by` says why and how to
+    run: it enforces the data config's policy. Once it has stopped the run, `stop_reason` says why and how to
     go on (for the run's summary: `pretraining.report.StopsTraining`).
     """
 
     def __init__(self) -> None:
         self.checked_step = -1
-        self.stopped_by: str | None = None
+        self.stop_reason: str | None = None
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -54,4 +54,4 @@ class DataCounts(Callback):
         reason = data.stop_reason(ran_out)
         if reason:  # every rank agrees (the sums are global): the checkpoint callback saves this step
             rank_zero_warn(reason)
-            trainer.should_stop, self.stopped_by = True, reason
+            trainer.should_stop, self.stop_reason = True, reason

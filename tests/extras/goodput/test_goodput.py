@@ -22,7 +22,7 @@ import pretraining.data.datamodule
 from conftest import tiny_run
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.errors import ConfigError
-from pretraining.extras.goodput import cli
+from pretraining.extras.goodput import alerts, cli
 from pretraining.extras.goodput.account import KILLED, account_run, amount
 from pretraining.extras.goodput.callback import Goodput
 from pretraining.extras.goodput.record import RECORD_FILE, SPENT_ON, read_attempts
@@ -103,9 +103,11 @@ def test_a_run_killed_signalled_and_crashed_is_accounted_for(
     ]
     assert got["causes"] == {KILLED: 1, "SIGTERM": 1, "error: RuntimeError: a crash after batch 38": 1}
     assert (got["restarts"], got["step"], got["max_steps"], got["status"]) == (3, 40, 40, "completed")
+    assert got["steps_redone"] == 10  # 20-16, 31-31, 38-32
+    assert "stopped by SIGTERM at step 31 of trainer.max_steps=40; run the same command to continue" in outputs[1]
     # Each attempt's wall time is its process's, as the test timed it (the start is known to about a second).
     for attempt, wall in zip(attempts, walls, strict=True):
-        assert wall - 6 < attempt["wall"] < wall + 1.1
+        assert wall - 15 < attempt["wall"] < wall + 1.1
     # Every second is accounted for once: kept, by what it went to, or lost after the last save.
     assert got["wall_seconds"] == pytest.approx(sum(a["wall"] for a in attempts))
     assert sum(got["seconds"].values()) == pytest.approx(got["wall_seconds"])
@@ -137,8 +139,13 @@ def test_a_run_killed_signalled_and_crashed_is_accounted_for(
 
 
 def test_a_budget_stops_the_run_with_a_checkpoint_and_refuses_its_restart(tmp_path: Path, shard_dir: Path) -> None:
-    budget = 0.004  # device-hours: 14.4 s of one device, start-up included
-    run_overrides = [*tiny_run(), f"data.dir={shard_dir}", "trainer.val_check_interval=100"]
+    budget = 0.005  # device-hours: 18 s of one device, start-up included
+    run_overrides = [
+        *tiny_run(),
+        f"data.dir={shard_dir}",
+        "trainer.val_check_interval=100",
+        "callbacks.goodput.heartbeat_seconds=0",
+    ]
     slow = ["+callbacks.slow._target_=kill.SleepEachStep", "+callbacks.slow.seconds=0.02"]
     overrides = [*run_overrides, *slow, "trainer.max_steps=5000", f"callbacks.goodput.max_device_hours={budget}"]
     code, output, _ = pretrain(tmp_path, overrides)
@@ -150,8 +157,11 @@ def test_a_budget_stops_the_run_with_a_checkpoint_and_refuses_its_restart(tmp_pa
     assert status["status"] == "stopped" and status["step"] == step
     assert "callbacks.goodput.max_device_hours" in status["stopped_by"] and "is spent" in status["stopped_by"]
     assert f"stopped at step {step} of trainer.max_steps=5000: the run's budget is spent" in output
-    spent = report(run)["device_hours"]
-    assert budget <= spent < budget + 0.002  # stopped within a logging interval (and the save) of the budget
+    assert budget <= report(run)["device_hours"]
+    # It stopped at the first logging step past the budget: at the one before, the budget was not spent yet.
+    (attempt,), _ = read_attempts(run / RECORD_FILE)
+    before = [line["t"] for line in attempt.lines if line["event"] == "progress" and line["step"] == step - 10]
+    assert step == 10 or (before[0] - attempt.start["started"]) / 3600 < budget
 
     code, output, _ = pretrain(tmp_path, overrides)
     assert code == 1 and "Traceback" not in output
@@ -276,7 +286,15 @@ def test_the_account_of_a_record_written_by_hand(tmp_path: Path) -> None:
     assert got.device_hours == 105 * 2 / 3600 and got.cost(got.device_hours) == got.device_hours
     # The pace without restarts: (training + saving) 70 s over 20 steps; 10 steps left, on 2 devices.
     assert got.seconds_per_step == 3.5 and got.projection() == pytest.approx(10 * 3.5 * 2 / 3600)
-    assert math.isclose(got.restart_device_hours(), 25 * 2 / 3600)
+    assert math.isclose(got.restart_device_hours, 25 * 2 / 3600)
+    assert got.steps_redone == 2
+
+
+def test_a_crash_loop_counts_the_restarts_within_the_hour() -> None:
+    """The first attempt is no restart, wherever it started."""
+    assert alerts.crash_loop([0, 7000, 7100, 7200], now=7300, limit=2) is not None  # 3 restarts in the hour
+    assert alerts.crash_loop([7000, 7100, 7200], now=7300, limit=2) is None  # 2
+    assert alerts.crash_loop([0, 100, 200, 7200], now=7300, limit=2) is None  # 1
 
 
 def test_a_sweeps_report_gives_each_job_and_the_share_that_completed(tmp_path: Path) -> None:
@@ -308,3 +326,5 @@ def test_a_run_without_a_record_says_what_cannot_be_accounted_for(
         cli.main([str(tmp_path / "nothing")])
     with pytest.raises(ConfigError, match="max_cost=5 needs a price"):
         Goodput(str(tmp_path), max_cost=5)
+    with pytest.raises(ConfigError, match=r"stop_on names no alert: \['slow_step'\]"):
+        Goodput(str(tmp_path), stop_on=["slow_step"])

@@ -114,6 +114,11 @@ class RunAccount:
         return dict(Counter(attempt.cause for attempt in self.attempts[:-1]))
 
     @property
+    def steps_redone(self) -> int:
+        """The steps trained again after restarts: each attempt's beyond the step the next one resumed from."""
+        return sum(max(attempt.last_step - attempt.kept_step, 0) for attempt in self.attempts[:-1])
+
+    @property
     def step(self) -> int:
         return self.attempts[-1].last_step if self.attempts else 0
 
@@ -140,6 +145,7 @@ class RunAccount:
             return None
         return max(self.max_steps - self.step, 0) * pace * self.attempts[-1].devices / 3600
 
+    @property
     def restart_device_hours(self) -> float:
         return sum(attempt.restart_seconds * attempt.devices / 3600 for attempt in self.attempts)
 
@@ -155,11 +161,12 @@ class RunAccount:
             "seconds": self.spent,
             "lost_to_restarts_seconds": self.lost_to_restarts,
             "restarts": self.restarts,
+            "steps_redone": self.steps_redone,
             "causes": self.causes,
             "device_hours": self.device_hours,
             "device_hour_price": self.device_hour,
             "cost": self.cost(self.device_hours),
-            "cost_lost_to_restarts": self.cost(self.restart_device_hours()),
+            "cost_lost_to_restarts": self.cost(self.restart_device_hours),
             "projected_device_hours_to_max_steps": projected,
             "projected_cost_to_max_steps": None if projected is None else self.cost(projected),
             "attempts": [dataclasses.asdict(attempt) for attempt in self.attempts],
@@ -180,8 +187,8 @@ def account_run(
     notes = list(unaccounted or [])
     if attempts and attempts[0].start.get("resumed_from"):
         notes.append(
-            f"steps 0-{attempts[0].start['resumed_from']} were trained before the record began (a version "
-            "without the goodput extra, or with callbacks.goodput off): their time is not accounted for"
+            f"steps 0-{attempts[0].start['resumed_from']} were trained before the record began (in the run whose "
+            "checkpoint this one continued, or without the goodput extra): their time is not accounted for"
         )
     return RunAccount(accounts, last.get("max_steps"), price, notes)
 
@@ -189,7 +196,7 @@ def account_run(
 def amount(value: float) -> str:
     """A cost or a count of device-hours: three significant figures (`0.0123`, `4.56`, `789`), whole above 1,000
     (`12,345`)."""
-    return f"{value:,.0f}" if value >= 1000 else f"{value:.3g}"
+    return f"{value:,.0f}" if value >= 999.5 else f"{value:.3g}"
 
 
 def hours(seconds: float) -> str:
@@ -222,7 +229,7 @@ def lines(account: RunAccount) -> list[str]:
         f"goodput {account.goodput:.1%}",
         f"lost to restarts {share(account.lost_to_restarts)}: start-up and restore of {len(restarted)} restart(s) "
         f"{hours(sum(a.kept['startup'] + a.kept['setup'] for a in restarted))}, steps re-done "
-        f"{hours(spent['redone'])} ({sum(a.last_step - a.kept_step for a in account.attempts[:-1])} steps)",
+        f"{hours(spent['redone'])} ({account.steps_redone} steps)",
         f"first start-up and set-up {share(account.attempts[0].kept['startup'] + account.attempts[0].kept['setup'])}",
         f"saving {share(spent['saving'])}, validation {share(spent['validation'])}, data wait "
         f"{share(spent['data_wait'])}, other {share(spent['other'])}",
@@ -231,7 +238,7 @@ def lines(account: RunAccount) -> list[str]:
         out.append(f"restore (set-up of a resumed process): longest {hours(max(restore))}, total {hours(sum(restore))}")
     causes = ", ".join(f"{cause}: {count}" for cause, count in account.causes.items()) or "none"
     out.append(f"restarts {account.restarts}; how the attempts before the last ended: {causes}")
-    out.append(f"spent {money(account.device_hours)}; lost to restarts {money(account.restart_device_hours())}")
+    out.append(f"spent {money(account.device_hours)}; lost to restarts {money(account.restart_device_hours)}")
     projected = account.projection()
     if projected is not None and account.max_steps and account.step < account.max_steps:
         out.append(

@@ -51,8 +51,9 @@ def data_wait(waited: float, busy: float, share: float) -> str | None:
 
 
 def crash_loop(starts: list[float], now: float, limit: int) -> str | None:
-    """More than `limit` restarts within the last hour (`starts`: every attempt's start, this one's too)."""
-    restarts = sum(now - start < 3600 for start in starts) - 1
+    """More than `limit` restarts within the last hour (`starts`: every attempt's start, this one's too; the
+    first attempt's is no restart)."""
+    restarts = sum(now - start < 3600 for start in starts[1:])
     if restarts <= limit:
         return None
     return (

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
 import socket
 import time
+from collections import deque
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, get_args
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
@@ -21,29 +23,25 @@ from pretraining.errors import ConfigError
 from pretraining.extras.goodput import alerts
 from pretraining.extras.goodput.account import RunAccount, account_run, amount
 from pretraining.extras.goodput.alerts import Condition
-from pretraining.extras.goodput.record import (
-    RECORD_FILE,
-    SPENT_ON,
-    Attempt,
-    RecordWriter,
-    attempt_start_time,
-    read_attempts,
-)
+from pretraining.extras.goodput.record import RECORD_FILE, SPENT_ON, Attempt, RecordWriter, read_attempts
+from pretraining.job_status import read_status
 from pretraining.objectives.step_values import logs_written_at
 from pretraining.ranges import Positive, Range, checked_ranges
 
-Seconds = Annotated[float, Range(ge=0)]
+NonNegative = Annotated[float, Range(ge=0)]
 Share = Annotated[float, Range(gt=0, lt=1)]
+MEDIAN_INTERVALS = 1000  # the slow-step alert's median is over at most this many logging intervals
+first_job_start: list[float] = []  # when this process's first `pretrain` job started (its status record says)
 
 
 class Goodput(Callback):
     """Account for the run's time across restarts in `<dir>/goodput.jsonl` (`pretraining.extras.goodput.record`;
     rank zero writes it), log `goodput/goodput` (and `goodput/device_hours`, `goodput/cost`, `goodput/restarts`)
-    at every validation, add the cost line to the run's summary, stop at a budget and warn once a run about
-    each alert condition (`pretraining.extras.goodput.alerts`).
+    at every validation, add the goodput and cost line to the run's summary, stop at a budget and warn once a
+    run about each alert condition (`pretraining.extras.goodput.alerts`).
 
-    The clock is read at the trainer's hooks, at logging steps and after saves, never in between: a step
-    costs one comparison (`benchmarks.md`, "Goodput").
+    The clock is read at the trainer's hooks, at logging steps and after saves, never inside a step. The
+    budget and the alerts are rank zero's (its clock, its loader): the other ranks follow its stop.
 
     - `device_hour`: the price of one device for an hour (any currency), for the cost figures.
     - `max_device_hours`, `max_cost` (needs `device_hour`): the budget over every attempt of the run. Reached,
@@ -59,18 +57,18 @@ class Goodput(Callback):
     def __init__(
         self,
         dir: str,
-        heartbeat_seconds: Seconds = 10.0,
-        device_hour: Seconds | None = None,
+        heartbeat_seconds: NonNegative = 10.0,
+        device_hour: NonNegative | None = None,
         max_device_hours: Annotated[float, Range(gt=0)] | None = None,
         max_cost: Annotated[float, Range(gt=0)] | None = None,
         monitor: str = "val/loss",
         flat_validations: Positive | None = 5,
-        min_improvement: Seconds = 0.0,
+        min_improvement: NonNegative = 0.0,
         slow_share: Share | None = 0.5,
         slow_steps: Positive = 100,
         data_wait_share: Share | None = 0.2,
         restarts_per_hour: Positive | None = 3,
-        restore_seconds: Seconds | None = 600.0,
+        restore_seconds: NonNegative | None = 600.0,
         stop_on: list[Condition] | None = None,
     ) -> None:
         if max_cost is not None and device_hour is None:
@@ -78,6 +76,9 @@ class Goodput(Callback):
                 f"callbacks.goodput.max_cost={max_cost} needs a price: set callbacks.goodput.device_hour (the cost of "
                 "one device for an hour), or budget in callbacks.goodput.max_device_hours"
             )
+        unknown = sorted(set(stop_on or ()) - set(get_args(Condition)))
+        if unknown:
+            raise ConfigError(f"callbacks.goodput.stop_on names no alert: {unknown}; the alerts: {get_args(Condition)}")
         self.path = Path(dir) / RECORD_FILE
         self.heartbeat, self.device_hour = heartbeat_seconds, device_hour
         # The budget in device-hours: the tighter of the limits given (a cost at the price), and the key that set it.
@@ -94,8 +95,16 @@ class Goodput(Callback):
         self.restarts_per_hour, self.restore_seconds = restarts_per_hour, restore_seconds
         self.stop_on = set(stop_on or ())
         self.may_stop = self.budget < math.inf or bool(self.stop_on)  # else no rank asks the others
-        self.stopped_by: str | None = None  # pretraining.report.StopsTraining
-        self.started = attempt_start_time()
+        self.earlier: list[Attempt] = []  # the run's attempts before this one
+        if self.path.is_file():  # read on every rank, before any rank's set-up: rank zero then adds to it
+            self.earlier, _ = read_attempts(self.path)
+        self.spent_before = account_run(self.earlier).device_hours
+        if self.spent_before >= self.budget:  # before the loggers start: nothing of this attempt begins
+            raise ConfigError(
+                f"{self.budget_spent(self.spent_before)}; nothing was started. To continue, {self.to_continue()}"
+            )
+        self.started = attempt_start_time(Path(dir))
+        self.deadline = math.inf  # when the budget is spent, once the devices are known
         self.activity, self.since = "startup", self.started
         self.spent = dict.fromkeys(SPENT_ON, 0.0)
         self.saving_seen = self.waited_seen = 0.0
@@ -103,13 +112,17 @@ class Goodput(Callback):
         self.writer: RecordWriter | None = None
         self.attempt = 0
         self.start: dict[str, Any] | None = None  # this attempt's first line, once written
-        self.earlier: list[Attempt] = []  # the run's attempts before this one
-        self.alerted: set[str] = set()
-        self.validated: dict[int, float] = {}  # the monitored metric at each validated step, over the attempts
-        self.step_times: list[float] = []  # seconds a step (training time only), each logging interval
+        self.alerted = {line["condition"] for line in lines_of(self.earlier, "alert")}
+        # The monitored metric at each validated step, over the attempts.
+        self.validated = {
+            line["step"]: line["value"] for line in lines_of(self.earlier, "validation") if "value" in line
+        }
+        self.step_times: deque[float] = deque(maxlen=MEDIAN_INTERVALS)  # seconds a step, each logging interval
         self.interval_marks: list[tuple[float, float, int]] = []  # (training, data wait, step) at logging steps
-        self.step_seen, self.in_fit, self.line_due, self.stop_asked, self.restore_seen = -1, False, False, False, False
+        self.step_seen, self.in_fit, self.worked, self.line_due = -1, False, False, False
         self.last_line = 0.0
+        self.asking: str | None = None  # why rank zero asks the ranks to stop, until they do
+        self.stop_reason: str | None = None  # pretraining.report.StopsTraining
 
     # Where the time goes: at each hook that begins another activity, the time since the last one is booked
     # to it, less the saves' and data waits' shares (their counters are read then).
@@ -130,32 +143,29 @@ class Goodput(Callback):
         """Book the time so far; the record's line for now (written by rank zero)."""
         self.book(trainer, self.activity)
         self.line_due, self.last_line = False, self.since
-        line = {"attempt": self.attempt, "event": event, "t": self.since, "step": trainer.global_step}
+        line = {"attempt": self.attempt, "event": event, "t": self.since, "step": self.step(trainer)}
         line |= {"spent": dict(self.spent)} | fields
         if self.writer is not None:
             self.writer.write(line)
         return line
 
+    def step(self, trainer: Trainer) -> int:
+        """The optimizer steps done: Lightning counts those of a resumed run only once the fit has restored them."""
+        resumed = self.start["resumed_from"] if self.start else None
+        return max(trainer.global_step, resumed or 0)
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         if self.start is None:
             self.begin(trainer, pl_module)
-        self.book(trainer, "setup")
+        self.book(trainer, "other" if self.worked else "setup")  # a later stage's set-up is no restore
 
     def begin(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """The first set-up of this process: read the run's record, refuse a spent budget, start this attempt's."""
-        if self.path.is_file():
-            self.earlier, _ = read_attempts(self.path)
-        trainer.strategy.barrier("Goodput.begin")  # every rank has read the record before rank zero adds to it
-        for line in (line for attempt in self.earlier for line in attempt.lines):
-            if line["event"] == "alert":
-                self.alerted.add(line["condition"])
-            elif line["event"] == "validation" and "value" in line:
-                self.validated[line["step"]] = line["value"]
-        spent = account_run(self.earlier).device_hours
-        if spent >= self.budget:
-            raise ConfigError(f"{self.budget_spent(spent)}; nothing was started. To continue, {self.to_continue()}")
-        device = pl_module.device
+        """The first set-up of this process: this attempt's start in the record."""
+        # Every rank's account starts at rank zero's clock (the goodput logged is their mean).
+        self.started = self.since = trainer.strategy.broadcast(self.started)
         self.attempt = (self.earlier[-1].number if self.earlier else 0) + 1
+        self.deadline = self.started + (self.budget - self.spent_before) * 3600 / trainer.world_size
+        device = pl_module.device
         fields = {
             "started": self.started,
             "host": socket.gethostname(),
@@ -165,13 +175,12 @@ class Goodput(Callback):
             "max_steps": trainer.max_steps,
             "device_hour": self.device_hour,
         }
-        # Every rank reads the same record, so all stop at the same logging step.
-        self.deadline = self.started + (self.budget - spent) * 3600 / trainer.world_size
+        self.start = {"resumed_from": fields["resumed_from"]}  # for `step` while the line is made
         if trainer.is_global_zero:
             self.writer = RecordWriter(self.path)
         self.start = self.write(trainer, "start", **fields)
-        starts = [attempt.start["started"] for attempt in self.earlier] + [self.started]
         if self.restarts_per_hour is not None:
+            starts = [attempt.start["started"] for attempt in self.earlier] + [self.started]
             self.alert(trainer, "crash_loop", alerts.crash_loop(starts, time.time(), self.restarts_per_hour))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -179,13 +188,14 @@ class Goodput(Callback):
         self.book(trainer, "training")
         self.in_fit = True
         self.interval_marks = [(self.spent["training"], self.spent["data_wait"], trainer.global_step)]
+        self.write(trainer, "progress")  # the set-up (the restore) is accounted for, whatever comes next
 
     def first_work(self, trainer: Trainer) -> None:
         """At the first step or validation: a resumed process's set-up so far is its restore."""
-        if self.restore_seen or self.start is None or self.start["resumed_from"] is None:
+        if self.worked:
             return
-        self.restore_seen = True
-        if self.restore_seconds is not None:
+        self.worked = True
+        if self.restore_seconds is not None and self.start and self.start["resumed_from"] is not None:
             self.book(trainer, self.activity)
             self.alert(trainer, "slow_restore", alerts.slow_restore(self.spent["setup"], self.restore_seconds))
 
@@ -203,19 +213,20 @@ class Goodput(Callback):
         self.step_seen = step
         self.book(trainer, "training")
         self.check_steps(trainer)
-        if self.since >= self.deadline:
-            spent = self.budget_spent(self.spent_so_far())
-            self.stopped_by = self.stopped_by or f"{spent}; this step is saved. To continue, {self.to_continue()}"
-            self.stop_asked = True
-        # Every rank at the same steps: all stop at the step one of them asks to.
-        if self.may_stop and trainer.strategy.reduce_boolean_decision(self.stop_asked, all=False):
+        if self.since >= self.deadline and trainer.is_global_zero:
+            spent = self.spent_before + (self.since - self.started) * trainer.world_size / 3600
+            self.asking = (
+                self.asking or f"{self.budget_spent(spent)}; this step is saved. To continue, {self.to_continue()}"
+            )
+        # Every rank at the same steps: all stop at the step rank zero asks to.
+        if self.may_stop and trainer.strategy.reduce_boolean_decision(self.asking is not None, all=False):
             trainer.should_stop = True  # StepCheckpoint, after this callback, saves the step
-            self.stopped_by = self.stopped_by or "another rank's alert or budget (see its warning)"
+            self.stop_reason = self.asking
         if self.since - self.last_line >= self.heartbeat:
             self.write(trainer, "progress")
 
     def check_steps(self, trainer: Trainer) -> None:
-        """At a logging step: the interval's seconds a step, and the slow-step and data-wait alerts."""
+        """At a logging step: the interval's seconds a step, and (rank zero's) slow-step and data-wait alerts."""
         training, waited, step = self.spent["training"], self.spent["data_wait"], trainer.global_step
         last_training, _, last_step = self.interval_marks[-1]
         if step > last_step:
@@ -224,13 +235,15 @@ class Goodput(Callback):
             self.interval_marks = []
         self.interval_marks.append((training, waited, step))
         window = math.ceil(self.slow_steps / trainer.log_every_n_steps)  # type: ignore[attr-defined]
-        if self.slow_share is not None:
-            self.alert(trainer, "slow_steps", alerts.slow_steps(self.step_times, window, self.slow_share))
+        del self.interval_marks[: -window - 1]
+        if not trainer.is_global_zero:
+            return
+        if self.slow_share is not None and "slow_steps" not in self.alerted:
+            self.alert(trainer, "slow_steps", alerts.slow_steps(list(self.step_times), window, self.slow_share))
         if self.data_wait_share is not None and len(self.interval_marks) > window:
-            old_training, old_waited, _ = self.interval_marks[-1 - window]
+            old_training, old_waited, _ = self.interval_marks[0]
             busy = training - old_training + waited - old_waited
             self.alert(trainer, "data_wait", alerts.data_wait(waited - old_waited, busy, self.data_wait_share))
-        del self.interval_marks[: -window - 1]
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking:
@@ -239,6 +252,10 @@ class Goodput(Callback):
             self.write(trainer, "progress")
         self.first_work(trainer)
         self.book(trainer, "validation")
+
+    def on_validation_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        if time.time() - self.last_line >= self.heartbeat:  # a long validation is accounted for as it goes
+            self.write(trainer, "progress")
 
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or self.start is None:
@@ -260,9 +277,9 @@ class Goodput(Callback):
         if value is None:
             self.write(trainer, "validation")
             return
-        self.validated[trainer.global_step] = float(value)
+        self.validated[self.step(trainer)] = float(value)
         self.write(trainer, "validation", value=float(value))
-        if self.flat_validations is not None:
+        if self.flat_validations is not None and trainer.is_global_zero:
             values = [self.validated[step] for step in sorted(self.validated)]
             flat = alerts.no_improvement(values, self.monitor, self.flat_validations, self.min_improvement)
             self.alert(trainer, "no_improvement", flat)
@@ -274,7 +291,7 @@ class Goodput(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # The record stays open: a stop that ends in `report` (a signal in a validation) writes the last line.
         if self.start is not None:
-            self.write(trainer, "end", cause=f"error: {type(exception).__name__}: {exception}")
+            self.write(trainer, "end", cause=f"error: {type(exception).__name__}: {exception}".rstrip(": "))
 
     def on_run_end(self, trainer: Trainer, stopped_by: str | None) -> list[str]:
         """The run's end (`pretraining.report.HearsTheRunEnd`): the last line of this attempt, and the summary's."""
@@ -296,11 +313,8 @@ class Goodput(Callback):
     def account(self, trainer: Trainer) -> RunAccount:
         """The run's account so far: the earlier attempts' and this one's, to the time last booked."""
         assert self.start is not None
-        now = {"attempt": self.attempt, "event": "progress", "t": self.since, "step": trainer.global_step}
+        now = {"attempt": self.attempt, "event": "progress", "t": self.since, "step": self.step(trainer)}
         return account_run([*self.earlier, Attempt(self.start, [now | {"spent": dict(self.spent)}])], self.device_hour)
-
-    def spent_so_far(self) -> float:
-        return account_run(self.earlier).device_hours + (time.time() - self.started) * self.start["devices"] / 3600  # type: ignore[index]
 
     def budget_spent(self, device_hours: float) -> str:
         """The budget is spent, in words: how much of which limit."""
@@ -312,25 +326,27 @@ class Goodput(Callback):
 
     def to_continue(self) -> str:
         return (
-            f"raise callbacks.goodput.{self.budget_key} and run the command again with "
-            f"run_name={self.path.parent.name} (a changed override names another run otherwise)"
+            f"raise callbacks.goodput.{self.budget_key} and run the command again on this run's directory, "
+            f"{self.path.parent} (pass its run_name: a changed override names another run)"
         )
 
     def alert(self, trainer: Trainer, condition: Condition, message: str | None) -> None:
         """Warn about `condition` (once a run: the record keeps the alerts raised) on the console and the log,
-        and in W&B (`alert`); stop the run at the next logging step if `stop_on` names it."""
-        if message is None or condition in self.alerted:
+        and in W&B (`alert`); ask to stop the run at the next logging step if `stop_on` names it. Rank zero's."""
+        if message is None or condition in self.alerted or not trainer.is_global_zero:
             return
         self.alerted.add(condition)
         rank_zero_warn(f"goodput alert, {condition}: {message}")
-        if trainer.is_global_zero:
-            self.write(trainer, "alert", condition=condition, message=message)
-            for logger in trainer.loggers:
-                if isinstance(logger, WandbLogger):
-                    logger.experiment.alert(title=f"{condition} ({self.path.parent.name})", text=message)
+        self.write(trainer, "alert", condition=condition, message=message)
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.experiment.alert(title=f"{condition} ({self.path.parent.name})", text=message)
         if condition in self.stop_on:
-            self.stopped_by = f"the alert {condition} (callbacks.goodput.stop_on): {message}"
-            self.stop_asked = True
+            self.asking = self.asking or f"the alert {condition} (callbacks.goodput.stop_on): {message}"
+
+
+def lines_of(attempts: list[Attempt], event: str) -> list[dict[str, Any]]:
+    return [line for attempt in attempts for line in attempt.lines if line["event"] == event]
 
 
 def resumed_step(trainer: Trainer) -> int | None:
@@ -340,3 +356,25 @@ def resumed_step(trainer: Trainer) -> int | None:
     if lineage is None or lineage.parent is None:
         return None
     return int(read_sidecar(lineage.parent)["step"])
+
+
+def attempt_start_time(run_dir: Path) -> float:
+    """When this attempt began. For a `pretrain` job (its status record names this process): the process's start,
+    or for a later job of the same process (a multirun's next) the job's; for a run started otherwise (from
+    Python: a notebook, a test), now."""
+    status = read_status(run_dir)
+    if status.get("pid") != os.getpid():
+        return time.time()
+    if not first_job_start:
+        first_job_start.append(status["started"])
+    return process_start_time() if status["started"] == first_job_start[0] else status["started"]
+
+
+def process_start_time() -> float:
+    """When this process started (Unix time, to about a second: Linux's /proc); elsewhere, now."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
+        return int(boot.split()[1]) + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()

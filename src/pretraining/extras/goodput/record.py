@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -77,33 +77,10 @@ def read_attempts(path: Path) -> tuple[list[Attempt], int]:
     return attempts, skipped
 
 
-# The runs this process began: a later one (a multirun's next job, a notebook's next run) begins when its
-# callback is made, not when the process started.
-runs_in_this_process = 0
-
-
-def attempt_start_time() -> float:
-    """When this attempt began: for the process's first run, when the process started; for a later run of
-    the same process, now."""
-    global runs_in_this_process
-    runs_in_this_process += 1
-    return process_start_time() if runs_in_this_process == 1 else time.time()
-
-
-def process_start_time() -> float:
-    """When this process started (Unix time, to about a second: Linux's /proc); elsewhere, now (the
-    start-up before this call then goes uncounted)."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        boot = next(line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
-        return int(boot.split()[1]) + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
-
-
 class RecordWriter:
     """Appends lines to a run's record, each flushed as written (a kill loses at most the line being
-    written; `read_attempts` skips it)."""
+    written; `read_attempts` skips it). A write the file system refuses stops the record with a warning, not
+    the run."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -113,8 +90,14 @@ class RecordWriter:
             self.file.write("\n")
 
     def write(self, line: dict[str, Any]) -> None:
-        self.file.write(json.dumps(line) + "\n")
-        self.file.flush()
+        if self.file.closed:
+            return
+        try:
+            self.file.write(json.dumps(line) + "\n")
+            self.file.flush()
+        except OSError as error:
+            warnings.warn(f"{self.file.name}: {error}; the goodput record stops here", stacklevel=2)
+            self.file.close()
 
     def close(self) -> None:
         self.file.close()
