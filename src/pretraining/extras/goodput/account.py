@@ -247,10 +247,10 @@ def lines(account: RunAccount) -> list[str]:
         )
     if account.device_hour is None:
         out.append("no price: pass --device-hour (or run with callbacks.goodput.device_hour=...) for costs")
-    for number, attempt in enumerate(account.attempts, 1):
+    for attempt in account.attempts:
         resumed = "fresh start" if attempt.resumed_from is None else f"from step {attempt.resumed_from}"
         out.append(
-            f"  attempt {number}: {resumed} to step {attempt.last_step} on {attempt.devices} x {attempt.device} "
-            f"({attempt.host}), {hours(attempt.wall)}, {attempt.cause}"
+            f"  attempt {attempt.number}: {resumed} to step {attempt.last_step} on {attempt.devices} x "
+            f"{attempt.device} ({attempt.host}), {hours(attempt.wall)}, {attempt.cause}"
         )
     return out + [f"not accounted for: {note}" for note in account.unaccounted]
