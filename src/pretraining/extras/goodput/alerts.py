@@ -50,15 +50,16 @@ def data_wait(waited: float, busy: float, share: float) -> str | None:
     )
 
 
-def crash_loop(starts: list[float], now: float, limit: int) -> str | None:
-    """More than `limit` restarts within the last hour (`starts`: every attempt's start, this one's too; the
-    first attempt's is no restart)."""
-    restarts = sum(now - start < 3600 for start in starts[1:])
-    if restarts <= limit:
+def crash_loop(restarts: list[float], now: float, limit: int) -> str | None:
+    """More than `limit` restarts after a crash within the last hour (`restarts`: when each attempt began that
+    followed one killed or ended by an error; a run continued after a clean stop is no crash)."""
+    recent = sum(now - start < 3600 for start in restarts)
+    if recent <= limit:
         return None
     return (
-        f"{restarts} restarts within the hour, over {limit}: a crash loop? Read the last attempts' errors "
-        "(status.json, the job's log) before the scheduler restarts it again (callbacks.goodput.restarts_per_hour)"
+        f"{recent} restarts after a kill or an error within the hour, over {limit}: a crash loop? Read the last "
+        "attempts' errors (status.json, the job's log) before the scheduler restarts it again "
+        "(callbacks.goodput.restarts_per_hour)"
     )
 
 

@@ -181,7 +181,8 @@ class Goodput(Callback):
         self.start = self.write(trainer, "start", **fields)
         if self.restarts_per_hour is not None:
             starts = [attempt.start["started"] for attempt in self.earlier] + [self.started]
-            self.alert(trainer, "crash_loop", alerts.crash_loop(starts, time.time(), self.restarts_per_hour))
+            crashed = [start for before, start in zip(self.earlier, starts[1:], strict=True) if crashed_out(before)]
+            self.alert(trainer, "crash_loop", alerts.crash_loop(crashed, time.time(), self.restarts_per_hour))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.first_work(trainer)
@@ -343,6 +344,11 @@ class Goodput(Callback):
                 logger.experiment.alert(title=f"{condition} ({self.path.parent.name})", text=message)
         if condition in self.stop_on:
             self.asking = self.asking or f"the alert {condition} (callbacks.goodput.stop_on): {message}"
+
+
+def crashed_out(attempt: Attempt) -> bool:
+    """Whether an attempt was killed (it wrote no end) or ended by an error."""
+    return attempt.cause is None or attempt.cause.startswith("error")
 
 
 def lines_of(attempts: list[Attempt], event: str) -> list[dict[str, Any]]:
