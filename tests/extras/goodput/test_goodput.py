@@ -175,6 +175,9 @@ def test_a_budget_stops_the_run_with_a_checkpoint_and_refuses_its_restart(tmp_pa
     attempts, _ = read_attempts(run / RECORD_FILE)
     assert [a.start["resumed_from"] for a in attempts] == [None, step]
     assert attempts[-1].cause == "completed"
+    # Finished, it is run again with its first budget (spent): it reports the run, nothing refused.
+    code, output, _ = pretrain(tmp_path, [*raised[:-1], f"callbacks.goodput.max_device_hours={budget}"])
+    assert code == 0 and "the run is complete" in output, output[-3000:]
 
 
 def test_a_flat_validation_loss_is_alerted_once_and_can_stop_the_run(

@@ -8,12 +8,14 @@ import socket
 import time
 from collections import deque
 from pathlib import Path
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, cast, get_args
 
 import torch
+from hydra.core.hydra_config import HydraConfig
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from omegaconf import DictConfig, OmegaConf
 
 from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.callbacks.lineage import trainer_lineage
@@ -31,7 +33,6 @@ from pretraining.ranges import Positive, Range, checked_ranges
 NonNegative = Annotated[float, Range(ge=0)]
 Share = Annotated[float, Range(gt=0, lt=1)]
 MEDIAN_INTERVALS = 1000  # the slow-step alert's median is over at most this many logging intervals
-first_job_start: list[float] = []  # when this process's first `pretrain` job started (its status record says)
 
 
 class Goodput(Callback):
@@ -98,12 +99,12 @@ class Goodput(Callback):
         self.earlier: list[Attempt] = []  # the run's attempts before this one
         if self.path.is_file():  # read on every rank, before any rank's set-up: rank zero then adds to it
             self.earlier, _ = read_attempts(self.path)
-        self.spent_before = account_run(self.earlier).device_hours
-        if self.spent_before >= self.budget:  # before the loggers start: nothing of this attempt begins
-            raise ConfigError(
-                f"{self.budget_spent(self.spent_before)}; nothing was started. To continue, {self.to_continue()}"
-            )
         self.started = attempt_start_time(Path(dir))
+        self.spent_before = account_run(self.earlier).device_hours
+        # Refused here, before the loggers start; but a finished run run again only reports its metrics
+        # (`pretraining.run.finished`, before any set-up), and one extended later is refused at its set-up.
+        if not self.earlier or self.earlier[-1].cause != "completed":
+            self.refuse_a_spent_budget()
         self.deadline = math.inf  # when the budget is spent, once the devices are known
         self.activity, self.since = "startup", self.started
         self.spent = dict.fromkeys(SPENT_ON, 0.0)
@@ -161,6 +162,7 @@ class Goodput(Callback):
 
     def begin(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The first set-up of this process: this attempt's start in the record."""
+        self.refuse_a_spent_budget()
         # Every rank's account starts at rank zero's clock (the goodput logged is their mean).
         self.started = self.since = trainer.strategy.broadcast(self.started)
         self.attempt = (self.earlier[-1].number if self.earlier else 0) + 1
@@ -169,6 +171,7 @@ class Goodput(Callback):
         fields = {
             "started": self.started,
             "host": socket.gethostname(),
+            "pid": os.getpid(),
             "devices": trainer.world_size,
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
             "resumed_from": resumed_step(trainer),
@@ -317,6 +320,11 @@ class Goodput(Callback):
         now = {"attempt": self.attempt, "event": "progress", "t": self.since, "step": self.step(trainer)}
         return account_run([*self.earlier, Attempt(self.start, [now | {"spent": dict(self.spent)}])], self.device_hour)
 
+    def refuse_a_spent_budget(self) -> None:
+        if self.spent_before >= self.budget:
+            spent = self.budget_spent(self.spent_before)
+            raise ConfigError(f"{spent}; nothing was started. To continue, {self.to_continue()}")
+
     def budget_spent(self, device_hours: float) -> str:
         """The budget is spent, in words: how much of which limit."""
         cost = "" if self.device_hour is None else f" (cost {amount(device_hours * self.device_hour)})"
@@ -343,7 +351,10 @@ class Goodput(Callback):
             if isinstance(logger, WandbLogger):
                 logger.experiment.alert(title=f"{condition} ({self.path.parent.name})", text=message)
         if condition in self.stop_on:
-            self.asking = self.asking or f"the alert {condition} (callbacks.goodput.stop_on): {message}"
+            self.asking = self.asking or (
+                f"the alert {condition} (callbacks.goodput.stop_on): {message}. This step is saved; run the same "
+                "command to continue (each alert is raised once a run)"
+            )
 
 
 def crashed_out(attempt: Attempt) -> bool:
@@ -365,15 +376,15 @@ def resumed_step(trainer: Trainer) -> int | None:
 
 
 def attempt_start_time(run_dir: Path) -> float:
-    """When this attempt began. For a `pretrain` job (its status record names this process): the process's start,
-    or for a later job of the same process (a multirun's next) the job's; for a run started otherwise (from
-    Python: a notebook, a test), now."""
+    """When this attempt began. For a `pretrain` job (its status record says this process runs it): the process's
+    start, or for a multirun's job after the first the job's own (with Hydra's basic launcher the jobs share a
+    process); for a run started otherwise (from Python: a notebook, a test), now."""
     status = read_status(run_dir)
-    if status.get("pid") != os.getpid():
+    if status.get("status") != "running" or status.get("pid") != os.getpid():
         return time.time()
-    if not first_job_start:
-        first_job_start.append(status["started"])
-    return process_start_time() if status["started"] == first_job_start[0] else status["started"]
+    hydra = cast(DictConfig, HydraConfig.get()) if HydraConfig.initialized() else None  # a DictConfig at run time
+    later_job = hydra is not None and OmegaConf.select(hydra, "job.num", default=0) > 0
+    return status["started"] if later_job else process_start_time()
 
 
 def process_start_time() -> float:
