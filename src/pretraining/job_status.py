@@ -103,6 +103,25 @@ def read_status(job_dir: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {"status": "unknown"}
 
 
+def current_status(job_dir: Path) -> dict[str, Any]:
+    """The job's status record for a reader (a sweep's report, a run's account): `running` whose process is
+    gone from this host reads `interrupted`."""
+    record = read_status(job_dir)
+    if record["status"] == "running" and record.get("host") == socket.gethostname() and not alive(record["pid"]):
+        record["status"] = "interrupted"
+    return record
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process holds that id now
+        pass
+    return True
+
+
 def write_status(job_dir: Path, record: dict[str, Any]) -> None:
     job_dir.mkdir(parents=True, exist_ok=True)
     write_atomically(job_dir / STATUS_FILE, json.dumps(record, indent=2).encode())

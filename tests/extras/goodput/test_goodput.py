@@ -9,6 +9,7 @@ import json
 import math
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -315,6 +316,14 @@ def test_a_sweeps_report_gives_each_job_and_the_share_that_completed(tmp_path: P
     assert [job["job"] for job in got["jobs"]] == ["0", "1", "2", "3"]
     assert got["jobs"][0]["goodput"] == 10 / 11 and got["jobs"][0]["cost"] == pytest.approx(36 * 11 / 3600)
     assert "goodput" not in got["jobs"][1] and "cannot be accounted for" in got["jobs"][1]["unaccounted"][0]
+
+
+def test_a_run_whose_process_is_gone_reads_interrupted_not_running(tmp_path: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    record = {"status": "running", "host": socket.gethostname(), "pid": gone.pid}
+    (tmp_path / "status.json").write_text(json.dumps(record))
+    assert report(tmp_path)["status"] == "interrupted"
 
 
 def test_a_run_without_a_record_says_what_cannot_be_accounted_for(

@@ -8,7 +8,7 @@ from typing import Any
 
 from pretraining.extras.goodput.account import account_run, amount, hours, lines
 from pretraining.extras.goodput.record import RECORD_FILE, read_attempts
-from pretraining.job_status import read_status
+from pretraining.job_status import current_status
 from pretraining.run_lock import STATUS_FILE
 
 
@@ -18,7 +18,7 @@ def is_run(path: Path) -> bool:
 
 def run_report(run: Path, device_hour: float | None) -> tuple[list[str], dict[str, Any]]:
     """A run's account in words and as JSON values; for a run without a record, what it cannot account for."""
-    status = read_status(run)["status"]
+    status = current_status(run)["status"]
     if not (run / RECORD_FILE).is_file():
         note = (
             f"{run} has no {RECORD_FILE}: the run's time, restarts and cost cannot be accounted for (it ran "

@@ -17,13 +17,10 @@ from __future__ import annotations
 import csv
 import io
 import logging
-import os
-import socket
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from omegaconf import OmegaConf
 
@@ -31,7 +28,7 @@ from pretraining.checkpoint import saved_checkpoints
 from pretraining.errors import MissingExtraError
 from pretraining.extras.plots.run_logs import METRICS_FILE, PlotError, Series, natural_key, read_metrics, read_overrides
 from pretraining.files import write_atomically
-from pretraining.job_status import read_status
+from pretraining.job_status import current_status
 
 try:  # the overlay plot needs matplotlib (the `plots` extra); the report itself does not
     from pretraining.extras.plots.plots import plot_overlay
@@ -52,24 +49,6 @@ class SweepError(ValueError):
     """A directory that is not a sweep; the message says what to pass instead."""
 
 
-def job_status(job_dir: Path) -> dict[str, Any]:
-    """The job's status record; `running` whose process is gone on this host reads `interrupted`."""
-    record = read_status(job_dir)
-    if record["status"] == "running" and record.get("host") == socket.gethostname() and not alive(record["pid"]):
-        record["status"] = "interrupted"
-    return record
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process holds that id now
-        pass
-    return True
-
-
 @dataclass
 class Job:
     """One job of a sweep, as its directory tells it."""
@@ -86,7 +65,7 @@ class Job:
 
 
 def read_job(job_dir: Path) -> Job:
-    status = job_status(job_dir)
+    status = current_status(job_dir)
     metric = str(OmegaConf.select(OmegaConf.load(job_dir / CONFIG_FILE), "optimized_metric") or "")
     metrics = logged_metrics(job_dir)
     final = {name: series.values[-1] for name, series in metrics.items() if name.startswith(FINAL_PREFIXES)}
