@@ -174,14 +174,19 @@ class RunAccount:
         }
 
 
+def account_attempts(attempts: list[Attempt]) -> list[AttemptAccount]:
+    """Each attempt's figures, kept up to the step the next one resumed from (the last: up to its last line)."""
+    return [
+        account_attempt(attempt, attempts[index + 1] if index + 1 < len(attempts) else None)
+        for index, attempt in enumerate(attempts)
+    ]
+
+
 def account_run(
     attempts: list[Attempt], device_hour: float | None = None, unaccounted: list[str] | None = None
 ) -> RunAccount:
     """The run's account from its attempts; `device_hour` overrides the price the last attempt recorded."""
-    accounts = [
-        account_attempt(attempt, attempts[index + 1] if index + 1 < len(attempts) else None)
-        for index, attempt in enumerate(attempts)
-    ]
+    accounts = account_attempts(attempts)
     last = attempts[-1].start if attempts else {}
     price = device_hour if device_hour is not None else last.get("device_hour")
     notes = list(unaccounted or [])

@@ -23,7 +23,14 @@ from pretraining.checkpoint.sidecar import read_sidecar
 from pretraining.data.loader import WaitTimedLoader
 from pretraining.errors import ConfigError
 from pretraining.extras.goodput import alerts
-from pretraining.extras.goodput.account import RunAccount, account_run, amount
+from pretraining.extras.goodput.account import (
+    AttemptAccount,
+    RunAccount,
+    account_attempt,
+    account_attempts,
+    account_run,
+    amount,
+)
 from pretraining.extras.goodput.alerts import Condition
 from pretraining.extras.goodput.record import RECORD_FILE, SPENT_ON, Attempt, RecordWriter, read_attempts
 from pretraining.job_status import read_status
@@ -113,6 +120,7 @@ class Goodput(Callback):
         self.writer: RecordWriter | None = None
         self.attempt = 0
         self.start: dict[str, Any] | None = None  # this attempt's first line, once written
+        self.earlier_accounts: list[AttemptAccount] = []
         self.alerted = {line["condition"] for line in lines_of(self.earlier, "alert")}
         # The monitored metric at each validated step, over the attempts.
         self.validated = {
@@ -182,6 +190,8 @@ class Goodput(Callback):
         if trainer.is_global_zero:
             self.writer = RecordWriter(self.path)
         self.start = self.write(trainer, "start", **fields)
+        # The earlier attempts' figures are fixed once this one's resumed step is known: worked out once.
+        self.earlier_accounts = account_attempts([*self.earlier, Attempt(self.start, [])])[:-1]
         if self.restarts_per_hour is not None:
             starts = [attempt.start["started"] for attempt in self.earlier] + [self.started]
             crashed = [start for before, start in zip(self.earlier, starts[1:], strict=True) if crashed_out(before)]
@@ -318,7 +328,8 @@ class Goodput(Callback):
         """The run's account so far: the earlier attempts' and this one's, to the time last booked."""
         assert self.start is not None
         now = {"attempt": self.attempt, "event": "progress", "t": self.since, "step": self.step(trainer)}
-        return account_run([*self.earlier, Attempt(self.start, [now | {"spent": dict(self.spent)}])], self.device_hour)
+        current = account_attempt(Attempt(self.start, [now | {"spent": dict(self.spent)}]), None)
+        return RunAccount([*self.earlier_accounts, current], self.start["max_steps"], self.device_hour)
 
     def refuse_a_spent_budget(self) -> None:
         if self.spent_before >= self.budget:
