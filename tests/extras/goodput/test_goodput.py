@@ -32,11 +32,18 @@ from pretraining.train import train
 
 TESTS = Path(__file__).parents[2]
 TEST_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+WITH_GOODPUT = "callbacks=[default,goodput]"  # the extra is opt-in
+
+
+@pytest.fixture
+def compose_train(compose_train: Any) -> Any:
+    """The shared fixture's tiny run, with the goodput callback."""
+    return lambda *overrides, **options: compose_train(WITH_GOODPUT, *overrides, **options)
 
 
 def pretrain(log_dir: Path, overrides: list[str]) -> tuple[int, str, float]:
     """Run `pretrain` (run `run`) in its own process group: its exit status, its output and its wall time."""
-    command = [sys.executable, "-m", "pretraining", *overrides, f"paths.log_dir={log_dir}", "run_name=run"]
+    command = [sys.executable, "-m", "pretraining", WITH_GOODPUT, *overrides, f"paths.log_dir={log_dir}", "run_name=run"]
     started = time.time()
     process = subprocess.Popen(
         command, env=TEST_ENV, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
