@@ -26,8 +26,8 @@ from pretraining.checkpoint import (
 from pretraining.checkpoint.background import BackgroundWriter
 from pretraining.errors import ConfigError
 from pretraining.objectives.base import PretrainingObjective, logged_values
+from pretraining.plugins import fsdp2_strategy
 from pretraining.plugins.checkpoint_io import AtomicCheckpointIO
-from pretraining.plugins.fsdp import FSDP2Strategy
 from pretraining.ranges import Positive, Range, checked_ranges
 
 
@@ -235,9 +235,10 @@ def raise_failed(path: Path, error: Exception, directory: Path) -> NoReturn:
 def writes_through_storage_options(trainer: Trainer) -> bool:
     """Whether the strategy hands `Trainer.save_checkpoint`'s `storage_options` to the checkpoint writer
     (rank zero's, or FSDP2's for its shards), which then writes in the background."""
-    return type(trainer.strategy) in (SingleDeviceStrategy, DDPStrategy, FSDP2Strategy)
+    return type(trainer.strategy) in (SingleDeviceStrategy, DDPStrategy) or fsdp2_strategy(trainer.strategy) is not None
 
 
 def saves_sharded(trainer: Trainer) -> bool:
     """Whether every rank writes its shards of each checkpoint (FSDP2 with `save_distributed_checkpoint=true`)."""
-    return isinstance(trainer.strategy, FSDP2Strategy) and trainer.strategy.sharded_saves
+    fsdp2 = fsdp2_strategy(trainer.strategy)
+    return fsdp2 is not None and fsdp2.sharded_saves

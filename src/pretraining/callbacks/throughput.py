@@ -24,7 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 
 from pretraining.data.loader import WaitTimedLoader
 from pretraining.objectives.base import BatchWork
-from pretraining.plugins.fsdp import FSDP2Strategy
+from pretraining.plugins import fsdp2_strategy
 
 # Dense (no 2:4 sparsity) peaks per device name fragment, checked before Lightning's table, whose H200
 # entries are the sparse figures and which does not recognise every H200 name.
@@ -49,9 +49,9 @@ def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 def compute_dtype(trainer: Trainer) -> torch.dtype:
     """The dtype the matmuls run in: the FSDP2 policy's, else the Trainer precision's."""
-    strategy = trainer.strategy
-    if isinstance(strategy, FSDP2Strategy) and strategy.policy.param_dtype is not None:
-        return strategy.policy.param_dtype
+    fsdp2 = fsdp2_strategy(trainer.strategy)
+    if fsdp2 is not None and fsdp2.policy.param_dtype is not None:
+        return fsdp2.policy.param_dtype
     precision = str(trainer.precision)
     if precision.startswith("bf16"):
         return torch.bfloat16
