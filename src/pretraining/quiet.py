@@ -38,6 +38,10 @@ LIBRARY_WARNINGS = (
     # machine: "num_workers=15"), whatever the loader's wait; data.num_workers also sets the data order, and
     # the run's perf/data_wait says when the loader is the bottleneck.
     (r"The '\w+' does not have many workers", UserWarning, r"lightning\.pytorch\.trainer\.connectors\.data_connector"),
+    # Wherever `srun` is on PATH (a SLURM login node) and the process is not a SLURM task, Lightning's
+    # SLURMEnvironment hints at prepending `srun`: a run outside SLURM is one on purpose (a SLURM job's
+    # ranks are its tasks: scripts/launch_slurm.sh), and a run under SLURM never gets the hint.
+    (r"The `srun` command is available on your system", UserWarning, r"lightning\.fabric\.plugins\.environments"),
 )
 
 

@@ -145,8 +145,11 @@ class PretrainingObjective(LightningModule):
 
     def configure_callbacks(self) -> list[Callback]:
         """`LogStepValues`, which Lightning runs after the trainer's callbacks (which add to `step_values`, or
-        stop training) and before the checkpoint callbacks (which may monitor the values)."""
-        return [LogStepValues()]
+        stop training) and before the checkpoint callbacks (which may monitor the values). Lightning asks at
+        every stage (a validation before `fit`, then `fit`) and keeps what the first added among the trainer's
+        callbacks, in that place: it is returned once, not again to replace itself (which Lightning announces)."""
+        trainer_callbacks: list[Callback] = self.trainer.callbacks  # type: ignore[attr-defined]
+        return [] if any(isinstance(c, LogStepValues) for c in trainer_callbacks) else [LogStepValues()]
 
     @property
     def trained_steps(self) -> int:
