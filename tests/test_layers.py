@@ -15,7 +15,10 @@ from pretraining.config import PROJECT_ROOT
 PACKAGE = PROJECT_ROOT / "src" / "pretraining"
 # Lowest first. A module is on the floor of the longest prefix of its name listed here.
 FLOORS = [
-    ("ground", ["errors", "ranges", "files", "distributed", "instantiate", "checkpoint", "run_lock", "quiet"]),
+    (
+        "ground",
+        ["errors", "ranges", "files", "distributed", "instantiate", "checkpoint", "run_lock", "quiet", "compat"],
+    ),
     ("data", ["data"]),
     ("models", ["models"]),
     ("internals", ["internals"]),
@@ -29,7 +32,8 @@ FLOORS = [
 ]
 # The modules whose imports of the package may wait inside a function: the core's and each extra's
 # commands, for a fast `--help`; what Lightning or Hydra load for every run but use in some only, so that a
-# run loads only what it uses (the FSDP2 strategy's sharded format, a multirun's report).
+# run loads only what it uses (the FSDP2 strategy's sharded format, a multirun's report); the readers of older
+# versions' formats, which only an old checkpoint or a refused key loads (`pretraining.compat`).
 DEFERS_IMPORTS = (
     "cli",
     "extras.hf.cli",
@@ -37,8 +41,11 @@ DEFERS_IMPORTS = (
     "extras.registry.cli",
     "extras.sweeps.cli",
     "extras.goodput.cli",
+    "plugins",
     "plugins.fsdp",
     "extras.sweeps.callback",
+    "data.position",
+    "schema",
 )
 # The floors without Lightning, and the names it is imported under.
 NO_LIGHTNING = ("ground", "models")

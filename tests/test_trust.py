@@ -22,11 +22,8 @@ from pretraining.cli import data as pretrain_data
 from pretraining.cli import info as info_main
 from pretraining.config import CONFIG_DIR
 from pretraining.data.manifest import SPLITS
-from pretraining.data.tokenizer import ByteTokenizer
 from pretraining.errors import CheckpointError, ConfigError, ShardError
 from pretraining.evaluate import evaluate
-from pretraining.instantiate import build
-from pretraining.stored import stored_config
 from pretraining.train import train
 
 
@@ -191,18 +188,3 @@ def test_a_stored_config_cannot_allow_the_commands_of_a_manifest(
         evaluate_checkpoint(path, tmp_path)
     assert not marker.exists()
     assert "val/loss" in evaluate_checkpoint(path, tmp_path, "trust_pipe_commands=true") and marker.exists()
-
-
-def test_a_stored_config_naming_classes_where_version_0_1_kept_them_still_builds() -> None:
-    old = {
-        "tokenizer": {"_target_": "pretraining.data.ByteTokenizer"},
-        "data": {
-            "_target_": "pretraining.data.ShardDataModule",
-            "format": {"_target_": "pretraining.data.PackedBlocks"},
-        },
-        "model": {},
-    }
-    run = stored_config({"lineage": {"config": old}}, "old.ckpt")
-    assert run.data._target_ == "pretraining.data.datamodule.ShardDataModule"
-    assert run.data.format._target_ == "pretraining.data.formats.PackedBlocks"
-    assert isinstance(build(run.tokenizer), ByteTokenizer)

@@ -26,21 +26,6 @@ OPTIMIZERS = "torch.optim"
 # How a command is told to trust a module: the key of `pretrain` and `pretrain-eval` (a command with other
 # options passes its own, as `pretrain-export` does its --trusted-targets).
 TRUST_OPTION = "trusted_targets=[{module}]"
-# Classes of this package that moved since a stored config named them: 0.1.0 imported these from
-# `pretraining.data` itself, which now imports nothing (so that `pretrain-data` does not load Lightning);
-# 0.5 named the objectives by their package, 0.6 by their modules (a run loads only its own).
-MOVED_TARGETS = {
-    "pretraining.data.ShardDataModule": "pretraining.data.datamodule.ShardDataModule",
-    "pretraining.data.PackedBlocks": "pretraining.data.formats.PackedBlocks",
-    "pretraining.data.TokenizedPairs": "pretraining.data.formats.TokenizedPairs",
-    "pretraining.data.ByteTokenizer": "pretraining.data.tokenizer.ByteTokenizer",
-    "pretraining.data.BPETokenizer": "pretraining.data.tokenizer.BPETokenizer",
-    "pretraining.objectives.CausalLM": "pretraining.objectives.causal_lm.CausalLM",
-    "pretraining.objectives.MaskedLM": "pretraining.objectives.masked_lm.MaskedLM",
-    "pretraining.objectives.Contrastive": "pretraining.objectives.contrastive.Contrastive",
-    "pretraining.objectives.Distill": "pretraining.extras.distill.objectives.Distill",
-    "pretraining.objectives.DistillMasked": "pretraining.extras.distill.objectives.DistillMasked",
-}
 
 
 def build(node: DictConfig, **kwargs: Any) -> Any:
@@ -83,18 +68,6 @@ def check_not_interpolation(text: Any, named: str, source: str) -> None:
             f"{named} in {source} is an interpolation: a run's config is stored resolved, so this file "
             "was edited after it was written; use a checkpoint as `pretrain` wrote it"
         )
-
-
-def with_current_targets(node: Any) -> Any:
-    """A stored config (plain containers) with each moved `_target_` (`MOVED_TARGETS`) named where it is now."""
-    if isinstance(node, dict):
-        return {
-            key: MOVED_TARGETS.get(value, value) if key == "_target_" else with_current_targets(value)
-            for key, value in node.items()
-        }
-    if isinstance(node, list):
-        return [with_current_targets(value) for value in node]
-    return node
 
 
 def check_target(target: Any, key: str, trusted: Sequence[str], source: str, trust_option: str) -> None:

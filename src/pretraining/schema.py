@@ -26,10 +26,6 @@ from pretraining.errors import ConfigError
 from pretraining.ranges import Range, describe, fits, item_annotation, mapping, out_of_range, range_problem, type_hints
 
 HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
-# Keys of the example format written one level up: the lengths, which were there in earlier layouts, and the
-# fields, which users reach for there.
-FORMAT_KEYS = ("block_size", "query_len", "passage_len", "text_field", "query_field", "passage_field")
-MOVED_KEYS = {f"data.{key}": f"data.format.{key}" for key in FORMAT_KEYS}
 
 
 Beta = Annotated[float, Range(ge=0, lt=1)]
@@ -200,8 +196,10 @@ def unknown_key(key: str, value: Any, what: str, known: list[str]) -> ConfigErro
     """The error for a key that is not `what` it should be: the closest known key, or all of them."""
     parent, _, name = key.rpartition(".")
     close = difflib.get_close_matches(name, known, n=1)
-    if key in MOVED_KEYS:
-        fix = f"it is a key of the example format, {MOVED_KEYS[key]}: write {MOVED_KEYS[key]}={value!r} instead"
+    from pretraining.compat import moved_key  # a key of older layouts (only a refused key needs it)
+
+    if moved := moved_key(key, value):
+        fix = moved
     elif close:
         suggestion = f"{parent}.{close[0]}" if parent else close[0]
         fix = f"did you mean {suggestion}? Write {suggestion}={value!r} instead"

@@ -22,10 +22,11 @@ from pretraining.checkpoint import (
     verify,
 )
 from pretraining.checkpoint.sharded import load_sharded
+from pretraining.compat import current_config
 from pretraining.data.formats import ExampleFormat
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
-from pretraining.instantiate import TRUST_OPTION, build, check_targets, with_current_targets
+from pretraining.instantiate import TRUST_OPTION, build, check_targets
 from pretraining.objectives.base import PretrainingObjective, build_objective
 
 
@@ -53,9 +54,7 @@ def stored_config(
     trusted in its tokenizer, data or model groups (the ones rebuilt from it); `trust_option` is how the
     caller trusts a module (`pretraining.instantiate.check_targets`)."""
     with rebuilding(checkpoint, source):
-        run = OmegaConf.create(with_current_targets(checkpoint["lineage"]["config"]))
-        # An objective of 0.5 took it; a run now starts from one with callbacks.init_from.
-        run.model.pop("init_from", None)
+        run = OmegaConf.create(current_config(checkpoint["lineage"]["config"]))  # older versions' names
     for group in ("tokenizer", "data", "model"):
         check_targets(run.get(group), group, trusted_targets, f"the config stored in {source}", trust_option)
     return run
