@@ -13,7 +13,7 @@ import re
 import shutil
 import warnings
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -282,68 +282,25 @@ def test_restoring_a_mixtures_position_after_any_number_of_batches_continues_exa
         restored = mixed_datamodule(sources, weights, workers)
         restored.load_state_dict(state)
         assert consume(restored, total - consumed) == reference[consumed:], f"restart after {consumed} batches"
-        assert restored.drawn == whole.drawn and restored.phases == whole.phases
+        assert restored.drawn == whole.drawn and restored.position.phases == whole.position.phases
 
 
-def as_format_2(state: dict[str, Any]) -> dict[str, Any]:
-    """A one-source position as the code before `data.sources` saved it (format 2): cursors [sub, shard, block],
-    one data version, no counts per source."""
-    (version,) = state["versions"].values()
-    return {
-        "format": 2,
-        "data_version": version,
-        "topology": state["topology"],
-        "steps": state["steps"],
-        "cursors": [[sub, shard, block] for _, sub, shard, block in state["cursors"]],
-        "samples_read": state["samples_read"],
-        "samples_skipped": state["samples_skipped"],
-    }
-
-
-def test_a_one_source_position_of_format_2_continues_exactly(sources: dict[str, Path]) -> None:
-    """A checkpoint of a run on data.dir from before mixtures: it continues the same directory, read as
-    data.dir or as a mixture of one under any name, exactly."""
-
-    def one_source(as_mixture: bool) -> ShardDataModule:
-        options: dict[str, Any] = {"global_batch_size": 16, "streams": 4, "num_workers": 0, "seed": SEED}
-        options["shuffle_buffer"] = BUFFER
-        if as_mixture:  # of one, of another name, and weighed
-            options["sources"] = {"code": {"dir": str(sources["a"]), "weight": 0.5}}
-        directory = None if as_mixture else str(sources["a"])
-        return ShardDataModule(directory, ByteTokenizer(), packed_blocks(BLOCK), **options)
-
-    whole = one_source(False)
-    reference = consume(whole, 14)
-    first = one_source(False)
-    consume(first, 9)
-    old = as_format_2(first.state_dict())
-    assert len(old["cursors"]) == 4 and all(block > 0 for *_, block in old["cursors"])
-    for as_mixture in (False, True):
-        restored = one_source(as_mixture)
-        restored.load_state_dict(old)
-        assert consume(restored, 5) == reference[9:], f"as a mixture: {as_mixture}"
-        assert restored.drawn == whole.drawn == [14 * 16] and restored.samples_read == whole.samples_read
-        # No change of mixture: the weight of a mixture of one changes nothing, and is kept as the run's.
-        assert restored.phases == [{"step": 0, "weights": restored.weights}]
-        again = one_source(as_mixture)
-        again.load_state_dict(restored.state_dict())
-        assert again.phases == restored.phases and again.cursors == restored.cursors
-
-
-@pytest.mark.parametrize("old_format", [False, True], ids=["format_3", "format_2"])
-def test_a_source_added_to_a_run_starts_from_its_beginning_and_the_first_continues(
-    sources: dict[str, Path], old_format: bool
-) -> None:
+def test_a_source_added_to_a_run_starts_from_its_beginning_and_the_first_continues(sources: dict[str, Path]) -> None:
     """A run on data.dir=<a> continued on a mixture of a (the same directory, so the same name) and b: a from its
     cursors, b from its start, under a phase of the new weights."""
+    continue_with_a_source_added(sources, lambda state: state)
+
+
+def continue_with_a_source_added(sources: dict[str, Path], saved: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """The test above, from the position `saved` makes of the first run's (tests/test_compat.py: format 2's)."""
     options = {"global_batch_size": 16, "streams": 4, "num_workers": 0, "shuffle_buffer": BUFFER, "seed": SEED}
     first = ShardDataModule(str(sources["a"]), ByteTokenizer(), packed_blocks(BLOCK), **options)
     before = {tokens for batch in consume(first, 6) for _, _, tokens in batch}  # 96 of a's 138 blocks
-    state = as_format_2(first.state_dict()) if old_format else first.state_dict()
+    state = saved(first.state_dict())
     mixed = mixed_datamodule(sources, {"a": 0.5, "b": 0.5})
     with pytest.warns(UserWarning, match=r"shards of data\.sources\.b\.dir are not the checkpoint's: they are read"):
         mixed.load_state_dict(state)
-    assert mixed.phases == [{"step": 0, "weights": {"a": 1.0}}, {"step": 6, "weights": {"a": 0.5, "b": 0.5}}]
+    assert mixed.position.phases == [{"step": 0, "weights": {"a": 1.0}}, {"step": 6, "weights": {"a": 0.5, "b": 0.5}}]
     after = consume(mixed, 2)
     counts = Counter(Mixture(settings(a=0.5, b=0.5), SEED).source_of(k) for k in range(6 * 16, 8 * 16))
     assert mixed.drawn == [6 * 16 + counts[0], counts[1]]
@@ -364,8 +321,8 @@ def test_a_source_under_another_name_continues_where_the_same_shards_stopped(sou
     mixed = ShardDataModule(None, ByteTokenizer(), packed_blocks(BLOCK), sources=renamed, **options)
     with pytest.warns(UserWarning, match=r"shards of data\.sources\.b\.dir are not the checkpoint's"):
         mixed.load_state_dict(first.state_dict())
-    assert {sub: cursor for (source, sub), cursor in mixed.cursors.items() if source == 0} == {
-        sub: cursor for (_, sub), cursor in first.cursors.items()
+    assert {sub: cursor for (source, sub), cursor in mixed.position.cursors.items() if source == 0} == {
+        sub: cursor for (_, sub), cursor in first.position.cursors.items()
     }
     after = consume(mixed, 2)
     assert before.isdisjoint(tokens for batch in after for source, _, tokens in batch if source == "a")

@@ -8,23 +8,9 @@ follows from the number of devices (`plan`), and so do the examples each
 device reads (`pretraining.data.batches.BatchPlan`): the same config trains on
 the same examples, step by step, on any number of devices.
 
-The DataModule also owns the training data position. It sees every batch the
-training loop consumes (`on_before_batch_transfer`, which runs on consumed
-batches, not on the ones the loop prefetches) and keeps the cursor where each
-of its streams continues, plus the number of micro-batches consumed.
-`state_dict()` gathers the cursors of every rank, so rank zero's checkpoint
-holds all of them, and `train_dataloader()` always starts from them: after a
-restore, each stream skips its finished shards by arithmetic and re-reads only
-its current shard, whatever the number of devices now.
-
-It keys the randomness of training on the same position: before each training
-micro-batch it seeds every generator from (seed, step, slot), the micro-batch's
-place in the step's global batch, the same on any number of devices. Dropout
-and any other draw of a step then depend only on where the run is, not on its
-history or layout: a run resumed from a checkpoint draws exactly what the
-uninterrupted run drew, whatever happened in between (validation, a sample, a
-restart), and one process accumulating gradients draws what several devices
-draw. (Per-sample randomness in the data, MLM masks, is keyed on sample ids.)
+The DataModule also owns the training data position, which it advances with every batch the training
+loop consumes and saves in every checkpoint, and the randomness of training keyed on it
+(`pretraining.data.position`).
 
 It reads one shard directory (`dir`) or a weighted mixture of several (`sources`, by name: each its
 own manifest, weight, optional cap on repetitions; `pretraining.data.mixture`). A mixture's data
@@ -43,17 +29,12 @@ whole. `check_skips` stops the run once too much was skipped
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import os
-import random
 import warnings
 from collections.abc import Callable, Mapping
 from functools import cached_property
 from typing import Annotated, Any, Literal
 
-import numpy as np
-import torch
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
@@ -63,11 +44,11 @@ from pretraining.data.formats import ExampleFormat, Tensors
 from pretraining.data.loader import training_loader, validation_loader
 from pretraining.data.manifest import MANIFEST, Manifest
 from pretraining.data.mixture import Mixture, Source, SourceSettings, source_settings
-from pretraining.data.stream import Cursor, ShardStream, stable_hash
+from pretraining.data.position import DataPosition, seed_step
+from pretraining.data.stream import ShardStream, stable_hash
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.data.validation import validation_examples
-from pretraining.distributed import gather
-from pretraining.errors import CheckpointError, ConfigError, ShardError
+from pretraining.errors import ConfigError, ShardError
 from pretraining.ranges import Positive, Range, checked_ranges
 
 
@@ -81,8 +62,6 @@ class ShardDataModule(LightningDataModule):
     out over them; a multiple of 8 examples kept), dealt to ranks in equal numbers, the same every time.
     `streams` None: `default_streams`.
     """
-
-    STATE_FORMAT = 3  # 2: one source, cursors [sub, shard, block] (read as a mixture of one)
 
     @checked_ranges("data")
     def __init__(
@@ -124,13 +103,7 @@ class ShardDataModule(LightningDataModule):
         self.val_size, self.val_batch_size = val_size, val_batch_size
         # Workers already tokenize in parallel; Rust threads in forked workers can hang.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        self.batches_consumed = 0  # training micro-batches this rank has consumed
-        self.cursors: dict[tuple[int, int], Cursor] = {}  # where each (source, sub-stream) this rank reads continues
-        self.samples_read = self.samples_skipped = 0  # by the training batches this rank consumed
-        self.drawn = [0] * len(self.sources)  # examples each source gave the training batches this rank consumed
-        self.ran_out: set[int] = set()  # the sources that have run out (max_epochs) in a sub-stream this rank reads
-        self.stopped_by: dict[str, int | None] = {}  # the sources whose running out stopped the run, with their caps
-        self.phases = [{"step": 0, "weights": self.weights}]  # the mixture's weights, from the step each took effect
+        self.position = DataPosition(self.sources, streams * self.workers)
         self.check_refused_shards()
 
     def load_source(
@@ -179,16 +152,35 @@ class ShardDataModule(LightningDataModule):
 
     @property
     def weights(self) -> dict[str, float]:
-        return {source.name: source.weight for source in self.sources}
+        return self.position.weights
 
     @property
     def data_version(self) -> str:
-        """The version of the data: the manifest's for one source; for a mixture, a hash of its sources'
-        names and versions (the weights are the mixture's, `mixture_settings`, compared apart on resume)."""
-        if len(self.sources) == 1:
-            return self.sources[0].manifest.version
-        versions = {source.name: source.manifest.version for source in self.sources}
-        return hashlib.sha256(json.dumps(versions, sort_keys=True).encode()).hexdigest()[:16]
+        return self.position.data_version
+
+    # What the callbacks read of the position (`pretraining.data.contract.TrainingData`).
+    @property
+    def batches_consumed(self) -> int:
+        return self.position.batches_consumed
+
+    @property
+    def samples_read(self) -> int:
+        return self.position.samples_read
+
+    @property
+    def samples_skipped(self) -> int:
+        return self.position.samples_skipped
+
+    @property
+    def drawn(self) -> list[int]:
+        return self.position.drawn
+
+    @property
+    def ran_out(self) -> set[int]:
+        return self.position.ran_out
+
+    def stop_reason(self, ran_out: list[bool]) -> str | None:
+        return self.position.stop_reason(ran_out)
 
     @property
     def mixture_settings(self) -> dict[str, dict[str, Any]] | None:
@@ -210,7 +202,7 @@ class ShardDataModule(LightningDataModule):
             source.name: {"dir": source.settings.dir, "version": source.manifest.version} for source in self.sources
         }
         mixture = self.mixture_settings
-        phases = {"mixture_phases": self.phases} if mixture else {}
+        phases = {"mixture_phases": self.position.phases} if mixture else {}
         return {"topology": self.topology, "sources": sources, "mixture": mixture, **phases}
 
     @property
@@ -286,7 +278,7 @@ class ShardDataModule(LightningDataModule):
         """The training micro-batches of this rank, continuing from the data position."""
         rank, _ = self.rank_and_world
         streams = [self.shard_stream(source) for source in self.sources]
-        stream = BatchStream(streams, self.plan, rank, self.cursors, self.batches_consumed, self.mixture)
+        stream = BatchStream(streams, self.plan, rank, self.position.cursors, self.batches_consumed, self.mixture)
         return training_loader(stream, self.num_workers, self.pin_memory)
 
     def shard_stream(self, source: Source) -> ShardStream:
@@ -317,185 +309,17 @@ class ShardDataModule(LightningDataModule):
 
     def on_before_batch_transfer(self, batch: Tensors, dataloader_idx: int) -> Tensors:
         if "positions" in batch:  # a training batch (validation has none): it advances the position
-            for source, sub, shard, block in batch.pop("positions").tolist():
-                self.cursors[source, sub] = Cursor(shard, block)
-            for source, drawn in enumerate(batch.pop("drawn").tolist()):
-                self.drawn[source] += drawn
-            self.ran_out |= {source for source, out in enumerate(batch.pop("ran_out").tolist()) if out}
-            self.batches_consumed += 1
-            self.samples_read += int(batch.pop("read"))
-            self.samples_skipped += int(batch.pop("skipped"))
+            self.position.advance(batch)
             seed_step(stable_hash("batch", self.seed, *self.batch_slot))
         return batch
 
     def state_dict(self) -> dict[str, Any]:
         """The data position of every rank (a collective under DDP/FSDP: every rank calls it on save)."""
-        ranks = gather((self.cursors, self.samples_read, self.samples_skipped, self.drawn, self.ran_out))
-        cursors = {key: cursor for rank_cursors, *_ in ranks for key, cursor in rank_cursors.items()}
-        names = [source.name for source in self.sources]
-        return {
-            "format": self.STATE_FORMAT,
-            "data_version": self.data_version,
-            "versions": {source.name: source.manifest.version for source in self.sources},
-            "topology": self.topology,
-            "steps": self.batches_consumed // self.plan.accumulation,
-            "cursors": [[names[source], sub, c.shard, c.block] for (source, sub), c in sorted(cursors.items())],
-            "samples_read": sum(read for _, read, *_ in ranks),
-            "samples_skipped": sum(skipped for _, _, skipped, *_ in ranks),
-            "drawn": {name: sum(rank[3][index] for rank in ranks) for index, name in enumerate(names)},
-            # Each source that ran out, with the cap it ran out at.
-            "ran_out": {names[index]: self.sources[index].settings.max_epochs for *_, out in ranks for index in out},
-            "stopped_by": self.stopped_by,
-            "phases": self.phases,
-        }
+        return self.position.state_dict(self.topology, self.plan.accumulation)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from a saved position: each source whose data is unchanged from its cursors, exactly if the
-        topology is unchanged, else approximately; a source that changed, or is new, from its start (the
-        caller decides whether a change is allowed: see `pretraining.resume`). New mixture weights take effect
-        from the saved step, which starts a phase."""
-        state = self.in_current_format(state)
-        steps = state["steps"]
-        self.batches_consumed = steps * self.plan.accumulation
-        # The run's totals, on rank zero only: summed over ranks, they stay the totals.
-        first = self.rank_and_world[0] == 0
-        self.samples_read = state["samples_read"] if first else 0
-        self.samples_skipped = state["samples_skipped"] if first else 0
-        self.drawn = [state["drawn"].get(source.name, 0) if first else 0 for source in self.sources]
-        self.phases = list(state["phases"])
-        self.ran_out = self.still_run_out(state.get("ran_out", {}), state.get("stopped_by", {}))
-        if self.phases[-1]["weights"] != self.weights:
-            self.phases.append({"step": steps, "weights": self.weights})
-            if len(self.sources) > 1:
-                rank_zero_info(f"data.sources: the weights {self.weights} take effect at step {steps}")
-        index = {source.name: number for number, source in enumerate(self.sources)}
-        unchanged = {
-            name
-            for name, version in state["versions"].items()
-            if name in index and self.sources[index[name]].manifest.version == version
-        }
-        for source in self.sources:
-            if source.name not in unchanged:
-                warnings.warn(
-                    f"the shards of {source.settings.key}.dir are not the checkpoint's: they are read from their start",
-                    stacklevel=1,
-                )
-        saved = {
-            (index[name], sub): Cursor(shard, block)
-            for name, sub, shard, block in state["cursors"]
-            if name in unchanged
-        }
-        if state["topology"] == self.topology:
-            self.cursors = self.own(saved)
-            return
-        # Every sub-stream of a source starts at the same ordinal: the shards the old run finished of it,
-        # counted over all its sub-streams, shared out among the new ones (rounded up). Approximate: a shard in
-        # progress then may be skipped or read again from its start.
-        sub_streams = self.streams * self.workers
-        starts = {}
-        for number in range(len(self.sources)):
-            done = sum(cursor.shard for (source, _), cursor in saved.items() if source == number)
-            starts[number] = Cursor(-(-done // sub_streams))
-        by_source = " (by source)" if len(starts) > 1 else ""
-        warnings.warn(
-            f"data topology changed from {state['topology']} to {self.topology}: the stream resumes approximately, at "
-            f"shard {', '.join(str(start.shard) for start in starts.values())} of every stream{by_source}",
-            stacklevel=1,
-        )
-        self.cursors = self.own(
-            {(number, sub): start for number, start in starts.items() for sub in range(sub_streams)}
-        )
-
-    def still_run_out(self, ran_out: dict[str, int], stopped_by: dict[str, int]) -> set[int]:
-        """The sources that ran out before the checkpoint and still have the cap they ran out at; one that
-        stopped the run there (`stopped_by`, not merely run out before the step that stops) refuses to
-        continue it."""
-        still = {
-            index
-            for index, source in enumerate(self.sources)
-            if ran_out.get(source.name, 0) == source.settings.max_epochs
-        }
-        stopped = [self.sources[index].settings for index in sorted(still) if self.sources[index].name in stopped_by]
-        stopped = [source for source in stopped if source.exhausted == "stop"]
-        if stopped:
-            keys = ", ".join(source.key for source in stopped)
-            raise ShardError(
-                f"{keys} ran out before this checkpoint (max_epochs) and stopped the run: to continue it, raise "
-                f"{stopped[0].key}.max_epochs (or pass ++{stopped[0].key}.exhausted=renormalise to go on without it), "
-                f"with resume_allow=[mixture]"
-            )
-        return still
-
-    def stop_reason(self, ran_out: list[bool]) -> str | None:
-        """Why the run stops at this step, if it does: a source with `exhausted: stop` ran out, on any rank
-        (`ran_out`: each source, over all ranks)."""
-        stopped = [source.settings for source, out in zip(self.sources, ran_out, strict=True) if out]
-        stopped = [source for source in stopped if source.exhausted == "stop"]
-        if not stopped:
-            return None
-        self.stopped_by = {source.name: source.max_epochs for source in stopped}
-        source = stopped[0]
-        return (
-            f"{source.key} has run out: its shards were read max_epochs={source.max_epochs} times, and its share "
-            f"filled by the other sources since (at most trainer.log_every_n_steps steps); saving and stopping "
-            f"({source.key}.exhausted=stop). To go on, raise {source.key}.max_epochs, or pass ++{source.key}.exhausted="
-            f"renormalise, and continue with resume_allow=[mixture]"
-        )
-
-    def in_current_format(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A saved position in this code's format. One source's position (format 2, or a source renamed with
-        its directory) continues this run's one source."""
-        if state.get("format") not in (2, self.STATE_FORMAT):
-            raise CheckpointError(
-                f"the checkpoint's data position has format {state.get('format')}, this code reads "
-                f"{self.STATE_FORMAT}: resume it with the code revision that wrote it"
-            )
-        if state["format"] == 2:  # one directory's, unnamed: `renamed` gives it this run's name
-            state = state | {
-                "versions": {"": state["data_version"]},
-                "cursors": [["", *cursor] for cursor in state["cursors"]],
-                "drawn": {"": state["steps"] * self.global_batch_size},
-                "phases": [{"step": 0, "weights": {"": 1.0}}],
-            }
-        state = self.renamed(state)
-        if len(self.sources) == 1:  # a mixture of one draws from it whatever its weight: one phase, this run's
-            state = state | {"phases": [{"step": 0, "weights": self.weights}]}
-        return state
-
-    def renamed(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A saved position under this run's source names: a saved source this run does not name is the
-        run's one source of the same version (a `data.dir` run continued as a mixture, a source renamed), or,
-        where the checkpoint and the run have one source each, the run's source."""
-        current = {source.name: source.manifest.version for source in self.sources}
-        free = {name: version for name, version in current.items() if name not in state["versions"]}
-        mapping = {}
-        for name, version in state["versions"].items():
-            same = [new for new, new_version in free.items() if new_version == version]
-            if name not in current and len(same) == 1:
-                mapping[name] = same[0]
-                del free[same[0]]
-        if len(state["versions"]) == len(self.sources) == 1 and not mapping and not state["versions"].keys() & current:
-            mapping = {next(iter(state["versions"])): self.sources[0].name}
-        if not mapping:
-            return state
-
-        def by_new_name(entries: dict[str, Any]) -> dict[str, Any]:
-            return {mapping.get(name, name): value for name, value in entries.items()}
-
-        return state | {
-            "versions": by_new_name(state["versions"]),
-            "cursors": [[mapping.get(name, name), *rest] for name, *rest in state["cursors"]],
-            "drawn": by_new_name(state["drawn"]),
-            "ran_out": by_new_name(state.get("ran_out", {})),
-            "stopped_by": by_new_name(state.get("stopped_by", {})),
-            "phases": [phase | {"weights": by_new_name(phase["weights"])} for phase in state["phases"]],
-        }
-
-    def own(self, cursors: dict[tuple[int, int], Cursor]) -> dict[tuple[int, int], Cursor]:
-        """The cursors of the sub-streams this rank reads (each rank saves only its own, so that the
-        gathered position holds each sub-stream's cursor from the one rank that moves it)."""
-        mine = self.plan.streams_of_rank(self.rank_and_world[0])
-        return {(source, sub): cursor for (source, sub), cursor in cursors.items() if sub % self.streams in mine}
+        """Continue from a saved position (`DataPosition.load_state_dict`)."""
+        self.position.load_state_dict(state, self.topology, self.plan, self.rank_and_world[0])
 
     @cached_property
     def validation_sets(self) -> list[list[Tensors]]:
@@ -531,16 +355,3 @@ class ShardDataModule(LightningDataModule):
         # Equal counts on every rank: unequal ones deadlock the metric reduction.
         batch_size = self.val_batch_size or self.plan.micro_batch
         return validation_loader(examples[rank::world_size][:per_rank], batch_size, self.pin_memory)
-
-
-def seed_step(seed: int) -> None:
-    """Seed Python's `random`, NumPy and torch (the CPU, every CUDA device, Apple's GPU): what
-    `torch.manual_seed` does for the devices Lightning trains on, without its look for every other backend,
-    which would cost a small model's step more than the rest of the seeding."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_initialized():  # a run on the GPU has started CUDA before its first batch
-        torch.cuda.manual_seed_all(seed)
-    if torch.backends.mps.is_available():
-        torch.mps.manual_seed(seed)
