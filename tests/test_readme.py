@@ -31,8 +31,8 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import IntervalSweep
 
 from conftest import TINY_RUN
-from pretraining import cli
 from pretraining.config import CONFIG_DIR, PROJECT_ROOT
+from pretraining.data import arguments
 from pretraining.data.manifest import Manifest
 from pretraining.run import check_config
 
@@ -193,7 +193,7 @@ def check_make(argv: list[str], config_dir: Path) -> None:
         search = [f"hparams_search={experiment.split('_')[0]}"] if target == "sweep-optuna" else []
         check_composes([f"experiment={experiment}", *search, *args], config_dir)
     elif target == "tokenizer":
-        cli.data_parser().parse_args(["tokenizer", "--data", "data/stdlib", *args])
+        arguments.data_parser().parse_args(["tokenizer", "--data", "data/stdlib", *args])
     required = {
         "eval": ["CKPT"],
         "info": ["CKPT"],
@@ -245,7 +245,7 @@ def check(command: str, config_dir: Path) -> None:
     elif program == "make":
         check_make(argv, config_dir)
     elif program == "pretrain-data":
-        cli.data_parser().parse_args(args)
+        arguments.data_parser().parse_args(args)
     elif program == "pretrain-registry":  # parsed only: run, it would write to this checkout's registry
         importlib.import_module("pretraining.extras.registry.cli").registry_parser().parse_args(args)
     elif program in ENTRY_POINTS:

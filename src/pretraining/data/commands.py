@@ -1,4 +1,5 @@
-"""What `pretrain-data build|tokenizer|index` do, with the arguments `pretraining.cli.data_parser` parsed."""
+"""What `pretrain-data build|tokenizer|index` do, with the arguments `pretraining.data.arguments.data_parser`
+parsed."""
 
 from __future__ import annotations
 
