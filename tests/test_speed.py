@@ -46,17 +46,18 @@ def blocks(batch: int, length: int) -> dict[str, torch.Tensor]:
 def test_chunked_cross_entropy_equals_the_plain_loss_and_gradients(reduction: str) -> None:
     torch.manual_seed(0)
     hidden = torch.randn(3, 10, 16, requires_grad=True)
-    head = torch.randn(128, 16, requires_grad=True)
+    weight = torch.randn(128, 16, requires_grad=True)
+    head = partial(F.linear, weight=weight)
     targets = torch.randint(0, 100, (3, 10))
     targets[0, :4] = -100  # ignored positions count in neither the sum nor the mean's denominator
     plain = lm_cross_entropy(hidden, head, targets, reduction)
-    expected = torch.autograd.grad(plain, [hidden, head])
+    expected = torch.autograd.grad(plain, [hidden, weight])
     chunked = lm_cross_entropy(hidden, head, targets, reduction, chunk_tokens=7)  # 30 tokens: 7+7+7+7+2
-    grads = torch.autograd.grad(chunked, [hidden, head])
+    grads = torch.autograd.grad(chunked, [hidden, weight])
     assert torch.allclose(chunked, plain, rtol=1e-6, atol=0)
     for grad, reference_grad in zip(grads, expected, strict=True):  # float32 rounding of the summation order only
         torch.testing.assert_close(grad, reference_grad, rtol=1e-5, atol=1e-6 * reference_grad.abs().max().item())
-    reference = F.cross_entropy((hidden @ head.T).flatten(0, 1), targets.flatten(), reduction=reduction)
+    reference = F.cross_entropy((hidden @ weight.T).flatten(0, 1), targets.flatten(), reduction=reduction)
     assert torch.allclose(plain, reference, rtol=1e-6)
 
 

@@ -5,7 +5,9 @@ rest of the template reaches it only through the members below, so a new archite
 that subclasses `Backbone` and one config (`configs/model/backbone/`):
 
 - `forward(tokens, attend, documents, position_ids)`: hidden states (batch, length, `d_model`);
-- `head_weight` (and `logits`): the head the losses apply to hidden states;
+- `logits(hidden)`: the language-model head, the one every loss, validation, generation and distillation
+  applies to hidden states (a linear projection by `head_weight` unless overridden: a soft cap, a scale);
+- `head_weight`: the weight of the head's projection (the FLOPs count and the Hugging Face export read it);
 - `vocab_size`, `max_seq_len`, `d_model`, `causal`: the sizes and the kind the objectives check;
 - `repeated_layers()`: the repeated units that FSDP2 shards one by one, `model.compile` compiles and activation
   checkpointing recomputes; `run_layers` runs them, checkpointed when a strategy asks;
@@ -31,7 +33,7 @@ from pretraining.errors import ConfigError
 
 
 class Backbone(nn.Module, metaclass=abc.ABCMeta):
-    """Token ids in, hidden states out; a head for the language-model losses. Subclasses set
+    """Token ids in, hidden states out; a head (`logits`) for the language-model objectives. Subclasses set
     `vocab_size`, `max_seq_len`, `d_model` and `causal` in `__init__` and implement the abstract methods."""
 
     vocab_size: int
@@ -60,7 +62,7 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
     @property
     @abc.abstractmethod
     def head_weight(self) -> torch.Tensor:
-        """The language-model head's weight (vocabulary rows, d_model): logits are `hidden @ head_weight.T`.
+        """The weight (vocabulary rows, d_model) of the head's projection, `hidden @ head_weight.T` (see `logits`).
         Its rows may exceed `vocab_size` (padding for faster matmuls); the padded ids never occur in data."""
 
     @abc.abstractmethod
@@ -82,7 +84,12 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
         return torch.arange(length, device=tokens.device) if position_ids is None else position_ids
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The head's logits over its (padded) vocabulary."""
+        """The language-model head: logits (..., padded vocabulary) of hidden states (..., d_model).
+
+        The one head: training losses, validation, generation and distillation all score through it. The
+        chunked losses call it on a few positions at a time, so it must score each position alone. Override
+        it for another head (a soft cap, a scale) that starts from this projection: `head_weight` stays its
+        weight, which the FLOPs count reads; the Hugging Face export writes only this default head."""
         return F.linear(hidden, self.head_weight)
 
     def run_layers(self, x: torch.Tensor, *args: Any) -> torch.Tensor:

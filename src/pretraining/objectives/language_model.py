@@ -4,6 +4,7 @@ that need never hold all float32 logits at once."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any, NamedTuple
 
 import torch
@@ -18,6 +19,7 @@ from pretraining.ranges import Range, checked_ranges
 
 IGNORE = -100  # a target that counts for nothing
 ChunkTokens = Annotated[int, Range(ge=1)] | None  # null: the head and loss over all tokens at once
+Head = Callable[[torch.Tensor], torch.Tensor]  # hidden states (..., d_model) to logits: a backbone's `logits`
 
 
 class Scored(NamedTuple):
@@ -30,7 +32,7 @@ class Scored(NamedTuple):
 
 
 class LanguageModel(PretrainingObjective):
-    """An objective over packed blocks that scores token positions (`scored_inputs`) with the tied head.
+    """An objective over packed blocks that scores token positions (`scored_inputs`) with the backbone's head.
 
     `document_masking`: a position attends only within its own document; `document_positions`: positions
     restart at 0 at each document. `loss_chunk_tokens`: the head and loss run over that many tokens at a
@@ -80,9 +82,9 @@ class LanguageModel(PretrainingObjective):
         )
 
     def scored_loss(self, batch: dict[str, torch.Tensor], reduction: str, validation: bool = False) -> torch.Tensor:
-        """The cross-entropy of the tied head at the scored positions of `batch`."""
+        """The cross-entropy of the backbone's head at the scored positions of `batch`."""
         scored = self.scored_inputs(batch, validation)
-        head = self.backbone.head_weight
+        head = self.backbone.logits
         return lm_cross_entropy(self.hidden_at(scored), head, scored.targets, reduction, self.loss_chunk_tokens)
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -98,19 +100,19 @@ def input_documents(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
 
 def lm_cross_entropy(
     hidden: torch.Tensor,
-    head: torch.Tensor,
+    head: Head,
     targets: torch.Tensor,
     reduction: str = "mean",
     chunk_tokens: int | None = None,
 ) -> torch.Tensor:
-    """Cross-entropy of the head `F.linear(hidden, head)` against `targets` (IGNORE counts for nothing), in float32.
+    """Cross-entropy of the logits `head(hidden)` against `targets` (IGNORE counts for nothing), in float32.
 
-    With `chunk_tokens`, the matmul and the loss run over that many tokens at a time under activation
+    With `chunk_tokens`, the head and the loss run over that many tokens at a time under activation
     checkpointing: the float32 logits (tokens x vocabulary) never exist whole, forward or backward;
     each chunk's are recomputed in backward. The result equals the plain path's up to rounding."""
     hidden, targets = hidden.flatten(0, -2), targets.flatten()
     if chunk_tokens is None:
-        return F.cross_entropy(F.linear(hidden, head).float(), targets, ignore_index=IGNORE, reduction=reduction)
+        return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE, reduction=reduction)
     chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens), strict=True)
     total = torch.stack(
         [checkpoint(summed_cross_entropy, part, head, labels, use_reentrant=False) for part, labels in chunks]
@@ -118,5 +120,5 @@ def lm_cross_entropy(
     return total if reduction == "sum" else total / (targets != IGNORE).sum()
 
 
-def summed_cross_entropy(hidden: torch.Tensor, head: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(F.linear(hidden, head).float(), targets, ignore_index=IGNORE, reduction="sum")
+def summed_cross_entropy(hidden: torch.Tensor, head: Head, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE, reduction="sum")

@@ -36,7 +36,7 @@ from pretraining.extras.distill.teacher import TeacherChoice, load_teacher
 from pretraining.models.backbone import Backbone
 from pretraining.objectives.base import PretrainingObjective, frozen, sums
 from pretraining.objectives.causal_lm import CausalLM
-from pretraining.objectives.language_model import IGNORE, ChunkTokens, LanguageModel
+from pretraining.objectives.language_model import IGNORE, ChunkTokens, Head, LanguageModel
 from pretraining.objectives.masked_lm import MaskedLM
 from pretraining.ranges import Range, checked_ranges
 
@@ -146,9 +146,9 @@ class Distillation(LanguageModel):
             teacher_hidden = self.teacher.model.hidden_at(scored)
         cross_entropy, kl = distillation_sums(
             self.hidden_at(scored),
-            self.backbone.head_weight,
+            self.backbone.logits,
             teacher_hidden,
-            self.teacher.model.backbone.head_weight,
+            self.teacher.model.backbone.logits,
             scored.targets,
             self.backbone.vocab_size,
             temperature,
@@ -188,18 +188,19 @@ class DistillMasked(Distillation, MaskedLM):
 
 def distillation_sums(
     hidden: torch.Tensor,
-    head: torch.Tensor,
+    head: Head,
     teacher_hidden: torch.Tensor,
-    teacher_head: torch.Tensor,
+    teacher_head: Head,
     targets: torch.Tensor,
     vocab_size: int,
     temperature: float,
     reverse: bool,
     chunk_tokens: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed cross-entropy, summed KL) over the positions whose target is not IGNORE: the student's head
-    `F.linear(hidden, head)` against `targets` and against the teacher's distribution, in float32. With
-    `chunk_tokens`, that many positions at a time under activation checkpointing (recomputed in backward)."""
+    """(summed cross-entropy, summed KL) over the positions whose target is not IGNORE: the student's logits
+    `head(hidden)` against `targets` and against the teacher's distribution, from `teacher_head(teacher_hidden)`,
+    in float32 (the heads: the backbones' `logits`). With `chunk_tokens`, that many positions at a time under
+    activation checkpointing (recomputed in backward)."""
     hidden, teacher_hidden, targets = hidden.flatten(0, -2), teacher_hidden.flatten(0, -2), targets.flatten()
     settings = (vocab_size, temperature, reverse)
     if chunk_tokens is None:
@@ -216,19 +217,19 @@ def distillation_sums(
 
 def _distillation_sums(
     hidden: torch.Tensor,
-    head: torch.Tensor,
+    head: Head,
     teacher_hidden: torch.Tensor,
-    teacher_head: torch.Tensor,
+    teacher_head: Head,
     targets: torch.Tensor,
     vocab_size: int,
     temperature: float,
     reverse: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, head).float()
+    logits = head(hidden).float()
     cross_entropy = F.cross_entropy(logits, targets, ignore_index=IGNORE, reduction="sum")
     # The padded vocabulary's rows are no tokens: both distributions are over the real ones.
     student = F.log_softmax(logits[:, :vocab_size] / temperature, dim=-1)
-    teacher = F.log_softmax(F.linear(teacher_hidden, teacher_head[:vocab_size]).float() / temperature, dim=-1)
+    teacher = F.log_softmax(teacher_head(teacher_hidden)[:, :vocab_size].float() / temperature, dim=-1)
     first, second = (student, teacher) if reverse else (teacher, student)
     kl = (first.exp() * (first - second)).sum(-1)
     return cross_entropy, kl.masked_fill(targets == IGNORE, 0).sum()

@@ -88,13 +88,15 @@ def export(
 def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict[str, int]) -> tuple[str, Files]:
     """(kind, files) of the model and its tokenizer, by backbone and objective."""
     backbone = model.backbone
-    if isinstance(backbone, Llama):
-        return llama_files(model, backbone, tokenizer)
-    if not isinstance(backbone, Transformer):
+    if not isinstance(backbone, Llama | Transformer):
         raise ConfigError(
             f"{type(backbone).__name__} has no Hugging Face export: pretrain-export writes the template's own "
             "backbones (pretraining.models.Transformer, pretraining.models.Llama)"
         )
+    if not isinstance(model, Contrastive):  # an embedding model's export has no language-model head
+        check_linear_head(backbone)
+    if isinstance(backbone, Llama):
+        return llama_files(model, backbone, tokenizer)
     if isinstance(model, CausalLM):
         return "gpt2", next_token_files(gpt2_config(backbone), to_gpt2(backbone), backbone, tokenizer)
     if isinstance(model, MaskedLM):
@@ -170,6 +172,16 @@ def generation_config(backbone: Backbone) -> dict[str, Any]:
         "pad_token_id": PAD_ID,
         "suppress_tokens": list(range(backbone.vocab_size, padded_vocabulary(backbone.vocab_size))),
     }
+
+
+def check_linear_head(backbone: Backbone) -> None:
+    """The architectures written here end in a plain linear head: a backbone whose `logits` does more (a soft
+    cap, a scale) would load with other logits than it was trained and validated with."""
+    if type(backbone).logits is not Backbone.logits:
+        raise ConfigError(
+            f"{type(backbone).__name__} overrides its head (`logits`), and the Hugging Face models pretrain-export "
+            "writes end in the plain projection by `head_weight`: export a backbone that keeps the default head"
+        )
 
 
 def check_one_tower(model: Contrastive) -> None:
