@@ -8,6 +8,7 @@ import copy
 import math
 import re
 import shutil
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,6 +33,7 @@ from pretraining.objectives.masked_lm import MaskedLM
 from pretraining.run import check_config
 from pretraining.stored import load_checkpoint
 from pretraining.train import train
+from test_head import SoftCapped
 from test_resume import RESUMABLE, kill_twice_and_compare
 
 VOCAB = 300
@@ -64,7 +66,8 @@ def student_with_teacher(
 def test_the_chunked_sums_equal_the_whole_and_the_kl_is_the_reference_kl() -> None:
     torch.manual_seed(0)
     hidden = torch.randn(2, 7, 16, requires_grad=True)
-    head, teacher_hidden, teacher_head = torch.randn(70, 16), torch.randn(2, 7, 16), torch.randn(70, 16)
+    weight, teacher_hidden, teacher_weight = torch.randn(70, 16), torch.randn(2, 7, 16), torch.randn(70, 16)
+    head, teacher_head = partial(F.linear, weight=weight), partial(F.linear, weight=teacher_weight)
     targets = torch.randint(0, 64, (2, 7))
     targets[0, 3] = -100  # a position that is not scored
     whole = distillation_sums(hidden, head, teacher_hidden, teacher_head, targets, 64, 2.0, False, None)
@@ -74,8 +77,8 @@ def test_the_chunked_sums_equal_the_whole_and_the_kl_is_the_reference_kl() -> No
     assert torch.allclose(whole[0], chunked[0]) and torch.allclose(whole[1], chunked[1])
     assert torch.allclose(gradient, chunked_gradient, atol=1e-6)
     scored = targets.flatten() != -100
-    student = F.log_softmax((hidden.flatten(0, 1) @ head[:64].T) / 2.0, -1)[scored]
-    teacher = F.log_softmax((teacher_hidden.flatten(0, 1) @ teacher_head[:64].T) / 2.0, -1)[scored]
+    student = F.log_softmax((hidden.flatten(0, 1) @ weight[:64].T) / 2.0, -1)[scored]
+    teacher = F.log_softmax((teacher_hidden.flatten(0, 1) @ teacher_weight[:64].T) / 2.0, -1)[scored]
     forward = F.kl_div(student, teacher, log_target=True, reduction="sum")
     assert whole[1].item() == pytest.approx(forward.item(), rel=1e-5)
     reverse = distillation_sums(hidden, head, teacher_hidden, teacher_head, targets, 64, 2.0, True, None)[1]
@@ -83,6 +86,27 @@ def test_the_chunked_sums_equal_the_whole_and_the_kl_is_the_reference_kl() -> No
         F.kl_div(teacher, student, log_target=True, reduction="sum").item(), rel=1e-5
     )
     assert reverse.item() != pytest.approx(forward.item(), rel=1e-3)
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_student_and_teacher_score_with_their_backbones_heads(chunk: int | None) -> None:
+    def soft_capped(seed: int) -> SoftCapped:
+        torch.manual_seed(seed)
+        return SoftCapped(vocab_size=VOCAB, max_seq_len=32, d_model=32, n_layer=1, n_head=2)
+
+    student = Distill(soft_capped(0), teacher="unused", optimizer=optimizer, kl_chunk_tokens=chunk)
+    student.attach_teacher(FrozenTeacher(CausalLM(soft_capped(1), optimizer=optimizer)))
+    batch = blocks()
+    cross_entropy, kl, _ = student.batch_sums(batch, 2.0, validation=False)
+    scored = student.scored_inputs(batch)
+    logits = student.backbone.logits(student.hidden_at(scored)).flatten(0, 1)
+    teacher_logits = student.teacher.model.backbone.logits(student.teacher.model.hidden_at(scored)).flatten(0, 1)
+    targets = scored.targets.flatten()
+    expected = F.cross_entropy(logits, targets, reduction="sum")
+    teacher = F.log_softmax(teacher_logits[:, :VOCAB] / 2.0, -1)
+    expected_kl = F.kl_div(F.log_softmax(logits[:, :VOCAB] / 2.0, -1), teacher, log_target=True, reduction="sum")
+    assert cross_entropy.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert kl.item() == pytest.approx(expected_kl.item(), rel=1e-4)
 
 
 @pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")  # no Trainer here

@@ -35,16 +35,20 @@ from pretraining.checkpoint import save_file as save_file_with_sidecar
 from pretraining.cli import info as info_main
 from pretraining.config import CONFIG_DIR
 from pretraining.data.formats import ExampleFormat, padded
+from pretraining.data.tokenizer import ByteTokenizer
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
 from pretraining.extras.hf.cli import main
 from pretraining.extras.hf.directory import SAFETENSORS, write_directory
-from pretraining.extras.hf.export import export
+from pretraining.extras.hf.export import export, model_files
 from pretraining.extras.hf.weights import check_gpt2_fits, from_gpt2, gpt2_config, to_gpt2
 from pretraining.instantiate import build
 from pretraining.models import Transformer
 from pretraining.objectives.base import PretrainingObjective
+from pretraining.objectives.causal_lm import CausalLM
+from pretraining.objectives.masked_lm import MaskedLM
 from pretraining.stored import load_checkpoint, stored_model
 from pretraining.train import train
+from test_head import SoftCapped
 from test_readme import code_blocks
 from test_resume import pretrain, run_dir
 from test_sharded_checkpoint import SHARDED
@@ -191,6 +195,13 @@ def test_the_gpt2_mapping_is_exact_for_biases_and_every_layer() -> None:
     fresh = Transformer(vocab_size=100, max_seq_len=16, d_model=32, n_layer=3, n_head=4, bias=True)
     round_trip = from_gpt2(to_gpt2(backbone), fresh, "test")
     assert all(torch.equal(round_trip[name], tensor) for name, tensor in backbone.state_dict().items())
+
+
+@pytest.mark.parametrize("objective", [CausalLM, MaskedLM])
+def test_a_backbone_with_a_head_of_its_own_is_refused(objective: type) -> None:
+    backbone = SoftCapped(vocab_size=100, max_seq_len=16, d_model=32, n_layer=1, n_head=2, causal=objective is CausalLM)
+    with pytest.raises(ConfigError, match="overrides its head"):  # the architectures end in the plain projection
+        model_files(objective(backbone, optimizer=torch.optim.AdamW), ByteTokenizer(), {})
 
 
 def test_an_fsdp2_sharded_checkpoint_exports_as_its_single_process_model(tmp_path: Path, small_shards: Path) -> None:
