@@ -25,7 +25,10 @@ FLOORS = [
     ("plugins", ["plugins"]),
     ("objectives", ["objectives"]),
     ("callbacks", ["callbacks", "loggers"]),
-    ("run set-up", ["config", "schema", "settings", "resume", "stored", "run", "report", "launch", "job_status"]),
+    (
+        "run set-up",
+        ["config", "schema", "settings", "resume", "stored", "run", "report", "launch", "job_status", "world_size"],
+    ),
     ("entry points", ["train", "evaluate", "info", "data.commands"]),
     ("commands", ["cli", "__main__"]),
     ("extras", ["extras"]),

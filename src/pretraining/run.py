@@ -34,6 +34,7 @@ from pretraining.quiet import set_up_messages
 from pretraining.resume import Resume, check_fits
 from pretraining.schema import check_schema
 from pretraining.settings import TrainSettings
+from pretraining.world_size import world_size
 
 # What to pass for a value a config leaves to you (`???`), by key: named before anything reads it, since
 # other groups interpolate some (data.dir in tokenizer.path) and OmegaConf alone would name the wrong key.
@@ -176,20 +177,32 @@ def run_lineage(cfg: DictConfig, datamodule: ShardDataModule, resume: Resume | N
 def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[Callback]) -> Trainer:
     """The configured Trainer, with `callbacks` and the configured callbacks and loggers, the gradient
     accumulation that makes the global batch, and a validation every `trainer.val_check_interval` steps.
-    The accumulation follows from the number of devices, which Lightning resolves as it builds the Trainer
-    (`devices=auto`, nodes, torchrun's environment): it is set right after, before anything runs, and a
-    global batch the devices cannot share stops the run here."""
+    The accumulation follows from the number of processes (`devices=auto`, nodes, torchrun's environment:
+    `pretraining.world_size`), worked out first: a global batch they cannot share stops the run here."""
     configured = [build(callback) for callback in cfg.callbacks.values()]
     loggers: list[Logger] = [build(logger) for logger in cfg.logger.values()]
-    trainer: Trainer = build(cfg.trainer, callbacks=callbacks + configured, logger=loggers, plugins=plugins(cfg))
-    plan = datamodule.plan_for(trainer.world_size)
+    environment = plugins(cfg)
+    world = world_size(cfg.trainer, environment)
+    plan = datamodule.plan_for(world)
     rank_zero_info(
-        f"global batch {plan.global_batch} = {trainer.world_size} devices x {plan.accumulation} micro-batches of "
+        f"global batch {plan.global_batch} = {world} devices x {plan.accumulation} micro-batches of "
         f"{plan.micro_batch}, drawn from {plan.streams} streams"
     )
-    trainer.accumulate_grad_batches = plan.accumulation
-    if isinstance(trainer.val_check_interval, int):  # Lightning counts micro-batches: a validation ends a step
-        trainer.val_check_interval *= plan.accumulation
+    every = cfg.trainer.get("val_check_interval")  # Lightning counts micro-batches: a validation ends a step
+    steps = {"val_check_interval": every * plan.accumulation} if isinstance(every, int) else {}
+    trainer: Trainer = build(
+        cfg.trainer,
+        callbacks=callbacks + configured,
+        logger=loggers,
+        plugins=environment,
+        accumulate_grad_batches=plan.accumulation,
+        **steps,
+    )
+    if trainer.world_size != world:
+        raise ConfigError(
+            f"the batch plan is for {world} processes, and Lightning runs {trainer.world_size}: pass "
+            "trainer.devices and trainer.num_nodes as numbers"
+        )
     return trainer
 
 

@@ -15,7 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from pretraining.callbacks.checkpoint import StepCheckpoint
-from pretraining.internals import install_signal_handlers_instead
+from pretraining.internals import end_training_loaders, install_signal_handlers_instead
 
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
 
@@ -129,9 +129,7 @@ class Preemption(Callback):
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self.restore_handlers()
         if isinstance(exception, Preempted):
-            # Lightning's teardown ends only the active loop, here a validation inside training: the training
-            # loader's workers, which ignore SIGTERM, would outlive it and hang the interpreter's exit.
-            trainer.fit_loop.teardown()
+            end_training_loaders(trainer)  # Lightning ends only the validation's, the loop that raised
 
     def restore_handlers(self) -> None:
         for signum, handler in self.previous.items():

@@ -13,7 +13,7 @@ import shutil
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
+from pathlib import Path, PosixPath, WindowsPath
 from typing import Any, cast
 
 import torch
@@ -217,7 +217,8 @@ SAFE_METADATA_GLOBALS = {
             "_MEM_FORMAT_ENCODING",
         )
     ),
-    *((module, name) for module in ("pathlib", "pathlib._local") for name in ("PosixPath", "WindowsPath")),
+    # Where Python pickles a path: its public module, or the one that defines it (another on some versions).
+    *((module, path.__name__) for path in (PosixPath, WindowsPath) for module in ("pathlib", path.__module__)),
 }
 
 

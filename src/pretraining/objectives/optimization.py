@@ -62,11 +62,16 @@ def fused_if_open(factory: Callable[..., Optimizer], parameters: Sequence[torch.
 
 def clips_unscaled(plugin: Precision, optimizer: Optimizer, value: float | None, algorithm: str | None) -> bool:
     """Clip as full precision does when the gradients carry no loss scale (bf16-mixed), and say whether it
-    did: Lightning's `MixedPrecision` refuses every optimizer able to unscale (such as fused AdamW) even when
-    there is no scale to remove, which would stop every bf16 run with a fused optimizer."""
+    did: Lightning's `MixedPrecision.clip_gradients` refuses every optimizer able to unscale (such as fused
+    AdamW) even when there is no scale to remove, which would stop every bf16 run with a fused optimizer.
+    The plugin's own `clip_grad_by_norm` / `clip_grad_by_value` clip its main parameters, as
+    `Precision.clip_gradients` does, without that refusal."""
     if not (isinstance(plugin, MixedPrecision) and plugin.scaler is None and value):
         return False
-    Precision.clip_gradients(plugin, optimizer, float(value), GradClipAlgorithmType((algorithm or "norm").lower()))
+    if GradClipAlgorithmType((algorithm or "norm").lower()) == GradClipAlgorithmType.VALUE:
+        plugin.clip_grad_by_value(optimizer, float(value))
+    else:
+        plugin.clip_grad_by_norm(optimizer, float(value))
     return True
 
 
