@@ -42,7 +42,7 @@ def validation_scores(student_path: Path, teacher_path: Path) -> tuple[float, fl
         targets = scored.targets
         hidden, teacher_hidden = student.hidden_at(scored), teacher.hidden_at(scored)
         vocab = student.backbone.vocab_size
-        head, teacher_head = student.backbone.token_embedding.weight, teacher.backbone.token_embedding.weight
+        head, teacher_head = student.backbone.logits, teacher.backbone.logits
         student_nll, batch_kl = distillation_sums(
             hidden, head, teacher_hidden, teacher_head, targets, vocab, 1.0, False, None
         )
