@@ -77,9 +77,10 @@ def test_a_stored_config_naming_classes_where_version_0_1_kept_them_still_builds
             "_target_": "pretraining.data.ShardDataModule",
             "format": {"_target_": "pretraining.data.PackedBlocks"},
         },
-        "model": {"init_from": "an objective of 0.5 took it"},
+        "model": {"init_from": "an objective of 0.5 took it", "backbone": {"_target_": "pretraining.models.Llama"}},
     }
     run = stored_config({"lineage": {"config": old}}, "old.ckpt")
+    assert run.model.backbone._target_ == "pretraining.models.llama.Llama"  # 0.9.1 named it by its package
     assert run.data._target_ == "pretraining.data.datamodule.ShardDataModule"
     assert run.data.format._target_ == "pretraining.data.formats.PackedBlocks"
     assert isinstance(build(run.tokenizer), ByteTokenizer)

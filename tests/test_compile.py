@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from conftest import tiny_run
-from pretraining.models import Llama, Transformer
 from pretraining.models.backbone import Backbone
+from pretraining.models.llama import Llama
+from pretraining.models.transformer import Transformer
 from pretraining.objectives.causal_lm import CausalLM
 from test_resume import RESUMABLE, TEST_ENV, kill_twice_and_compare
 

@@ -19,7 +19,7 @@ from conftest import fit_batch
 from pretraining.data.formats import PackedBlocks, TokenizedPairs
 from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
 from pretraining.errors import ConfigError
-from pretraining.models import Transformer
+from pretraining.models.transformer import Transformer
 from pretraining.objectives import contrastive as contrastive_module
 from pretraining.objectives.base import build_objective
 from pretraining.objectives.contrastive import (

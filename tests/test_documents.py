@@ -11,8 +11,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from pretraining.data.tokenizer import EOS_ID
 from pretraining.errors import ConfigError
-from pretraining.models import Transformer
 from pretraining.models.attention import document_block_mask, document_positions
+from pretraining.models.transformer import Transformer
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.masked_lm import MaskedLM
 from pretraining.run import check_config

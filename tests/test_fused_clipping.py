@@ -9,7 +9,7 @@ from functools import partial
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from pretraining.models import Transformer
+from pretraining.models.transformer import Transformer
 from pretraining.objectives.causal_lm import CausalLM
 
 CLIP = 1e-3  # far under the gradient norm of an untrained model, so that clipping always acts

@@ -46,6 +46,7 @@ DEFERS_IMPORTS = (
     "extras.goodput.cli",
     "plugins",
     "plugins.fsdp",
+    "objectives.base",
     "extras.sweeps.callback",
     "data.position",
     "schema",

@@ -17,9 +17,8 @@ from conftest import TINY_RUN
 from pretraining.data.tokenizer import CLS_ID, PAD_ID
 from pretraining.errors import ConfigError
 from pretraining.instantiate import check_targets
-from pretraining.models import Llama
 from pretraining.models.attention import document_positions, multi_head_attention
-from pretraining.models.llama import default_mlp_width, parameter_count
+from pretraining.models.llama import Llama, default_mlp_width, parameter_count
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.contrastive import Contrastive
 from pretraining.objectives.masked_lm import MaskedLM
@@ -241,8 +240,7 @@ def test_every_objective_trains_every_parameter_of_a_llama(objective: str) -> No
 
 
 def test_a_llama_config_is_trusted_as_a_class_of_this_package() -> None:
-    for target in ("pretraining.models.Llama", "pretraining.models.llama.Llama"):
-        check_targets({"backbone": {"_target_": target}}, "model", [], "a checkpoint")
+    check_targets({"backbone": {"_target_": "pretraining.models.llama.Llama"}}, "model", [], "a checkpoint")
 
 
 @pytest.mark.slow  # 20 s, most of it a process starting; the in-process runs below stay in the fast suite
@@ -263,6 +261,7 @@ def test_each_experiment_trains_with_the_llama_backbone(compose_train, experimen
 
 def test_a_transformer_key_is_refused_for_a_llama_run_before_any_work(compose_train) -> None:
     with pytest.raises(
-        ConfigError, match=r"model.backbone.positions='learned': .* is not a parameter of pretraining.models.Llama"
+        ConfigError,
+        match=r"model.backbone.positions='learned': .* is not a parameter of pretraining.models.llama.Llama",
     ):
         train(compose_train("model/backbone=llama", "+model.backbone.positions=learned"))

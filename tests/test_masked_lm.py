@@ -18,7 +18,7 @@ from pretraining.data.manifest import Manifest
 from pretraining.data.stream import ShardStream
 from pretraining.data.tokenizer import EOS_ID, MASK_ID, SPECIAL_TOKENS, ByteTokenizer
 from pretraining.errors import ConfigError
-from pretraining.models import Transformer
+from pretraining.models.transformer import Transformer
 from pretraining.objectives.base import build_objective
 from pretraining.objectives.language_model import Scored
 from pretraining.objectives.masked_lm import IGNORE, MaskedLM, hashed_uniform, mask_tokens

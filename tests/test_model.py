@@ -11,9 +11,8 @@ from lightning.pytorch import Trainer
 
 from conftest import fit_batch
 from pretraining.errors import ConfigError
-from pretraining.models import Transformer
 from pretraining.models import backbone as backbone_module
-from pretraining.models.transformer import parameter_count
+from pretraining.models.transformer import Transformer, parameter_count
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.schedules import warmup_cosine
 

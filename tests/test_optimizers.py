@@ -22,7 +22,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError
-from pretraining.models import Transformer
+from pretraining.models.transformer import Transformer
 from pretraining.objectives import optimizers
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.contrastive import Contrastive

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import torch
 
-from pretraining.models import Transformer
+from pretraining.models.transformer import Transformer
 from pretraining.objectives import optimizers
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.optimizers import MuonAdamW

@@ -32,7 +32,7 @@ import torch
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.checkpoint.background import BackgroundWriter, host_copy
 from pretraining.data.manifest import Manifest
-from pretraining.models import Transformer
+from pretraining.models.transformer import Transformer
 from pretraining.plugins.checkpoint_io import AtomicCheckpointIO
 
 RUN = [

@@ -3,7 +3,7 @@ config you still use was written before 0.9 (nothing here is needed by a run of 
 
 - `position_of_format_2`: a data position saved before data mixtures (0.9.0: format 2, one directory).
 - `current_config`: a config stored in a checkpoint whose classes have moved since (`MOVED_TARGETS`:
-  0.1.0's, 0.5's and 0.6's names), or whose objective took `init_from` (0.5).
+  0.1.0's, 0.5's, 0.6's and 0.9's names), or whose objective took `init_from` (0.5).
 - `MOVED_KEYS`: the hint for a key of the example format written one level up (`data.block_size`: the
   lengths were there before 0.1.0; users reach for the fields there too).
 
@@ -24,7 +24,8 @@ from typing import Any
 
 # Classes of this package that moved since a stored config named them: 0.1.0 imported these from
 # `pretraining.data` itself, which now imports nothing (so that `pretrain-data` does not load Lightning);
-# 0.5 named the objectives by their package, 0.6 by their modules (a run loads only its own).
+# 0.5 named the objectives by their package, 0.6 by their modules (a run loads only its own); before 0.9.2
+# the backbones were named by their package.
 MOVED_TARGETS = {
     "pretraining.data.ShardDataModule": "pretraining.data.datamodule.ShardDataModule",
     "pretraining.data.PackedBlocks": "pretraining.data.formats.PackedBlocks",
@@ -36,6 +37,8 @@ MOVED_TARGETS = {
     "pretraining.objectives.Contrastive": "pretraining.objectives.contrastive.Contrastive",
     "pretraining.objectives.Distill": "pretraining.extras.distill.objectives.Distill",
     "pretraining.objectives.DistillMasked": "pretraining.extras.distill.objectives.DistillMasked",
+    "pretraining.models.Transformer": "pretraining.models.transformer.Transformer",
+    "pretraining.models.Llama": "pretraining.models.llama.Llama",
 }
 # Keys of the example format written one level up: the lengths, which were there in earlier layouts, and the
 # fields, which users reach for there.

@@ -1,6 +1,2 @@
-"""Backbones in plain PyTorch (no Lightning inside)."""
-
-from pretraining.models.llama import Llama
-from pretraining.models.transformer import Transformer
-
-__all__ = ["Llama", "Transformer"]
+"""Backbones in plain PyTorch (no Lightning inside): `transformer.Transformer` (GPT-2) and `llama.Llama`, each
+loaded only by a run that builds it."""

@@ -36,7 +36,7 @@ from pretraining.objectives.optimization import check_same_optimizer, clips_unsc
 from pretraining.objectives.optimizers import hidden_matrices, is_muon
 from pretraining.objectives.schedules import ScheduleName
 from pretraining.objectives.step_values import LogStepValues
-from pretraining.plugins.fsdp import FSDP2Strategy, ShardingPolicy, shard
+from pretraining.plugins import fsdp2_strategy
 from pretraining.ranges import Range, checked_ranges
 
 # The ranges of the settings every objective takes (subclasses pass them on as **settings).
@@ -95,10 +95,11 @@ class PretrainingObjective(LightningModule):
         Lightning calls this for every `validate` and `fit`, so it acts only once."""
         if self.model_configured:
             return
-        if self.device_mesh is not None:
-            strategy = self.trainer.strategy
-            policy = strategy.policy if isinstance(strategy, FSDP2Strategy) else ShardingPolicy()
-            shard(self, self.device_mesh["data_parallel"], policy)
+        if self.device_mesh is not None:  # a ModelParallelStrategy's: only such a run loads plugins.fsdp
+            from pretraining.plugins.fsdp import ShardingPolicy, shard
+
+            fsdp2 = fsdp2_strategy(self.trainer.strategy)
+            shard(self, self.device_mesh["data_parallel"], fsdp2.policy if fsdp2 else ShardingPolicy())
         if self.compile_blocks:
             for layer in (layer for backbone in backbones(self) for layer in backbone.repeated_layers()):
                 layer.compile(dynamic=False)  # pretraining shapes are fixed: no dynamic-shape kernels

@@ -26,7 +26,7 @@ from pretraining.evaluate import evaluate
 from pretraining.extras.distill.objectives import Distill, DistillMasked, FrozenTeacher, distillation_sums
 from pretraining.extras.registry.versions import Registry
 from pretraining.info import ancestry, describe
-from pretraining.models import Llama
+from pretraining.models.llama import Llama
 from pretraining.models.transformer import Transformer
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.masked_lm import MaskedLM

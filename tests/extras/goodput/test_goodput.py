@@ -43,7 +43,15 @@ def compose_train(compose_train: Any) -> Any:
 
 def pretrain(log_dir: Path, overrides: list[str]) -> tuple[int, str, float]:
     """Run `pretrain` (run `run`) in its own process group: its exit status, its output and its wall time."""
-    command = [sys.executable, "-m", "pretraining", WITH_GOODPUT, *overrides, f"paths.log_dir={log_dir}", "run_name=run"]
+    command = [
+        sys.executable,
+        "-m",
+        "pretraining",
+        WITH_GOODPUT,
+        *overrides,
+        f"paths.log_dir={log_dir}",
+        "run_name=run",
+    ]
     started = time.time()
     process = subprocess.Popen(
         command, env=TEST_ENV, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

@@ -42,7 +42,7 @@ from pretraining.extras.hf.directory import SAFETENSORS, write_directory
 from pretraining.extras.hf.export import export, model_files
 from pretraining.extras.hf.weights import check_gpt2_fits, from_gpt2, gpt2_config, to_gpt2
 from pretraining.instantiate import build
-from pretraining.models import Transformer
+from pretraining.models.transformer import Transformer
 from pretraining.objectives.base import PretrainingObjective
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.masked_lm import MaskedLM

@@ -31,7 +31,8 @@ from pretraining.errors import ConfigError, MissingFileError
 from pretraining.extras.hf.directory import SAFETENSORS, write_directory
 from pretraining.extras.hf.export import export, model_files
 from pretraining.extras.hf.init_from import initialise_from
-from pretraining.models import Llama, Transformer
+from pretraining.models.llama import Llama
+from pretraining.models.transformer import Transformer
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.masked_lm import MaskedLM
 from pretraining.train import train

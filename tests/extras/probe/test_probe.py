@@ -32,7 +32,7 @@ from pretraining.extras.probe.labels import (
     package_of,
     probe_set,
 )
-from pretraining.models import Transformer
+from pretraining.models.transformer import Transformer
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.contrastive import Contrastive
 from pretraining.objectives.masked_lm import MaskedLM

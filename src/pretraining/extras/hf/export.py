@@ -91,7 +91,7 @@ def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict
     if not isinstance(backbone, Llama | Transformer):
         raise ConfigError(
             f"{type(backbone).__name__} has no Hugging Face export: pretrain-export writes the template's own "
-            "backbones (pretraining.models.Transformer, pretraining.models.Llama)"
+            "backbones (pretraining.models.transformer.Transformer, pretraining.models.llama.Llama)"
         )
     if not isinstance(model, Contrastive):  # an embedding model's export has no language-model head
         check_linear_head(backbone)

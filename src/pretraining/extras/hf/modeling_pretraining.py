@@ -2,7 +2,7 @@
 contrastive export (`trust_remote_code=True`), so the export loads where the `pretraining` package is
 not installed. It imports only torch and transformers.
 
-Its modules and weight names are the template's own (`pretraining.models.Transformer`): pre-norm blocks
+Its modules and weight names are the template's own (`pretraining.models.transformer.Transformer`): pre-norm blocks
 of `attention` (fused `qkv`, `proj`) and `mlp` (`up`, GELU, `down`), learned or rotary positions
 (`positions`), a final LayerNorm, and a masked-LM head tied to the token embedding. Biases and dropout
 follow the config.
