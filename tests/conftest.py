@@ -18,8 +18,9 @@ from omegaconf import DictConfig
 from pretraining.config import CONFIG_DIR
 from pretraining.data.commands import train_texts
 from pretraining.data.corpus import Document, read_text_files, stdlib_root
-from pretraining.data.formats import PackedBlocks, TokenizedPairs
+from pretraining.data.formats import PackedBlocks
 from pretraining.data.manifest import PAIR_FIELDS, Manifest
+from pretraining.data.pair_format import TokenizedPairs
 from pretraining.data.pairs import docstring_pairs
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.tokenizer import Tokenizer, train_bpe

@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from conftest import fit_batch
-from pretraining.data.formats import PackedBlocks, TokenizedPairs
+from pretraining.data.formats import PackedBlocks
+from pretraining.data.pair_format import TokenizedPairs
 from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
 from pretraining.errors import ConfigError
 from pretraining.models.transformer import Transformer

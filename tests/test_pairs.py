@@ -16,8 +16,8 @@ from conftest import packed_blocks, tokenized_pairs
 from pretraining.cli import data as data_cli
 from pretraining.data.corpus import CorpusError, Document, read_source
 from pretraining.data.datamodule import ShardDataModule
-from pretraining.data.formats import TokenizedPairs
 from pretraining.data.manifest import PAIR_FIELDS, Manifest
+from pretraining.data.pair_format import TokenizedPairs
 from pretraining.data.pairs import PairCounts, docstring_pairs
 from pretraining.data.reader import read_shard
 from pretraining.data.shards import BuildSettings, build_shards

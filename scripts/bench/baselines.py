@@ -64,7 +64,8 @@ from omegaconf import DictConfig
 
 from pretraining.config import CONFIG_DIR  # registers the config resolvers
 from pretraining.data.datamodule import ShardDataModule
-from pretraining.data.formats import PackedBlocks, TokenizedPairs, encode_document
+from pretraining.data.formats import PackedBlocks, encode_document
+from pretraining.data.pair_format import TokenizedPairs
 from pretraining.data.reader import SampleReader
 from pretraining.data.tokenizer import MASK_ID, SPECIAL_TOKENS
 from pretraining.errors import ConfigError, PretrainingError

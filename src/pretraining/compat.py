@@ -29,7 +29,8 @@ from typing import Any
 MOVED_TARGETS = {
     "pretraining.data.ShardDataModule": "pretraining.data.datamodule.ShardDataModule",
     "pretraining.data.PackedBlocks": "pretraining.data.formats.PackedBlocks",
-    "pretraining.data.TokenizedPairs": "pretraining.data.formats.TokenizedPairs",
+    "pretraining.data.TokenizedPairs": "pretraining.data.pair_format.TokenizedPairs",
+    "pretraining.data.formats.TokenizedPairs": "pretraining.data.pair_format.TokenizedPairs",  # before 0.9.2
     "pretraining.data.ByteTokenizer": "pretraining.data.tokenizer.ByteTokenizer",
     "pretraining.data.BPETokenizer": "pretraining.data.tokenizer.BPETokenizer",
     "pretraining.objectives.CausalLM": "pretraining.objectives.causal_lm.CausalLM",

@@ -85,9 +85,24 @@ def build(args: argparse.Namespace) -> None:
     print(training_command(manifest, Path(args.out).resolve()))
 
 
+def text_fields(manifest: Manifest, named: list[str] | None = None) -> tuple[str, ...]:
+    """The fields to read texts from: those `named` (a tokenizer's `--field`s), else those of built shards
+    (a text, or both sides of a pair)."""
+    if named:
+        manifest.require_fields([("--field", name) for name in named], "name one of those")
+        return tuple(named)
+    for fields in (TEXT_FIELDS, PAIR_FIELDS):
+        if set(fields) <= set(manifest.fields):
+            return fields
+    raise ShardError(
+        f"{manifest.directory}'s samples have no txt field (they have {', '.join(manifest.fields)}): name the text "
+        f"field(s) with --field, as in data.format.text_field"
+    )
+
+
 def train_texts(manifest: Manifest, fields: list[str] | None = None) -> Iterator[str]:
-    """Every text of `fields` (see `Manifest.text_fields`) of every training sample."""
-    for texts in SampleReader(manifest.text_fields(fields)).all_texts(manifest.urls("train")):
+    """Every text of `fields` (see `text_fields`) of every training sample."""
+    for texts in SampleReader(text_fields(manifest, fields)).all_texts(manifest.urls("train")):
         yield from texts
 
 
@@ -96,7 +111,7 @@ def tokenizer(args: argparse.Namespace) -> None:
     manifest = Manifest.load(
         args.data, key="--data", trust_pipe_commands=args.trust_pipe_commands, trust_option="--trust-pipe-commands"
     )
-    texts = sum(shard.samples for shard in manifest.shards("train")) * len(manifest.text_fields(args.field))
+    texts = sum(shard.samples for shard in manifest.shards("train")) * len(text_fields(manifest, args.field))
     trained = train_bpe(train_texts(manifest, args.field), args.vocab_size, out, not args.quiet, length=texts)
     print(f"wrote {out}: vocabulary {trained.vocab_size}, fingerprint {trained.fingerprint}")
 

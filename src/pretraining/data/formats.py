@@ -1,34 +1,33 @@
-"""Example formats: the one place that knows a kind of example.
+"""Example formats, the one place that knows a kind of example: what a format is, and packed blocks.
 
 A format says which sample fields it reads, how their texts become examples (tokenised, with which
 special tokens, cut or packed to which lengths), the tensors of one example, how many tokens one
 example holds, and how a probe's text is encoded the way the model reads its training texts. The
 DataModule builds the format its config names (`data.format`) with the run's tokenizer, and an
 objective declares the format it trains on (`PretrainingObjective.example_format`). A new kind of
-example is a new format here, an objective that reads it, and their configs.
+example is a new format (a module of its own), an objective that reads it, and their configs.
 
 - `PackedBlocks`: documents tokenised, separated by EOS and packed into fixed-size blocks
   (next-token and masked-LM).
-- `TokenizedPairs`: (query, passage) pairs, each side CLS-prefixed, cut and PAD-padded to its own
-  length (contrastive).
+- `TokenizedPairs` (`pretraining.data.pair_format`, which a language-model run does not load): (query,
+  passage) pairs, each side CLS-prefixed, cut and PAD-padded to its own length (contrastive).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Protocol, TypeVar
+from typing import ClassVar, Protocol, TypeVar
 
 import numpy as np
 import torch
 
-from pretraining.data.manifest import PAIR_FIELDS, TEXT_FIELDS
-from pretraining.data.tokenizer import CLS_ID, EOS_ID, PAD_ID, Tokenizer
-from pretraining.ranges import Positive, Range, checked_ranges
+from pretraining.data.manifest import TEXT_FIELDS
+from pretraining.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from pretraining.ranges import Positive, checked_ranges
 
 Example = TypeVar("Example")
 Tensors = dict[str, torch.Tensor]
-SideLength = Annotated[int, Range(ge=2)]  # two tokens at least: CLS and one of the text
 
 
 class ExampleFormat(Protocol[Example]):
@@ -170,57 +169,5 @@ class PackedBlocks:
         return self.tokenizer.encode(text)[:length]
 
 
-# --- (query, passage) pairs --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Pair:
-    """The token ids of a query and its passage, each starting with CLS and truncated to its length."""
-
-    query: list[int]
-    passage: list[int]
-
-
 def padded(ids: list[int], length: int) -> torch.Tensor:
     return torch.tensor(ids + [PAD_ID] * (length - len(ids)), dtype=torch.int64)
-
-
-class TokenizedPairs:
-    """(query, passage) text pairs, each side tokenised, CLS-prefixed, truncated and padded
-    to its own fixed length (PAD marks the padding, so the towers can mask it)."""
-
-    kind: ClassVar[str] = "pairs"
-
-    @checked_ranges("data.format")
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        query_len: SideLength,
-        passage_len: SideLength,
-        query_field: str = PAIR_FIELDS[0],
-        passage_field: str = PAIR_FIELDS[1],
-    ) -> None:
-        self.tokenizer, self.query_len, self.passage_len = tokenizer, query_len, passage_len
-        self.lengths = {"query_len": query_len, "passage_len": passage_len}
-        self.field_keys = {"query_field": query_field, "passage_field": passage_field}
-        self.fields = (query_field, passage_field)
-
-    def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Pair]:
-        for query, passage in samples:
-            yield Pair(self.encode_text(query, self.query_len), self.encode_text(passage, self.passage_len))
-
-    def tensors(self, example: Pair) -> Tensors:
-        return {"query": padded(example.query, self.query_len), "passage": padded(example.passage, self.passage_len)}
-
-    @property
-    def example_tokens(self) -> int:
-        return self.query_len + self.passage_len
-
-    @property
-    def trained_length(self) -> int:
-        """A passage's: probe texts are code, as passages are."""
-        return self.passage_len
-
-    def encode_text(self, text: str, length: int) -> list[int]:
-        """One side's ids: CLS, then the text's tokens, `length` in all at most."""
-        return [CLS_ID, *self.tokenizer.encode(text)[: length - 1]]

@@ -30,8 +30,9 @@ import webdataset as wds
 from braceexpand import braceexpand
 from rich.progress import Progress
 
+from pretraining.data.digest import Digest
 from pretraining.data.manifest import MANIFEST, PAIR_FIELDS, SHARD_SUFFIXES, SPLITS, ShardInfo, is_command, is_remote
-from pretraining.data.reader import Digest, ShardReadError, read_shard, sample_texts
+from pretraining.data.reader import ShardReadError, read_shard, sample_texts
 from pretraining.data.shards import FORMAT
 from pretraining.errors import ShardError
 from pretraining.files import write_atomically

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import webdataset as wds
 
-from pretraining.data.reader import Digest, described
+from pretraining.data.reader import described
 from pretraining.errors import ShardError
 from pretraining.files import regular_file, sha256_of
 
@@ -134,20 +134,6 @@ class Manifest:
             f"{', '.join(self.fields) or 'no field in common'}{partly}: {fix}"
         )
 
-    def text_fields(self, named: list[str] | None = None) -> tuple[str, ...]:
-        """The fields to read texts from: those `named` (a tokenizer's `--field`s), else those of built shards
-        (a text, or both sides of a pair)."""
-        if named:
-            self.require_fields([("--field", name) for name in named], "name one of those")
-            return tuple(named)
-        for fields in (TEXT_FIELDS, PAIR_FIELDS):
-            if set(fields) <= set(self.fields):
-                return fields
-        raise ShardError(
-            f"{self.directory}'s samples have no txt field (they have {', '.join(self.fields)}): name the text "
-            f"field(s) with --field, as in data.format.text_field"
-        )
-
     def shards(self, split: str) -> list[ShardInfo]:
         shards = self.splits.get(split, [])
         if not shards:
@@ -217,6 +203,8 @@ def checksum_problem(url: str, sha256: str, size: int) -> str | None:
     if not is_remote(url):
         found = sha256_of(Path(url))
     else:
+        from pretraining.data.digest import Digest  # loaded only by runs that hash remote shards
+
         try:
             with Digest(wds.gopen(url)) as digest:
                 while digest.read(1 << 20):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import bz2
 import gzip
-import hashlib
 import json
 import lzma
 import re
@@ -123,28 +122,6 @@ class TailKeeper:
         if rest.strip(b"\0"):
             return tarfile.HeaderError(f"the tar header at byte {end} is damaged (not a member, not the end)")
         return None
-
-
-class Digest:
-    """A binary stream read through, hashing and counting its bytes (a shard's sha256 and size in the
-    same pass that reads its samples)."""
-
-    def __init__(self, file: Any) -> None:
-        self.file, self.sha256, self.bytes = file, hashlib.sha256(), 0
-
-    def read(self, size: int = -1) -> bytes:
-        data = self.file.read(size)
-        self.sha256.update(data)
-        self.bytes += len(data)
-        return data
-
-    def __enter__(self) -> Digest:
-        return self
-
-    def __exit__(self, error: type[BaseException] | None, *_: object) -> None:
-        while error is None and self.read(1 << 20):  # all of it, whatever its reader left (a gzip trailer)
-            pass
-        self.file.close()  # a `pipe:` command's exit status is checked here
 
 
 class ShardReadError(Exception):

@@ -25,7 +25,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torchmetrics import CatMetric
 
-from pretraining.data.formats import TokenizedPairs
+from pretraining.data.pair_format import TokenizedPairs
 from pretraining.data.tokenizer import PAD_ID
 from pretraining.errors import ConfigError
 from pretraining.models.backbone import Backbone

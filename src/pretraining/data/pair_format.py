@@ -1,0 +1,65 @@
+"""The example format of contrastive training, in a module of its own so that a language-model run does not
+load it: `TokenizedPairs` makes (query, passage) pairs, each side CLS-prefixed, cut and PAD-padded to its own
+length (`pretraining.data.formats` says what a format is)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Annotated, ClassVar
+
+from pretraining.data.formats import Tensors, padded
+from pretraining.data.manifest import PAIR_FIELDS
+from pretraining.data.tokenizer import CLS_ID, Tokenizer
+from pretraining.ranges import Range, checked_ranges
+
+SideLength = Annotated[int, Range(ge=2)]  # two tokens at least: CLS and one of the text
+
+
+@dataclass(frozen=True)
+class Pair:
+    """The token ids of a query and its passage, each starting with CLS and truncated to its length."""
+
+    query: list[int]
+    passage: list[int]
+
+
+class TokenizedPairs:
+    """(query, passage) text pairs, each side tokenised, CLS-prefixed, truncated and padded
+    to its own fixed length (PAD marks the padding, so the towers can mask it)."""
+
+    kind: ClassVar[str] = "pairs"
+
+    @checked_ranges("data.format")
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        query_len: SideLength,
+        passage_len: SideLength,
+        query_field: str = PAIR_FIELDS[0],
+        passage_field: str = PAIR_FIELDS[1],
+    ) -> None:
+        self.tokenizer, self.query_len, self.passage_len = tokenizer, query_len, passage_len
+        self.lengths = {"query_len": query_len, "passage_len": passage_len}
+        self.field_keys = {"query_field": query_field, "passage_field": passage_field}
+        self.fields = (query_field, passage_field)
+
+    def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Pair]:
+        for query, passage in samples:
+            yield Pair(self.encode_text(query, self.query_len), self.encode_text(passage, self.passage_len))
+
+    def tensors(self, example: Pair) -> Tensors:
+        return {"query": padded(example.query, self.query_len), "passage": padded(example.passage, self.passage_len)}
+
+    @property
+    def example_tokens(self) -> int:
+        return self.query_len + self.passage_len
+
+    @property
+    def trained_length(self) -> int:
+        """A passage's: probe texts are code, as passages are."""
+        return self.passage_len
+
+    def encode_text(self, text: str, length: int) -> list[int]:
+        """One side's ids: CLS, then the text's tokens, `length` in all at most."""
+        return [CLS_ID, *self.tokenizer.encode(text)[: length - 1]]
