@@ -28,7 +28,7 @@ class KillAt(Callback):
         self.batch, self.group = batch, group
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if trainer.datamodule.batches_consumed == self.batch:  # type: ignore[attr-defined]
+        if trainer.datamodule.position.batches_consumed == self.batch:  # type: ignore[attr-defined]
             for checkpoint in trainer.checkpoint_callbacks:
                 if isinstance(checkpoint, StepCheckpoint):
                     checkpoint.wait_until_written(trainer)  # every rank reaches this batch
@@ -52,7 +52,7 @@ class SignalAt(Callback):
         self.batch, self.signum = batch, signum
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if trainer.datamodule.batches_consumed == self.batch:  # type: ignore[attr-defined]
+        if trainer.datamodule.position.batches_consumed == self.batch:  # type: ignore[attr-defined]
             os.kill(os.getpid(), self.signum)
 
 
@@ -64,7 +64,7 @@ class StopAt(Callback):
         self.batch = batch
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if trainer.datamodule.batches_consumed == self.batch:  # type: ignore[attr-defined]
+        if trainer.datamodule.position.batches_consumed == self.batch:  # type: ignore[attr-defined]
             trainer.should_stop = True
 
 
@@ -75,7 +75,7 @@ class RaiseAt(Callback):
         self.batch = batch
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        if trainer.datamodule.batches_consumed == self.batch:  # type: ignore[attr-defined]
+        if trainer.datamodule.position.batches_consumed == self.batch:  # type: ignore[attr-defined]
             raise RuntimeError(f"a crash after batch {self.batch}")
 
 

@@ -29,6 +29,7 @@ from pretraining.data.formats import PackedBlocks
 from pretraining.data.manifest import MANIFEST, TEXT_FIELDS, Manifest
 from pretraining.data.reader import SampleReader, ShardReadError, read_shard
 from pretraining.data.shards import BuildSettings, build_shards
+from pretraining.data.sources import check_skips
 from pretraining.data.stream import Cursor, ShardStream, stream_shard
 from pretraining.data.tokenizer import ByteTokenizer
 from pretraining.errors import ShardError
@@ -434,10 +435,10 @@ def test_the_counts_travel_in_the_data_position(bad_shards: Path) -> None:
     assert (state["samples_read"], state["samples_skipped"]) == (13, 2)
     again = ShardDataModule(str(bad_shards), ByteTokenizer(), format=packed_blocks(32), global_batch_size=4, streams=2)
     again.load_state_dict(state)
-    assert (again.samples_read, again.samples_skipped) == (13, 2)
+    assert (again.position.samples_read, again.position.samples_skipped) == (13, 2)
     with pytest.raises(ShardError, match=r"3 of \d+ training samples were skipped"):
-        again.check_skips(3, 10)
-    again.check_skips(0, 10)
+        check_skips(3, 10, again.sources, again.max_skip_fraction)
+    check_skips(0, 10, again.sources, again.max_skip_fraction)
 
 
 @pytest.mark.slow  # about 40 s; tests/test_pairs.py shows a stream restarted at any cursor counts its skips exactly

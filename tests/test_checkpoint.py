@@ -213,7 +213,7 @@ def test_another_worker_count_resumes_approximately_where_allowed(small_shards: 
     restored = datamodule(small_shards, 0)  # one sub-stream instead of two
     with pytest.warns(UserWarning, match=r"data topology changed .* resumes approximately"):
         restored.load_state_dict(state)
-    assert restored.position.cursors == {(0, 0): Cursor(done)} and restored.batches_consumed == 30
+    assert restored.position.cursors == {(0, 0): Cursor(done)} and restored.position.batches_consumed == 30
     assert len(consume(restored, 3)) == 3
 
 

@@ -56,9 +56,10 @@ def test_a_one_source_position_of_format_2_continues_exactly(sources: dict[str, 
         restored = one_source(as_mixture)
         restored.load_state_dict(old)
         assert consume(restored, 5) == reference[9:], f"as a mixture: {as_mixture}"
-        assert restored.drawn == whole.drawn == [14 * 16] and restored.samples_read == whole.samples_read
+        assert restored.position.drawn == whole.position.drawn == [14 * 16]
+        assert restored.position.samples_read == whole.position.samples_read
         # No change of mixture: the weight of a mixture of one changes nothing, and is kept as the run's.
-        assert restored.position.phases == [{"step": 0, "weights": restored.weights}]
+        assert restored.position.phases == [{"step": 0, "weights": restored.position.weights}]
         again = one_source(as_mixture)
         again.load_state_dict(restored.state_dict())
         assert again.position.phases == restored.position.phases and again.position.cursors == restored.position.cursors

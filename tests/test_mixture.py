@@ -173,7 +173,7 @@ def test_a_datamodules_batches_come_from_the_sources_the_mixture_names_and_it_co
     mixture = Mixture(settings(a=0.7, b=0.3), SEED)
     expected = [mixture.source_of(k) for k in range(steps * 16)]
     assert [source for batch in batches for source, _, _ in batch] == [["a", "b"][index] for index in expected]
-    assert module.drawn == [expected.count(0), expected.count(1)]
+    assert module.position.drawn == [expected.count(0), expected.count(1)]
     assert module.state_dict()["drawn"] == {"a": expected.count(0), "b": expected.count(1)}
     assert abs(expected.count(0) / len(expected) - 0.7) < 0.001
     # A sample id names one example of the run (the MLM masks and the batch log go by it), whatever its source:
@@ -282,7 +282,7 @@ def test_restoring_a_mixtures_position_after_any_number_of_batches_continues_exa
         restored = mixed_datamodule(sources, weights, workers)
         restored.load_state_dict(state)
         assert consume(restored, total - consumed) == reference[consumed:], f"restart after {consumed} batches"
-        assert restored.drawn == whole.drawn and restored.position.phases == whole.position.phases
+        assert restored.position.drawn == whole.position.drawn and restored.position.phases == whole.position.phases
 
 
 def test_a_source_added_to_a_run_starts_from_its_beginning_and_the_first_continues(sources: dict[str, Path]) -> None:
@@ -303,7 +303,7 @@ def continue_with_a_source_added(sources: dict[str, Path], saved: Callable[[dict
     assert mixed.position.phases == [{"step": 0, "weights": {"a": 1.0}}, {"step": 6, "weights": {"a": 0.5, "b": 0.5}}]
     after = consume(mixed, 2)
     counts = Counter(Mixture(settings(a=0.5, b=0.5), SEED).source_of(k) for k in range(6 * 16, 8 * 16))
-    assert mixed.drawn == [6 * 16 + counts[0], counts[1]]
+    assert mixed.position.drawn == [6 * 16 + counts[0], counts[1]]
     assert before.isdisjoint(tokens for batch in after for source, _, tokens in batch if source == "a")  # a goes on
     # b from its start: each stream (4 rows of a batch) reads b's examples from the first.
     from_start = by_stream(consume(mixed_datamodule(sources, {"a": 0.5, "b": 0.5}), 4), "b")
@@ -334,14 +334,14 @@ def test_only_the_checkpoint_where_a_source_stopped_the_run_refuses_to_continue(
     capped = {"c": {"max_epochs": 1, "exhausted": "stop"}}
     module = mixed_datamodule(sources, {"a": 0.5, "c": 0.5}, streams=2, source_settings=capped)
     loader = iter(module.train_dataloader())
-    while not module.ran_out:
+    while not module.position.ran_out:
         module.on_before_batch_transfer(next(loader), 0)
     before_the_stop = module.state_dict()
-    assert module.stop_reason([False, True]) is not None  # what DataCounts calls at the logging step
+    assert module.position.stop_reason([False, True]) is not None  # what DataCounts calls at the logging step
     stopped = module.state_dict()
     again = mixed_datamodule(sources, {"a": 0.5, "c": 0.5}, streams=2, source_settings=capped)
     again.load_state_dict(before_the_stop)
-    assert again.ran_out == {1}  # it goes on, and stops at its own logging step
+    assert again.position.ran_out == {1}  # it goes on, and stops at its own logging step
     with pytest.raises(ShardError, match=r"data\.sources\.c ran out before this checkpoint .* stopped the run"):
         mixed_datamodule(sources, {"a": 0.5, "c": 0.5}, streams=2, source_settings=capped).load_state_dict(stopped)
     raised = {"c": {"max_epochs": 2, "exhausted": "stop"}}
@@ -372,9 +372,10 @@ def test_a_source_that_runs_out_fills_nothing_twice_and_names_the_stop_and_its_f
     loader = iter(module.train_dataloader())
     for _ in range(100):
         module.on_before_batch_transfer(next(loader), 0)
-    assert module.ran_out == {1} and module.drawn[1] == len(one_pass(sources["c"]))  # each block of c once, then a
-    assert module.stop_reason([False, False]) is None
-    message = module.stop_reason([False, True])
+    position = module.position
+    assert position.ran_out == {1} and position.drawn[1] == len(one_pass(sources["c"]))  # each block of c once, then a
+    assert position.stop_reason([False, False]) is None
+    message = position.stop_reason([False, True])
     assert message is not None and message.startswith("data.sources.c has run out: its shards were read max_epochs=1")
     assert "raise data.sources.c.max_epochs, or pass ++data.sources.c.exhausted=renormalise" in message
     assert "continue with resume_allow=[mixture]" in message
@@ -416,7 +417,7 @@ def test_a_source_that_runs_out_under_renormalise_gives_its_weight_to_the_others
             batch = module.on_before_batch_transfer(next(loader), 0)
             drawn += [source_of_tokens(tokens) for tokens in batch["tokens"].tolist()]
     last_c = max(index for index, source in enumerate(drawn) if source == "c")
-    assert drawn.count("c") == len(one_pass(sources["c"])) == module.drawn[1]  # each block of c once
+    assert drawn.count("c") == len(one_pass(sources["c"])) == module.position.drawn[1]  # each block of c once
     assert set(drawn[last_c + 1 :]) == {"a"} and len(drawn) - last_c > 100  # then a alone
     with (
         pytest.warns(UserWarning, match=r"data\.sources\.a has run out at step \d+ \(data\.sources\.a\.max_epochs=3\)"),
@@ -424,7 +425,7 @@ def test_a_source_that_runs_out_under_renormalise_gives_its_weight_to_the_others
     ):
         for _ in range(100):
             module.on_before_batch_transfer(next(loader), 0)
-    assert len(one_pass(sources["a"])) * 2 < module.drawn[0] <= 3 * len(one_pass(sources["a"]))
+    assert len(one_pass(sources["a"])) * 2 < module.position.drawn[0] <= 3 * len(one_pass(sources["a"]))
 
 
 def test_a_mixture_resumes_exactly_after_a_source_ran_out(sources: dict[str, Path]) -> None:
@@ -746,6 +747,6 @@ def test_the_mixture_preset_reads_code_and_its_docstrings(
     (tmp_path / "data" / "stdlib_pairs").symlink_to(pairs)
     cfg = compose_train("data=mixture", f"paths.data_dir={tmp_path / 'data'}", "data.dir=null")
     module = build(cfg.data, tokenizer=ByteTokenizer())
-    assert module.weights == {"code": 0.7, "docstrings": 0.3}
+    assert module.position.weights == {"code": 0.7, "docstrings": 0.3}
     fields = [source.format.field_keys["text_field"] for source in module.sources]
     assert fields == ["txt", "query.txt"]

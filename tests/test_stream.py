@@ -822,8 +822,8 @@ def test_datamodule_train_batches(shard_dir):
     assert batch["positions"].tolist() == [[0, 0, 0, 4]]  # source 0's sub-stream 0 continues after block 4 of shard 0
     assert batch["drawn"].tolist() == [4]  # the one source gave all four examples
     dm.on_before_batch_transfer(batch, 0)
-    assert "positions" not in batch and dm.position.cursors == {(0, 0): Cursor(0, 4)} and dm.batches_consumed == 1
-    assert dm.drawn == [4]
+    assert "positions" not in batch and dm.position.cursors == {(0, 0): Cursor(0, 4)}
+    assert dm.position.batches_consumed == 1 and dm.position.drawn == [4]
 
 
 def test_global_batch_in_tokens(shard_dir):

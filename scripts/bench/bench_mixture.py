@@ -23,7 +23,7 @@ variant, over all its runs:
 - the DataLoader workers' CPU time per step (Linux's /proc; on a CPU, time they may take from the step), and
   the memory the stream holds after `--steps` steps (read again in this process, `tracemalloc`): each
   (source, sub-stream) read holds a shuffle buffer of up to `data.shuffle_buffer` examples;
-- the share of the examples each source gave (`ShardDataModule.drawn`) against its weight.
+- the share of the examples each source gave (`DataPosition.drawn`) against its weight.
 
 Goal (the issue that asked for mixtures): no measurable cost, the data wait below 2 % of a step.
 
@@ -222,7 +222,7 @@ def run_once(cfg: DictConfig, sources: dict[str, tuple[Path, float]], out: Path,
     metrics = out / "csv" / "metrics.csv"  # none where no step was logged (trainer.log_every_n_steps)
     with metrics.open() if metrics.is_file() else open(os.devnull) as file:
         runs.logged_wait += [float(row["perf/data_wait"]) for row in csv.DictReader(file) if row.get("perf/data_wait")]
-    for source, drawn in zip(datamodule.sources, datamodule.drawn, strict=True):
+    for source, drawn in zip(datamodule.sources, datamodule.position.drawn, strict=True):
         runs.drawn[source.name] += drawn
     runs.weights = {name: weight for name, (_, weight) in sources.items()}
 

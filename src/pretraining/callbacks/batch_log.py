@@ -32,7 +32,7 @@ class BatchLog(Callback):
         data = training_data(trainer, "callbacks.batch_log")
         step, slot = data.batch_slot
         record = {
-            "batch": data.batches_consumed,
+            "batch": data.position.batches_consumed,
             "step": step,
             "slot": slot,
             "ranks": trainer.world_size,

@@ -10,16 +10,17 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_warn
 
 from pretraining.data.contract import training_data
+from pretraining.data.sources import check_skips
 from pretraining.objectives.step_values import logs_written_at
 
 
 class DataCounts(Callback):
     """Every `trainer.log_every_n_steps` optimizer steps and at the last, sum over all ranks the
-    samples the training stream read and skipped (`ShardDataModule.samples_read`, `samples_skipped`)
+    samples the training stream read and skipped (`DataPosition.samples_read`, `samples_skipped`)
     and the examples each source gave (`drawn`); log `data/samples_read` and `data/skipped_samples`,
     for a mixture `data/<source>/tokens` and `data/<source>/share` (of the tokens trained on so far); stop
-    the run if too many samples were skipped (`ShardDataModule.check_skips`), and save and stop it where a
-    source that stops the run has run out (`ShardDataModule.stop_reason`). One small all-reduce, at the
+    the run if too many samples were skipped (`pretraining.data.sources.check_skips`), and save and stop it where
+    a source that stops the run has run out (`DataPosition.stop_reason`). One small all-reduce, at the
     same steps on every rank, so that all stop together. `train.py` adds it to every
     run: it enforces the data config's policy. Once it has stopped the run, `stop_reason` says why and how to
     go on (for the run's summary: `pretraining.report.StopsTraining`).
@@ -37,9 +38,9 @@ class DataCounts(Callback):
             return  # mid-accumulation, checked already, or not a logging step
         self.checked_step = step
         data = training_data(trainer, "data.bad_data")
-        sources = len(data.sources)
-        ran_out = [source in data.ran_out for source in range(sources)]
-        counts = [data.samples_read, data.samples_skipped, *data.drawn, *ran_out]
+        sources, position = len(data.sources), data.position
+        ran_out = [source in position.ran_out for source in range(sources)]
+        counts = [position.samples_read, position.samples_skipped, *position.drawn, *ran_out]
         summed = trainer.strategy.reduce(torch.tensor(counts, device=pl_module.device), reduce_op="sum")
         read, skipped, *per_source = summed.tolist()
         drawn, ran_out = per_source[:sources], [out > 0 for out in per_source[sources:]]
@@ -50,8 +51,8 @@ class DataCounts(Callback):
                 logged[f"data/{source.name}/tokens"] = examples * tokens_per_example
                 logged[f"data/{source.name}/share"] = examples / total
         pl_module.log_dict(logged)
-        data.check_skips(skipped, read)
-        reason = data.stop_reason(ran_out)
+        check_skips(skipped, read, data.sources, data.max_skip_fraction)
+        reason = position.stop_reason(ran_out)
         if reason:  # every rank agrees (the sums are global): the checkpoint callback saves this step
             rank_zero_warn(reason)
             trainer.should_stop, self.stop_reason = True, reason

@@ -8,6 +8,7 @@ from lightning.pytorch import Trainer
 
 from pretraining.data.formats import ExampleFormat
 from pretraining.data.mixture import Source
+from pretraining.data.position import DataPosition
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
 
@@ -19,11 +20,8 @@ class TrainingData(Protocol):
     tokenizer: Tokenizer
     sources: list[Source]  # the shard sets it reads (one, or a mixture's), in `data.sources` order
     format: ExampleFormat[Any]
-    batches_consumed: int  # training micro-batches this rank has consumed
-    samples_read: int  # training samples this rank's consumed batches read ...
-    samples_skipped: int  # ... and skipped as unusable
-    drawn: list[int]  # examples each source gave this rank's consumed batches
-    ran_out: set[int]  # the sources that ran out (their max_epochs) in a sub-stream this rank reads
+    position: DataPosition  # this rank's: batches consumed, samples read and skipped, draws, sources run out
+    max_skip_fraction: float  # the share of skipped samples that stops the run (`pretraining.data.sources`)
 
     @property
     def lineage(self) -> dict[str, Any]:
@@ -38,14 +36,6 @@ class TrainingData(Protocol):
     @property
     def topology(self) -> dict[str, int]:
         """What decides which examples each step trains on, besides the data position."""
-        ...
-
-    def check_skips(self, skipped: int, read: int) -> None:
-        """Stop the run if too many of the training samples read were skipped."""
-        ...
-
-    def stop_reason(self, ran_out: list[bool]) -> str | None:
-        """Why the run stops here, given which sources ran out on any rank (None: it goes on)."""
         ...
 
 

@@ -1,5 +1,6 @@
 """The validation set: a fixed sample spread over the whole validation split, the same every time and on
-any number of devices."""
+any number of devices (each source's: `source_validation_examples`), dealt to ranks in equal shares
+(`rank_share`)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from pretraining.data.formats import ExampleFormat, Tensors
+from pretraining.data.mixture import Source
 from pretraining.data.reader import SampleReader
+from pretraining.errors import ShardError
 
 # Validation keeps a multiple of this many examples (of a smaller power of two, if it has fewer): each device
 # validates on an equal share, and examples left over would be left out on some numbers of devices, not others.
@@ -65,3 +69,30 @@ def validation_examples(
     examples = [format.tensors(example) | {"sample_id": torch.tensor(index)} for index, example in enumerate(made)]
     text_bytes = sum(len(field.encode()) for text in texts for field in text)
     return ValidationSet(examples, len(documents), split_documents, text_bytes)
+
+
+def source_validation_examples(source: Source, size: int, policy: str, mixture: bool) -> list[Tensors]:
+    """All ranks' validation examples of a source (`validation_examples` of its validation shards, but those
+    refused at start-up), announced on rank zero (naming the source where the run reads a `mixture`)."""
+    shards = [shard for shard in source.manifest.shards("validation") if shard.name not in source.refused]
+    urls, documents = [source.manifest.url(shard) for shard in shards], sum(shard.samples for shard in shards)
+    chosen = validation_examples(urls, source.format, size, documents, policy)
+    of = f" of {source.settings.key}" if mixture else ""
+    rank_zero_info(
+        f"validation{of}: {len(chosen.examples)} {source.format.kind} from {chosen.text_bytes:,} bytes of text of "
+        f"{chosen.documents} of the {chosen.split_documents} documents of the validation split, "
+        f"in {len(shards)} shards"
+    )
+    return chosen.examples
+
+
+def rank_share(examples: list[Tensors], rank: int, world_size: int, kind: str) -> list[Tensors]:
+    """The validation `examples` (`kind`, for the message) of one rank: equal counts on every rank, as unequal
+    ones deadlock the metric reduction."""
+    per_rank = len(examples) // world_size
+    if per_rank == 0:
+        raise ShardError(
+            f"the validation shards give {len(examples)} {kind}, fewer than {world_size} ranks; "
+            f"build the shards with a larger --validation-fraction"
+        )
+    return examples[rank::world_size][:per_rank]
