@@ -1,6 +1,6 @@
 """The package's import floors follow the data path (README, "The map"): a module imports only from its
-own floor and the floors below, never upward, without cycles, and never from inside a function, except
-the console commands (`cli.py`), which import their work when they have work to do. The core never
+own floor and the floors below, never upward, without cycles, and from inside a function only where
+`DEFERS_IMPORTS` says why (the console commands, and what a run loads only when it uses it). The core never
 imports an extra (`pretraining.extras`); an extra imports the core and other extras, each on its own."""
 
 from __future__ import annotations
