@@ -84,7 +84,7 @@ def test_a_stored_config_naming_classes_where_version_0_1_kept_them_still_builds
     assert run.model.backbone._target_ == "pretraining.models.llama.Llama"  # 0.9.1 named it by its package
     assert run.data._target_ == "pretraining.data.datamodule.ShardDataModule"
     assert run.data.format._target_ == "pretraining.data.formats.PackedBlocks"
-    pairs = with_current_targets({"_target_": "pretraining.data.formats.TokenizedPairs"})  # before 0.9.2
+    pairs = with_current_targets({"_target_": "pretraining.data.formats.TokenizedPairs"})  # before 0.10.0
     assert pairs == {"_target_": "pretraining.data.pair_format.TokenizedPairs"}
     assert isinstance(build(run.tokenizer), ByteTokenizer)
     assert "init_from" not in run.model and "init_from" in old["model"]  # the checkpoint's own left as it was

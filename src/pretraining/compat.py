@@ -24,13 +24,13 @@ from typing import Any
 
 # Classes of this package that moved since a stored config named them: 0.1.0 imported these from
 # `pretraining.data` itself, which now imports nothing (so that `pretrain-data` does not load Lightning);
-# 0.5 named the objectives by their package, 0.6 by their modules (a run loads only its own); before 0.9.2
-# the backbones were named by their package.
+# 0.5 named the objectives by their package, 0.6 by their modules (a run loads only its own); 0.10.0 does
+# the same for the backbones, and gives the pairs format a module of its own.
 MOVED_TARGETS = {
     "pretraining.data.ShardDataModule": "pretraining.data.datamodule.ShardDataModule",
     "pretraining.data.PackedBlocks": "pretraining.data.formats.PackedBlocks",
     "pretraining.data.TokenizedPairs": "pretraining.data.pair_format.TokenizedPairs",
-    "pretraining.data.formats.TokenizedPairs": "pretraining.data.pair_format.TokenizedPairs",  # before 0.9.2
+    "pretraining.data.formats.TokenizedPairs": "pretraining.data.pair_format.TokenizedPairs",
     "pretraining.data.ByteTokenizer": "pretraining.data.tokenizer.ByteTokenizer",
     "pretraining.data.BPETokenizer": "pretraining.data.tokenizer.BPETokenizer",
     "pretraining.objectives.CausalLM": "pretraining.objectives.causal_lm.CausalLM",
