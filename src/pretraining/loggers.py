@@ -1,5 +1,4 @@
-"""Loggers: W&B that goes offline by itself when there are no credentials and keeps one run across
-restarts, and a CSV file of every metric that a resumed run continues."""
+"""Loggers: W&B, offline without credentials and one run across restarts; a CSV a resumed run continues."""
 
 from __future__ import annotations
 
@@ -24,13 +23,11 @@ CHECKPOINT_ARTIFACTS = (None, "reference", "upload")
 
 
 class WandbRunLogger(WandbLogger):
-    """Lightning's `WandbLogger`, offline unless credentials exist (`offline=None`), and continuing one
-    W&B run across restarts: without an `id`, the run directory's own (`wandb_run_id`, made on the
-    first start) is used. With `checkpoint_artifacts`, each checkpoint `StepCheckpoint` saves becomes
-    a version of the artifact `checkpoints-<run id>` (aliases `latest` and `step-N`, the sidecar's
-    step and lineage as metadata): `reference` records its path and checksums (nothing copied; for a
-    filesystem every reader shares), `upload` copies it into the run (uploaded by `wandb sync` when
-    offline). Lightning's `log_model` is not used: it follows `ModelCheckpoint` only, and not offline."""
+    """`WandbLogger`, offline unless credentials exist (`offline=None`), continuing one W&B run across
+    restarts (without an `id`, the run directory's `wandb_run_id`). With `checkpoint_artifacts`, each saved
+    checkpoint becomes a version of `checkpoints-<run id>` (aliases `latest`, `step-N`): `reference` records
+    its path and checksums (for a shared filesystem), `upload` copies it. Not `log_model`: it follows only
+    `ModelCheckpoint`, and not offline."""
 
     def __init__(
         self,
@@ -50,8 +47,7 @@ class WandbRunLogger(WandbLogger):
         if id is None and getattr(rank_zero_only, "rank", 0) == 0:  # only rank zero logs to W&B
             id = run_id(Path(save_dir))
         if quiet and isinstance(kwargs.get("settings", {}), Mapping):
-            # No banners: an online run still prints its URL; offline, W&B only writes files (silent) and
-            # the run's report has the sync command. Settings given in the config win.
+            # No banners (offline, the run's report has the sync command); the config's settings win.
             kwargs["settings"] = {"quiet": True, "silent": offline, **kwargs.get("settings", {})}
         super().__init__(save_dir=save_dir, offline=offline, id=id, resume="allow", **kwargs)
         drop_wandb_anonymous(self)
@@ -78,8 +74,7 @@ class WandbRunLogger(WandbLogger):
         self.experiment.log_artifact(artifact, aliases=["latest", f"step-{sidecar['step']}"])
 
     def sync_command(self) -> str | None:
-        """The command that uploads this run's offline W&B files, once it has some: every start of the run
-        (each restart writes a directory of its own, under the same run id)."""
+        """The command uploading this run's offline W&B files, every restart's (one run id), once there are some."""
         runs = Path(str(self.save_dir)) / "wandb"
         if not self.logs_offline or not any(runs.glob(f"offline-run-*-{self.version}")):
             return None
@@ -106,12 +101,9 @@ def run_id(run_dir: Path) -> str:
 
 
 class ResumableCSVLogger(Logger):
-    """`<save_dir>/<name>/metrics.csv`: one row per logging call, a column per metric (empty where that row
-    has none), the step in `step`. A resumed run appends to it: steps replayed after a crash appear twice,
-    and the later row is the one that counts. A new metric rewrites the file with its column, atomically.
-
-    Not Lightning's `CSVLogger`, which deletes metrics.csv when a run resumes, and rewrites it in place
-    (a crash then loses every row) when a metric is added."""
+    """`<save_dir>/<name>/metrics.csv`: a row per logging call, a column per metric. A resumed run appends
+    (a replayed step's later row counts); a new metric rewrites the file atomically. Not `CSVLogger`: it
+    deletes the file on resume and rewrites it in place, so a crash loses every row."""
 
     def __init__(self, save_dir: str, name: str = "csv", version: str = "") -> None:
         super().__init__()

@@ -1,6 +1,5 @@
-"""Checkpoints at step boundaries, through `Trainer.save_checkpoint`: the trainer's writer
-(`AtomicCheckpointIO`) or, for FSDP2's sharded checkpoints, the strategy (`FSDP2Strategy`) writes each one
-whole or not at all (`pretraining.checkpoint`); this callback decides when, and publishes it."""
+"""Checkpoints at step boundaries: `AtomicCheckpointIO` (or `FSDP2Strategy`, for shards) writes each one whole
+or not at all (`pretraining.checkpoint`); this callback decides when, and publishes it."""
 
 from __future__ import annotations
 
@@ -32,28 +31,17 @@ from pretraining.ranges import Positive, Range, checked_ranges
 
 
 class StepCheckpoint(Checkpoint):
-    """Save every `every_n_steps` optimizer steps and at the last step, always at a step boundary
-    (after the optimizer step, so gradient accumulation is respected), through the trainer's
-    checkpoint writer (`AtomicCheckpointIO`), or as a sharded directory when the strategy saves
-    shards (`save_sharded`); and where training stops early (`trainer.should_stop`: EarlyStopping, another
-    callback, `trainer.max_time`), a stop asked for inside a gradient accumulation waiting for the step's end,
-    so that a checkpoint holds whole steps. Keep the newest `keep_last` and, permanently, every step divisible by
-    `keep_every`. Older ones are pruned only after the new one is complete. At least 2 are kept, so
-    that a newest one damaged later (a disk fault, a bad copy) still leaves a fallback.
+    """Save every `every_n_steps` optimizer steps, at the last step and where training stops early, always
+    at a step boundary (a stop asked for inside a gradient accumulation waits for the step's end), so that a
+    checkpoint holds whole steps. Keep the newest `keep_last` (at least 2: a fallback if the newest is damaged
+    later) and every step divisible by `keep_every`; prune only once the new one is complete.
 
-    A checkpoint is saved before the validation of its step; once that validation finishes, its metrics
-    are added to the sidecar (`record_validation`). A run resumed from a checkpoint whose validation a
-    kill or a signal cut short validates that step first (`pretraining.run.fit`), so the learning curve
-    has no hole.
-
-    With `background`, the step waits only while the state is copied to host memory; a writer thread
-    writes the copy with the same guarantees (`pretraining.checkpoint.background`, handed to the writer as
-    `Trainer.save_checkpoint`'s `storage_options`), and `last.ckpt` and pruning follow once it is complete.
-    So on one device, with DDP and with FSDP2 (sharded saves through DCP's `async_save`); FSDP1's saves are
-    synchronous.
-
-    Not Lightning's `ModelCheckpoint`: its saves are not verified before a resume trusts them, it cannot
-    record a step's validation after saving it, and it prunes before the newer checkpoint is complete."""
+    A checkpoint is saved before its step's validation, whose metrics then join its sidecar
+    (`record_validation`); a resume whose validation was cut short validates first (`pretraining.run.fit`).
+    With `background`, the step waits only for the copy to host memory; a writer thread
+    (`pretraining.checkpoint.background`, passed as `storage_options`) writes it with the same guarantees
+    (one device, DDP, FSDP2; FSDP1 saves synchronously). Not `ModelCheckpoint`: it verifies nothing before a
+    resume trusts it, cannot record a validation after saving, and prunes before the newer save is complete."""
 
     @checked_ranges("callbacks.checkpoint")
     def __init__(
@@ -75,8 +63,7 @@ class StepCheckpoint(Checkpoint):
         self.saving_seconds = 0.0  # this process's time waiting on saves (a goodput account reads it)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        """Refuse, before any step, a checkpoint IO other than the one that writes each checkpoint atomically
-        with its sidecar (it publishes them itself): the run could resume from none of its checkpoints."""
+        """Refuse, before any step, a checkpoint IO other than `AtomicCheckpointIO`: no checkpoint would resume."""
         checkpoint_io = trainer.strategy.checkpoint_io
         if not saves_sharded(trainer) and not isinstance(checkpoint_io, AtomicCheckpointIO):
             raise ConfigError(
@@ -96,9 +83,8 @@ class StepCheckpoint(Checkpoint):
         self.stop_requested = False
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Save the step if this validation asked to stop (EarlyStopping: validations end steps,
-        `pretraining.run.build_trainer`), then record the validation of the step just saved in its sidecar:
-        see `record_validation`."""
+        """Save the step if this validation asked to stop (EarlyStopping), then record the validation of the
+        step just saved in its sidecar (`record_validation`)."""
         if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and trainer.should_stop:
             self.save(trainer)
         self.collect(trainer, wait=True)  # the sidecar is written last
@@ -112,9 +98,8 @@ class StepCheckpoint(Checkpoint):
             record_validation(self.validated_path, logged_values(trainer.callback_metrics))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        """Save every `every_n_steps`, at the last step, and where training stops (`trainer.should_stop`, set
-        by a callback or `trainer.max_time`): before the validation Lightning runs at a stop. (Lightning
-        runs this hook after the other callbacks'.)"""
+        """Save every `every_n_steps`, at the last step and where training stops, before the validation
+        Lightning runs at a stop (this hook runs after the other callbacks')."""
         step = trainer.global_step
         if step == self.boundary_step:  # inside a gradient accumulation
             self.defer_stop(trainer)
@@ -129,8 +114,7 @@ class StepCheckpoint(Checkpoint):
             self.save(trainer)
 
     def defer_stop(self, trainer: Trainer) -> None:
-        """Inside a gradient accumulation, turn a stop asked for into one at the step's end: a checkpoint holds
-        whole steps (the data position is a step's)."""
+        """Inside a gradient accumulation, defer a stop to the step's end: the data position is a step's."""
         self.stop_requested |= trainer.should_stop
         trainer.should_stop = False
 
@@ -140,8 +124,7 @@ class StepCheckpoint(Checkpoint):
         self.wait_until_written(trainer)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        # trainer.max_time limits each process, as a scheduler's time limit limits each job of a chain: a run
-        # continued after such a stop has its whole time again (Lightning's Timer would carry the time spent over).
+        # trainer.max_time limits each job of a chain, as a scheduler's limit does: a continued run has it all again.
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, Timer):
                 checkpoint["callbacks"].pop(callback.state_key, None)
@@ -151,8 +134,7 @@ class StepCheckpoint(Checkpoint):
             self.writer.close()
 
     def wait_until_written(self, trainer: Trainer) -> None:
-        """Wait for the checkpoint being written, on every rank: no rank may leave the run (a launcher then
-        stops the others) while rank zero writes."""
+        """Wait for the write on every rank: a rank leaving early makes the launcher stop rank zero mid-write."""
         self.collect(trainer, wait=True)
         trainer.strategy.barrier("StepCheckpoint.wait_until_written")
 
@@ -161,15 +143,14 @@ class StepCheckpoint(Checkpoint):
         self.finish_writing_on_a_stop(trainer)
 
     def finish_writing_on_a_stop(self, trainer: Trainer) -> None:
-        """Complete the checkpoint being written for a run that stops on another error, which is the one to
-        report: a failed write only warns."""
+        """Complete the write for a run stopping on another error, the one to report: a failed write only warns."""
         try:
             self.collect(trainer, wait=True)
         except Exception as error:
             rank_zero_warn(f"the checkpoint being written failed too: {error}")
 
     def save(self, trainer: Trainer) -> None:
-        """Save the current step (once), point `last.ckpt` at it and prune (once it is written, in the background)."""
+        """Save the current step once; `last.ckpt` and pruning follow once it is written."""
         step = trainer.global_step
         if step == self.saved_step:
             return
@@ -189,9 +170,8 @@ class StepCheckpoint(Checkpoint):
             self.published(trainer, path)
 
     def collect(self, trainer: Trainer, wait: bool) -> None:
-        """Publish the background write once it is complete (waiting for it if `wait`); raise if it failed.
-        A sharded write is collected only where every rank waits for it (a save, the end of a validation
-        or of training): a failure seen by each rank at its own step would leave the others hanging."""
+        """Publish the background write once complete (waiting if `wait`); raise if it failed. A sharded write
+        is collected only where every rank waits: a failure seen at different steps would hang the others."""
         if self.writer is None or self.writer.in_flight is None or (self.writing_shards and not wait):
             return
         self.writing_shards = False
@@ -233,8 +213,7 @@ def raise_failed(path: Path, error: Exception, directory: Path) -> NoReturn:
 
 
 def writes_through_storage_options(trainer: Trainer) -> bool:
-    """Whether the strategy hands `Trainer.save_checkpoint`'s `storage_options` to the checkpoint writer
-    (rank zero's, or FSDP2's for its shards), which then writes in the background."""
+    """Whether the strategy passes `storage_options` on to the writer, which then writes in the background."""
     return type(trainer.strategy) in (SingleDeviceStrategy, DDPStrategy) or fsdp2_strategy(trainer.strategy) is not None
 
 

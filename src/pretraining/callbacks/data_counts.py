@@ -1,5 +1,4 @@
-"""What the training data gave, on the logs: the samples read and skipped as unusable (and the limit on
-them), and for a mixture each source's tokens and share."""
+"""What the training data gave, on the logs: samples read and skipped (and their limit), a mixture's shares."""
 
 from __future__ import annotations
 
@@ -15,16 +14,11 @@ from pretraining.objectives.step_values import logs_written_at
 
 
 class DataCounts(Callback):
-    """Every `trainer.log_every_n_steps` optimizer steps and at the last, sum over all ranks the
-    samples the training stream read and skipped (`DataPosition.samples_read`, `samples_skipped`)
-    and the examples each source gave (`drawn`); log `data/samples_read` and `data/skipped_samples`,
-    for a mixture `data/<source>/tokens` and `data/<source>/share` (of the tokens trained on so far); stop
-    the run if too many samples were skipped (`pretraining.data.sources.check_skips`), and save and stop it where
-    a source that stops the run has run out (`DataPosition.stop_reason`). One small all-reduce, at the
-    same steps on every rank, so that all stop together. `train.py` adds it to every
-    run: it enforces the data config's policy. Once it has stopped the run, `stop_reason` says why and how to
-    go on (for the run's summary: `pretraining.report.StopsTraining`).
-    """
+    """At logging steps, sum over ranks the samples read and skipped and each source's examples; log
+    `data/samples_read`, `data/skipped_samples` and a mixture's `data/<source>/tokens` and `/share`; stop on
+    too many skips (`pretraining.data.sources.check_skips`) or a source run out (`DataPosition.stop_reason`).
+    One small all-reduce at the same steps everywhere, so all ranks stop together. `train.py` adds it to every
+    run, as it enforces the data policy; `stop_reason` then says why (`pretraining.report.StopsTraining`)."""
 
     def __init__(self) -> None:
         self.checked_step = -1

@@ -26,14 +26,9 @@ def code_revision(directory: Path) -> dict[str, Any]:
 
 
 class Lineage(Callback):
-    """Adds `checkpoint["lineage"]`: the resolved config, code revision, data
-    version, tokenizer fingerprint, the checkpoint this run continued from
-    (`parent`), the W&B run id, the step, and the data's topology and sources
-    (a mixture's weights and phases too), so every
-    checkpoint can be traced back, rebuilt by `evaluate.py`, and checked
-    against a run that would resume it. Another callback, or the objective, may
-    add what it knows to the same record in its `on_save_checkpoint` (the
-    weights a run started from, a distillation's teacher)."""
+    """Adds `checkpoint["lineage"]` (config, code revision, data version and sources, tokenizer fingerprint,
+    `parent` checkpoint, W&B run id, step), so every checkpoint can be traced, rebuilt by `evaluate.py` and
+    checked against a resume. Others may add to it in their `on_save_checkpoint` (a distillation's teacher)."""
 
     def __init__(
         self, config: dict, data_version: str, tokenizer_fingerprint: str, code: dict[str, Any], parent: str | None
@@ -59,7 +54,6 @@ class Lineage(Callback):
 
 
 def trainer_lineage(trainer: Trainer) -> Lineage | None:
-    """The `Lineage` of a training run (`pretrain`), None elsewhere (`pretrain-eval` trains nothing). Its
-    `parent` is the checkpoint the run continues from, known from the set-up on: Lightning names it
-    (`trainer.ckpt_path`) only once it restores it, after every `setup` hook."""
+    """The `Lineage` of a training run, or None; its `parent` is known before Lightning's `trainer.ckpt_path`
+    is (only after every `setup` hook)."""
     return next((callback for callback in trainer.callbacks if isinstance(callback, Lineage)), None)  # type: ignore[attr-defined]

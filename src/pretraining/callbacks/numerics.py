@@ -24,14 +24,13 @@ from pretraining.ranges import Range, checked_ranges
 
 
 class NumericalError(RuntimeError, PretrainingError):
-    """Training stopped on consecutive non-finite steps; the message names the steps, the newest
-    checkpoint and what to change."""
+    """Training stopped on consecutive non-finite steps; the message names them, the newest checkpoint, the fix."""
 
 
 @dataclass
 class LossStatistics:
-    """Exponentially weighted mean and variance of the step loss over about `window` steps. The
-    first steps weigh 1/n each (a plain running mean), so the estimate is unbiased from the start."""
+    """Exponentially weighted mean and variance of the step loss over about `window` steps; the first steps
+    weigh 1/n each, so the estimate is unbiased from the start."""
 
     window: int
     mean: float = 0.0
@@ -46,45 +45,28 @@ class LossStatistics:
         self.variance = (1 - weight) * (self.variance + weight * difference**2)
 
     def is_spike(self, loss: float, threshold: float) -> bool:
-        """Whether `loss` lies more than `threshold` standard deviations above the mean, once a
-        full window has been seen."""
+        """Whether `loss` is over `threshold` standard deviations above the mean, once a window was seen."""
         return self.count >= self.window and loss > self.mean + threshold * math.sqrt(self.variance)
 
 
 class NumericalGuard(Callback):
-    """Check every optimizer step before it updates the weights, after gradient accumulation and
-    before gradient clipping (Lightning's `on_before_optimizer_step`):
+    """Check every optimizer step after gradient accumulation, before clipping and the update:
 
-    - A step whose loss (on any rank, any micro-batch) or global gradient norm is NaN or infinite
-      is skipped: its gradients are dropped, so the optimizer changes neither the weights nor its
-      state (AdamW's moments and step counts); the LR schedule still advances, and the step still
-      counts towards `trainer.max_steps`. Each is counted (`train/skipped_steps`) and warned about.
-    - After `max_consecutive_bad_steps` such steps in a row (null: never), training stops with a
-      `NumericalError` naming the steps and the newest checkpoint. Since no bad update is ever
-      applied, every checkpoint holds finite weights, and the stop saves nothing.
-    - Under float16 with a GradScaler, a step with a finite loss whose gradients overflow is the
-      scaler's to skip (it lowers its scale and carries on): such steps are neither counted nor
-      warned about, and do not break a run of bad steps either.
-    - A step whose loss exceeds the moving mean of earlier steps' losses (over about
-      `spike_window` steps, once that many have been seen) by more than `spike_threshold` standard
-      deviations is a loss spike: counted (`train/loss_spikes`), warned about and appended by rank
-      zero as a JSON line {step, loss, mean, std, grad_norm, lr, time} to `spike_log` (default
-      `<run dir>/loss_spikes.jsonl`; a restarted run appends the steps it replays again, the later
-      line wins). Spikes are trained on, not skipped, and enter the statistics like any step, so
-      that a lasting change of level stops being flagged after about a window.
-      `spike_threshold: null` turns this off.
+    - A non-finite loss (any rank, any micro-batch) or gradient norm skips the step: its gradients are dropped,
+      so weights and optimizer state are unchanged; the LR schedule and `max_steps` still advance. Counted
+      (`train/skipped_steps`) and warned about; after `max_consecutive_bad_steps` in a row (null: never), a
+      `NumericalError`. No bad update is ever applied, so every checkpoint holds finite weights.
+    - Under float16, a finite loss with overflowing gradients is the GradScaler's to skip: not counted, and it
+      does not break a run of bad steps.
+    - A loss over `spike_threshold` (null: off) standard deviations above the moving mean (`spike_window`) is a
+      spike: counted (`train/loss_spikes`), warned about, and appended by rank zero as a JSON line to
+      `spike_log` (default `<run dir>/loss_spikes.jsonl`; a replayed step's later line wins). Spikes are trained
+      on and enter the statistics, so a lasting change of level stops being flagged after about a window.
 
-    `train/grad_norm`, the global gradient norm before clipping, is logged too (with the counts of skipped steps
-    and spikes), through the objective's `step_values`: at the steps whose logs Lightning writes. Steps are
-    numbered as checkpoints are: step N is the N-th optimizer step. The loss is the step's mean over
-    micro-batches and ranks. Every rank decides alike: the loss and norm are averaged over ranks by one
-    all-reduce of two numbers (under FSDP2 the norm of the sharded gradients is all-reduced first), so a NaN on
-    one rank is seen by all. The cost: one pass over the gradients for the norm, and one transfer of the two
-    numbers to the host, a device sync per step (the rest of the template syncs only at logging steps; a loop
-    that skips non-finite steps cannot decide without it); removing the callback (`~callbacks.numerics`) removes
-    it. Counters and loss statistics travel in checkpoints, so a resumed run counts as the uninterrupted run
-    would.
-    """
+    `train/grad_norm` (before clipping) and the counts go through the objective's `step_values`. Every rank
+    decides alike: loss and norm are averaged by one all-reduce, so a NaN on one rank is seen by all. That costs
+    a device sync per step, which a loop skipping non-finite steps needs (`~callbacks.numerics` removes it).
+    Counters and statistics travel in checkpoints, so a resumed run counts as the uninterrupted one would."""
 
     @checked_ranges("callbacks.numerics")
     def __init__(
@@ -125,7 +107,7 @@ class NumericalGuard(Callback):
             pl_module.step_values.update({"train/grad_norm": norm, **counts})
 
     def loss_and_norm(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> tuple[float, float]:
-        """The step's loss (unscaled) and global gradient norm, averaged over ranks: identical on every rank."""
+        """The step's unscaled loss and global gradient norm, averaged over ranks: identical on every rank."""
         grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads)
         if isinstance(norm, DTensor):  # FSDP2: each rank holds a shard's norm
@@ -207,8 +189,7 @@ class NumericalGuard(Callback):
 
 
 def learning_rates(optimizer: Optimizer) -> dict[str, float]:
-    """The learning rates of a spike record, as the schedule set them: `lr`, the first param group's (AdamW's,
-    `model.optimizer.lr`), and `muon_lr`, the Muon group's under MuonAdamW (`pretraining.objectives.optimizers`)."""
+    """A spike record's learning rates: `lr` (the first group's) and, under MuonAdamW, `muon_lr`."""
     rates = {"lr": optimizer.param_groups[0]["lr"]}
     for group in optimizer.param_groups:
         if group.get("muon"):
@@ -222,8 +203,7 @@ def grad_scaler(trainer: Trainer) -> Any:
 
 
 def newest_checkpoint(trainer: Trainer) -> tuple[int, Path] | None:
-    """The step and path of the newest checkpoint the run's `StepCheckpoint` has saved, if any (after the
-    one being written, if any, is complete)."""
+    """The step and path of the newest checkpoint `StepCheckpoint` saved, once any write in flight completes."""
     savers = [callback for callback in trainer.checkpoint_callbacks if isinstance(callback, StepCheckpoint)]
     for saver in savers:
         saver.finish_writing_on_a_stop(trainer)
@@ -232,7 +212,7 @@ def newest_checkpoint(trainer: Trainer) -> tuple[int, Path] | None:
 
 
 def append_line(path: Path, record: dict[str, Any]) -> None:
-    """Append one JSON line in a single write, so that a crash cannot leave half a line before a whole one."""
+    """Append one JSON line in a single write: a crash cannot leave half a line before a whole one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("a") as file:
         file.write(json.dumps(record) + "\n")

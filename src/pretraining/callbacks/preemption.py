@@ -25,23 +25,16 @@ class Preempted(Exception):
 
 
 class Preemption(Callback):
-    """On a signal, only set a flag; at the next step boundary the ranks agree on it (all-reduce of
-    the flag), save a checkpoint, stop, and `train` exits with status 128 + signal number, which a
-    scheduler can requeue on. A validation (before training, in the loop, or after it) checks the
-    flag after every batch instead and stops by raising `Preempted`, after saving its step if that
-    was not saved yet; the run validates that step again when it continues. With `requeue` and
-    under SLURM, rank zero also runs `scontrol requeue` after a SIGTERM or SIGUSR1 (not after
-    Ctrl-C). Nothing is saved inside the handler: the state is always that of a completed optimizer
-    step. A second Ctrl-C stops at once, without saving.
+    """On a signal, only set a flag (the state is always a completed step's); at the next step boundary the
+    ranks agree on it, save, stop, and `train` exits with 128 + the signal, for a scheduler to requeue on. A
+    validation checks the flag after every batch and raises `Preempted`, after saving its step if needed; the
+    continued run validates that step again. With `requeue` under SLURM, rank zero runs `scontrol requeue`
+    (not after Ctrl-C). A second Ctrl-C stops at once, unsaved.
 
-    The handlers stand in for Lightning's (whose SIGTERM path runs a collective inside the handler and
-    can hang a DDP job, and can end the run with status 0 unsaved) for the whole of each stage, from its
-    `setup` to its teardown: Lightning's are never installed (`pretraining.internals`).
-    Before the trainer runs (building the data, verifying its checksums) and between its stages, a
-    signal's default action ends the process at once: nothing has been written there that a restart
-    would miss. DataLoader workers ignore these signals
-    (`leave_stop_signals_to_the_main_process`).
-    """
+    The handlers replace Lightning's, from each stage's `setup` to its teardown (`pretraining.internals`):
+    its SIGTERM path runs a collective inside the handler, which can hang DDP, and can exit 0 unsaved. Outside
+    stages a signal's default action applies: nothing a restart would miss is written there. DataLoader
+    workers ignore these signals (`leave_stop_signals_to_the_main_process`)."""
 
     def __init__(self, requeue: bool = True) -> None:
         self.requeue = requeue
@@ -56,8 +49,7 @@ class Preemption(Callback):
         self.received = self.received or signum  # the first signal decides (a SIGTERM is not undone)
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        # Lightning registers its own handlers just before the stage runs (after this hook, and after the
-        # restore of a checkpoint); here it installs ours instead, so that its handler is never active.
+        # Lightning registers its handlers after this hook (and the restore): have it install ours instead.
         install_signal_handlers_instead(trainer, self.install_handlers)
         self.install_handlers()
 
@@ -88,8 +80,7 @@ class Preemption(Callback):
         raise Preempted(signal.Signals(agreed).name)
 
     def save_and_stop(self, trainer: Trainer, agreed: int) -> None:
-        """Save the step just completed (a validation inside training may come before its save), once,
-        and requeue the job if asked to."""
+        """Save the step just completed, once (a validation may precede its save), and requeue if asked to."""
         self.stopped_by = agreed
         name = signal.Signals(agreed).name
         if trainer.state.fn != TrainerFn.FITTING:  # a validation of its own: the weights are saved already
@@ -114,8 +105,7 @@ class Preemption(Callback):
             requeue_slurm_job(os.environ["SLURM_JOB_ID"])
 
     def agreed_signal(self, trainer: Trainer) -> int | None:
-        """The largest signal number any rank received (None for none), the same on every rank. One
-        process needs no collective, and so no device tensor and host sync at every step."""
+        """The largest signal any rank received (or None), alike on every rank; one process needs no sync."""
         if not (dist.is_available() and dist.is_initialized()):
             return self.received
         flag = torch.tensor(self.received or 0, device=trainer.strategy.root_device)

@@ -1,5 +1,4 @@
-"""The training progress bar: counts toward `max_steps`, so it shows the time left, and shows the loss
-and tokens/s (Lightning's `TQDMProgressBar` counts to the end of an epoch, which an infinite stream has not)."""
+"""The training progress bar, counting toward `max_steps`: an infinite stream has no epoch end to count to."""
 
 from __future__ import annotations
 
@@ -10,9 +9,8 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 
 
 class ProgressBar(TQDMProgressBar):
-    """Lightning's bar over training batches, with `max_steps` (in micro-batches) as its total, so
-    that its estimate of the time left is the run's (an infinite stream has no epoch to count to),
-    starting where a resumed run starts; the tokens/s that `Throughput` logs as `tok/s`."""
+    """Lightning's bar with `max_steps` (in micro-batches) as its total, from where a resumed run starts, so
+    its time left is the run's; it shows `Throughput`'s tokens/s as `tok/s`."""
 
     def on_train_epoch_start(self, trainer: Trainer, *args: Any) -> None:
         super().on_train_epoch_start(trainer, *args)

@@ -11,9 +11,8 @@ from pretraining.objectives.causal_lm import CausalLM
 
 
 class TextSample(Callback):
-    """When training completes (not when a signal stops it), sample a continuation of `prompt` and
-    print it from rank zero. Every rank samples (the same text): under FSDP the forward pass needs
-    all of them."""
+    """When training completes, print a sampled continuation of `prompt` from rank zero. Every rank samples
+    (the same text): under FSDP the forward pass needs all of them."""
 
     def __init__(
         self, prompt: str = "def ", max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 50, seed: int = 0

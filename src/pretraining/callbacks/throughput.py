@@ -1,13 +1,8 @@
-"""Training throughput, data wait, memory and model FLOPs utilisation (MFU), logged every few optimizer
-steps.
+"""Throughput, data wait, memory and MFU (model FLOP/s over the devices' peak), logged every few steps.
 
-MFU = achieved model FLOP/s / (the device's peak FLOP/s x number of devices). The model FLOPs are
-the objective's count (`PretrainingObjective.batch_work`, from `Transformer.flops_per_token`: PaLM's
-6 per matmul weight per token plus the attention term, recomputation not counted). Token and FLOP
-counts are added up on the host from batch shapes, the data wait is timed on the host by the loader
-(`WaitTimedLoader`), and the clock is read only at logging steps (where, on CUDA, the device is
-synchronised first), so measuring costs no per-step sync.
-"""
+The model FLOPs are the objective's (`PretrainingObjective.batch_work`, from `Transformer.flops_per_token`,
+recomputation not counted). Counts come from batch shapes on the host, the data wait from `WaitTimedLoader`,
+and the clock is read (after a CUDA sync) only at logging steps, so measuring costs no per-step sync."""
 
 from __future__ import annotations
 
@@ -26,16 +21,14 @@ from pretraining.data.loader import WaitTimedLoader
 from pretraining.objectives.base import BatchWork
 from pretraining.plugins import fsdp2_strategy
 
-# Dense (no 2:4 sparsity) peaks per device name fragment, checked before Lightning's table, whose H200
-# entries are the sparse figures and which does not recognise every H200 name.
+# Dense peaks, checked before Lightning's table: its H200 entries are the 2:4-sparse ones, and miss some names.
 DENSE_PEAK_FLOPS: dict[str, dict[torch.dtype | str, float]] = {
     "h200": {torch.bfloat16: 989.4e12, torch.float16: 989.4e12, "tfloat32": 494.7e12, torch.float32: 66.9e12},
 }
 
 
 def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The device's dense peak FLOP/s for matmuls in `dtype` (float32 means TF32 when matmul precision
-    allows it); None where unknown, such as on a CPU."""
+    """The device's dense peak matmul FLOP/s in `dtype` (float32: TF32 where allowed); None where unknown."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device).lower()
@@ -94,22 +87,13 @@ def data_waited(trainer: Trainer) -> float | None:
 
 
 class Throughput(Callback):
-    """At the steps whose logs Lightning writes (every `trainer.log_every_n_steps`), log
+    """At Lightning's logging steps, log `perf/tokens_per_s` and `perf/samples_per_s` (all data-parallel
+    ranks, and `..._per_device`), `perf/step_time`, `perf/data_wait` (the share of it spent waiting for
+    batches: near 1, add `data.num_workers`), `perf/mfu` where the peak is known, and peak memory.
 
-    - `perf/tokens_per_s` and `perf/samples_per_s` over all data-parallel ranks, and each
-      `..._per_device`;
-    - `perf/step_time`, seconds per optimizer step, and `perf/data_wait`, the share of that time the
-      training loop spent waiting for its next batch (when the loader counts it: `WaitTimedLoader`);
-      near 0 the model is the bottleneck, near 1 the data path is (add `data.num_workers`);
-    - `perf/mfu` where the device's peak is known;
-    - `perf/peak_host_memory_gb` of this process and, on CUDA, `perf/peak_device_memory_gb`.
-
-    The clock starts after the first step (compilation, allocator warm-up) and stops during
-    validation; the progress bar shows the tokens/s. `peak_flops` (per device) overrides the lookup, for a
-    device Lightning's table lacks. `clock` is for tests.
-
-    Not Lightning's `ThroughputMonitor`, which synchronises CUDA at every batch, counts micro-batches as
-    steps under gradient accumulation and has no data wait."""
+    The clock starts after the first step (compilation, warm-up) and pauses during validation. `peak_flops`
+    (per device) is for a device Lightning's table lacks; `clock` is for tests. Not `ThroughputMonitor`: it
+    syncs CUDA every batch, counts micro-batches as steps, and has no data wait."""
 
     def __init__(self, peak_flops: float | None = None, clock: Callable[[], float] = time.perf_counter) -> None:
         self.peak, self.clock = peak_flops, clock

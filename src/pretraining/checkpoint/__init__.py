@@ -1,24 +1,14 @@
 """Checkpoints that are never half-written, and the search for the newest good one.
 
-A checkpoint `step-000200.ckpt` is written to a temporary file in the same
-directory, fsynced, read back for its SHA-256, renamed into place, and the
-directory fsynced; then its sidecar `step-000200.ckpt.json` (checksum, size,
-step, lineage, parameter shapes) is written the same way, last. A checkpoint
-counts only once its sidecar exists and its bytes match it, so a crash at any
-moment leaves either the previous good checkpoint or the new good one, never a
-torn file that a resume would trust. Resume takes the newest that verifies.
+`step-000200.ckpt` is written to a temporary file beside it, fsynced, read back for its SHA-256 and renamed
+into place (the directory fsynced); its sidecar `step-000200.ckpt.json` (checksum, size, step, lineage,
+shapes) is written the same way, last. A checkpoint counts only once its sidecar exists and its bytes match,
+so a crash leaves the previous good checkpoint or the new one, never a torn file a resume would trust.
 
-A sharded checkpoint (FSDP2 with `save_distributed_checkpoint=true`) is a
-directory of the same name: every rank writes its shards into a temporary
-directory beside it, and once all have finished, rank zero checksums every
-file, renames the directory into place and writes the sidecar (which lists each
-file's size and SHA-256) last, with the same guarantees (`pretraining.checkpoint.sharded`, which the FSDP2
-strategy loads with the first sharded checkpoint it saves or loads).
-
-On one device, with DDP and for sharded checkpoints the write happens in the background (`background`):
-the step waits only for a copy of the state in host memory, and a writer thread writes that copy exactly
-as above (DCP's `async_save` writes the shards).
-"""
+A sharded checkpoint (FSDP2, `save_distributed_checkpoint=true`) is a directory: every rank writes into a
+temporary one, then rank zero checksums each file, renames it into place and writes the sidecar last
+(`pretraining.checkpoint.sharded`). With `background`, a writer thread writes a host copy of the state
+exactly so (DCP's `async_save` for shards)."""
 
 from pretraining.checkpoint.lineage import (
     checkpoint_digest,

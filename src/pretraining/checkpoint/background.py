@@ -1,12 +1,8 @@
 """Checkpoints written in the background: the step waits only for a host copy of the state.
 
-As torchtitan and OLMo-core do, every tensor of the checkpoint is copied to host memory and a writer
-thread writes the copy while training goes on. The thread writes it as a synchronous save does
-(`save_file`: temporary file, fsync, read-back SHA-256, rename, sidecar last), so a kill at any moment
-of the write leaves the previous checkpoint the newest that verifies. At most one write is in flight:
-the next save, the end of a validation (which records its metrics in the sidecar) and the end of
-training wait for it, and a write that failed raises its error there, on the training thread.
-"""
+A writer thread writes the copy as a synchronous save does (`save_file`), so a kill mid-write leaves the
+previous checkpoint the newest that verifies. At most one write is in flight: the next save, the end of a
+validation and of training wait for it, and a failed write raises there, on the training thread."""
 
 from __future__ import annotations
 
@@ -20,9 +16,8 @@ import torch
 
 
 def host_copy(state: Any) -> Any:
-    """A deep copy of `state` whose tensors are copies in host memory (one per tensor, however often it is
-    referred to): nothing the writer reads can change while training goes on. Containers keep their types
-    and attributes (a state dict's `_metadata`)."""
+    """A deep copy of `state` with one host copy per tensor, so nothing the writer reads changes under it;
+    containers keep their types and attributes (a state dict's `_metadata`)."""
     copies: dict[int, Any] = {}
 
     def find_tensors(value: Any) -> None:
@@ -65,8 +60,7 @@ class BackgroundWriter:
         return self.pending[0] if self.pending else None
 
     def finished(self, wait: bool) -> Path | None:
-        """The path of the write in flight once it is done (waiting for it if `wait`), raising the error it
-        failed with; None while it runs (not waiting) or when none is in flight."""
+        """The path of the write in flight once done (waiting if `wait`), raising its error; else None."""
         if self.pending is None:
             return None
         path, future = self.pending

@@ -1,5 +1,4 @@
-"""What a checkpoint says about itself without loading its tensors: its lineage record, and the one
-digest that names it (a file's SHA-256, or for a sharded directory the SHA-256 of its files' list)."""
+"""What a checkpoint says about itself without loading its tensors: its lineage, and the digest naming it."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ CHECKPOINTS = "logs/train/runs/<run>/checkpoints/"  # where runs keep them
 
 
 def existing_checkpoint(path: str | Path) -> Path:
-    """`path`, refused with the place runs keep their checkpoints if nothing is there, or if it is neither a
-    file nor a (sharded checkpoint's) directory."""
+    """`path`, refused (naming where runs keep checkpoints) unless it is a file or a sharded directory."""
     path = Path(path)
     if not path.exists():
         raise MissingFileError(f"checkpoint {path} not found; runs keep them in {CHECKPOINTS}")
@@ -43,8 +41,7 @@ def read_lineage(path: Path) -> dict[str, Any]:
 
 
 def checkpoint_digest(checksums: str | dict[str, str]) -> str:
-    """The SHA-256 that names a checkpoint: a file's own, or, given a sharded checkpoint's {file: SHA-256},
-    the SHA-256 of that list (the same files give the same digest wherever the directory is)."""
+    """The SHA-256 naming a checkpoint: a file's, or that of a sharded one's {file: SHA-256} (wherever it is)."""
     if isinstance(checksums, str):
         return checksums
     return hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest()

@@ -1,6 +1,5 @@
-"""A checkpoint's sidecar, `<checkpoint>.json`: its checksum, size, step, lineage and parameter shapes,
-written last, and the verification of a checkpoint against it (a file, or every file of a sharded
-directory)."""
+"""A checkpoint's sidecar, `<checkpoint>.json` (checksum, size, step, lineage, shapes; written last), and
+the verification of a checkpoint, a file or a sharded directory, against it."""
 
 from __future__ import annotations
 
@@ -16,9 +15,7 @@ from pretraining.files import sha256_of, write_durably
 SIDECAR_FORMAT = 1
 # In a sharded checkpoint: all but the weights and optimizer, as Lightning names it (fabric.utilities.load).
 SHARDED_META = "meta.pt"
-# The lineage record every checkpoint carries (`pretraining.callbacks.lineage.Lineage`).
-# 4: the data config names its example format (data.format) and one ShardDataModule, which saves the data
-# position under its own name; the configs of earlier checkpoints name classes that are gone.
+# The lineage record of `pretraining.callbacks.lineage.Lineage`; earlier formats' configs name classes now gone.
 LINEAGE_FORMAT = 4
 READABLE_LINEAGE_FORMATS = (4,)
 
@@ -41,8 +38,7 @@ def parameter_shapes(state_dict: dict[str, torch.Tensor]) -> dict[str, list[int]
 
 
 def summary(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """What a resume checks before loading a checkpoint: its step, lineage (without the full config)
-    and parameter shapes."""
+    """What a resume checks before loading: step, lineage (without the config) and parameter shapes."""
     lineage = {key: value for key, value in checkpoint.get("lineage", {}).items() if key != "config"}
     shapes = parameter_shapes(checkpoint.get("state_dict", {}))
     return {"step": checkpoint.get("global_step"), "lineage": lineage, "parameters": shapes}
@@ -58,17 +54,15 @@ def checkpoint_bytes(path: Path) -> int:
 
 
 def listed_files(path: Path, record: dict[str, Any]) -> dict[Path, tuple[int, str]]:
-    """Each file of a checkpoint with the size and SHA-256 its sidecar records: the checkpoint file
-    itself, or every file of a sharded checkpoint's directory."""
+    """Each file of a checkpoint (or of a sharded directory) with the size and SHA-256 its sidecar records."""
     if path.is_dir():
         return {path / name: (entry["bytes"], entry["sha256"]) for name, entry in record["files"].items()}
     return {path: (record["bytes"], record["sha256"])}
 
 
 def verify(path: Path) -> dict[str, Any]:
-    """The sidecar of a complete, intact checkpoint (a file, or a directory of shards); raises
-    `CheckpointError` naming what is wrong. A file already verified in this process, unchanged since,
-    is not read again."""
+    """The sidecar of a complete, intact checkpoint, else a `CheckpointError` naming what is wrong. A file
+    verified before in this process, unchanged since, is not read again."""
     path = path.resolve()
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} not found")

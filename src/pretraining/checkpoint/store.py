@@ -1,6 +1,5 @@
-"""A run's directory of checkpoints: writing one (the file, then its sidecar), finding the newest that
-verifies, pointing `last.ckpt` at it, pruning, and removing without a moment where a sidecar vouches
-for nothing."""
+"""A run's directory of checkpoints: writing (file, then sidecar), finding the newest that verifies,
+`last.ckpt`, pruning and removing."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ def save_file(checkpoint: dict[str, Any], path: Path) -> None:
 
 
 def vouch_for(path: Path, record: dict[str, Any]) -> None:
-    """Write the sidecar of the checkpoint just renamed to `path`; if that fails (a full disk), remove
-    the checkpoint: complete but not vouched for, it is not worth the space it takes."""
+    """Write the sidecar of the checkpoint just renamed to `path`; if that fails, remove the unvouched file."""
     try:
         write_sidecar(path, record)
     except BaseException:
@@ -51,23 +49,19 @@ def vouch_for(path: Path, record: dict[str, Any]) -> None:
 
 
 def record_validation(path: Path, metrics: dict[str, float]) -> None:
-    """Add the metrics at the end of the validation of a checkpoint's step to its sidecar (rewritten
-    whole, like every file here). A checkpoint is saved before its step's validation: without this
-    record a resume cannot tell a validation that finished from one a kill interrupted, nor a finished
-    run from one killed in its final validation."""
+    """Add a step's validation metrics to its checkpoint's sidecar (rewritten whole). Saved before its
+    validation, a checkpoint otherwise could not tell a finished validation from one a kill interrupted."""
     write_sidecar(path, {**read_sidecar(path), "validation": metrics})
 
 
 def keep_for_good(path: Path, why: str) -> None:
-    """Mark a checkpoint in its sidecar (`keep`: why) so that pruning never removes it: one the registry
-    holds, say."""
+    """Mark a checkpoint in its sidecar (`keep`: why) so that pruning never removes it."""
     write_sidecar(path, {**read_sidecar(path), "keep": why})
 
 
 def remove(path: Path) -> None:
-    """Delete a checkpoint, its sidecar first, so that no moment leaves a sidecar vouching for nothing.
-    A directory is renamed to a temporary name first: a crash while deleting it leaves a leftover for
-    pruning, not a partial checkpoint under its name."""
+    """Delete a checkpoint, its sidecar first, so no sidecar vouches for nothing; a directory is renamed away
+    first, so a crash leaves a leftover for pruning, not a partial checkpoint."""
     sidecar_path(path).unlink(missing_ok=True)
     if path.is_dir():
         doomed = temporary_path(path)
@@ -93,8 +87,7 @@ def sidecar_step(path: Path) -> tuple[int | None, Any]:
 
 
 def saved_checkpoints(directory: Path) -> list[tuple[int, Path]]:
-    """(step, path) of the checkpoints in `directory` whose sidecar exists and gives their size,
-    newest first (not yet checksummed)."""
+    """(step, path) of the checkpoints whose sidecar gives their size, newest first (not checksummed)."""
     found = []
     for path in checkpoint_files(directory):
         step, size = sidecar_step(path)
@@ -104,13 +97,10 @@ def saved_checkpoints(directory: Path) -> list[tuple[int, Path]]:
 
 
 def newest_verified(directory: Path) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint in `directory` that verifies, and its sidecar, warning about each one
-    skipped; None if the directory holds no complete checkpoint. One checkpoint without a sidecar is the
-    save a kill cut off before its sidecar, written last (one save is written at a time): it is skipped as
-    unfinished, so a run killed during its first save starts again. If the directory holds checkpoints
-    but none verifies (several without sidecars among them: a copy that left them behind), refuse
-    (starting over would silently discard them). Newest means the step the sidecar records, not the file
-    name (names sort wrongly past step 999999); those with no readable sidecar are tried, and reported, first."""
+    """The newest checkpoint that verifies, and its sidecar, warning about each skipped; None if there is none.
+    A single one without a sidecar is a save a kill cut off (one is written at a time): skipped. If some exist
+    but none verifies, refuse: starting over would silently discard them. Newest is the sidecar's step, not
+    the name (which sorts wrongly past step 999999); those without a readable sidecar are tried first."""
 
     def newest_first(path: Path) -> tuple[float, str]:
         step, _ = sidecar_step(path)
@@ -146,8 +136,7 @@ def newest_saved(directory: Path) -> str:
     return f"the newest complete checkpoint, {saved[0][1]}, is intact" if saved else "no checkpoint was saved before"
 
 
-# What a file system answers when it refuses a read or write: full, over quota, a file too large, read-only,
-# permissions, an I/O error, a stale network mount.
+# A file system refusing a read or write (full, quota, read-only, permissions, I/O, a stale mount).
 STORAGE_ERRNOS = {
     errno.ENOSPC,
     errno.EDQUOT,
@@ -162,8 +151,7 @@ STORAGE_ERRNOS = {
 
 @contextmanager
 def storage_faults_stop_the_run(checkpoints: Path) -> Iterator[None]:
-    """Turn a file system's refusal of any read or write of the run (a full disk, a read-only directory, a
-    lost mount) into one line saying what was kept and how to continue."""
+    """Turn a file system's refusal of any read or write of the run into one line: what was kept, how to go on."""
     try:
         yield
     except PretrainingError:
@@ -186,8 +174,8 @@ def link_last(path: Path) -> None:
 
 
 def prune(directory: Path, keep_last: int, keep_every: int | None, keep: Path) -> None:
-    """Remove the checkpoints of `directory` but `keep`, the newest `keep_last`, every step divisible
-    by `keep_every` and those marked `keep_for_good`; then what saves interrupted by a crash left behind."""
+    """Remove all checkpoints but `keep`, the newest `keep_last`, steps divisible by `keep_every` and those
+    marked `keep_for_good`; then what crashed saves left behind."""
     checkpoints = saved_checkpoints(directory)
     newest = {path for _, path in checkpoints[:keep_last]} | {keep}
     for step, path in checkpoints:
@@ -202,8 +190,7 @@ def prune(directory: Path, keep_last: int, keep_every: int | None, keep: Path) -
 
 
 def storage_fault(error: BaseException) -> OSError | None:
-    """The OSError (disk full, permission denied, ...) behind `error`, if any: `torch.save` and DCP wrap
-    the one their file writes raised in their own errors."""
+    """The OSError behind `error`, if any: `torch.save` and DCP wrap it in their own errors."""
     seen: BaseException | None = error
     while seen is not None:
         if isinstance(seen, OSError):

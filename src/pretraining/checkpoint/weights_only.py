@@ -1,10 +1,7 @@
 """Loading a checkpoint's objects without letting the file run code.
 
-`torch.load(weights_only=True)` unpickles tensors and plain data only and refuses anything else, but
-its refusal advises `weights_only=False`: the one thing a file from elsewhere must never get. Every
-load here goes through `load_weights_only` (or, where Lightning does the loading, `refusing_code`),
-which states the refusal in our words instead.
-"""
+`torch.load(weights_only=True)`'s refusal advises `weights_only=False`, the one thing a file from elsewhere
+must never get: every load goes through `load_weights_only` (or `refusing_code`), which words it our way."""
 
 from __future__ import annotations
 

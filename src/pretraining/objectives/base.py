@@ -1,15 +1,11 @@
-"""What every pretraining objective shares: the backbone, the optimizer with its LR schedule and gradient
-clipping (`pretraining.objectives.optimization`), the training loss on the logs, and validation metrics
-computed from states reduced over all ranks (sums, never averages of averages; or concatenations, for
-metrics over the whole validation set).
+"""What every objective shares: the backbone, optimizer, schedule and clipping
+(`pretraining.objectives.optimization`), the training loss, and validation metrics from states reduced over
+ranks (sums, never averages of averages, or concatenations).
 
-A new objective subclasses `PretrainingObjective` and supplies `training_loss`, the validation states it
-keeps (passed to `__init__`), `validation_update` (what to add to those states per validation batch) and
-`validation_metrics` (what to report from the reduced states). It may set `example_format` (the examples it
-trains on, `PackedBlocks` by default), refuse a tokenizer (`check_tokenizer`), say what a probe reads
-(`pooled_features`) and count its work (`batch_work`). A training value goes in `step_values`, logged at
-the steps Lightning writes (`LogStepValues`); anything else is logged as in any LightningModule.
-"""
+A new objective subclasses `PretrainingObjective` with `training_loss`, its validation states (to
+`__init__`), `validation_update` (per batch) and `validation_metrics` (from the reduced states); it may set
+`example_format`, `check_tokenizer`, `pooled_features` and `batch_work`. Training values go in `step_values`
+(`LogStepValues`)."""
 
 from __future__ import annotations
 
@@ -84,15 +80,13 @@ class PretrainingObjective(LightningModule):
         self.compile_blocks, self.model_configured = compile, False
         self.restored_step = 0  # the step of the checkpoint restored into this module, if any
         self.last_validated_step = -1
-        # This step's training values (the objective's, and callbacks' such as the gradient norm), on the
-        # device as computed; logged at the steps Lightning writes (`LogStepValues`).
+        # This step's training values (callbacks' too), on the device; logged by `LogStepValues`.
         self.step_values: dict[str, torch.Tensor | float] = {}
 
     def configure_model(self) -> None:
-        """Under FSDP2 (Lightning's `ModelParallelStrategy`), shard the model by the strategy's policy
-        (`pretraining.plugins.fsdp.shard`); then, with `compile`, compile each backbone's layers in place
-        (`Backbone.repeated_layers`; `nn.Module.compile`: no wrapper, so checkpoint keys stay as they are).
-        Lightning calls this for every `validate` and `fit`, so it acts only once."""
+        """Under FSDP2, shard the model (`pretraining.plugins.fsdp.shard`); with `compile`, compile each
+        backbone's `repeated_layers` in place (no wrapper: checkpoint keys stay). Lightning calls it per stage,
+        so it acts once."""
         if self.model_configured:
             return
         if self.device_mesh is not None:  # a ModelParallelStrategy's: only such a run loads plugins.fsdp
@@ -118,8 +112,7 @@ class PretrainingObjective(LightningModule):
         raise NotImplementedError
 
     def features(self, tokens: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
-        """Float32 features (batch, width) of PAD-padded token ids (`attend` False at padding) for probes,
-        computed in eval mode without gradients; the module's mode is restored after."""
+        """Float32 features (batch, width) of padded token ids for probes, in eval mode without gradients."""
         with frozen(self), uncompiled():
             return self.pooled_features(tokens, attend).float()
 
@@ -128,8 +121,7 @@ class PretrainingObjective(LightningModule):
         return masked_mean(self.backbone(tokens, attend).float(), attend)
 
     def batch_work(self, batch: dict[str, torch.Tensor]) -> BatchWork:
-        """Samples, tokens and training FLOPs of a batch of packed blocks, from its shapes alone (no
-        device sync); the head scores `head_positions` of each block."""
+        """Samples, tokens and training FLOPs of a batch of packed blocks, from its shapes (no device sync)."""
         samples, length = batch["tokens"][:, :-1].shape
         backbone_flops = samples * length * self.backbone.flops_per_token(length)
         head_flops = samples * self.head_positions(length) * self.backbone.head_flops_per_token()
@@ -145,17 +137,15 @@ class PretrainingObjective(LightningModule):
         return loss
 
     def configure_callbacks(self) -> list[Callback]:
-        """`LogStepValues`, which Lightning runs after the trainer's callbacks (which add to `step_values`, or
-        stop training) and before the checkpoint callbacks (which may monitor the values). Lightning asks at
-        every stage (a validation before `fit`, then `fit`) and keeps what the first added among the trainer's
-        callbacks, in that place: it is returned once, not again to replace itself (which Lightning announces)."""
+        """`LogStepValues`, which Lightning runs after the trainer's callbacks (which fill `step_values`) and
+        before checkpoint callbacks (which may monitor them); returned once, as Lightning keeps it across stages
+        and announces a replacement."""
         trainer_callbacks: list[Callback] = self.trainer.callbacks  # type: ignore[attr-defined]
         return [] if any(isinstance(c, LogStepValues) for c in trainer_callbacks) else [LogStepValues()]
 
     @property
     def trained_steps(self) -> int:
-        """The optimizer steps behind the current weights: the trainer's, or, in a validation of a restored
-        checkpoint outside `fit` (whose loops are not restored), the checkpoint's."""
+        """The optimizer steps behind the weights: the trainer's, or a restored checkpoint's outside `fit`."""
         return max(self.global_step, self.restored_step)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -168,10 +158,8 @@ class PretrainingObjective(LightningModule):
             cast(Metric, states[name]).update(value)
 
     def source_states(self, source: int) -> nn.ModuleDict:
-        """The validation states of a data source (the loader of a mixture's `source`-th), made on first use
-        as copies of `validation_state`, which is the first source's: emptied of what that source has added
-        so far, and in training mode, as Lightning leaves the objective's modules after a validation (it puts
-        back the modes of those it knew before, and warns of any other in eval mode when training starts)."""
+        """The validation states of a mixture's `source`-th source, made on first use as emptied copies of
+        `validation_state` (the first's), in training mode: Lightning warns of modules left in eval mode."""
         while len(self.validation_states) <= source:
             states = copy.deepcopy(self.validation_state).train()
             for metric in states.values():
@@ -183,8 +171,7 @@ class PretrainingObjective(LightningModule):
         per_source = [self.computed_metrics(cast(nn.ModuleDict, states)) for states in self.validation_states]
         if len(per_source) == 1:
             metrics = per_source[0]
-        else:  # a mixture's: each source's, and the mean of each metric weighted as the mixture weighs the
-            # sources (a source of weight 0, validated only, is left out; val/ppl is the mean of the perplexities)
+        else:  # each source's, and their mean weighted as the mixture weighs them (weight 0 left out)
             data = training_data(self.trainer, "data")
             weighted = [(source.weight, values) for source, values in zip(data.sources, per_source, strict=True)]
             weighted = [(weight, values) for weight, values in weighted if weight > 0]
@@ -236,8 +223,7 @@ class PretrainingObjective(LightningModule):
 
 
 def logged_values(metrics: Mapping[str, Any]) -> dict[str, float]:
-    """Logged metrics (`trainer.callback_metrics`, what `Trainer.validate` returns) as floats, without the
-    `step` key that places validation rows (`on_validation_epoch_end`)."""
+    """Logged metrics (`trainer.callback_metrics`) as floats, without the `step` key of validation rows."""
     return {name: float(value) for name, value in metrics.items() if name != "step"}
 
 
@@ -254,8 +240,7 @@ def frozen(module: nn.Module) -> Iterator[None]:
 
 
 def uncompiled() -> AbstractContextManager[None]:
-    """Compiled blocks run eagerly inside: for the rare calls whose shapes vary (a probe's, a sample's
-    growing text), each of which would otherwise cost a recompilation (`model.compile`)."""
+    """Compiled blocks run eagerly inside: rare calls of varying shapes would each cost a recompilation."""
     return torch.compiler.set_stance("force_eager")
 
 
@@ -266,8 +251,7 @@ def masked_mean(hidden: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
 
 
 def build_objective(node: Any, examples: ExampleFormat[Any]) -> PretrainingObjective:
-    """Instantiate the `model` config for the data's example format (and its tokenizer), refusing
-    mismatches before any work."""
+    """Instantiate the `model` config for the data's example format and tokenizer, refusing mismatches."""
     size = examples.tokenizer.vocab_size
     given = OmegaConf.select(node, "backbone.vocab_size", throw_on_missing=False)  # None where left `???`
     if given is not None and given != size:

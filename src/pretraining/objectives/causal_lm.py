@@ -15,15 +15,11 @@ from pretraining.objectives.language_model import LanguageModel, Scored, input_d
 
 
 class CausalLM(LanguageModel):
-    """GPT-style language model: predict token t+1 from tokens up to t.
-
-    Validation reports the token-mean loss, perplexity and bits per byte, all
-    from summed negative log-likelihood, token and byte counts.
-    """
+    """GPT-style language model: predict token t+1 from tokens up to t. Validation reports loss, perplexity
+    and bits per byte, from summed NLL, token and byte counts."""
 
     def __init__(self, backbone: Backbone, **settings: Any) -> None:
-        """`settings`: what every language model takes (`LanguageModel`: document masking, loss chunks, the
-        optimizer, warmup, ...)."""
+        """`settings`: what every language model takes (`LanguageModel`)."""
         if not backbone.causal:
             raise ConfigError("CausalLM needs a causal backbone: set model.backbone.causal=true")
         super().__init__(backbone, validation_state=sums("nll", "tokens", "bytes"), **settings)

@@ -1,6 +1,5 @@
-"""What the language-model objectives (next-token, masked-LM, and students distilled from them) share:
-packed blocks read with or without document boundaries, the positions they score, and a cross-entropy
-that need never hold all float32 logits at once."""
+"""What language-model objectives (next-token, masked, distilled) share: packed blocks with or without
+document boundaries, scored positions, and a cross-entropy that need not hold all float32 logits at once."""
 
 from __future__ import annotations
 
@@ -32,11 +31,9 @@ class Scored(NamedTuple):
 
 
 class LanguageModel(PretrainingObjective):
-    """An objective over packed blocks that scores token positions (`scored_inputs`) with the backbone's head.
-
-    `document_masking`: a position attends only within its own document; `document_positions`: positions
-    restart at 0 at each document. `loss_chunk_tokens`: the head and loss run over that many tokens at a
-    time (see `lm_cross_entropy`)."""
+    """Scores token positions of packed blocks (`scored_inputs`) with the backbone's head. `document_masking`:
+    attend within the document only; `document_positions`: restart at 0 per document; `loss_chunk_tokens`:
+    see `lm_cross_entropy`."""
 
     @checked_ranges("model")
     def __init__(
@@ -54,8 +51,7 @@ class LanguageModel(PretrainingObjective):
         self.loss_chunk_tokens = loss_chunk_tokens
 
     def scored_inputs(self, batch: dict[str, torch.Tensor], validation: bool = False) -> Scored:
-        """The inputs, scored positions and targets of a batch (with `hidden_at`, also what a distillation
-        needs of its student and teacher)."""
+        """The inputs, scored positions and targets of a batch (a distillation's, with `hidden_at`)."""
         raise NotImplementedError
 
     def hidden_at(self, scored: Scored) -> torch.Tensor:
@@ -66,8 +62,7 @@ class LanguageModel(PretrainingObjective):
         return hidden.gather(1, scored.positions[..., None].expand(-1, -1, hidden.shape[-1]))
 
     def packed_hidden(self, tokens: torch.Tensor, documents: torch.Tensor | None) -> torch.Tensor:
-        """The backbone's hidden states of packed `tokens`, whose `documents` are each token's document
-        (None: each row is one)."""
+        """The backbone's hidden states of packed `tokens` with each token's document (None: one per row)."""
         if documents is None:
             if self.document_masking or self.document_positions:
                 raise ConfigError(
@@ -92,8 +87,7 @@ class LanguageModel(PretrainingObjective):
 
 
 def input_documents(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    """The documents of a batch's input tokens (all but each block's last), if the batch has them: packed
-    blocks from the data do (`doc_ids`); a batch made by hand may not, and is then one document a row."""
+    """The `doc_ids` of a batch's input tokens, or None (a hand-made batch: one document a row)."""
     documents = batch.get("doc_ids")
     return None if documents is None else documents[:, :-1]
 
@@ -105,11 +99,8 @@ def lm_cross_entropy(
     reduction: str = "mean",
     chunk_tokens: int | None = None,
 ) -> torch.Tensor:
-    """Cross-entropy of the logits `head(hidden)` against `targets` (IGNORE counts for nothing), in float32.
-
-    With `chunk_tokens`, the head and the loss run over that many tokens at a time under activation
-    checkpointing: the float32 logits (tokens x vocabulary) never exist whole, forward or backward;
-    each chunk's are recomputed in backward. The result equals the plain path's up to rounding."""
+    """Float32 cross-entropy of `head(hidden)` against `targets`. With `chunk_tokens`, head and loss run that
+    many tokens at a time under activation checkpointing, so the float32 logits never exist whole."""
     hidden, targets = hidden.flatten(0, -2), targets.flatten()
     if chunk_tokens is None:
         return F.cross_entropy(head(hidden).float(), targets, ignore_index=IGNORE, reduction=reduction)

@@ -1,19 +1,10 @@
 """Muon for the hidden matrices, AdamW for everything else, as one optimizer: `MuonAdamW`.
 
-Muon (Keller Jordan, https://kellerjordan.github.io/posts/muon/) updates a weight matrix with the
-orthogonalised momentum of its gradient: Newton-Schulz iterations push every singular value of the update
-towards 1, so that no direction dominates. It suits the matrices inside the backbone's layers (attention and
-MLP projections); embeddings, the head, norms, biases and scalars keep AdamW (`hidden_matrices` says which
-are which). One optimizer holds both, in param groups, so that a checkpoint has one optimizer state, the
-LR schedule scales both learning rates and Lightning sees one optimizer (logged as `lr-MuonAdamW/<group>`).
-
-The Muon update is torch.optim.Muon's (its momentum, Nesterov, coefficients, LR scaling), with one change:
-torch orthogonalises in bfloat16, which a CPU without bfloat16 matrix units emulates at many times the cost
-of float32; here the iterations run in float32 off CUDA (`orthogonalisation_dtype`).
-
-Muon needs each matrix whole: FSDP, which shards parameters across ranks, is refused with it
-(`pretraining.run.check_config`).
-"""
+Muon (https://kellerjordan.github.io/posts/muon/) updates a matrix with its orthogonalised gradient momentum,
+so no direction dominates; it suits the layers' projections (`hidden_matrices`), while embeddings, head,
+norms and scalars keep AdamW. One optimizer holds both, so a checkpoint has one state and the schedule
+scales both LRs. The update is torch.optim.Muon's, but orthogonalised in float32 off CUDA
+(`orthogonalisation_dtype`). Muon needs whole matrices: FSDP is refused with it (`pretraining.run.check_config`)."""
 
 from __future__ import annotations
 
@@ -39,12 +30,8 @@ Beta = Annotated[float, Range(ge=0, lt=1)]
 
 
 class MuonAdamW(AdamW):
-    """AdamW on every param group, except those flagged `muon: True`, which Muon updates.
-
-    `lr`, `betas`, `eps` and `weight_decay` are AdamW's, as for torch.optim.AdamW (unfused). The `muon_*`
-    settings are the Muon groups' defaults: their learning rate (`muon_lr`, scaled per matrix shape as
-    `muon_lr_scaling` says), decoupled weight decay (multiplied by the learning rate, as torch.optim.Muon),
-    momentum, Nesterov and the number of Newton-Schulz steps."""
+    """AdamW (unfused) on every param group, except those flagged `muon: True`, which Muon updates; the
+    `muon_*` settings are their defaults (`muon_lr` scaled per shape by `muon_lr_scaling`, decay times LR)."""
 
     @checked_ranges("model.optimizer")
     def __init__(
@@ -80,8 +67,7 @@ class MuonAdamW(AdamW):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Muon's update of the Muon groups, then AdamW's step, which skips parameters without a gradient:
-        the Muon groups' gradients are set aside for it."""
+        """Muon's update of its groups, then AdamW's step with their gradients set aside, so it skips them."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -121,23 +107,20 @@ class MuonAdamW(AdamW):
 
 
 def shape_scale(shape: torch.Size, scaling: LRScaling) -> float:
-    """What Muon's LR is multiplied by for a matrix of `shape` (torch.optim.Muon's `adjust_lr_fn`): original,
-    sqrt(max(1, rows / cols)); match_rms_adamw, 0.2 sqrt(max(rows, cols)), an update as large as AdamW's."""
+    """Muon's LR factor for a matrix of `shape`: torch.optim.Muon's `adjust_lr_fn`."""
     rows, cols = shape[:2]
     return math.sqrt(max(1, rows / cols)) if scaling == "original" else 0.2 * math.sqrt(max(rows, cols))
 
 
 def orthogonalisation_dtype(device: torch.device) -> torch.dtype:
-    """bfloat16 on CUDA (tensor cores; torch.optim.Muon's choice), float32 elsewhere: a CPU without bfloat16
-    matrix units emulates bfloat16 matmuls, far slower than float32 ones."""
+    """bfloat16 on CUDA (torch's choice), float32 elsewhere: CPUs emulate bfloat16 matmuls, far slower."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def orthogonalised(matrix: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:
     """`matrix` with its singular values pushed towards 1 by `steps` quintic Newton-Schulz iterations in
-    `dtype`: torch.optim.Muon's `_zeropower_via_newtonschulz`, which always uses bfloat16. The coefficients
-    favour a steep slope at zero (few steps) over exact convergence: singular values end in roughly [0.7, 1.2],
-    except those tiny against the matrix's norm, which stay small."""
+    `dtype` (torch.optim.Muon's `_zeropower_via_newtonschulz`); the coefficients trade exact convergence for
+    few steps, and values tiny against the norm stay small."""
     a, b, c = NS_COEFFICIENTS
     wide = matrix.size(0) <= matrix.size(1)  # iterate on the smaller Gram matrix
     x = matrix.to(dtype) if wide else matrix.to(dtype).T
@@ -149,9 +132,8 @@ def orthogonalised(matrix: torch.Tensor, steps: int, dtype: torch.dtype) -> torc
 
 
 def hidden_matrices(module: nn.Module) -> list[nn.Parameter]:
-    """The matrices Muon may update: the 2-D parameters inside the layers (`Backbone.repeated_layers`) of every
-    backbone in `module` (frozen ones too: `optimizer_and_schedule` keeps the trained). Not embeddings, the
-    head, norms, biases, or parameters outside the layers (a contrastive projection, a temperature)."""
+    """The matrices Muon may update: 2-D parameters in every backbone's `repeated_layers` (frozen ones too:
+    `optimizer_and_schedule` keeps the trained), not embeddings, head or parameters outside the layers."""
     return [
         param
         for backbone in backbones(module)
@@ -162,8 +144,7 @@ def hidden_matrices(module: nn.Module) -> list[nn.Parameter]:
 
 
 def is_muon(factory: Callable[..., Optimizer]) -> bool:
-    """Whether `factory` (a config's partial, or the class a config names) builds a `MuonAdamW`, which wants the
-    hidden matrices in a group of their own."""
+    """Whether `factory` (a partial or a class) builds a `MuonAdamW`, which wants the hidden matrices apart."""
     target = factory.func if isinstance(factory, partial) else factory
     return isinstance(target, type) and issubclass(target, MuonAdamW)
 
@@ -171,9 +152,8 @@ def is_muon(factory: Callable[..., Optimizer]) -> bool:
 def muon_parameter_groups(
     matrices: Sequence[torch.Tensor], others: Sequence[torch.Tensor], hidden: Sequence[torch.Tensor]
 ) -> list[dict[str, Any]]:
-    """MuonAdamW's groups, named for the LR monitor: AdamW with weight decay on the matrices outside the
-    layers (first: the group whose LR the numerics callback reports), AdamW without it on the rest, and Muon
-    on the hidden matrices among `matrices`."""
+    """MuonAdamW's groups, named for the LR monitor: AdamW with decay first (the LR numerics reports), AdamW
+    without it, then Muon on the hidden matrices."""
     is_hidden = {id(param) for param in hidden}
     return [
         {"params": [p for p in matrices if id(p) not in is_hidden], "name": "adamw"},

@@ -1,15 +1,11 @@
-"""The LR schedules (`model.schedule`): a multiplier of every param group's learning rate, stepped every
-optimizer step up to `trainer.max_steps`.
+"""The LR schedules (`model.schedule`), multipliers of every group's LR stepped every optimizer step.
 
-- `cosine`: linear warmup, then a cosine decay to `min_lr_ratio` at `trainer.max_steps`. Its shape depends
-  on `trainer.max_steps` from the first step: a run continued with another `max_steps` changes course.
-- `wsd` (warmup-stable-decay): linear warmup, the peak LR, then over the last `decay_steps` steps a decay
-  to `min_lr_ratio` shaped 1 - sqrt (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond
-  Fixed Training Durations": it beat a linear cooldown of the same length, and matched cosine). Until the
-  decay starts the LR does not depend on `max_steps`, so a checkpoint of the stable phase continues exactly
-  with a larger `trainer.max_steps`, or cools down with `trainer.max_steps=<its step + decay_steps>`. Its
-  state records where the decay starts, and a checkpoint already in its decay continues only as it began.
-"""
+- `cosine`: linear warmup, then cosine decay to `min_lr_ratio` at `trainer.max_steps`, on which its shape
+  depends from the first step: a run continued with another `max_steps` changes course.
+- `wsd` (warmup-stable-decay, Hägele et al. 2024): warmup, the peak LR, then a 1 - sqrt decay over the last
+  `decay_steps`. Before the decay the LR ignores `max_steps`, so a stable-phase checkpoint continues exactly
+  with a larger one, or cools down with `trainer.max_steps=<its step + decay_steps>`; one in its decay
+  continues only as it began (its state records the decay)."""
 
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: 
 
 
 def warmup_stable_decay(step: int, warmup_steps: int, decay_start: int, decay_steps: int, min_lr_ratio: float) -> float:
-    """LR multiplier of step `step` (from 0): linear warmup to 1, 1 before `decay_start`, then 1 - sqrt over the
-    `decay_steps` steps from `decay_start` on, the last of them at `min_lr_ratio`."""
+    """LR multiplier of step `step` (from 0): warmup, 1, then 1 - sqrt from `decay_start` to `min_lr_ratio`."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if step < decay_start:
@@ -45,9 +40,8 @@ def warmup_stable_decay(step: int, warmup_steps: int, decay_start: int, decay_st
 
 
 class WarmupStableDecay(LambdaLR):
-    """`warmup_stable_decay` as a LambdaLR whose state (`state_dict`) records the decay, `decay_start` and
-    `decay_steps`, and the phase of the next step; `load_state_dict` refuses a state that this schedule would
-    not continue exactly (`check_continuation`), and sets the next step's LRs by this schedule."""
+    """`warmup_stable_decay` as a LambdaLR whose state records the decay and the next step's phase; loading
+    refuses a state it would not continue exactly (`check_continuation`)."""
 
     def __init__(
         self, optimizer: Optimizer, warmup_steps: int, decay_steps: int, total_steps: int, min_lr_ratio: float
@@ -77,16 +71,14 @@ class WarmupStableDecay(LambdaLR):
         # The configured schedule stays (the saved one is the same wherever the steps so far are concerned).
         own = ("warmup_steps", "decay_start", "decay_steps", "phase")
         super().load_state_dict({key: value for key, value in state_dict.items() if key not in own})
-        # The optimizer's state (restored first) holds the LRs the saved schedule set for the next step; a
-        # cooldown starting at that step takes this schedule's.
+        # The restored optimizer holds the saved schedule's next LRs: a cooldown starting now takes this one's.
         for group, base_lr, multiplier in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas, strict=True):
             group["lr"] = base_lr * multiplier(self.last_epoch)
 
 
 def check_continuation(saved: dict[str, Any], decay_start: int, decay_steps: int) -> None:
-    """Refuse to continue the saved schedule state with a decay (`decay_start`, `decay_steps`) under which the
-    steps it trained would have been different: a checkpoint past its decay's start, or a decay that would
-    start before the checkpoint's step. Steps before both decays are the same."""
+    """Refuse to continue the saved schedule with a decay under which its trained steps would have differed:
+    a checkpoint past its decay's start, or a decay starting before its step."""
     if "decay_start" not in saved:
         raise ConfigError(
             "the checkpoint was trained with model.schedule=cosine: continue it with model.schedule=cosine "
@@ -111,8 +103,7 @@ def check_continuation(saved: dict[str, Any], decay_start: int, decay_steps: int
 
 
 class WarmupCosine(LambdaLR):
-    """`warmup_cosine` as a LambdaLR (the state of every checkpoint before warmup-stable-decay existed) that
-    refuses a warmup-stable-decay state."""
+    """`warmup_cosine` as a LambdaLR that refuses a warmup-stable-decay state."""
 
     def __init__(self, optimizer: Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> None:
         multiplier = partial(

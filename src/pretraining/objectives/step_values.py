@@ -1,6 +1,5 @@
-"""The logging of an objective's training values (`PretrainingObjective.step_values`): the objective's own
-callback (its `configure_callbacks`), so that no hook of an objective has to call `super()` for it. Any
-LightningModule with a `step_values` dict may return it."""
+"""Logging an objective's `step_values` from its own callback (`configure_callbacks`), so no hook of an
+objective must call `super()` for it."""
 
 from __future__ import annotations
 
@@ -16,12 +15,9 @@ class WithStepValues(Protocol):
 
 
 class LogStepValues(Callback):
-    """Logs an objective's `step_values` with `self.log` at the steps Lightning writes (every
-    `trainer.log_every_n_steps`-th) and the last, once the step's callbacks have added theirs, so that every
-    callback sees them at the step's end; and at a step where a callback stops training (a signal, a time
-    limit), so that its row holds its own values. Logged at every step, each value would cost Lightning's
-    per-value bookkeeping for rows never written; logged at some steps only, it would stand in the rows of
-    the others. Under gradient accumulation a step's values are its last micro-batch's."""
+    """Logs `step_values` at the steps Lightning writes, the last, and one where training stops, once the
+    step's callbacks added theirs. Every step would cost bookkeeping for rows never written; values logged
+    elsewhere would stand in later rows. Under accumulation, the last micro-batch's values."""
 
     def __init__(self) -> None:
         self.unlogged: dict[str, torch.Tensor | float] | None = None  # the step under way's, if not logged
@@ -49,6 +45,5 @@ def log_values(module: LightningModule, values: dict[str, torch.Tensor | float])
 
 
 def logs_written_at(trainer: Trainer, step: int) -> bool:
-    """Whether the training values of optimizer step `step` (counted from 1) are logged: those of every
-    `trainer.log_every_n_steps`-th step, whose logs Lightning writes, and of the last, which the run reports."""
+    """Whether step `step`'s (from 1) values are logged: Lightning writes it, or it is the last."""
     return step % trainer.log_every_n_steps == 0 or step == trainer.max_steps  # type: ignore[attr-defined]

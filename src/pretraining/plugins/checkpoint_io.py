@@ -12,12 +12,9 @@ from pretraining.checkpoint.background import BackgroundWriter, host_copy
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Writes each checkpoint whole or not at all, with its sidecar last; reads only one that verifies. Given a
-    `BackgroundWriter` as `storage_options` (`StepCheckpoint` passes its own), it copies the state to host
-    memory, and the writer's thread writes the copy while training goes on.
-
-    Not Lightning's `AsyncCheckpointIO`, which copies the state on its device, tells no one when a write is
-    complete (`last.ckpt` and pruning wait for that), and raises a failed write only at the next save."""
+    """Writes each checkpoint whole or not at all, sidecar last; reads only one that verifies. Given a
+    `BackgroundWriter` as `storage_options`, its thread writes a host copy. Not `AsyncCheckpointIO`: it copies
+    on the device, tells no one when a write completes, and raises a failure only at the next save."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         path = Path(path)
@@ -29,8 +26,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
         verify(Path(path))
-        # Tensors and plain data only: a checkpoint from elsewhere cannot run code. Onto the CPU unless
-        # told otherwise: every rank loads the file, and a GPU's copy would land on the saver's device.
+        # Weights only: a file from elsewhere runs no code. CPU: every rank's copy would land on the saver's GPU.
         with refusing_code(path):
             return super().load_checkpoint(path, map_location=map_location or on_cpu, weights_only=True)
 
