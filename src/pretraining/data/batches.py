@@ -1,16 +1,9 @@
 """A step's global batch, read from the shard streams and shared out over devices and micro-batches.
 
-A step's global batch takes the next `global_batch / streams` examples of each
-of `data.streams` streams, in stream order (`BatchPlan`); each device runs a
-contiguous part of it, in one forward or in several (gradient accumulation).
-So the examples of a step depend on the seed, the global batch, the number of
-streams and of DataLoader workers, never on the number of devices or the
-micro-batch: one process with accumulation trains on exactly what two DDP
-processes train on, and each device reads only its own streams (`BatchStream`).
-Each micro-batch carries, for the (source, sub-stream)s it read, the `Cursor`
-where they continue (`positions`), how many of its examples each source gave
-(`drawn`) and which have run out (`ran_out`), and how many samples were read
-and skipped while it was made (`read`, `skipped`).
+A step takes the next `global_batch / streams` examples of each of `data.streams` streams, in stream order;
+each device runs a contiguous part of it. So a step's examples never depend on the number of devices or the
+micro-batch: one process with accumulation trains on exactly what two DDP processes do. Each micro-batch
+carries the position it moved (`positions`, `drawn`, `ran_out`, `read`, `skipped`: `DataPosition.advance`).
 """
 
 from __future__ import annotations
@@ -32,11 +25,9 @@ from pretraining.errors import ConfigError
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How each optimizer step's global batch is read and split over devices (see module doc).
-
-    The global batch is `streams` chunks of `chunk` consecutive examples, one per stream, in stream
-    order; slot `s` (one forward on one device) covers its examples `[s * micro_batch, (s + 1) *
-    micro_batch)`; rank `r` runs slots `r * accumulation` to `(r + 1) * accumulation - 1`, in turn.
+    """How a step's global batch is read and split: `streams` chunks of `chunk` examples; slot `s` (one forward
+    on one device) covers examples `[s * micro_batch, (s + 1) * micro_batch)`; rank `r` runs slots
+    `r * accumulation` to `(r + 1) * accumulation - 1`, in turn.
     """
 
     global_batch: int
@@ -67,10 +58,8 @@ class BatchPlan:
 
 
 def batch_plan(global_batch: int, micro_batch: int | None, streams: int, world_size: int) -> BatchPlan:
-    """The plan for `world_size` devices, or a ConfigError naming the one `data.` key to change (and the
-    devices only where their number is what breaks it: with one device, the checks that hold on any).
-
-    `micro_batch` None means no accumulation: each device takes its whole share in one forward.
+    """The plan for `world_size` devices, or a ConfigError naming the `data.` key to change (with one device,
+    the checks that hold on any). `micro_batch` None: no accumulation.
     """
     devices = f"the {world_size} devices" if world_size > 1 else "1 device"
     if global_batch % world_size:
@@ -105,14 +94,9 @@ def batch_plan(global_batch: int, micro_batch: int | None, streams: int, world_s
 
 
 class BatchStream(IterableDataset):
-    """A rank's infinite sequence of micro-batches, continuing after its first `start` ones, its
-    examples drawn from the sources as the mixture says (`pretraining.data.mixture`).
-
-    Inside DataLoader worker `w` of `n`, it yields the rank's micro-batches `start + w`, `start + w +
-    n`, ... (the DataLoader takes them in turn). A stream's chunks at steps congruent to `j` modulo
-    `n` are sub-stream `j * streams + stream`: each sub-stream is then always read by the same
-    worker, and which examples make a step depends on the loader's worker count, never on the
-    number of devices or the micro-batch. `cursors` are where each (source, sub-stream) continues.
+    """A rank's infinite micro-batches after its first `start`, drawn from the sources as the mixture says.
+    Worker `w` of `n` yields micro-batches `start + w`, `start + w + n`, ...; a stream's chunks at steps `j`
+    modulo `n` are sub-stream `j * streams + stream`, so each sub-stream is always read by the same worker.
     """
 
     def __init__(
@@ -178,7 +162,6 @@ def global_batch_examples(examples: int | None, tokens: int | None, example_toke
 
 
 def default_streams(global_batch: int) -> int:
-    """The streams a step draws from when `data.streams` is null: the largest of 1, 2, 4 and 8 dividing the
-    global batch (8 for 16 or 32, 4 for 12), from the batch alone so that the data order never depends on
-    the number of devices."""
+    """`data.streams` when null: the largest of 1, 2, 4 and 8 dividing the global batch, from the batch alone
+    so that the data order never depends on the number of devices."""
     return math.gcd(global_batch, 8)

@@ -1,29 +1,15 @@
-"""The LightningDataModule over a shard directory with a manifest, whatever its examples: the example
-format that `data.format` names (`pretraining.data.formats`) makes them.
+"""The LightningDataModule over one shard directory (`dir`) or a weighted mixture of several (`sources`:
+`pretraining.data.mixture`), its examples made by the format `data.format` names (`pretraining.data.formats`).
 
-The batch is configured globally: `global_batch_size` examples (or
-`global_batch_tokens`) per optimizer step over all devices, run in
-micro-batches of `micro_batch_size` per device; the gradient accumulation
-follows from the number of devices (`plan`), and so do the examples each
-device reads (`pretraining.data.batches.BatchPlan`): the same config trains on
-the same examples, step by step, on any number of devices.
+The batch is configured globally (`global_batch_size` examples, or `global_batch_tokens`, per step, in
+micro-batches of `micro_batch_size`); the accumulation and each device's examples follow from the number of
+devices (`pretraining.data.batches.BatchPlan`), so the same config trains on the same examples on any number.
 
-The DataModule also owns the training data position (`position`: what callbacks read of it too), which it
-advances with every batch the training loop consumes and saves in every checkpoint, and the randomness of
-training keyed on it (`pretraining.data.position`).
-
-It reads one shard directory (`dir`) or a weighted mixture of several (`sources`, by name: each its
-own manifest, weight, optional cap on repetitions; `pretraining.data.mixture`). A mixture's data
-position is a cursor per (source, sub-stream); it validates on each source apart (one validation
-loader per source, `val/<source>/<metric>` beside the weighted mixture's `val/<metric>`), and counts the
-examples each source gave (`position.drawn`: logged as tokens and shares by `DataCounts`).
-
-Bad data follows `bad_data`: `skip` (the default) skips unusable samples and
-shards with a warning and counts them (`position.samples_read`, `samples_skipped`, kept in
-the checkpoint with the position); `raise` stops on the first. A shard missing
-or altered at start-up keeps its place in the stream order and is skipped
-whole. `pretraining.data.sources.check_skips` stops the run once too much was skipped
-(`pretraining.callbacks.data_counts.DataCounts` calls it with the totals of all ranks).
+It owns the training data position (`position`, which callbacks read) and the randomness keyed on it
+(`pretraining.data.position`). A mixture validates on each source apart (`val/<source>/<metric>` beside
+`val/<metric>`). Bad data follows `bad_data` (`pretraining.data.reader`); a shard missing or altered at
+start-up keeps its place in the order and is skipped whole, and `pretraining.data.sources.check_skips` stops
+the run once too much was skipped (`pretraining.callbacks.data_counts.DataCounts` calls it for all ranks).
 """
 
 from __future__ import annotations
@@ -50,14 +36,9 @@ from pretraining.ranges import Positive, Range, checked_ranges
 
 
 class ShardDataModule(LightningDataModule):
-    """Examples streamed from WebDataset shards, made by the example format that `format` builds
-    with the tokenizer (`pretraining.data.formats`: `data.format` in the config).
-
-    Training is an infinite `BatchStream` per rank (train with `max_steps`).
-    Validation is a fixed sample spread over the whole validation split (`validation_examples`: up to
-    `val_size` documents, evenly spaced; for packed text, `val_size` blocks' worth of UTF-8 bytes shared
-    out over them; a multiple of 8 examples kept), dealt to ranks in equal numbers, the same every time.
-    `streams` None: `default_streams`.
+    """Examples streamed from WebDataset shards, made by the example format `format` builds with the tokenizer.
+    Training is an infinite `BatchStream` per rank (train with `max_steps`); validation a fixed sample of
+    `val_size` spread over the validation split (`pretraining.data.validation`). `streams` None: `default_streams`.
     """
 
     @checked_ranges("data")
@@ -89,8 +70,7 @@ class ShardDataModule(LightningDataModule):
         batch_plan(global_batch_size, micro_batch_size, streams, 1)  # a config error shows before any work
         settings = source_settings(sources, dir)  # a config error shows before any data is read
         self.bad_data, self.max_skip_fraction = bad_data, max_skip_fraction
-        # Every source's manifest and fields, checked before any shard is read for its checksum (which can take
-        # minutes): a mistake in the last source shows at once.
+        # Every source's manifest and fields before any checksum (minutes): a mistake in the last shows at once.
         loaded = [load_source(source, tokenizer, format, self.format, trust_pipe_commands) for source in settings]
         self.sources = [checked_shards(source, verify_checksums, bad_data) for source in loaded]
         self.mixture = Mixture(settings, seed)
@@ -110,8 +90,8 @@ class ShardDataModule(LightningDataModule):
 
     @property
     def mixture_settings(self) -> dict[str, dict[str, Any]] | None:
-        """What decides the mixture besides the data (None for one source): each source's weight, cap and
-        policy. A resume with other settings is a change of mixture (`resume_allow=[mixture]`)."""
+        """Each source's weight, cap, policy and fields (None for one source): a resume with others is a change
+        of mixture (`resume_allow=[mixture]`)."""
         if len(self.sources) == 1:
             return None
         return {
@@ -122,8 +102,7 @@ class ShardDataModule(LightningDataModule):
 
     @property
     def lineage(self) -> dict[str, Any]:
-        """What a checkpoint's lineage records of the data besides its version: the data topology, each
-        source's directory and version, and for a mixture its settings and phases."""
+        """What a checkpoint's lineage records of the data besides its version."""
         sources = {
             source.name: {"dir": source.settings.dir, "version": source.manifest.version} for source in self.sources
         }
@@ -145,8 +124,8 @@ class ShardDataModule(LightningDataModule):
         return max(1, self.num_workers)
 
     def topology_for(self, world_size: int) -> dict[str, int | str]:
-        """What decides which examples each step trains on, besides the cursors. The number of devices
-        is not part of it, only the accumulation that Lightning's loop counts batches with."""
+        """What decides which examples each step trains on, besides the cursors: not the number of devices,
+        only the accumulation Lightning's loop counts batches with."""
         return {
             "global_batch_size": self.global_batch_size,
             "streams": self.streams,
@@ -169,8 +148,8 @@ class ShardDataModule(LightningDataModule):
 
     @property
     def batch_slot(self) -> tuple[int, int]:
-        """(step, slot) of the micro-batch consumed last: where it sits in the global batch, the same
-        on any number of devices (its randomness is keyed on it too: `seed_step`)."""
+        """(step, slot in the global batch) of the micro-batch consumed last, the same on any number of devices
+        (its randomness is keyed on it: `seed_step`)."""
         return self.plan.slot_of(self.rank_and_world[0], self.position.batches_consumed - 1)
 
     def train_dataloader(self) -> DataLoader:
@@ -228,8 +207,7 @@ class ShardDataModule(LightningDataModule):
         return [source_validation_examples(source, self.val_size, self.bad_data, mixture) for source in self.sources]
 
     def val_dataloader(self) -> DataLoader | list[DataLoader]:
-        """One loader of this rank's validation examples, or for a mixture one per source (in `sources` order:
-        the objective reports each, and their weighted mean)."""
+        """This rank's validation loader, or for a mixture one per source in `sources` order."""
         rank, world_size = self.rank_and_world
         loaders = [
             validation_loader(

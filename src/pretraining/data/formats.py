@@ -1,16 +1,9 @@
 """Example formats, the one place that knows a kind of example: what a format is, and packed blocks.
 
-A format says which sample fields it reads, how their texts become examples (tokenised, with which
-special tokens, cut or packed to which lengths), the tensors of one example, how many tokens one
-example holds, and how a probe's text is encoded the way the model reads its training texts. The
-DataModule builds the format its config names (`data.format`) with the run's tokenizer, and an
-objective declares the format it trains on (`PretrainingObjective.example_format`). A new kind of
-example is a new format (a module of its own), an objective that reads it, and their configs.
-
-- `PackedBlocks`: documents tokenised, separated by EOS and packed into fixed-size blocks
-  (next-token and masked-LM).
-- `TokenizedPairs` (`pretraining.data.pair_format`, which a language-model run does not load): (query,
-  passage) pairs, each side CLS-prefixed, cut and PAD-padded to its own length (contrastive).
+The DataModule builds the format `data.format` names with the run's tokenizer; an objective declares the one
+it trains on (`PretrainingObjective.example_format`). A new kind of example is a new format (a module of its
+own), an objective that reads it, and their configs. `PackedBlocks` serves next-token and masked-LM;
+`TokenizedPairs` (`pretraining.data.pair_format`, not loaded by a language-model run) contrastive.
 """
 
 from __future__ import annotations
@@ -63,9 +56,8 @@ class ExampleFormat(Protocol[Example]):
 
 @dataclass(frozen=True)
 class Block:
-    """`block_size + 1` tokens (one extra so next-token targets stay inside the
-    block; consecutive blocks of a document stream share that token, so no
-    transition is lost) and the index of each token's document within the block."""
+    """`block_size + 1` tokens (the extra one, shared with the next block, keeps next-token targets inside)
+    and the index of each token's document within the block."""
 
     tokens: list[int]
     doc_ids: list[int]
@@ -77,8 +69,7 @@ def encode_document(tokenizer: Tokenizer, text: str) -> list[int]:
 
 
 def pack_blocks(documents: Iterable[list[int]], block_size: int) -> Iterator[Block]:
-    """Concatenate documents (each already ending in EOS) into overlapping blocks;
-    the tokens left over at the end, too few for a block, are dropped."""
+    """Documents (each ending in EOS) packed into overlapping blocks; the tokens left at the end are dropped."""
     tokens: list[int] = []
     doc_ids: list[int] = []
     for number, document in enumerate(documents):
@@ -89,13 +80,12 @@ def pack_blocks(documents: Iterable[list[int]], block_size: int) -> Iterator[Blo
             end, first_doc = start + block_size + 1, doc_ids[start]
             yield Block(tokens[start:end], [d - first_doc for d in doc_ids[start:end]])
             start += block_size
-        # The blocks taken go once per document, not once per block: a long document packs in linear time.
+        # Once per document, not per block: a long document packs in linear time.
         del tokens[:start], doc_ids[:start]
 
 
 def shares(lengths: Sequence[int], budget: int) -> list[int]:
-    """`budget` shared out over documents of `lengths` as evenly as they allow: a short document gives
-    all it has, and the others share what it leaves."""
+    """`budget` shared out over documents of `lengths` as evenly as they allow (a short one gives all it has)."""
     given = [0] * len(lengths)
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
     for taken, index in enumerate(order):
@@ -105,8 +95,8 @@ def shares(lengths: Sequence[int], budget: int) -> list[int]:
 
 
 def middle_lines(text: str, length: int) -> str:
-    """About `length` UTF-8 bytes of whole lines from the middle of `text`, or of the middle itself where
-    whole lines would give less than half of that (lines longer than the window)."""
+    """About `length` UTF-8 bytes of whole lines from the middle of `text` (of the middle itself where whole
+    lines would give less than half)."""
     data = text.encode()
     if len(data) <= length:
         return text
@@ -145,11 +135,8 @@ class PackedBlocks:
         return pack_blocks((encode_document(self.tokenizer, text) for (text,) in samples), self.block_size)
 
     def validation_texts(self, documents: Sequence[tuple[str, ...]], size: int) -> list[tuple[str, ...]]:
-        """The validation text of `size` blocks of one-byte tokens (`size * block_size` UTF-8 bytes), shared
-        out evenly over `documents` as a window of whole lines from the middle of each: the same text
-        whatever the tokenizer. A BPE packs it into fewer blocks; byte tokens make `size` blocks of it, the
-        separators left over at the end. Optional in a format: without it, validation reads each chosen
-        document whole."""
+        """`size * block_size` UTF-8 bytes shared out over `documents` as a window from the middle of each: the
+        same text whatever the tokenizer. Optional in a format: without it, validation reads documents whole."""
         texts = [text for (text,) in documents]
         budgets = shares([len(text.encode()) for text in texts], size * self.block_size)
         return [(middle_lines(text, budget),) for text, budget in zip(texts, budgets, strict=True)]

@@ -1,10 +1,6 @@
-"""The DataLoaders of the DataModule: training batches timed for the data wait, sent from the workers
-several to a message in one buffer, workers that leave stop signals to the main process, memory pinned
-where a GPU can use it.
-
-Not torch's own worker-to-main transport for the training batches: it sends each tensor of a batch
-through a file descriptor of its own, which the main process fetches over a new connection to the worker,
-and one message per batch (docs/benchmarks.md has the costs measured on a CPU)."""
+"""The DataModule's loaders: training batches timed for the data wait, sent by the workers several to a
+message in one buffer (torch's transport sends each tensor through a file descriptor of its own, fetched
+over a new connection: docs/benchmarks.md), workers that leave stop signals to the main process."""
 
 from __future__ import annotations
 
@@ -35,10 +31,8 @@ def set_up_worker(worker_id: int) -> None:
 
 
 def leave_stop_signals_to_the_main_process() -> None:
-    """In a DataLoader worker, ignore SIGTERM, SIGUSR1 and SIGINT. A scheduler (or Ctrl-C) signals
-    every process of the job; a worker that died of it would crash the run before the main process
-    reaches the step boundary where it saves (`Preemption`). The main process shuts its workers down
-    afterwards, and a worker still ends if the main process dies (`end_with_the_main_process`)."""
+    """Ignore stop signals in a worker: one dying of a scheduler's signal would crash the run before the main
+    process saves at the step boundary (`Preemption`)."""
     for name in ("SIGTERM", "SIGUSR1", "SIGINT"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_IGN)
@@ -48,12 +42,9 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def end_with_the_main_process() -> None:
-    """Have this DataLoader worker killed when the main process dies. torch's own watch on the parent
-    ends only a worker that waits for work: after a SIGKILL of the main process, a worker with a batch still
-    to send stays blocked writing to its pipe for good (its siblings hold the pipe's other end open), with
-    the run's files open, and it ignores stop signals. On Linux the kernel sends the SIGKILL when the
-    thread that forked the worker ends: the DataLoader forks its workers from the training loop's thread,
-    the main thread. Elsewhere a thread of the worker watches."""
+    """Have this worker killed when the main process dies: torch's watch ends only an idle worker, and one
+    blocked sending a batch would stay for good (its siblings hold the pipe open). On Linux the kernel kills it
+    when the forking thread (the training loop's, the main thread) ends; elsewhere a thread of the worker watches."""
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if main_process_died():  # before the prctl: no signal will come
@@ -73,8 +64,7 @@ def main_process_died() -> bool:
     main = multiprocessing.parent_process()
     assert main is not None, "called in a worker"
     if multiprocessing.get_start_method() == "fork":
-        # Its siblings forked later hold the pipe that `is_alive` watches open too; a dead parent's
-        # children have a new parent at once.
+        # Later siblings hold open the pipe `is_alive` watches; an orphan gets a new parent at once.
         return os.getppid() != main.pid
     return not main.is_alive()  # a forkserver is the parent, not the main process
 
@@ -89,22 +79,16 @@ class TensorSpec(NamedTuple):
 
 # Every dtype's element size divides it, so each tensor is read from the buffer as a view.
 ALIGNMENT = 16
-# A buffer below this size crosses in the pipe, by value (faster there than in shared memory up to about
-# 1 MB, on a CPU).
+# A buffer below this size crosses in the pipe, by value: faster there than in shared memory.
 IN_THE_PIPE_BELOW = 256 * 1024
-# A message holds as many batches as its buffer can take below `IN_THE_PIPE_BELOW`, up to this many: each
-# message costs the main process the same whatever its size (the queue, unpickling, asking the worker for
-# the next); more batches to a message would only delay the first step.
+# Each message costs the main process the same whatever its size; more batches to one would delay the first step.
 BATCHES_PER_MESSAGE = 8
 
 
 @dataclass(frozen=True)
 class OneBuffer:
-    """Batches as a worker sends them: all their tensors copied into one byte buffer. A tensor sent from a
-    worker crosses in shared memory, and the main process then fetches its file descriptor over a new,
-    authenticated connection to the worker, one tensor at a time. One buffer crosses once, and a small one by
-    value in the pipe, with no descriptor. `fields` maps each key of each batch, in the batch's order, to its
-    tensor's place in the buffer or to its value."""
+    """Batches as a worker sends them: all their tensors copied into one byte buffer, which crosses once (a
+    small one by value in the pipe). `fields` maps each key of each batch to its tensor's place or its value."""
 
     buffer: torch.Tensor
     fields: tuple[dict[str, TensorSpec | Any], ...]
@@ -132,8 +116,7 @@ def received(buffer: torch.Tensor | np.ndarray, fields: tuple[dict[str, TensorSp
 
 
 def in_one_buffer(batches: list[Any]) -> OneBuffer | list[Any]:
-    """Batches that are dicts of dense CPU tensors and plain values (numbers, strings) as a `OneBuffer`;
-    any others (nested tensors, sparse ones) as they are."""
+    """Batches of dense CPU tensors and plain values as a `OneBuffer`; any others as they are."""
     if not all(map(packable, batches)):
         return batches
     fields: list[dict[str, TensorSpec | Any]] = []
@@ -174,10 +157,9 @@ class StreamEnded:
 
 @dataclass(frozen=True)
 class WorkerError:
-    """The error a worker's stream raised, as it crosses to the main process: pickled, with the worker's
-    traceback as a note. The main process raises a fresh copy (`raised`), which no frame of the loader holds:
-    a reference cycle through it would keep the workers alive until a garbage collection, which then waits
-    5 s for each."""
+    """The error a worker's stream raised, pickled with the worker's traceback as a note. The main process
+    raises a fresh copy (`raised`): a reference cycle through a held one would keep the workers alive until a
+    garbage collection."""
 
     pickled: bytes
 
@@ -197,9 +179,8 @@ class WorkerError:
 
 @dataclass(frozen=True)
 class Message:
-    """What a DataLoader worker sends: its next batches (in one buffer where they pack), and whether its
-    stream stops after them: `end` is a `StreamEnded`, or the error the stream raised instead of its next
-    batch, to be raised where that batch would have been."""
+    """What a worker sends: its next batches, and `end` if its stream stops after them (a `StreamEnded`, or
+    the error to raise where its next batch would have been)."""
 
     worker: int
     batches: OneBuffer | list[Any]
@@ -217,9 +198,8 @@ def in_one_message(message: Message) -> Message:
 
 
 class InMessages(IterableDataset):
-    """A stream of batches as each DataLoader worker sends it: in `Message`s of as many consecutive batches
-    as fit in the pipe (`IN_THE_PIPE_BELOW`), at most `BATCHES_PER_MESSAGE`. `WaitTimedLoader` deals them
-    out again in the order the workers made them."""
+    """A worker's batches in `Message`s of as many as fit in the pipe, at most `BATCHES_PER_MESSAGE`;
+    `WaitTimedLoader` deals them out again in order."""
 
     def __init__(self, batches: IterableDataset) -> None:
         self.batches = batches
@@ -252,9 +232,8 @@ def per_message(batch: Any) -> int:
 
 
 def dealt(messages: Iterator[Message], workers: int) -> Iterator[Any]:
-    """The batches of the messages of `workers` DataLoader workers, dealt out in the order the workers
-    made them: worker `w` makes batches `w`, `w + workers`, ... They end where the first worker's stream
-    ends, and a worker's error is raised where its failed batch would have been."""
+    """The messages' batches in the order the workers made them (worker `w` makes `w`, `w + workers`, ...);
+    a worker's end or error ends them where its next batch would have been."""
     made_by: list[collections.deque[Any]] = [collections.deque() for _ in range(workers)]
     for batches in itertools.cycle(made_by):
         while not batches:
@@ -271,10 +250,8 @@ def dealt(messages: Iterator[Message], workers: int) -> Iterator[Any]:
 
 
 class WaitTimedLoader(DataLoader):
-    """A DataLoader that adds up, in `waited`, the seconds its consumer spends blocked on the next batch:
-    the training loop's data wait (`pretraining.callbacks.throughput.Throughput` reports its share of step time).
-    Only the host clock is read, so timing costs no device sync. Over `InMessages`, it deals out the
-    batches of its workers' messages."""
+    """A DataLoader that adds up in `waited` the seconds its consumer blocks on the next batch (reported by
+    `pretraining.callbacks.throughput.Throughput`; host clock only, so no device sync)."""
 
     waited = 0.0
 
@@ -314,6 +291,5 @@ def validation_loader(examples: list[Any], batch_size: int, pin_memory: bool | N
 
 
 def pinned(pin_memory: bool | None) -> bool:
-    """Pinned host memory lets the copy to the GPU overlap compute (Lightning copies non-blocking);
-    None: pinned when a GPU is present."""
+    """Pinned memory lets the copy to the GPU overlap compute; None: pinned when a GPU is present."""
     return torch.cuda.is_available() if pin_memory is None else pin_memory

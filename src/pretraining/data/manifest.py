@@ -1,10 +1,6 @@
-"""A shard directory's `manifest.json`, read back and checked: the shards of each split, their sample
-counts, sizes and checksums, the sample fields and the dataset version (`pretraining.data.shards`
-writes it for the shards it builds, `pretraining.data.index` for shards that exist elsewhere).
-
-A shard's `name` is where it is: a path relative to the manifest's directory (built shards, and
-indexed ones under it), an absolute path, or a URL or `pipe:` command read through `webdataset.gopen`
-(remote: checked while read, and by checksum at start-up only where the index recorded one)."""
+"""A shard directory's `manifest.json` (written by `pretraining.data.shards` or `pretraining.data.index`),
+read back and checked. A shard's `name` is where it is: a path relative to the directory, an absolute path,
+or a URL or `pipe:` command (remote: checked while read, by checksum only where the index recorded one)."""
 
 from __future__ import annotations
 
@@ -58,11 +54,9 @@ class Manifest:
         trust_pipe_commands: bool = False,
         trust_option: str = "data.trust_pipe_commands=true",
     ) -> Manifest:
-        """The manifest of `directory` (named by the config key or option `key`, if any); with `check`,
-        refusing shards that are missing or altered (their checksums are read with `verify_checksums`,
-        sizes always). Shards read by running a `pipe:` command are refused unless `trust_pipe_commands`
-        (which the caller's `trust_option` sets): a manifest is a file, and one from elsewhere could name
-        any command."""
+        """The manifest of `directory` (named by `key`); with `check`, refusing missing or altered shards.
+        `pipe:` shards are refused unless `trust_pipe_commands` (`trust_option`): a manifest from elsewhere
+        could name any command."""
         path = regular_file(
             Path(directory) / MANIFEST, "manifest", "write it again with `pretrain-data build` or `index`"
         )
@@ -120,8 +114,7 @@ class Manifest:
         return name if is_remote(name) else str(self.directory / name)
 
     def require_fields(self, settings: list[tuple[str, str]], fix: str) -> None:
-        """Stop if a field that `settings` name (each setting as the user writes it, and the field it names)
-        is not in every sample, naming the fields the samples have, and `fix`."""
+        """Stop if a field `settings` name ((setting, field) pairs) is not in every sample, naming `fix`."""
         missing = [(setting, name) for setting, name in settings if name not in self.fields]
         if not missing:
             return
@@ -174,8 +167,7 @@ def no_manifest(directory: str, key: str = "") -> str:
 
 
 def names_shards(spec: str) -> bool:
-    """A string naming shards rather than a directory: a URL, a `pipe:` command, a brace list, a glob, or a
-    tar file."""
+    """A string naming shards (URL, `pipe:`, brace list, glob, tar file) rather than a directory."""
     return is_remote(spec) or any(c in spec for c in "{*?[") or spec.endswith(SHARD_SUFFIXES)
 
 

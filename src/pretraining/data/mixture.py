@@ -1,25 +1,17 @@
-"""A weighted mixture of shard sets (`data.sources`): which source each training example comes from.
+"""A weighted mixture of shard sets (`data.sources`; `data.dir` is a mixture of one): which source each
+training example comes from. A weight is a share of the training tokens: sources are packed apart and mixed
+afterwards, so every example holds the same number of tokens.
 
-Each source is a shard directory with a manifest, as `data.dir` is (a run with `data.dir` trains on a
-mixture of one), and a weight. A weight is a share of the training tokens. The sources are packed apart
-and mixed afterwards, so a block never spans two sources, and every example of a format holds the same
-number of tokens (a packed block, a padded pair): a share of the tokens is the same share of the
-examples, whatever the sources' document lengths (torchtitan's "pack first counts rows").
+The source of the run's k-th example (k = step x global batch + its place in it) is a pure function of the seed
+and k, whatever the devices, workers or micro-batches: a Weyl sequence (k times the golden ratio, mod 1, from a
+seeded offset) read against the cumulative weights, which keeps each source's share close to its weight over
+any run of examples.
 
-The source of the run's k-th training example (k = step x global batch + its place in the step's
-global batch) is a pure function of the seed and k, whatever the devices, DataLoader workers or
-micro-batches: a Weyl sequence (k times the golden ratio, mod 1, from a seeded offset) read against the
-cumulative weights. Over any n consecutive examples each source's share is within about log(n) / n of
-its weight (a random draw's would be within about 1 / sqrt(n)), and the sources interleave within every
-batch.
-
-Each source is read by its own shard streams (`pretraining.data.stream.ShardStream`), one per
-sub-stream of the batches (`pretraining.data.batches`), so the data position is a cursor per (source,
-sub-stream). A source may name its own sample fields (`fields`: a source of docstrings read from pair shards'
-`query.txt`), and cap its repetitions (`max_epochs`: passes over its shards); a sub-stream that
-reaches the cap has run out of that source, whose share the other sources fill from then on. `exhausted`
-says what follows: `stop` (the default) saves and stops the run at the next logging step, and refuses
-to continue it until the cap is raised; `renormalise` goes on, with a warning.
+Each source is read by its own shard streams, one per sub-stream of the batches, so the data position is a
+cursor per (source, sub-stream). A source may name its own sample `fields` and cap its passes (`max_epochs`);
+a sub-stream that reaches the cap has run out of it, and the others fill its share. `exhausted`: `stop` (the
+default) saves and stops at the next logging step and refuses to continue until the cap is raised;
+`renormalise` goes on, with a warning.
 """
 
 from __future__ import annotations
@@ -44,7 +36,7 @@ WEYL_STEP = 0x9E3779B97F4A7C15  # 2**64 divided by the golden ratio (odd): the s
 
 @dataclass(frozen=True)
 class SourceSettings:
-    """One entry of `data.sources`, checked: where its shards are and how much of the mixture it is."""
+    """One entry of `data.sources`, checked."""
 
     name: str
     dir: str
@@ -57,8 +49,8 @@ class SourceSettings:
 
 
 def source_settings(sources: Mapping[str, Mapping[str, Any]] | None, dir: str | None) -> list[SourceSettings]:
-    """The sources of a run: `data.sources` (name -> dir, weight, max_epochs, exhausted), or `data.dir` as
-    a mixture of one. A bad entry stops the run before any data is read, naming its key and the fix."""
+    """The sources of a run: `data.sources`, or `data.dir` as a mixture of one; a bad entry stops the run
+    before any data is read."""
     if (sources is None) == (dir is None):
         raise ConfigError(
             "set exactly one of data.dir (one shard directory) and data.sources (a mixture: name -> dir, weight); "
@@ -102,8 +94,8 @@ def one_source(name: str, entry: Mapping[str, Any] | None) -> SourceSettings:
 
 @dataclass(frozen=True)
 class Source:
-    """A source of the run: its settings, its manifest, the example format that reads its fields, and the
-    shards refused at start-up (by name, with the reason: missing or altered, under `data.bad_data=skip`)."""
+    """A source of the run: settings, manifest, the format that reads its fields, and the shards refused at
+    start-up (name -> reason, under `data.bad_data=skip`)."""
 
     settings: SourceSettings
     manifest: Manifest
@@ -120,22 +112,18 @@ class Source:
 
 
 class Mixture:
-    """Which source the run's k-th training example comes from (see module doc): a pure function of the
-    sources' weights, the seed and k; `out` names sources that have run out, whose weight the others share."""
+    """Which source the run's k-th training example comes from (see module doc)."""
 
     def __init__(self, sources: Sequence[SourceSettings], seed: int) -> None:
         self.sources, self.seed = list(sources), seed
         self.offset = stable_hash("mixture", seed) % 2**64
-        # The cumulative weights: a source without weight gets an empty interval, which bisect never lands on.
+        # A source without weight gets an empty interval, which bisect never lands on.
         self.bounds = list(itertools.accumulate(source.weight for source in self.sources))
 
     def source_of(self, example: int, out: frozenset[int] = frozenset()) -> int:
-        """The source of the run's `example`-th example. Where the sequence's point falls on a source that
-        has run out, the example takes the source of a further point (a hash of the seed, the example and the
-        try), and so on until one that has not: the sources left share the weight in proportion, and the source
-        depends only on which sources are out, never on the order they were found out in, so that a resumed
-        run (which finds them out again as it reads) draws what the uninterrupted run drew (a draw among the
-        sources left alone would not: those found out so far may be fewer)."""
+        """The source of the run's `example`-th example. Where the point falls on a source that is out, further
+        points (hashed from seed, example, try) are drawn until one is not: the result depends only on which
+        sources are out, not on the order they ran out in, so a resumed run draws what the uninterrupted one drew."""
         if out and not self.has_weight(out):
             raise ValueError(f"every source with weight is out: {sorted(out)}")
         point = (((example * WEYL_STEP + self.offset) % 2**64) >> 11) / 2**53  # 53 bits: exactly below 1
@@ -151,8 +139,8 @@ class Mixture:
 
 
 class MixedExamples:
-    """A rank's (or DataLoader worker's) reader of the mixture: the next example of a sub-stream, from
-    the source the mixture names for it, read by that source's shard stream from its cursor."""
+    """A rank's (or worker's) reader of the mixture: a sub-stream's next example, from the source the mixture
+    names, read by that source's shard stream from its cursor."""
 
     def __init__(
         self, streams: Sequence[ShardStream], mixture: Mixture, total: int, cursors: Mapping[tuple[int, int], Cursor]
@@ -177,8 +165,8 @@ class MixedExamples:
         return self.readers[source, sub]
 
     def run_out(self, source: int, sub: int, step: int) -> None:
-        """Take `source` out of sub-stream `sub`: the other sources fill its share from here on (a source
-        that stops the run does so at the next logging step: `ShardDataModule.stop_reason`)."""
+        """Take `source` out of sub-stream `sub`: the others fill its share from here on (one that stops the run
+        does so at the next logging step: `DataPosition.stop_reason`)."""
         settings = self.mixture.sources[source]
         if settings.exhausted == "renormalise":
             warnings.warn(

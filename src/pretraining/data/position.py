@@ -1,20 +1,13 @@
-"""The training data position of one rank, saved in every checkpoint (format 3) and restored on resume.
+"""The training data position of one rank, saved in every checkpoint and restored on resume.
 
-The DataModule sees every batch the training loop consumes (`on_before_batch_transfer`, which runs on
-consumed batches, not on the ones the loop prefetches) and advances the position with it: the cursor where
-each (source, sub-stream) continues, the micro-batches consumed, the samples read and skipped, the examples
-each source gave (`drawn`), the sources that ran out. `state_dict()` gathers the cursors of every rank, so
-rank zero's checkpoint holds all of them, and the training loader always starts from them: after a restore,
-each stream skips its finished shards by arithmetic and re-reads only its current shard, whatever the
-number of devices now. A mixture's weights are kept by phase, from the step each took effect.
+The DataModule advances it with each batch the loop consumes (`on_before_batch_transfer` sees consumed
+batches, not prefetched ones). `state_dict()` gathers every rank's cursors into rank zero's checkpoint, and
+the training loader always starts from them: a stream skips its finished shards by arithmetic and re-reads
+only its current one, whatever the number of devices now.
 
-The randomness of training is keyed on the same position: before each training micro-batch every generator
-is seeded from (seed, step, slot), the micro-batch's place in the step's global batch (`seed_step`), the
-same on any number of devices. Dropout and any other draw of a step then depend only on where the run is,
-not on its history or layout: a run resumed from a checkpoint draws exactly what the uninterrupted run
-drew, whatever happened in between (validation, a sample, a restart), and one process accumulating
-gradients draws what several devices draw. (Per-sample randomness in the data, MLM masks, is keyed on
-sample ids.)
+The randomness of training is keyed on the same position: before each micro-batch every generator is seeded
+from (seed, step, slot) (`seed_step`), so a resumed run, or one process accumulating gradients, draws exactly
+what the uninterrupted run on any number of devices draws. (MLM masks are keyed on sample ids.)
 """
 
 from __future__ import annotations
@@ -38,19 +31,19 @@ from pretraining.errors import CheckpointError, ShardError
 
 
 class DataPosition:
-    """Where the training data of one rank continues, and what its consumed batches drew, over `sources`
-    read in `sub_streams` sub-streams each (`data.streams` x workers)."""
+    """Where one rank's training data continues, and what its consumed batches drew, over `sources` read in
+    `sub_streams` sub-streams each (`data.streams` x workers)."""
 
     FORMAT = 3  # 2: one source, cursors [sub, shard, block] (read as a mixture of one: `pretraining.compat`)
 
     def __init__(self, sources: list[Source], sub_streams: int) -> None:
         self.sources, self.sub_streams = sources, sub_streams
         self.batches_consumed = 0  # training micro-batches this rank has consumed
-        self.cursors: dict[tuple[int, int], Cursor] = {}  # where each (source, sub-stream) this rank reads continues
-        self.samples_read = self.samples_skipped = 0  # by the training batches this rank consumed
-        self.drawn = [0] * len(self.sources)  # examples each source gave the training batches this rank consumed
-        self.ran_out: set[int] = set()  # the sources that have run out (max_epochs) in a sub-stream this rank reads
-        self.stopped_by: dict[str, int | None] = {}  # the sources whose running out stopped the run, with their caps
+        self.cursors: dict[tuple[int, int], Cursor] = {}  # by (source, sub-stream) this rank reads
+        self.samples_read = self.samples_skipped = 0
+        self.drawn = [0] * len(self.sources)  # examples each source gave
+        self.ran_out: set[int] = set()  # sources run out (max_epochs) in a sub-stream this rank reads
+        self.stopped_by: dict[str, int | None] = {}  # sources whose running out stopped the run, with their caps
         self.phases = [{"step": 0, "weights": self.weights}]  # the mixture's weights, from the step each took effect
 
     @property
@@ -59,8 +52,8 @@ class DataPosition:
 
     @property
     def data_version(self) -> str:
-        """The version of the data: the manifest's for one source; for a mixture, a hash of its sources'
-        names and versions (the weights are the mixture's, `mixture_settings`, compared apart on resume)."""
+        """The manifest's version for one source; for a mixture, a hash of its sources' names and versions
+        (weights are compared apart on resume: `mixture_settings`)."""
         if len(self.sources) == 1:
             return self.sources[0].manifest.version
         versions = {source.name: source.manifest.version for source in self.sources}
@@ -92,21 +85,19 @@ class DataPosition:
             "samples_read": sum(read for _, read, *_ in ranks),
             "samples_skipped": sum(skipped for _, _, skipped, *_ in ranks),
             "drawn": {name: sum(rank[3][index] for rank in ranks) for index, name in enumerate(names)},
-            # Each source that ran out, with the cap it ran out at.
             "ran_out": {names[index]: self.sources[index].settings.max_epochs for *_, out in ranks for index in out},
             "stopped_by": self.stopped_by,
             "phases": self.phases,
         }
 
     def load_state_dict(self, state: dict[str, Any], topology: dict[str, Any], plan: BatchPlan, rank: int) -> None:
-        """Continue from a saved position: each source whose data is unchanged from its cursors, exactly if the
-        topology is unchanged, else approximately; a source that changed, or is new, from its start (the
-        caller decides whether a change is allowed: see `pretraining.resume`). New mixture weights take effect
-        from the saved step, which starts a phase."""
+        """Continue from a saved position: each unchanged source from its cursors (exactly if the topology is
+        unchanged, else approximately), a changed or new one from its start (`pretraining.resume` decides what
+        may change). New mixture weights start a phase at the saved step."""
         state = self.in_current_format(state, plan.global_batch)
         steps = state["steps"]
         self.batches_consumed = steps * plan.accumulation
-        # The run's totals, on rank zero only: summed over ranks, they stay the totals.
+        # The totals go to rank zero only: summed over ranks, they stay the totals.
         first = rank == 0
         self.samples_read = state["samples_read"] if first else 0
         self.samples_skipped = state["samples_skipped"] if first else 0
@@ -139,10 +130,9 @@ class DataPosition:
     def moved(
         self, saved: dict[tuple[int, int], Cursor], state: dict[str, Any], topology: dict[str, Any]
     ) -> dict[tuple[int, int], Cursor]:
-        """The cursors of a position saved under another topology. Every sub-stream of a source starts at the
-        same ordinal: the shards the old run finished of it, counted over all its sub-streams, shared out among
-        the new ones (rounded up). Approximate: a shard in progress then may be skipped or read again from its
-        start."""
+        """The cursors of a position saved under another topology: every sub-stream of a source starts at the
+        shards the old run finished of it, shared out among the new ones (rounded up). Approximate: a shard in
+        progress may be skipped or read again."""
         starts = {}
         for number in range(len(self.sources)):
             done = sum(cursor.shard for (source, _), cursor in saved.items() if source == number)
@@ -156,9 +146,8 @@ class DataPosition:
         return {(number, sub): start for number, start in starts.items() for sub in range(self.sub_streams)}
 
     def still_run_out(self, ran_out: dict[str, int], stopped_by: dict[str, int]) -> set[int]:
-        """The sources that ran out before the checkpoint and still have the cap they ran out at; one that
-        stopped the run there (`stopped_by`, not merely run out before the step that stops) refuses to
-        continue it."""
+        """The sources that ran out before the checkpoint and still have that cap; one that stopped the run
+        there (`stopped_by`) refuses to continue it."""
         still = {
             index
             for index, source in enumerate(self.sources)
@@ -176,8 +165,8 @@ class DataPosition:
         return still
 
     def stop_reason(self, ran_out: list[bool]) -> str | None:
-        """Why the run stops at this step, if it does: a source with `exhausted: stop` ran out, on any rank
-        (`ran_out`: each source, over all ranks)."""
+        """Why the run stops at this step, if it does: a source with `exhausted: stop` ran out on any rank
+        (`ran_out`, over all ranks)."""
         stopped = [source.settings for source, out in zip(self.sources, ran_out, strict=True) if out]
         stopped = [source for source in stopped if source.exhausted == "stop"]
         if not stopped:
@@ -192,8 +181,7 @@ class DataPosition:
         )
 
     def in_current_format(self, state: dict[str, Any], global_batch: int) -> dict[str, Any]:
-        """A saved position in this code's format. One source's position (format 2, or a source renamed with
-        its directory) continues this run's one source."""
+        """A saved position in this code's format, its sources under this run's names (`renamed`)."""
         if state.get("format") == 2:  # one directory's, unnamed: `renamed` gives it this run's name
             from pretraining.compat import position_of_format_2  # only a checkpoint of before 0.9 needs it
 
@@ -209,9 +197,9 @@ class DataPosition:
         return state
 
     def renamed(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A saved position under this run's source names: a saved source this run does not name is the
-        run's one source of the same version (a `data.dir` run continued as a mixture, a source renamed), or,
-        where the checkpoint and the run have one source each, the run's source."""
+        """A saved position under this run's source names: a saved source the run does not name is its one
+        source of the same version (a renamed source, a `data.dir` run continued as a mixture), or the run's
+        source where both have one."""
         current = {source.name: source.manifest.version for source in self.sources}
         free = {name: version for name, version in current.items() if name not in state["versions"]}
         mapping = {}
@@ -239,16 +227,15 @@ class DataPosition:
 
 
 def own(cursors: dict[tuple[int, int], Cursor], plan: BatchPlan, rank: int) -> dict[tuple[int, int], Cursor]:
-    """The cursors of the sub-streams `rank` reads (each rank saves only its own, so that the gathered
-    position holds each sub-stream's cursor from the one rank that moves it)."""
+    """The cursors of the sub-streams `rank` reads: the gathered position then holds each from the rank that
+    moves it."""
     mine = plan.streams_of_rank(rank)
     return {(source, sub): cursor for (source, sub), cursor in cursors.items() if sub % plan.streams in mine}
 
 
 def seed_step(seed: int) -> None:
-    """Seed Python's `random`, NumPy and torch (the CPU, every CUDA device, Apple's GPU): what
-    `torch.manual_seed` does for the devices Lightning trains on, without its look for every other backend,
-    which would cost a small model's step more than the rest of the seeding."""
+    """Seed Python's `random`, NumPy and torch (CPU, CUDA, MPS): `torch.manual_seed` without its look for
+    every other backend, which costs a small model's step more than the rest of the seeding."""
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.default_generator.manual_seed(seed)

@@ -1,12 +1,6 @@
-"""Reading the samples of tar shards under a bad-data policy.
-
-`read_shard` groups a shard's tar members by key, as WebDataset does (gzip, bzip2 and xz shards
-decompressed first), and gives each sample its byte offset; `SampleReader` decodes the fields it is
-asked for (a member, or a key of the `.json` member: `field_text`) and skips (with a warning naming the
-shard, the byte offset and the sample) or stops on what cannot be used: a missing field, text that
-is not UTF-8 or is empty, a shard truncated, corrupt, missing or refused at start-up, or holding
-fewer samples than its manifest entry. It counts the samples read and skipped as it goes. Training,
-validation, tokenizer training, probes and the index all read through it.
+"""Reading the samples of tar shards under a bad-data policy: `read_shard` groups a shard's members by key,
+as WebDataset does; `SampleReader` decodes the fields asked for (`field_text`), skips or stops on what cannot
+be used, and counts. Training, validation, tokenizer training, probes and the index all read through it.
 """
 
 from __future__ import annotations
@@ -30,12 +24,10 @@ NAMED_SKIPS = 20  # bad samples or shards a reader names in a warning; the rest 
 
 
 def read_shard(url: str, opener: Callable[[str], Any] = wds.gopen) -> Iterator[dict[str, Any]]:
-    """The samples of one tar shard (local path, URL or `pipe:` command, opened by `opener`), undecoded: the tar members
-    grouped by key as WebDataset groups them (`<key>.<field>`), plus `__key__` and `__offset__` (the
-    byte offset of the sample's first header, to find it in the file). A shard that cannot be read on
-    (truncated, a corrupt header, gone) raises `ShardReadError` after its last whole sample: also where
-    Python's tarfile would end the archive there silently (a header cut short, corrupt or zeroed after
-    the first one), as the end of the archive must be its zero blocks and nothing after them."""
+    """The samples of one tar shard (path, URL or `pipe:` command), undecoded: members grouped by key as
+    WebDataset does, plus `__key__` and `__offset__` (the byte offset of its first header). A shard that cannot
+    be read on raises `ShardReadError` after its last whole sample, also where tarfile would end the archive
+    silently (a header cut short, corrupt or zeroed): the end must be zero blocks and nothing after them."""
     sample: dict[str, Any] = {}
     offset = 0
     problem: Exception | None = None
@@ -65,8 +57,8 @@ def read_shard(url: str, opener: Callable[[str], Any] = wds.gopen) -> Iterator[d
 
 
 def decompressed(raw: Any) -> Any:
-    """The tar bytes of a shard stream, gzip, bzip2 or xz compressed or not (told by its first bytes), so
-    that tar offsets, and the check of what follows the archive's end, are the same for all."""
+    """The tar bytes of a shard stream, decompressed if gzip, bzip2 or xz: offsets and the end check are then
+    the same for all."""
     head = raw.read(6)
     stream = Prefixed(head, raw)
     for magic, opened in COMPRESSIONS:
@@ -133,16 +125,16 @@ class ShardReadError(Exception):
 
 
 def described(cause: BaseException) -> str:
-    """An error in a line; a `pipe:` command or URL that failed (webdataset raises an OSError holding its
-    whole call) by its exit status."""
+    """An error in a line; a failed `pipe:` command or URL by its exit status (webdataset's OSError holds the
+    whole call)."""
     if isinstance(cause, OSError) and (status := re.search(r"\): exit (-?\d+) ", str(cause))):
         return f"the command reading it (or curl, for a URL) exited with status {status[1]}"
     return f"{type(cause).__name__}: {cause}"
 
 
 def field_text(sample: dict[str, Any], field: str) -> str:
-    """The text of one sample field: a member (`txt`, `query.txt`, any extension), or a key of a JSON
-    member (`json:text`: the `text` value of the `<key>.json` member). `Unusable` says why there is none."""
+    """The text of one sample field: a member (`txt`, `query.txt`) or a key of a JSON member (`json:text`).
+    `Unusable` says why there is none."""
     member, _, key = field.partition(":")
     if member not in sample:
         raise Unusable(f"no {member!r} field")
@@ -178,13 +170,9 @@ def sample_texts(sample: dict[str, Any], fields: Sequence[str]) -> tuple[str, ..
 
 
 class SampleReader:
-    """Reads the texts of `fields` from shards under a bad-data policy, counting samples as it goes.
-
-    A sample that cannot be used (a missing field, text that is not UTF-8 or is empty) and the rest of
-    a shard that cannot be read on (truncated, corrupt, gone, or refused at start-up) are, with policy
-    `skip`, dropped with a warning naming the shard, the byte offset and the sample, and counted; with
-    `raise`, they stop the run with that message. A shard's lost samples are counted from its manifest
-    entry (`samples`), or as one where that is unknown.
+    """Reads the texts of `fields` from shards, counting samples read and skipped. An unusable sample, or the
+    rest of a shard that cannot be read, is skipped with a warning naming shard, byte offset and sample (policy
+    `skip`) or stops the run (`raise`); a shard's lost samples count from its manifest entry, or as one.
     """
 
     def __init__(self, fields: Sequence[str], policy: str = "skip") -> None:
@@ -195,10 +183,8 @@ class SampleReader:
         self.named = 0  # warnings given
 
     def texts(self, url: str, samples: int | None = None, again: bool = False) -> Iterator[tuple[str, ...]]:
-        """The usable texts of one shard, which holds `samples` samples (None: unknown). `again`: the shard
-        was read before (in an earlier epoch, by whichever stream): its samples were counted then, so that a
-        bad sample, or the rest of a shard that cannot be read, counts once against `data.max_skip_fraction`
-        whatever the epochs and streams; a bad sample is not named again either."""
+        """The usable texts of one shard of `samples` samples (None: unknown). `again`: it was read before and
+        counted then, so bad data counts once against `data.max_skip_fraction` whatever the epochs and streams."""
         seen = 0
         try:
             for sample in read_shard(url):

@@ -1,6 +1,5 @@
-"""The sources a run reads, checked at start-up: each one's manifest and the sample fields its example format
-reads (`load_source`), then its shards (`checked_shards`); and the limit on the training samples bad data may
-cost (`check_skips`: at start-up for the shards refused, then at every logging step by `DataCounts`)."""
+"""The sources a run reads, checked at start-up (`load_source`, `checked_shards`), and the limit on the
+samples bad data may cost (`check_skips`: at start-up, then at every logging step by `DataCounts`)."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ def load_source(
     run_format: ExampleFormat[Any],
     trust_pipe_commands: bool,
 ) -> Source:
-    """A source's manifest, checked: a training split, and the sample fields its example format reads
-    (`format` with the source's own `fields`, else the run's `run_format`). Its shards are checked apart
-    (`checked_shards`)."""
+    """A source's manifest, checked for a training split and the fields its format (with the source's own
+    `fields`, else `run_format`) reads; not its shards (`checked_shards`)."""
     unknown = sorted(set(source.fields) - set(run_format.field_keys))
     if unknown:
         raise ConfigError(
@@ -59,8 +57,8 @@ def load_source(
 
 
 def checked_shards(source: Source, verify_checksums: bool, bad_data: str) -> Source:
-    """A source with its shards checked (sizes, and checksums with `verify_checksums`): one missing or altered
-    is refused now under `bad_data=raise`, else skipped when its turn comes, with a warning (`refused`)."""
+    """A source with its shards checked: one missing or altered stops the run under `bad_data=raise`, else is
+    skipped in its turn (`refused`)."""
     if bad_data == "raise":
         source.manifest.check(verify_checksums)
         return source
@@ -78,9 +76,8 @@ def refused_samples(sources: list[Source]) -> int:
 
 
 def check_skips(skipped: int, read: int, sources: list[Source], max_skip_fraction: float) -> None:
-    """Stop if more than `max_skip_fraction` of the training samples were skipped: of those read, or,
-    while fewer than the training split of `sources` holds were read, of the split (so that one bad shard read
-    early is judged against the whole data, not against the little read so far)."""
+    """Stop if more than `max_skip_fraction` of the training samples were skipped: of those read, or of the
+    whole split while fewer were read (one bad shard read early is judged against all the data)."""
     denominator = max(read, sum(shard.samples for source in sources for shard in source.manifest.shards("train")))
     if skipped > max_skip_fraction * denominator:
         raise ShardError(

@@ -1,33 +1,15 @@
 """The shard streams: shards -> decoded samples -> examples -> shuffled examples.
 
-A stream reads an infinite, fixed sequence of shards: the per-epoch shard
-permutations (seeded by `seed` and the epoch) are concatenated and dealt
-round-robin to the streams. No stream ever runs dry, the epoch is only a
-counter, and the k-th shard of a stream is a pure function of (seed, k,
-stream, number of streams).
+A stream reads an infinite, fixed sequence of shards: the per-epoch shard permutations (seeded by `seed` and
+the epoch) concatenated and dealt round-robin to the streams, so the k-th shard of a stream is a pure function
+of (seed, k, stream, number of streams). Inside a shard, the `ExampleFormat` makes examples, shuffled by a
+buffer seeded by (seed, epoch, shard) that starts afresh at every shard: a shard's examples and their order
+depend only on the shard, and a batch mixes many documents.
 
-Inside a shard, an `ExampleFormat` (`pretraining.data.formats`) turns the
-decoded samples into examples. The examples go through a shuffle buffer
-seeded by (seed, epoch, shard) that starts afresh at every shard. So the
-examples of a shard, and their order, are a pure function of the shard, and a
-batch mixes many documents instead of consecutive pieces of one.
-
-How a step's global batch is made of the streams' examples is
-`pretraining.data.batches`'s; the validation set, `pretraining.data.validation`'s.
-
-Every example has a `sample_id` naming it by (epoch, shard, position), the same
-whatever the layout, so randomness keyed on it (MLM masks) is too, and the
-`Cursor` where its stream continues: a consumer that records them can restart
-every stream exactly there, skipping whole shards by arithmetic and reading
-only the current one.
-
-Samples that cannot be used (a missing field, text that is not UTF-8 or is
-empty) and shards that cannot be read (truncated, corrupt, missing) are
-skipped with a warning naming the shard, the byte offset and the sample, or
-stop the run, as the bad-data policy says (`pretraining.data.reader`); each example
-says how many samples were read and skipped since the one before, counting each
-sample at its shard's first epoch only (so once, whatever the streams). Skipping
-is deterministic, so the exact resume holds.
+Every example carries a `sample_id` (epoch, shard, position: the same whatever the layout, so MLM masks keyed
+on it are too) and the `Cursor` where its stream continues, from which it restarts exactly, skipping whole
+shards by arithmetic. Bad data is skipped or stops the run (`pretraining.data.reader`), deterministically,
+so the exact resume holds; each sample counts at its shard's first epoch only.
 """
 
 from __future__ import annotations
@@ -101,8 +83,8 @@ def buffer_shuffled(items: Iterable[T], buffer_size: int, rng: random.Random) ->
 def warn_on_long_documents(
     format: ExampleFormat[Any], samples: Iterable[tuple[str, ...]], shuffle_buffer: int, url: str
 ) -> Iterator[Any]:
-    """The format's examples of a shard's samples, with a warning when one sample (a document) gives more
-    examples in a row than the shuffle buffer holds: they then leave it nearly in order."""
+    """The format's examples of a shard's samples, warning when one document gives more in a row than the
+    shuffle buffer holds (they then train nearly in order)."""
     taken = 0
 
     def counted() -> Iterator[tuple[str, ...]]:
@@ -128,8 +110,8 @@ def warn_on_long_documents(
 
 
 class StreamExample(NamedTuple):
-    """An example of a stream, the cursor that follows it, its sample id, and how many samples the
-    stream read, and skipped as unusable, since the example before it (or since its start)."""
+    """An example of a stream, the cursor after it, its sample id, and the samples read and skipped since the
+    example before it."""
 
     cursor: Cursor
     sample_id: int
@@ -139,15 +121,10 @@ class StreamExample(NamedTuple):
 
 
 class ShardStream:
-    """The examples of the shard streams over `urls`: stream `stream` of `streams` reads a fixed,
-    infinite sequence of shards (see module doc) and can restart from any `Cursor`.
-
-    `samples` gives each shard's sample count (to count what a corrupt shard loses); `refused` the
-    shards found bad before reading (missing, or not matching their checksum) with the reason: they keep
-    their place in the order, so the position arithmetic is unchanged, and are skipped whole when their
-    turn comes. `policy` is the bad-data policy (`SampleReader`). With `max_epochs`, a stream ends where
-    its next shard would be of that epoch (a source's cap on repetitions: `pretraining.data.mixture`).
-    `source`, a mixture's source's name, enters its sample ids, so that two sources' examples never share one."""
+    """The examples of the shard streams over `urls`, each restartable from any `Cursor` (see module doc).
+    `samples`: each shard's count (what a corrupt one loses); `refused`: shards found bad at start-up, which
+    keep their place in the order (the position arithmetic holds) and are skipped whole. With `max_epochs`, a
+    stream ends before that epoch. `source` enters the sample ids, so two sources' never collide."""
 
     def __init__(
         self,
@@ -164,7 +141,7 @@ class ShardStream:
         self.urls, self.format, self.seed, self.shuffle_buffer = list(urls), format, seed, shuffle_buffer
         self.samples, self.refused, self.policy = samples, dict(refused or {}), policy
         self.max_epochs = max_epochs
-        self.id_parts = (source,) if source else ()  # a mixture's source: its sample ids differ from another's
+        self.id_parts = (source,) if source else ()
 
     def examples(self, stream: int, streams: int, start: Cursor) -> Iterator[StreamExample]:
         """The stream's examples from `start` on."""

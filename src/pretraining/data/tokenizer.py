@@ -1,10 +1,5 @@
-"""Tokenizers: raw bytes (no training) or a byte-level BPE trained offline.
-
-Both put the same special tokens at the same fixed ids (pad=0, eos=1, mask=2,
-cls=3), so objectives can rely on them whichever tokenizer is configured.
-`token_bytes[i]` is how many UTF-8 bytes token `i` stands for (0 for special
-tokens): it turns token losses into bits per byte, comparable across tokenizers.
-"""
+"""Tokenizers: raw bytes or a byte-level BPE trained offline, both with the special tokens at fixed ids, so
+objectives rely on them. `token_bytes[i]`, the UTF-8 bytes token `i` stands for, gives bits per byte."""
 
 from __future__ import annotations
 
@@ -111,9 +106,8 @@ def _byte_level_lengths(vocab: dict[str, int], vocab_size: int) -> np.ndarray:
 def train_bpe(
     texts: Iterable[str], vocab_size: int, out_path: Path, show_progress: bool = False, length: int | None = None
 ) -> BPETokenizer:
-    """Train a byte-level BPE with the fixed special tokens; write `out_path` atomically. With
-    `show_progress`, the `tokenizers` library shows its phases on a terminal (reading `length`
-    texts, counting pairs, merging)."""
+    """Train a byte-level BPE with the fixed special tokens and write `out_path` atomically (`show_progress`:
+    on a terminal, of `length` texts)."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 

@@ -17,8 +17,7 @@ from pretraining.data.mixture import Source
 from pretraining.data.reader import SampleReader
 from pretraining.errors import ShardError
 
-# Validation keeps a multiple of this many examples (of a smaller power of two, if it has fewer): each device
-# validates on an equal share, and examples left over would be left out on some numbers of devices, not others.
+# A multiple of this many examples is kept: left-overs would be dropped on some numbers of devices, not others.
 DEVICE_MULTIPLE = 8
 
 
@@ -34,8 +33,7 @@ class ValidationSet:
 
 
 def shared_alike(count: int) -> int:
-    """How many of `count` validation examples to keep: a multiple of `DEVICE_MULTIPLE`, or of the largest
-    power of two at most `count`, so that 1, 2, 4 and 8 devices (as many as can) validate on the same examples."""
+    """How many of `count` examples to keep: a multiple of `DEVICE_MULTIPLE` (or of a smaller power of two)."""
     if count == 0:
         return 0
     multiple = min(DEVICE_MULTIPLE, 1 << (count.bit_length() - 1))
@@ -50,9 +48,8 @@ def spread(count: int, total: int) -> set[int]:
 def validation_examples(
     urls: Sequence[str], format: ExampleFormat, size: int, split_documents: int, policy: str = "skip"
 ) -> ValidationSet:
-    """A fixed sample spread over the whole validation split of `split_documents` documents (samples): up
-    to `size` of them, evenly spaced (every one where the split has no more), the format's `validation_texts`
-    of those (packed text takes a window of each, within a budget), made into examples."""
+    """Up to `size` of the split's `split_documents` documents, evenly spaced, made into examples (through the
+    format's optional `validation_texts`)."""
     chosen = spread(min(size, split_documents), split_documents)
     samples = itertools.islice(SampleReader(format.fields, policy).all_texts(urls), max(chosen, default=-1) + 1)
     documents = [sample for index, sample in enumerate(samples) if index in chosen]
@@ -72,8 +69,7 @@ def validation_examples(
 
 
 def source_validation_examples(source: Source, size: int, policy: str, mixture: bool) -> list[Tensors]:
-    """All ranks' validation examples of a source (`validation_examples` of its validation shards, but those
-    refused at start-up), announced on rank zero (naming the source where the run reads a `mixture`)."""
+    """All ranks' validation examples of a source (but its refused shards), announced on rank zero."""
     shards = [shard for shard in source.manifest.shards("validation") if shard.name not in source.refused]
     urls, documents = [source.manifest.url(shard) for shard in shards], sum(shard.samples for shard in shards)
     chosen = validation_examples(urls, source.format, size, documents, policy)
