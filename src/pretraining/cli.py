@@ -1,11 +1,7 @@
-"""The core's console commands (pyproject's `[project.scripts]`; each extra has a `cli.py` of its own): each
-parses its arguments, then imports the module that does its work.
-
-The imports of the work wait inside the functions (as in the extras' `cli.py`; `tests/test_layers.py` lists
-every module that defers one, and why): torch, Lightning and W&B take seconds to load, so a command that only
-prints its `--help`, refuses its usage or prints a config (`pretrain ... --cfg job`) loads none of them
-(`scripts/bench/bench_startup.py` measures it, `tests/test_cli.py` checks it).
-"""
+"""The core's console commands (pyproject's `[project.scripts]`; each extra has its own `cli.py`). Each parses its
+arguments, then imports its work inside the function (`tests/test_layers.py` lists deferring modules and why): torch,
+Lightning and W&B take seconds to load, so `--help`, a usage error or `--cfg job` loads none of them
+(`scripts/bench/bench_startup.py` measures it, `tests/test_cli.py` checks it)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Where configs live, the resolvers they use, the check of the names a run's directory is made of, and
-the redaction of credentials from a config.
-
-Checks that belong to one value live where that value enters (the class that
-takes it); those relating values of different groups are `pretraining.run.check_config`.
-"""
+"""Where configs live, their resolvers, the check of a run directory's names, and credential redaction. A check of
+one value lives where it enters; those across groups are `pretraining.run.check_config`."""
 
 from __future__ import annotations
 
@@ -41,8 +37,8 @@ RUN_CONTROL_KEYS = {
 
 
 def default_run_name() -> str:
-    """The experiment's name, plus a short hash of the other command-line overrides: the same
-    command names the same run (so running it again resumes it), a different command another."""
+    """The experiment's name plus a short hash of the other overrides: the same command names (and resumes) the
+    same run, a different command another."""
     try:
         hydra = HydraConfig.get()
     except ValueError:  # composed outside a Hydra application (tests, notebooks)
@@ -59,24 +55,22 @@ def run_name(experiment: str | None, overrides: Iterable[str]) -> str:
     return f"{experiment}-{hashlib.sha256(' '.join(named).encode()).hexdigest()[:8]}"
 
 
-# One suffix per process: two evaluations started in the same second still get different directories.
+# One suffix per process: two evaluations started in the same second get different directories.
 _RUN_SUFFIX = secrets.token_hex(3)
 OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
 OmegaConf.register_new_resolver("run_suffix", lambda: _RUN_SUFFIX, replace=True)
 OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=True)
-# A multirun's name, from the sweep's overrides (`seed=1,2`): configs/hydra/default.yaml passes them. Cached:
-# Hydra copies the sweep config's resolver cache into every job's config, where the overrides are the job's
-# own (`seed=1`), so that all jobs agree on the sweep directory.
+# A multirun's name from the sweep's overrides (configs/hydra/default.yaml). Cached: Hydra copies the sweep's resolver
+# cache into each job, whose overrides are its own (`seed=1`), so all jobs agree on the sweep directory.
 OmegaConf.register_new_resolver("sweep_name", run_name, use_cache=True, replace=True)
 
 
-# The keys whose values name a directory of their own: logs/<task_name>/runs/<run_name> (configs/hydra/default.yaml).
+# Keys naming a directory of their own: logs/<task_name>/runs/<run_name> (configs/hydra/default.yaml).
 DIRECTORY_NAME_KEYS = ("task_name", "run_name")
 
 
 def check_directory_names(config: DictConfig) -> None:
-    """Refuse a `task_name` or `run_name` that is not the name of one directory: `run_name=../../x` would
-    make the run's directory outside the runs directory."""
+    """Refuse a `task_name` or `run_name` that is not one directory's name (`run_name=../../x` escapes the runs)."""
     for key in DIRECTORY_NAME_KEYS:
         name = str(config[key])
         if name in {"", ".", ".."} or any(separator and separator in name for separator in (os.sep, os.altsep)):
@@ -90,8 +84,8 @@ class CheckDirectoryNames(Callback):
     """`check_directory_names` before Hydra makes any directory of a run or a sweep (configs/hydra/default.yaml)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        # Hydra reports a callback's exception as a warning and carries on: stop the command here, with the
-        # one line it prints for our errors; a name that cannot be resolved is refused too, not guessed at.
+        # Hydra reports a callback's exception as a warning and carries on: exit with our one line; a name that
+        # cannot be resolved is refused, not guessed at.
         try:
             HydraConfig.instance().set_config(copy.deepcopy(config))  # as for the job: the names may read it
             check_directory_names(config)
@@ -103,17 +97,15 @@ class CheckDirectoryNames(Callback):
     on_multirun_start = on_run_start
 
 
-# Names of keys and environment variables that hold credentials: `api_key`, `HF_TOKEN`, `db_password`,
-# `AWS_SECRET_ACCESS_KEY`; not `max_new_tokens` or `tokenizer`.
+# Key and environment variable names holding credentials: `api_key`, `HF_TOKEN`, `db_password`; not `max_new_tokens`.
 SECRET_NAME = re.compile(r"(^|[_.-])(api_?key|access_?key|secret(_?key)?|token|password|passwd|credentials?)$", re.I)
-SHORTEST_SECRET = 8  # shorter environment values ("1", "true") are too common to be told apart from settings
+SHORTEST_SECRET = 8  # shorter environment values ("1", "true") cannot be told apart from settings
 REDACTED = "<redacted>"
 
 
 def redact_secrets(config: Any, environment: Mapping[str, str] | None = None) -> Any:
-    """`config` (nested dicts and lists) without credentials, for logging and lineage: the value of
-    every key named like a secret, and every occurrence of a credential from the environment
-    (interpolated with `${oc.env:...}`, say) inside any string, become `<redacted>`."""
+    """`config` (nested dicts and lists) without credentials, for logging and lineage: the values of keys named like
+    secrets, and any environment credential inside a string (`${oc.env:...}`), become `<redacted>`."""
     secret_values = sorted(
         (
             value

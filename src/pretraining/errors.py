@@ -1,10 +1,7 @@
-"""The errors the template raises for input it cannot use. Each message names the problem and the fix.
-
-Every one is a `PretrainingError`, which Hydra prints alone at the command line, without a traceback
-(it is one of Hydra's compact exceptions; HYDRA_FULL_ERROR=1 shows the traceback). Each also keeps the
-builtin base a caller may already catch: a `ConfigError` is a `ValueError`, a `MissingFileError` a
-`FileNotFoundError`, a `CheckpointError` a `RuntimeError`.
-"""
+"""The errors the template raises for input it cannot use, each message naming the problem and the fix. Each is a
+`PretrainingError`, which Hydra prints alone, without a traceback (HYDRA_FULL_ERROR=1 shows it), and keeps the builtin
+base a caller may catch: `ConfigError` is a `ValueError`, `MissingFileError` a `FileNotFoundError`, `CheckpointError`
+a `RuntimeError`."""
 
 from __future__ import annotations
 
@@ -12,7 +9,7 @@ from hydra.errors import CompactHydraException
 
 
 class PretrainingError(CompactHydraException):
-    """Input the template cannot use; the message alone says what and the fix (no traceback needed)."""
+    """Input the template cannot use; the message alone says what and the fix."""
 
 
 class ConfigError(ValueError, PretrainingError):
@@ -38,8 +35,8 @@ class CheckpointError(RuntimeError, PretrainingError):
 
 
 class StorageError(OSError, PretrainingError):
-    """A write (or read) of a run that the file system refused: a full disk, a read-only or unwritable
-    directory, a lost mount; the message says what was kept and how to continue."""
+    """A run's write (or read) the file system refused (full disk, read-only directory, lost mount); the message
+    says what was kept and how to continue."""
 
 
 class ShardError(ValueError, PretrainingError):

@@ -1,8 +1,6 @@
-"""Files that are whole or absent: written under a temporary name beside their final one, fsynced,
-renamed into place, the directory fsynced. A write that fails (a full disk, a crash) leaves the
-previous file, if any, and no temporary. Checkpoints, sidecars, manifests, tokenizers, run records
-and reports are all written this way. A file a user names is read only if it is a regular one
-(`regular_file`)."""
+"""Files that are whole or absent: written under a temporary name beside the final one, fsynced, renamed into place,
+the directory fsynced, so a failed write (full disk, crash) leaves the previous file and no temporary. Checkpoints,
+sidecars, manifests, tokenizers, run records and reports are written so. `regular_file` guards files a user names."""
 
 from __future__ import annotations
 
@@ -16,9 +14,8 @@ from pretraining.errors import MissingFileError
 
 
 def regular_file(path: Path, what: str, fix: str) -> Path:
-    """`path`, refused (naming `what` it should be, and `fix`) if something other than a regular file is there,
-    links followed: a named pipe would block its reader forever, a device never end. A missing file is left to
-    the caller, whose message says where such files come from."""
+    """`path`, refused (naming `what` it should be, and `fix`) if something other than a regular file is there, links
+    followed: a pipe would block its reader forever, a device never end. A missing file is the caller's to report."""
     if path.exists() and not path.is_file():
         kinds = {"a directory": path.is_dir(), "a named pipe": path.is_fifo(), "a socket": path.is_socket()}
         kind = next((kind for kind, found in kinds.items() if found), "a device")
@@ -52,10 +49,9 @@ def fsync_directory(directory: Path) -> None:
 
 
 def write_durably(path: Path, write: Any, stale: Path | None = None) -> str:
-    """Write a file through `write(file)` to a temporary name beside `path`, fsync, rename into
-    place, fsync the directory; return its SHA-256, read back from disk before the rename. `stale`,
-    a file that vouches for the old `path` (its sidecar), is deleted just before the rename: a write
-    that fails leaves the old file and its sidecar as they were."""
+    """Write `path` through `write(file)` under a temporary name, fsync, rename, fsync the directory; return the
+    SHA-256 read back before the rename. `stale` (a sidecar vouching for the old `path`) is deleted just before the
+    rename, so a failed write leaves both as they were."""
     temporary = temporary_path(path)
     try:
         with temporary.open("wb") as file:

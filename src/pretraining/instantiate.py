@@ -1,12 +1,8 @@
-"""Objects built from config nodes, and the rule for configs that came from a file.
-
-The config of a `pretrain` command is the user's own: it may name any class. A config read back from a
-file (a checkpoint's lineage, for `pretrain-eval`; any later route that rebuilds a stored run) is not:
-whoever wrote the file chose its `_target_`s, and Hydra calls whatever they name (`builtins.exec`,
-`torch.load` with `weights_only=False`, ...). Such a config may build only classes of this package,
-the optimizers of `torch.optim`, and the classes a user explicitly trusts (`trusted_targets`);
-`check_targets` refuses anything else before a single target is imported.
-"""
+"""Objects built from config nodes, and the rule for configs read from a file. A `pretrain` command's config is the
+user's own and may name any class; one read back from a file (a checkpoint's lineage, for `pretrain-eval`) is not:
+its writer chose the `_target_`s Hydra calls (`builtins.exec`, `torch.load` with `weights_only=False`). So it may
+build only this package's classes, `torch.optim` optimizers and `trusted_targets`; `check_targets` refuses anything
+else before a target is imported."""
 
 from __future__ import annotations
 
@@ -23,8 +19,7 @@ from pretraining.errors import ConfigError, PretrainingError
 
 PACKAGE = "pretraining"
 OPTIMIZERS = "torch.optim"
-# How a command is told to trust a module: the key of `pretrain` and `pretrain-eval` (a command with other
-# options passes its own, as `pretrain-export` does its --trusted-targets).
+# How a command is told to trust a module (`pretrain-export` passes its own --trusted-targets).
 TRUST_OPTION = "trusted_targets=[{module}]"
 
 
@@ -42,10 +37,8 @@ def build(node: DictConfig, **kwargs: Any) -> Any:
 
 
 def check_targets(node: Any, key: str, trusted: Sequence[str], source: str, trust_option: str = TRUST_OPTION) -> None:
-    """Refuse a config from `source` (a file) that would build anything but a trusted class: every
-    `_target_` under `node` (at `key`), in nested dicts and lists too, must name a class of this package,
-    a `torch.optim` optimizer, or a class under one of the `trusted` modules or class paths. A refusal
-    names `trust_option` (with `{module}` filled in) as the way to trust a module."""
+    """Refuse a config from `source` (a file) whose `_target_`s under `node` (at `key`), nested too, name anything
+    but a class of this package, a `torch.optim` optimizer or one under `trusted`; a refusal names `trust_option`."""
     if isinstance(node, DictConfig | ListConfig):
         node = OmegaConf.to_container(node, resolve=False)
     if isinstance(node, dict):
@@ -71,8 +64,8 @@ def check_not_interpolation(text: Any, named: str, source: str) -> None:
 
 
 def check_target(target: Any, key: str, trusted: Sequence[str], source: str, trust_option: str) -> None:
-    """One `_target_`: its name is checked before anything is imported (importing a module runs it),
-    then what the name resolves to (`pretraining.evaluate.torch.load` starts like a class of ours)."""
+    """One `_target_`: its name is checked before importing (importing runs a module), then what it resolves to
+    (`pretraining.evaluate.torch.load` starts like a class of ours)."""
     if not isinstance(target, str) or not any(within(target, root) for root in (PACKAGE, OPTIMIZERS, *trusted)):
         raise untrusted(target, key, source, trust_option)
     try:

@@ -1,10 +1,7 @@
-"""Every job's outcome beside its outputs: `<run dir>/status.json`, written by a Hydra callback
-(configs/hydra/default.yaml) when a job starts (`running`, with its process) and when it ends (`completed`,
-with the value returned to the sweeper, or `failed`, with the error). A run that stopped before
-`trainer.max_steps` (a signal, `trainer.max_time`, EarlyStopping) records `stopped`, with the step and
-what stopped it (`record_stop`). A scheduler, a person or a sweep's report (the sweeps extra) reads it.
-The same callback writes the job's config copies (`.hydra/`) that Hydra would write before any callback
-runs (`hydra.output_subdir` is null): under the job's lock."""
+"""Every job's outcome in `<run dir>/status.json`, written by a Hydra callback (configs/hydra/default.yaml): `running`
+at the start, then `completed` (with the sweeper's value), `failed` (with the error), or `stopped` before
+`trainer.max_steps` (`record_stop`). Schedulers, people and the sweeps extra read it. The callback also writes the
+`.hydra/` config copies (`hydra.output_subdir` is null, so Hydra would write them before any lock), under the lock."""
 
 from __future__ import annotations
 
@@ -29,10 +26,8 @@ from pretraining.run_lock import CONFIG_COPIES, STATUS_FILE, RunLock, acquire, r
 class RecordJobStatus(Callback):
     """Record each job's config in `<job>/.hydra/` and its outcome in `<job>/status.json` (rank zero only)."""
 
-    # The records are the run directory's, so they are written under the job's lock on it
-    # (`pretraining.run_lock`, which `pretrain` holds too): a second job started on a directory in use
-    # neither rewrites its config copies nor marks it `running` or `failed` with its refusal, and a refused
-    # command's removed directory is not made again.
+    # Written under the job's lock (`pretraining.run_lock`, which `pretrain` holds too): a job refused a directory
+    # in use neither rewrites its records nor marks it failed, nor remakes a refused command's removed directory.
     lock: RunLock | None = None
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
@@ -67,8 +62,7 @@ class RecordJobStatus(Callback):
 
 
 def save_job_config(job_dir: Path, config: DictConfig) -> None:
-    """The copies Hydra keeps of a job's config, as it writes them: `.hydra/config.yaml` (the job's),
-    `hydra.yaml` (Hydra's own) and `overrides.yaml` (the command line's)."""
+    """Hydra's copies of a job's config, as it writes them: `.hydra/config.yaml`, `hydra.yaml`, `overrides.yaml`."""
     copies = {
         "config.yaml": OmegaConf.masked_copy(config, [str(key) for key in config if key != "hydra"]),
         "hydra.yaml": OmegaConf.masked_copy(config, ["hydra"]),
@@ -89,9 +83,8 @@ def outcome(job_return: JobReturn) -> dict[str, Any]:
 
 
 def record_stop(job_dir: Path, step: int, stopped_by: str) -> None:
-    """Record in the job's status that its run stopped at `step`, before `trainer.max_steps`, and what
-    stopped it (`SIGTERM`, `trainer.max_time`, ...): the same command continues it. A job that exits
-    with a signal's status never reaches `on_job_end`, so this is its last record."""
+    """Record that the run stopped at `step`, before `trainer.max_steps`, and by what (`SIGTERM`, `trainer.max_time`):
+    a job exiting with a signal's status never reaches `on_job_end`, so this is its last record."""
     record = read_status(job_dir)
     if record["status"] != "unknown":  # only where a job-status callback keeps a record
         write_status(job_dir, {**record, "status": "stopped", "step": step, "stopped_by": stopped_by})
@@ -104,8 +97,7 @@ def read_status(job_dir: Path) -> dict[str, Any]:
 
 
 def current_status(job_dir: Path) -> dict[str, Any]:
-    """The job's status record for a reader (a sweep's report, a run's account): `running` whose process is
-    gone from this host reads `interrupted`."""
+    """The job's status record for a reader: `running` whose process is gone from this host reads `interrupted`."""
     record = read_status(job_dir)
     if record["status"] == "running" and record.get("host") == socket.gethostname() and not alive(record["pid"]):
         record["status"] = "interrupted"

@@ -1,12 +1,7 @@
-"""Running one Hydra job as one distributed job, whoever starts its processes.
-
-- On one node, Lightning's DDP launcher starts the other ranks itself by running the command again;
-  `rank_command` makes each of them run exactly the job's config in the job's directory.
-- torchrun and SLURM (`srun`) start every rank themselves; Lightning detects them and starts none.
-
-`distributed_job` wraps each job: in a multirun, job 2 then starts its own ranks and process group
-instead of inheriting job 1's.
-"""
+"""Running one Hydra job as one distributed job, whoever starts its processes: Lightning's DDP launcher starts the
+other ranks by running the command again (`rank_command` gives them the job's config and directory); torchrun and
+SLURM start every rank themselves. `distributed_job` wraps each job, so a multirun's next job starts its own ranks
+and process group instead of inheriting the last one's."""
 
 from __future__ import annotations
 
@@ -29,8 +24,7 @@ from omegaconf import DictConfig, ListConfig
 from pretraining.errors import ConfigError
 from pretraining.internals import start_ranks_with
 
-# What Lightning's launcher sets in the environment of the process that starts the ranks. Left there,
-# they would tell the next job of a multirun that its processes were started already.
+# Set by Lightning's launcher in the starting process; left there, they tell a multirun's next job its ranks exist.
 LAUNCHER_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE")
 # Variables that are 0 or unset only in the process of global rank zero, whichever launcher started it.
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "NODE_RANK", "LOCAL_RANK")
@@ -39,9 +33,8 @@ LIGHTNING_LOGGERS = ("lightning.pytorch", "lightning.fabric")
 
 @contextmanager
 def distributed_job() -> Iterator[None]:
-    """Run one Hydra job (of a run or a multirun) as a distributed job of its own: its extra ranks
-    run its config in its directory, only rank zero writes the run's log file, and on the way out
-    the job's process group and launcher variables go, so that the next job starts its own."""
+    """One Hydra job as a distributed job of its own: extra ranks run its config in its directory, only rank zero
+    writes the log file, and its process group and launcher variables go on the way out."""
     start_ranks_with(rank_command)
     with log_file_on_rank_zero(), own_process_group():
         yield
@@ -49,7 +42,7 @@ def distributed_job() -> Iterator[None]:
 
 @contextmanager
 def own_process_group() -> Iterator[None]:
-    """Destroy the process group on the way out, and put back the launcher variables as they were."""
+    """Destroy the process group on the way out, and restore the launcher variables."""
     before = {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}
     try:
         yield
@@ -65,8 +58,8 @@ def own_process_group() -> Iterator[None]:
 
 @contextmanager
 def log_file_on_rank_zero() -> Iterator[None]:
-    """The run's log file (Hydra's file handler) gets rank zero's lines, Lightning's included; the other
-    ranks log to their console only (which torchrun, srun or Lightning's launcher show)."""
+    """The run's log file (Hydra's handler) gets rank zero's lines, Lightning's included; other ranks log to their
+    console only."""
     root = logging.getLogger()
     files = [handler for handler in root.handlers if isinstance(handler, logging.FileHandler)]
     if not is_rank_zero_process():
@@ -86,10 +79,9 @@ def log_file_on_rank_zero() -> Iterator[None]:
 
 
 def rank_command(local_rank: int) -> tuple[list[str], str]:
-    """The command that starts local rank `local_rank` of the current Hydra job, and its working
-    directory: the same program, config and overrides as the job, as a single run (no `-m`) in the
-    job's output directory, whose records are rank zero's (`job_status.RecordJobStatus`). Lightning's own repeats
-    `sys.argv`, a whole sweep in a multirun (`pretraining.internals.start_ranks_with`)."""
+    """The command and working directory for local rank `local_rank`: the job's program, config and overrides as a
+    single run (no `-m`) in its output directory, whose records are rank zero's (`job_status.RecordJobStatus`).
+    Lightning's own repeats `sys.argv`, a whole sweep in a multirun (`pretraining.internals.start_ranks_with`)."""
     hydra = HydraConfig.get()
     overrides = [o for o in hydra.overrides.hydra if not o.startswith("hydra.mode=")]
     output_dir = hydra_quote(hydra.runtime.output_dir)
@@ -120,25 +112,23 @@ def config_flags(hydra: HydraConf) -> list[str]:
 
 
 def hydra_quote(value: str) -> str:
-    """`value` as one quoted Hydra override value (a path may hold `,`, `=` or spaces): quotes are
-    escaped, and so are the backslashes before a quote or the end (other backslashes stay as they are)."""
+    """`value` as one quoted Hydra override value (a path may hold `,`, `=` or spaces), escaping quotes and the
+    backslashes before a quote or the end."""
     return "'" + re.sub(r"(\\*)('|$)", lambda m: 2 * m[1] + ("\\'" if m[2] else ""), value) + "'"
 
 
 def is_rank_zero_process() -> bool:
-    """Whether this is the process of global rank zero, by what its launcher set in its environment
-    (torchrun: RANK, SLURM: SLURM_PROCID, Lightning: NODE_RANK and LOCAL_RANK): known before the
-    trainer exists."""
+    """Whether this is global rank zero, from its launcher's environment variables: known before the trainer exists."""
     return all(os.environ.get(name, "0") == "0" for name in RANK_VARIABLES)
 
 
-# The accelerators the trainer presets name (configs/trainer/): `auto` takes the best of them this machine has.
+# The accelerators configs/trainer/ presets name; `auto` takes the best this machine has.
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 
 
 def check_devices(trainer: DictConfig) -> None:
-    """Stop before any work if the trainer asks for devices that are not a count, indices or all of them,
-    for an accelerator the template does not run on, or for GPUs this node lacks, naming the fix."""
+    """Stop before any work, naming the fix, on devices that are not a count, indices or all, an accelerator the
+    template does not run on, or GPUs this node lacks."""
     devices = trainer.get("devices", "auto")
     wanted = requested_gpus(devices)
     accelerator = trainer.get("accelerator", "auto")
@@ -173,8 +163,8 @@ def check_devices(trainer: DictConfig) -> None:
 
 
 def requested_gpus(devices: Any) -> list[int] | None:
-    """The device indices `devices` asks for (`4`: 0 to 3; `[1, 3]` or `"1,3"`: those); None for all of
-    them. Refused, naming the key, if it is none of these (Lightning's error would not name it)."""
+    """The device indices `devices` asks for (`4`: 0 to 3; `[1, 3]` or `"1,3"`: those), None for all; anything else
+    is refused naming the key, which Lightning's error would not."""
     text = str(devices).strip()
     try:
         if isinstance(devices, ListConfig | list | tuple):

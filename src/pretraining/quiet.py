@@ -1,21 +1,14 @@
-"""The messages of libraries that ask nothing of the user, filtered where they are emitted, each by name.
-
-A run prints what the template says (its start, validation, checkpoints, report) and the progress bar.
-What Lightning, torch and W&B print besides carries no action: a tip to install another package, which
-accelerators exist, a deprecation inside Lightning's own code, banners. `quiet=false` (a key of
-configs/train.yaml and configs/eval.yaml) shows them all: the filters here, W&B's banners
-(`WandbRunLogger`), Lightning's validation tables and its seed line. Its model summary has a switch of
-its own, `trainer.enable_model_summary` (off: the run's start names the model in one line). Every rank
-calls `set_up_messages`: each is a process of its own.
-"""
+"""Library messages that ask nothing of the user, filtered where emitted, each by name: install tips, accelerator
+lists, Lightning's internal deprecations, banners. `quiet=false` (configs/train.yaml, eval.yaml) shows them all, and
+W&B's banners (`WandbRunLogger`), Lightning's validation tables and seed line; its model summary has its own switch,
+`trainer.enable_model_summary`. Every rank calls `set_up_messages`: each is a process of its own."""
 
 from __future__ import annotations
 
 import logging
 import warnings
 
-# Lightning sends its notices and ours through one logger (`rank_zero_info`), so these are told apart by
-# how they begin, not silenced by level.
+# Lightning sends its notices and ours through one logger (`rank_zero_info`): told apart by their start, not level.
 LIGHTNING_NOTICES = (
     "💡 Tip:",  # install litlogger / litmodels
     "GPU available:",
@@ -27,20 +20,17 @@ LIGHTNING_NOTICES = (
     "-" * 100 + "\ndistributed_backend=",  # "... All distributed processes registered. Starting with 2 ..."
 )
 LIGHTNING_NOTICE_LOGGER = "lightning.pytorch.utilities.rank_zero"
-# Loggers whose INFO lines repeat what the run's start says: "Initializing distributed: GLOBAL_RANK ...",
-# "LOCAL_RANK: 0 - CUDA_VISIBLE_DEVICES: ...".
+# Loggers whose INFO lines repeat the run's start ("Initializing distributed: GLOBAL_RANK ...").
 CHATTY_LOGGERS = ("lightning.fabric.utilities.distributed", "lightning.pytorch.accelerators.cuda")
 # (message, category, module): warnings raised inside libraries about their own code.
 LIBRARY_WARNINGS = (
     # Lightning's _pytree subclasses a class torch deprecated: Lightning's to fix, not the user's.
     (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning, r"lightning\.pytorch\.utilities\._pytree"),
-    # Lightning asks for more DataLoader workers wherever the machine has more than 2 CPUs (a 16-core GPU
-    # machine: "num_workers=15"), whatever the loader's wait; data.num_workers also sets the data order, and
-    # the run's perf/data_wait says when the loader is the bottleneck.
+    # Lightning asks for more workers on any machine over 2 CPUs, whatever the loader's wait; data.num_workers also
+    # sets the data order, and perf/data_wait shows when the loader is the bottleneck.
     (r"The '\w+' does not have many workers", UserWarning, r"lightning\.pytorch\.trainer\.connectors\.data_connector"),
-    # Wherever `srun` is on PATH (a SLURM login node) and the process is not a SLURM task, Lightning's
-    # SLURMEnvironment hints at prepending `srun`: a run outside SLURM is one on purpose (a SLURM job's
-    # ranks are its tasks: scripts/launch_slurm.sh), and a run under SLURM never gets the hint.
+    # Lightning hints at `srun` wherever it is on PATH outside a SLURM task: such a run is outside SLURM on purpose
+    # (a SLURM job's ranks are its tasks: scripts/launch_slurm.sh).
     (r"The `srun` command is available on your system", UserWarning, r"lightning\.fabric\.plugins\.environments"),
 )
 
@@ -53,9 +43,8 @@ def set_up_messages(quiet: bool) -> None:
 
 
 def route_lightning_messages() -> None:
-    """Each of Lightning's messages once. The `lightning` package gives its logger a console handler of
-    its own, whatever else is configured; under Hydra, whose handlers on the root logger write the
-    console and the run's log file, that handler only repeats them, so it is removed."""
+    """Each of Lightning's messages once: under Hydra, whose root handlers write the console and log file, the
+    `lightning` logger's own console handler only repeats them, so it is removed."""
     if not logging.getLogger().handlers:
         return
     lightning = logging.getLogger("lightning")

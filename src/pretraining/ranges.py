@@ -1,7 +1,6 @@
-"""Ranges of config values, declared where a value enters: `Annotated[float, Range(gt=0)]` on a
-constructor's parameter, checked for Python callers by `@checked_ranges("model")` and for configs at
-startup by `pretraining.schema`, which reads the same annotations. Plain Python: every floor imports it.
-"""
+"""Ranges of config values, declared where a value enters (`Annotated[float, Range(gt=0)]` on a parameter), checked
+for Python callers by `@checked_ranges` and for configs by `pretraining.schema`. Plain Python: every floor imports
+it."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ Function = TypeVar("Function", bound=Callable[..., Any])
 
 @dataclass(frozen=True)
 class Range:
-    """Bounds of a number, as `Annotated` metadata: `Annotated[float, Range(gt=0, lt=1)]`; `why`, if
-    the bound is not obvious, says what it is for (it is part of the message)."""
+    """Bounds of a number as `Annotated` metadata (`Range(gt=0, lt=1)`); `why`, in the message, says what a
+    non-obvious bound is for."""
 
     gt: float | None = None
     ge: float | None = None
@@ -57,8 +56,8 @@ Positive = Annotated[int, Range(ge=1)]
 
 
 def checked_ranges(prefix: str) -> Callable[[Function], Function]:
-    """Decorate a constructor so that each argument outside the `Range` its annotation declares raises
-    a ConfigError naming it `<prefix>.<parameter>`: Python callers get the checks a config gets at startup."""
+    """Decorate a constructor so an argument outside its annotation's `Range` raises a ConfigError naming
+    `<prefix>.<parameter>`: Python callers get the checks a config gets at startup."""
 
     def decorate(function: Function) -> Function:
         parameters = inspect.signature(function)
@@ -92,8 +91,7 @@ def out_of_range(key: str, value: Any, problem: str) -> ConfigError:
 
 @functools.cache
 def type_hints(function: Callable[..., Any]) -> dict[str, Any]:
-    """The resolved annotations of `function`; none where they cannot be resolved here (names
-    imported only for type checkers): those parameters are not type-checked."""
+    """The resolved annotations of `function`; none if unresolvable here (names imported only for type checkers)."""
     try:
         return typing.get_type_hints(inspect.unwrap(function), include_extras=True)
     except Exception:
@@ -101,8 +99,8 @@ def type_hints(function: Callable[..., Any]) -> dict[str, Any]:
 
 
 def fits(value: Any, annotation: Any) -> bool:
-    """Whether `value` (from a config: None, bool, int, float, str, list, dict) can be `annotation`;
-    true for annotations a config value cannot be checked against (classes, callables, type variables)."""
+    """Whether a config value (None, bool, int, float, str, list, dict) can be `annotation`; true where it cannot be
+    checked (classes, callables, type variables)."""
     origin, args = get_origin(annotation), get_args(annotation)
     if origin is Annotated:
         return fits(value, args[0])
@@ -169,7 +167,7 @@ def describe(annotation: Any) -> str:
     if origin is Annotated:
         return describe(args[0])
     if origin in (Union, types.UnionType):
-        # The values of all Literal members in one list (Lightning's precision is a union of three).
+        # All Literal members' values in one list (Lightning's precision is a union of three).
         values = [value for arg in args if get_origin(arg) is Literal for value in get_args(arg)]
         others = [describe(arg) for arg in args if get_origin(arg) is not Literal]
         return " or ".join(dict.fromkeys([describe(Literal[tuple(values)])] * bool(values) + others))

@@ -1,10 +1,6 @@
-"""The end of a training run, for `pretraining.train`: where the run is, its last checkpoint, the commands
-for both, its final metrics and how to upload an offline W&B run; then the exit status of a run a signal
-stopped.
-
-Two protocols let a callback take part without this module knowing it: one that stops training says why
-(`StopsTraining`), and one that keeps an account of the run hears of its end and adds lines
-(`HearsTheRunEnd`: the goodput extra's cost line)."""
+"""The end of a training run, for `pretraining.train`: the summary, then the exit status of a run a signal stopped.
+Callbacks take part through two protocols: `StopsTraining` (says why it stopped training) and `HearsTheRunEnd` (adds
+summary lines: the goodput extra's cost line)."""
 
 from __future__ import annotations
 
@@ -28,24 +24,23 @@ from pretraining.loggers import ResumableCSVLogger, WandbRunLogger
 
 @runtime_checkable
 class StopsTraining(Protocol):
-    """A callback that may stop training before `trainer.max_steps` (with `trainer.should_stop`): once it
-    has, `stop_reason` says why and how to go on (DataCounts: a source ran out; a budget)."""
+    """A callback that may stop training before `trainer.max_steps`; once it has, `stop_reason` says why and how to go
+    on (DataCounts: a source ran out; a budget)."""
 
     stop_reason: str | None
 
 
 @runtime_checkable
 class HearsTheRunEnd(Protocol):
-    """A callback told that the run is over, completed or stopped (`stopped_by`, as `stop_cause` says),
-    before the summary is printed; it returns lines for the summary."""
+    """A callback told the run is over (`stopped_by`: `stop_cause`'s words, or None) before the summary; it returns
+    lines for it."""
 
     def on_run_end(self, trainer: Trainer, stopped_by: str | None) -> list[str]: ...
 
 
 def report(trainer: Trainer, metrics: dict[str, float]) -> None:
-    """Print where the run is, its last checkpoint and the commands for both (evaluate, info, and those of
-    the extras a fork keeps: export, plot), run from this directory, its final metrics and how to upload an
-    offline W&B run; then, if a signal stopped it, exit with 128 + the signal's number (after saving)."""
+    """Print the run directory, its last checkpoint with the commands for it (and the extras a fork keeps), the final
+    metrics and how to upload an offline W&B run; after a signal, exit 128 + its number (having saved)."""
     run = shown(Path(trainer.default_root_dir))
     lines = [f"run directory: {run}"]
     last = getattr(trainer.checkpoint_callback, "last_model_path", "")
@@ -87,8 +82,8 @@ def report(trainer: Trainer, metrics: dict[str, float]) -> None:
 
 
 def stop_cause(trainer: Trainer) -> str | None:
-    """What stopped training before `trainer.max_steps` (or, a signal, at any step), in words; None if
-    nothing did (or it was a smoke test, `fast_dev_run`)."""
+    """What stopped training before `trainer.max_steps` (a signal: at any step), in words; None if nothing did or
+    it was `fast_dev_run`."""
     status = stop_signal(trainer)
     if status:
         return signal.Signals(status - 128).name
@@ -115,8 +110,7 @@ def has_extra(name: str) -> bool:
 
 
 def command(script: str, *args: str | Path) -> str:
-    """A shell command line running the console script `script`: the one beside this Python (`.venv/bin/...`),
-    else the one on PATH."""
+    """A command line for console script `script`: the one beside this Python (`.venv/bin/...`), else on PATH."""
     beside = Path(sys.executable).parent / script
     return shlex.join([str(shown(beside)) if beside.exists() else script, *map(str, args)])
 
@@ -132,5 +126,5 @@ def export_name(run: Path) -> str:
 
 
 def shown(path: Path) -> Path:
-    """`path` as the user will type it: relative to the current directory when it is below it."""
+    """`path` as the user will type it: relative to the current directory when below it."""
     return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path

@@ -1,16 +1,8 @@
-"""Where a run continues from, and whether a checkpoint fits the run that would continue it.
-
-A run lives in one directory named by the run, not by the time it started
-(`logs/<task>/runs/<run_name>/`). Running the same command again finds the
-newest checkpoint there that verifies and continues from it (`resume=auto`).
-`ckpt_path=...` starts the run from that checkpoint (a file, or the directory
-of a sharded one); once the run has checkpoints of its own, the same command
-continues from those, so a requeued job does not go back. `resume=never` moves
-the run's earlier outputs aside and starts over (every time: keep it out of a
-job script that a scheduler requeues). Before any work, the checkpoint's
-sidecar is compared with this run: data version, tokenizer, data topology and
-parameter shapes must match, unless `resume_allow` names the deliberate change.
-"""
+"""Where a run continues from, and whether a checkpoint fits the run continuing it. A run lives in a directory named
+by the run (`logs/<task>/runs/<run_name>/`), so the same command again continues from its newest verified checkpoint
+(`resume=auto`). `ckpt_path=...` starts from that checkpoint until the run has its own, so a requeued job does not go
+back. `resume=never` moves earlier outputs aside every time: keep it out of a job script a scheduler requeues. Data
+version, tokenizer, topology and parameter shapes must match unless `resume_allow` names the deliberate change."""
 
 from __future__ import annotations
 
@@ -27,8 +19,7 @@ from pretraining.run_lock import is_job_file
 from pretraining.settings import Change, ResumeMode
 
 RESUME_MODES = get_args(ResumeMode)
-# What a resume compares (the lineage key, and the fix for a difference); each may be named in
-# `resume_allow` to accept a deliberate change. Parameter shapes are compared too and never accepted.
+# What a resume compares (lineage key, fix); `resume_allow` may accept each. Parameter shapes never are.
 FIT_CHECKS: dict[Change, tuple[str, str]] = {
     "data": ("data_version", "point data.dir (or data.sources) at the shards it was trained on"),
     "tokenizer": ("tokenizer_fingerprint", "use the tokenizer it was trained with"),
@@ -57,8 +48,8 @@ class Resume(NamedTuple):
 
 
 def checkpoint_to_resume(resume: str, ckpt_path: str | None, checkpoints: Path) -> Resume | None:
-    """The checkpoint to continue from, or None to start fresh (with resume=never always: the caller then
-    moves the earlier outputs aside with `start_over`, once the fresh start has passed its checks)."""
+    """The checkpoint to continue from, or None to start fresh (always with resume=never: the caller then runs
+    `start_over` once the fresh start passed its checks)."""
     if resume not in RESUME_MODES:
         raise ConfigError(f"resume={resume!r}: use one of {', '.join(RESUME_MODES)} (or set ckpt_path=<file>)")
     if resume == "never":
@@ -77,9 +68,8 @@ def checkpoint_to_resume(resume: str, ckpt_path: str | None, checkpoints: Path) 
 
 @rank_zero_only
 def start_over(run_dir: Path) -> None:
-    """Move an earlier run's outputs in `run_dir` aside: checkpoints, metrics, W&B files (this job's
-    `.hydra/` config is already written over the earlier one's). This job's own files stay:
-    the lock it holds (moved, a second job could take a new one) and its status record."""
+    """Move an earlier run's outputs in `run_dir` aside (this job's `.hydra/` already overwrote the earlier one).
+    This job's lock stays (moved, a second job could take a new one), and so does its status record."""
     earlier = [p for p in run_dir.iterdir() if not is_job_file(p)] if run_dir.is_dir() else []
     earlier = [p for p in earlier if not p.name.startswith("replaced-")]
     if not earlier:

@@ -1,7 +1,6 @@
-"""The set-up of one training run, for `pretraining.train`: the checks across config groups, the process,
-the run's lineage, the Trainer with its batch plan, whether the checkpoint it continues from fits, and the
-validations around fit. Which checkpoint a run continues from is `pretraining.resume`'s; what it reports
-at its end, `pretraining.report`'s."""
+"""One training run's set-up, for `pretraining.train`: cross-group checks, the process, lineage, the Trainer and its
+batch plan, the resumed checkpoint's fit, and the validations around fit. Which checkpoint a run continues from is
+`pretraining.resume`'s; its closing report, `pretraining.report`'s."""
 
 from __future__ import annotations
 
@@ -36,8 +35,8 @@ from pretraining.schema import check_schema
 from pretraining.settings import TrainSettings
 from pretraining.world_size import world_size
 
-# What to pass for a value a config leaves to you (`???`), by key: named before anything reads it, since
-# other groups interpolate some (data.dir in tokenizer.path) and OmegaConf alone would name the wrong key.
+# The fix for each `???` key, named before anything resolves: tokenizer.path interpolates data.dir, so OmegaConf
+# would name the wrong key.
 LEFT_TO_YOU = {
     "data.dir": "<shard directory> (built with `pretrain-data build --out <dir>`, plus "
     "`pretrain-data tokenizer --data <dir>` for tokenizer=bpe), or data.dir=null with a mixture in data.sources",
@@ -46,8 +45,7 @@ FILLED_BY_THE_RUN = {"model.backbone.vocab_size"}  # from the tokenizer, by `bui
 
 
 def check_config(cfg: DictConfig) -> None:
-    """Stop before any work if a value is left unset, does not fit the schema (`pretraining.schema`), or
-    values from different groups contradict each other."""
+    """Stop before any work on an unset value, a schema misfit (`pretraining.schema`) or contradicting groups."""
     for key in sorted(set(unset_keys(cfg)) - FILLED_BY_THE_RUN):
         if not key.startswith("hydra."):  # Hydra's own, filled as the job starts
             raise ConfigError(f"{key} is not set: pass {key}={LEFT_TO_YOU.get(key, '<value>')}")
@@ -67,8 +65,7 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def check_mixture_tokenizer(cfg: DictConfig) -> None:
-    """Refuse a tokenizer path that names data.dir in a mixture, which has none: its sources share one
-    tokenizer, which the run must name."""
+    """Refuse a tokenizer path naming data.dir in a mixture, which has none: its sources share one named tokenizer."""
     tokenizer = cfg.get("tokenizer")
     unresolved = OmegaConf.to_container(tokenizer, resolve=False) if isinstance(tokenizer, DictConfig) else {}
     path = cast(dict[str, Any], unresolved).get("path")
@@ -90,8 +87,7 @@ def check_optimizer_fits_strategy(cfg: DictConfig) -> None:
 
 
 def shards_parameters(cfg: DictConfig) -> bool:
-    """Whether the trainer's strategy shards parameters: FSDP1 or FSDP2 (Lightning's ModelParallelStrategy),
-    as a `_target_` or as one of Lightning's strategy names (`trainer.strategy=fsdp`)."""
+    """Whether the strategy shards parameters (FSDP1 or FSDP2), named as a `_target_` or a Lightning strategy name."""
     strategy = cfg.trainer.get("strategy")
     if isinstance(strategy, str):
         return "fsdp" in strategy or "model_parallel" in strategy
@@ -106,8 +102,7 @@ def target_of(node: Any) -> Any:
 
 
 def unset_keys(node: DictConfig | ListConfig, prefix: str = "") -> Iterator[str]:
-    """The keys under `node` whose value is `???`, read without resolving any interpolation (which may need
-    a Hydra run, or point at one of these)."""
+    """The keys under `node` whose value is `???`, read unresolved: an interpolation may need Hydra, or point at one."""
     keys: list[Any] = list(node.keys()) if isinstance(node, DictConfig) else list(range(len(node)))
     for key in keys:
         if OmegaConf.is_missing(node, key):
@@ -117,8 +112,7 @@ def unset_keys(node: DictConfig | ListConfig, prefix: str = "") -> Iterator[str]
 
 
 def prepare_process(cfg: DictConfig) -> None:
-    """Show Lightning's messages once and quiet the libraries (unless `quiet=false`), refuse GPUs this
-    node lacks, set the float32 matmul precision and seed every generator."""
+    """Messages (`quiet`), a check of this node's GPUs, the float32 matmul precision, and every seed."""
     set_up_messages(cfg.quiet)
     check_devices(cfg.trainer)
     torch.set_float32_matmul_precision(cfg.matmul_precision)
@@ -126,10 +120,8 @@ def prepare_process(cfg: DictConfig) -> None:
 
 
 def fit_schedule(cfg: DictConfig) -> None:
-    """Fit the LR schedule into a run shorter than it (the default warmup of 30 in a smoke run of 20), saying
-    so: a warmup that is not below the run's steps becomes a tenth of the run; a wsd decay that does not fit
-    after the warmup, the last fifth (or what the warmup leaves). The schedule still warms up, then decays.
-    The run's lineage records the schedule it used."""
+    """Fit the LR schedule into a run shorter than it, saying so: a warmup not below max_steps becomes a tenth of the
+    run; a wsd decay that does not fit after it, the last fifth (or what the warmup leaves)."""
     max_steps, warmup_steps = cfg.trainer.max_steps, cfg.model.warmup_steps
     if warmup_steps >= max_steps:
         cfg.model.warmup_steps = shortened = max_steps // 10
@@ -160,14 +152,13 @@ def counted(count: int, noun: str) -> str:
 
 
 def check_example_lengths(cfg: DictConfig, tokenizer: Tokenizer) -> None:
-    """Refuse examples longer than the model's positions before the data is read (its checksums can take
-    minutes): the example format alone, built here, knows its lengths."""
+    """Refuse examples longer than the model's positions before the slow data checks; only the format knows lengths."""
     check_lengths(build(cfg.data.format)(tokenizer), cfg.model.backbone.max_seq_len)
 
 
 def run_lineage(cfg: DictConfig, datamodule: ShardDataModule, resume: Resume | None) -> Lineage:
-    """The callback that stamps every checkpoint with what produced it: the config (without credentials:
-    it is logged and stored), the code revision, data and tokenizer, and the checkpoint continued from."""
+    """The callback stamping every checkpoint with its provenance: config (credentials redacted: it is logged and
+    stored), code revision, data, tokenizer, and the checkpoint continued from."""
     config = cast(dict[str, Any], redact_secrets(OmegaConf.to_container(cfg, resolve=True)))
     parent = str(resume.path) if resume else None
     code = code_revision(PROJECT_ROOT)
@@ -175,10 +166,8 @@ def run_lineage(cfg: DictConfig, datamodule: ShardDataModule, resume: Resume | N
 
 
 def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[Callback]) -> Trainer:
-    """The configured Trainer, with `callbacks` and the configured callbacks and loggers, the gradient
-    accumulation that makes the global batch, and a validation every `trainer.val_check_interval` steps.
-    The accumulation follows from the number of processes (`devices=auto`, nodes, torchrun's environment:
-    `pretraining.world_size`), worked out first: a global batch they cannot share stops the run here."""
+    """The configured Trainer, with the accumulation that makes the global batch over the world size
+    (`pretraining.world_size`), worked out first: a global batch the processes cannot share stops the run here."""
     configured = [build(callback) for callback in cfg.callbacks.values()]
     loggers: list[Logger] = [build(logger) for logger in cfg.logger.values()]
     environment = plugins(cfg)
@@ -207,8 +196,8 @@ def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[
 
 
 def plugins(cfg: DictConfig) -> list[Any]:
-    """The configured plugins, plus, under SLURM, its environment with Lightning's auto-requeue off:
-    that saves inside the signal handler; `Preemption` saves at the step boundary instead."""
+    """The configured plugins, plus SLURM's environment with auto-requeue off: that saves inside the signal handler,
+    `Preemption` at the step boundary."""
     configured = [build(plugin) for plugin in cfg.trainer.get("plugins") or []]
     if SLURMEnvironment.detect():
         configured.append(SLURMEnvironment(auto_requeue=False))
@@ -249,13 +238,10 @@ def fit(
     resume: Resume | None,
     tables: bool = False,
 ) -> dict[str, float]:
-    """With `validate_first`, validate the weights training starts from (the untrained model: the start of
-    the learning curve; or the step a resumed run was validating when it stopped, `validation_owed`); fit
-    (continuing from `resume`, if any); and validate the final weights of a run that reached
-    `trainer.max_steps` unless that step was validated or a signal stopped it (a run stopped before it
-    continues later); the final metrics. A signal during a validation ends it (`Preempted`);
-    `report` then exits as after one during training. W&B's run is closed on the way out, so that the next
-    job of a multirun starts its own. `tables`: Lightning's table of each validation's metrics too."""
+    """Fit, and return the final metrics. `validate_first` validates the starting weights (the curve's start, or the
+    step a resumed run owes, `validation_owed`); a run reaching max_steps unstopped is validated at its end unless that
+    step was. A signal during a validation raises `Preempted`; `report` exits as for one in training. W&B's run closes
+    on the way out, so a multirun's next job starts its own. `tables`: Lightning's metric tables too."""
     metrics: dict[str, float] = {}
     ckpt_path = str(resume.path) if resume else None
     try:
@@ -274,9 +260,8 @@ def fit(
 
 
 def validation_owed(trainer: Trainer, resume: Resume, checkpoint_dir: Path) -> bool:
-    """Whether the run's own checkpoint it resumes from is of a step that training validates after, but
-    whose validation did not finish (a kill or a signal came first): Lightning continues a checkpoint saved
-    at a step boundary as if that validation had run. The last step is validated after `fit` anyway."""
+    """Whether the run's own checkpoint is of a step validated after, whose validation did not finish: Lightning
+    resumes a step-boundary checkpoint as if it had run. The last step is validated after `fit` anyway."""
     step, every = resume.sidecar["step"], trainer.val_check_interval
     own = resume.path.resolve().parent == checkpoint_dir.resolve()
     validated = isinstance(every, int) and (step * trainer.accumulate_grad_batches) % every == 0
@@ -284,9 +269,8 @@ def validation_owed(trainer: Trainer, resume: Resume, checkpoint_dir: Path) -> b
 
 
 def finished(resume: Resume, checkpoint_dir: Path, max_steps: int, schedule: str = "cosine") -> bool:
-    """Whether this run is complete: it continues from its own checkpoint (not one passed as `ckpt_path`)
-    at `max_steps` or later, and that step was validated. Running a finished run again then starts
-    nothing (no validation row twice, no second W&B run)."""
+    """Whether this run is complete: resumed from its own checkpoint (not `ckpt_path`) at max_steps or later, and
+    validated; running it again then starts nothing (no second validation row or W&B run)."""
     step = resume.sidecar.get("step", -1)
     own = resume.path.resolve().parent == checkpoint_dir.resolve()
     if not own or step < max_steps or "validation" not in resume.sidecar:

@@ -1,15 +1,8 @@
-"""One job at a time in a run directory: an OS-level lock on `<run dir>/.lock`.
-
-`own_run_directory(run_dir)` takes `flock(LOCK_EX | LOCK_NB)` on the file and writes the holder's record
-(pid, host, start time) into it. The kernel releases the lock when the holder's process ends, even by
-SIGKILL, so the file left by a dead process never blocks: the next job just takes the lock and rewrites
-the record. A second job refused the lock stops with `RunLockedError`, naming the holder and the way out.
-On a shared filesystem the lock is as good as its `flock` (NFS: yes; Lustre: mounted with `flock`).
-
-Within one process the lock is re-entrant: Hydra's job-status callback takes it before it writes
-`status.json`, and `pretrain`'s `main` takes it again around training (a second `flock` on another open
-file would refuse the process its own lock).
-"""
+"""One job at a time in a run directory: `own_run_directory` takes `flock(LOCK_EX | LOCK_NB)` on `<run dir>/.lock`
+and writes the holder's pid, host and start time there. The kernel releases it when the holder dies, even by SIGKILL,
+so a stale file never blocks; a refused job raises `RunLockedError` naming the holder. On a shared filesystem it is as
+good as its `flock` (NFS: yes; Lustre: mounted with `flock`). Re-entrant within a process: Hydra's job-status
+callback and `pretrain`'s `main` both take it (a second `flock` on another open file would refuse the process)."""
 
 from __future__ import annotations
 
@@ -28,14 +21,13 @@ from pretraining.errors import PretrainingError, RunLockedError
 
 LOCK_FILE = ".lock"
 CONFIG_COPIES = ".hydra"  # the job's config as Hydra keeps it (written by job_status.RecordJobStatus)
-# What a job's directory holds before its training writes anything: Hydra's config copies, its log file
-# (`<task_name>.log`), the lock, and the job-status record (sweeps.RecordJobStatus), which counts only
-# when the directory held none of the others' files before this process locked it.
+# A job's directory before its training writes: Hydra's config copies, its `<task_name>.log`, the lock, and the
+# job-status record, which counts only if the directory held none of the others' files before this process locked it.
 HYDRA_OUTPUT = frozenset({CONFIG_COPIES, LOCK_FILE})
 STATUS_FILE = "status.json"
-# The errors that refuse a command (ours): one refused before it trains leaves no run directory behind.
+# Our errors that refuse a command: one refused before it trains leaves no run directory behind.
 REFUSALS = PretrainingError
-# A refused job waits this long for the holder to finish writing its record.
+# How long a refused job waits for the holder to write its record.
 RECORD_WAIT_S = 1.0
 
 
@@ -53,9 +45,8 @@ HELD: dict[Path, RunLock] = {}  # by resolved run directory
 
 
 def forget_held_locks() -> None:
-    """In a forked child (a DataLoader worker), close its copies of the lock files: a flock belongs to
-    the open file, which the child shares, so a worker outliving a SIGKILLed holder for a few seconds
-    would hold the lock for it. Closing (not unlocking) leaves the parent's lock as it was."""
+    """In a forked child (a DataLoader worker), close its copies of the lock files: a flock belongs to the shared
+    open file, so a worker outliving a SIGKILLed holder would hold it. Closing, not unlocking, spares the parent's."""
     for lock in HELD.values():
         os.close(lock.fd)
     HELD.clear()
@@ -66,13 +57,9 @@ os.register_at_fork(after_in_child=forget_held_locks)
 
 @contextmanager
 def own_run_directory(run_dir: Path, *, remove_if_refused: bool = True) -> Iterator[RunLock]:
-    """Hold the lock on `run_dir` (made if missing) for the block, or raise `RunLockedError`.
-
-    If the block stops with an error of ours (`REFUSALS`), `remove_if_refused` and the directory was made
-    by this command and holds nothing but Hydra's files, the directory is removed (under the lock, so that
-    no other job's files can be in it): a refused command leaves no run directory behind. (A multirun's
-    job keeps its directory: its status record is the sweep report's row for the failed job.)
-    """
+    """Hold the lock on `run_dir` (made if missing) for the block, or raise `RunLockedError`. If the block raises
+    one of `REFUSALS`, with `remove_if_refused`, a directory this command made and holding only Hydra's files is
+    removed under the lock. A multirun's job keeps it: its status record is the sweep report's row."""
     lock = acquire(run_dir)
     try:
         yield lock
@@ -150,14 +137,13 @@ def only_hydra_output(run_dir: Path, *, with_status: bool) -> bool:
 
 
 def is_job_file(entry: Path, *, with_status: bool = True) -> bool:
-    """Whether `entry` of a run directory is the current job's own: Hydra's config copies and log file, the
-    lock, and (`with_status`) the job-status record; anything else is the run's output."""
+    """Whether `entry` of a run directory is the job's own (Hydra's config copies and log, the lock, and with
+    `with_status` the status record), not the run's output."""
     allowed = HYDRA_OUTPUT | ({STATUS_FILE} if with_status else set())
     return entry.name in allowed or (entry.suffix == ".log" and entry.is_file())
 
 
 def remove_if_untouched(lock: RunLock) -> None:
-    # Only a directory this command made, and only while it holds nothing of a run: a checkpoint, a metric,
-    # an earlier run's status record or log all keep it.
+    # Only a directory this command made, holding nothing of a run (checkpoint, metric, earlier status or log).
     if lock.fresh and lock.run_dir.is_dir() and only_hydra_output(lock.run_dir, with_status=True):
         shutil.rmtree(lock.run_dir, ignore_errors=True)

@@ -1,13 +1,8 @@
-"""The config schema, checked at startup, before anything is built or read.
-
-Every node with a `_target_` is checked against the signature of the class or function it names:
-unknown keys (with the closest known one), types from the parameters' annotations, and ranges
-declared as `Annotated[float, Range(gt=0)]` metadata on them (for classes this package does not own,
-in `EXTRA_ANNOTATIONS`). A class of your own is thus checked as soon as its constructor has type hints.
-The top-level keys of train.yaml and eval.yaml are checked the same way, against `TrainSettings` and
-`EvalSettings` (`pretraining.settings`). Relations between groups are checked by
-`pretraining.run.check_config`.
-"""
+"""The config schema, checked at startup before anything is built or read. Each node with a `_target_` is checked
+against its target's signature: unknown keys (naming the closest), annotated types, and `Range` metadata
+(`EXTRA_ANNOTATIONS` for classes this package does not own), so a class of your own is checked once it has type
+hints. train.yaml's and eval.yaml's top-level keys: `TrainSettings`, `EvalSettings` (`pretraining.settings`);
+relations between groups: `pretraining.run.check_config`."""
 
 from __future__ import annotations
 
@@ -29,10 +24,9 @@ HYDRA_KEYS = {"_target_", "_partial_", "_recursive_", "_convert_", "_args_"}
 
 
 Beta = Annotated[float, Range(ge=0, lt=1)]
-# Lightning's counts of batches or steps that may also be a fraction (of an epoch, of the batches).
+# Lightning's counts of batches or steps that may be a fraction (of an epoch, of the batches).
 Batches = Annotated[int, Range(ge=0)] | Annotated[float, Range(ge=0, le=1)]
-# Ranges of parameters of classes this package does not own (ours declare them in their signatures), by
-# where the class is defined: named, not imported, so that composing a config (`--cfg job`) loads no torch.
+# Ranges of parameters of classes we do not own, by defining module: named, not imported, so `--cfg job` loads no torch.
 EXTRA_ANNOTATIONS: dict[str, dict[str, Any]] = {
     "torch.optim.adamw.AdamW": {
         "lr": Annotated[float, Range(gt=0)],
@@ -40,7 +34,7 @@ EXTRA_ANNOTATIONS: dict[str, dict[str, Any]] = {
         "eps": Annotated[float, Range(gt=0)],
         "weight_decay": Annotated[float, Range(ge=0)],
     },
-    # Every number of the Trainer that configs/ set (its devices: `launch.check_devices`, which reads them).
+    # Every Trainer number configs/ set (devices: `launch.check_devices`).
     "lightning.pytorch.trainer.trainer.Trainer": {
         "num_nodes": Annotated[int, Range(ge=1)],
         "max_steps": Annotated[int, Range(ge=1, why="the LR schedule and the infinite stream need it")],
@@ -59,17 +53,16 @@ EXTRA_ANNOTATIONS: dict[str, dict[str, Any]] = {
 
 
 class Unset:
-    """A value left `???` (set later by the code, or reported by OmegaConf when read) or an
-    interpolation that only resolves inside a Hydra run (`${hydra:runtime.output_dir}`)."""
+    """A value left `???` (set later by the code, or reported by OmegaConf when read), or an interpolation only a
+    Hydra run resolves (`${hydra:runtime.output_dir}`)."""
 
 
 UNSET = Unset()
 
 
 def check_schema(cfg: DictConfig, settings: type, name: str) -> None:
-    """Raise a ConfigError naming the key, the value and the fix for the first value of `cfg` that
-    does not fit: `settings` (a dataclass) for the top-level keys of config `name`, the signature of
-    its `_target_` for every node that has one."""
+    """Raise a ConfigError naming key, value and fix for the first value not fitting `settings` (a dataclass, for
+    config `name`'s top-level keys) or the signature of its node's `_target_`."""
     check_node(plain(cfg, skip=("hydra",)), settings, "", f"a key of {name}")
 
 
@@ -141,9 +134,8 @@ def locate(path: Any, key: str) -> Callable[..., Any]:
 
 
 def signature(target: Callable[..., Any]) -> tuple[dict[str, Any], bool]:
-    """The keyword parameters `target` takes (a class: its `__init__`), and whether it takes other
-    keywords too. The `**kwargs` of a class are taken to reach its base class's `__init__` (the
-    common pattern): they add that signature, and are open-ended only if they get past every base."""
+    """The keyword parameters `target` takes (a class: its `__init__`), and whether it takes others. A class's
+    `**kwargs` are taken to reach its base's `__init__`, adding that signature; open-ended only past every base."""
     if isinstance(target, type):
         functions = [cls.__dict__["__init__"] for cls in target.__mro__ if "__init__" in cls.__dict__]
     else:
@@ -172,9 +164,8 @@ def signature(target: Callable[..., Any]) -> tuple[dict[str, Any], bool]:
 
 
 def builds(target: Callable[..., Any], annotation: Any) -> bool:
-    """Whether a node naming `target` can stand where `annotation` is expected: false only for a class
-    that is none of the classes the annotation names (a function's result is not known here, and a
-    mapping annotation takes a node as it is)."""
+    """Whether a node naming `target` can stand where `annotation` is expected: false only for a class none of the
+    annotation's classes (a function's result is unknown here; a mapping takes a node as it is)."""
     if not isinstance(target, type):
         return True
     members = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
@@ -193,7 +184,7 @@ def builds(target: Callable[..., Any], annotation: Any) -> bool:
 
 
 def unknown_key(key: str, value: Any, what: str, known: list[str]) -> ConfigError:
-    """The error for a key that is not `what` it should be: the closest known key, or all of them."""
+    """The error for a key that is not `what`: naming the closest known key, or all of them."""
     parent, _, name = key.rpartition(".")
     close = difflib.get_close_matches(name, known, n=1)
     from pretraining.compat import moved_key  # a key of older layouts (only a refused key needs it)

@@ -14,8 +14,8 @@ Change = Literal["data", "tokenizer", "topology", "mixture"]
 
 @dataclass
 class TrainSettings:
-    """The keys of configs/train.yaml that train.py reads; each group is a node (or, for callbacks and
-    logger, a mapping of nodes) checked against the class its `_target_` names."""
+    """The keys of configs/train.yaml; each group is a node (callbacks, logger: mappings of nodes) checked against
+    its `_target_`."""
 
     data: dict[str, Any]
     tokenizer: dict[str, Any]

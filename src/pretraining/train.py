@@ -1,10 +1,6 @@
 """Training: check, build, fit (or continue), report; `pretrain experiment=clm_tiny trainer.max_steps=50`
-(`pretraining.cli.train` composes the config and calls `train_job`).
-
-Running the same command again continues the run from its newest verified
-checkpoint (see `pretraining.resume`); the steps between are `pretraining.run`'s, the end
-`pretraining.report`'s.
-"""
+(`pretraining.cli.train` composes the config and calls `train_job`). The same command again continues the run
+(`pretraining.resume`); the steps between are `pretraining.run`'s, the end `pretraining.report`'s."""
 
 from __future__ import annotations
 
@@ -40,10 +36,8 @@ from pretraining.run_lock import own_run_directory
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Train as `cfg` says (continuing the run if it has a checkpoint); return the final metrics.
-
-    Exits with 128 + the signal number if a signal stopped training (after saving).
-    """
+    """Train as `cfg` says, continuing the run if it has a checkpoint; return the final metrics, or exit 128 + the
+    signal number if a signal stopped training (after saving)."""
     check_config(cfg)
     prepare_process(cfg)
     fit_schedule(cfg)  # a smoke run shorter than the default warmup (or wsd decay)
@@ -57,8 +51,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.resume == "never":
         start_over(Path(cfg.paths.output_dir))  # only now: a start refused above leaves the earlier run in place
     lineage = run_lineage(cfg, datamodule, resume)
-    # Every run stamps its checkpoints (Lineage), keeps to the data config's bad-data policy and logs what the
-    # data gave (DataCounts).
+    # Lineage stamps the checkpoints; DataCounts keeps to the bad-data policy and logs what the data gave.
     trainer = build_trainer(cfg, datamodule, callbacks=[lineage, DataCounts()])
     if resume:
         check_resume(trainer, datamodule, model, resume, list(cfg.resume_allow))
@@ -75,19 +68,15 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def train_job(cfg: DictConfig) -> float | None:
     """`pretrain`'s job (`pretraining.cli.train`): train; return the metric a sweeper optimises, if any."""
-    # The job owns its directory (a multirun's job: its own) before anything is written; each job of a
-    # multirun is a distributed job of its own.
+    # The job owns its directory before anything is written, and is a distributed job of its own.
     with job_lock(cfg), distributed_job():
         metrics = train(cfg)
-    # A sweeper optimises the value returned here.
     return metrics.get(cfg.get("optimized_metric") or "", None)
 
 
 def job_lock(cfg: DictConfig) -> AbstractContextManager[object]:
-    """The lock on the job's run directory, held by the process of global rank zero: a DDP or FSDP job's
-    other ranks (started by Lightning in the same directory, or by torchrun or SLURM on any node) are
-    that job, not a second one. A single run refused at start-up leaves no directory; a multirun's job
-    leaves its status record for the sweep report."""
+    """The lock on the job's run directory, held by global rank zero: a DDP or FSDP job's other ranks (on any node)
+    are that job, not a second one. A refused single run leaves no directory; a multirun's job leaves its status."""
     if not is_rank_zero_process():
         return nullcontext()
     single = HydraConfig.get().mode != RunMode.MULTIRUN

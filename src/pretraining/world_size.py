@@ -1,8 +1,6 @@
-"""How many processes the Trainer of a config runs on, known before the Trainer is built: the gradient
-accumulation that makes the global batch follows from it, and the Trainer takes the accumulation (and the
-validation interval, which it counts in micro-batches) in its constructor. Worked out as Lightning works it
-out, with its public accelerator and cluster environment classes; `pretraining.run.build_trainer` stops a
-run whose Trainer disagrees."""
+"""How many processes a config's Trainer runs on, known before it is built: the accumulation making the global batch
+follows from it, and the Trainer takes that (and the validation interval, counted in micro-batches) in its
+constructor. Worked out as Lightning does; `pretraining.run.build_trainer` stops a run whose Trainer disagrees."""
 
 from __future__ import annotations
 
@@ -27,9 +25,8 @@ ACCELERATORS: dict[str, type[Accelerator]] = {"cpu": CPUAccelerator, "cuda": CUD
 
 
 def world_size(trainer: DictConfig, plugins: Sequence[Any]) -> int:
-    """The processes of the Trainer that `trainer` (a config) builds with `plugins`: one on one device of one
-    node (Lightning's single-device strategy); else a launcher's (a cluster environment among `plugins`,
-    or the one detected: torchrun, SLURM, LSF, MPI); else the nodes times the devices of each."""
+    """The Trainer's processes: one on one device of one node (single-device strategy); else a launcher's (a cluster
+    environment in `plugins`, or the one detected); else nodes times devices per node."""
     nodes = int(trainer.get("num_nodes") or 1)
     devices = device_count(trainer.get("accelerator") or "auto", trainer.get("devices") or "auto")
     if nodes == 1 and devices <= 1 and trainer.get("strategy") in (None, "auto"):

@@ -1,14 +1,8 @@
-"""Attention parts every backbone shares: rotary positions, document masks and the attention call.
-
-Packed blocks hold several documents. Given each token's document (`documents`), a position attends
-only within its own document: on CUDA through FlexAttention's block-sparse kernel (whole blocks of the
-score matrix that cross documents are never computed), elsewhere through a boolean SDPA mask.
-
-Rotary positions (RoPE, Su et al. 2021; Llama, ModernBERT) rotate each head's queries and keys by angles
-proportional to their positions, so that attention scores depend on the offset between two positions.
-The layout (first half of a head's dimensions paired with the second) is GPT-NeoX's and Llama's, so the
-weights of a rotary backbone mean the same in Hugging Face's Llama.
-"""
+"""Attention parts every backbone shares: rotary positions, document masks and the attention call. In a packed block
+a position attends only within its document: on CUDA through FlexAttention's block-sparse kernel (blocks crossing
+documents are never computed), elsewhere through a boolean SDPA mask. Rotary positions (RoPE; Llama, ModernBERT) use
+GPT-NeoX's and Llama's layout (each head's first half paired with its second), so rotary weights mean the same in
+Hugging Face's Llama."""
 
 from __future__ import annotations
 
@@ -22,11 +16,10 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from pretraining.errors import ConfigError
 
-# What attention may see: None (everything, or causal), a boolean mask (batch, 1, query, key) that is True
-# where attention is allowed, or FlexAttention's block-sparse form of one.
+# What attention may see: None (everything, or causal), a boolean (batch, 1, query, key) mask, True where allowed,
+# or FlexAttention's block-sparse form of one.
 AttentionMask = torch.Tensor | BlockMask | None
-# The cosines and sines of the rotary angles (length, head width / 2), or (batch, 1, length, head width / 2)
-# for positions that differ by row; None without rotary positions.
+# Rotary cosines and sines, (length, head width / 2) or per row (batch, 1, length, head width / 2); None: no rotary.
 Rotary = tuple[torch.Tensor, torch.Tensor] | None
 ROTARY_BASE = 10000.0
 # FlexAttention's kernels need heads of this many dimensions at least.
@@ -35,8 +28,8 @@ FLEX_MIN_HEAD_WIDTH = 16
 
 @functools.cache
 def compiled(function: Callable[..., Any]) -> Callable[..., Any]:
-    """`function` compiled once for every block and step (shapes are fixed), on first use (importing the
-    compiler costs seconds of start-up). FlexAttention and its block masks are fast only compiled."""
+    """`function` compiled once (shapes are fixed), on first use: importing the compiler costs seconds of start-up,
+    and FlexAttention and its block masks are fast only compiled."""
     return torch.compile(function, dynamic=False)
 
 
@@ -54,8 +47,7 @@ def multi_head_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, causal: bool, dropout: float = 0.0
 ) -> torch.Tensor:
     """Attention of queries (batch, head, length, width) over keys and values, which may have fewer heads
-    (grouped-query attention: each key/value head serves n_head / n_kv_head query heads, never copied).
-    `mask`: see `AttentionMask`; None keeps the fused (causal) kernels."""
+    (grouped-query attention, never copied). `mask`: see `AttentionMask`; None keeps the fused (causal) kernels."""
     grouped = q.shape[1] != k.shape[1]
     if isinstance(mask, BlockMask):
         return document_attention(q, k, v, mask, grouped)
@@ -68,8 +60,8 @@ def multi_head_attention(
 def document_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, grouped: bool = False
 ) -> torch.Tensor:
-    """FlexAttention under a block mask, compiled. Inside a compiled block (`model.compile`) the block's graph
-    takes it in: a compiled function called while another is traced breaks torch.compile's view replay."""
+    """FlexAttention under a block mask, compiled; inside `model.compile`'s graph, traced in instead: a compiled
+    function called while another is traced breaks torch.compile's view replay."""
     if torch.compiler.is_compiling():
         return cast(torch.Tensor, flex_attention(q, k, v, block_mask=mask, enable_gqa=grouped))
     return cast(torch.Tensor, compiled(flex_attention)(q, k, v, block_mask=mask, enable_gqa=grouped))
@@ -86,8 +78,7 @@ def rotary_angles(position_ids: torch.Tensor, head_width: int, base: float = ROT
 
 
 def rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Queries or keys (batch, head, length, width) rotated: the first half of each head's dimensions
-    paired with the second half (GPT-NeoX's and Llama's layout)."""
+    """Queries or keys (batch, head, length, width) rotated, each head's first half paired with its second."""
     cos, sin = (part.to(x.dtype) for part in rotary)  # bfloat16 queries stay bfloat16 under autocast
     first, second = x.chunk(2, dim=-1)
     return torch.cat([first * cos - second * sin, first * sin + second * cos], dim=-1)
@@ -96,9 +87,8 @@ def rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.
 def attention_mask(
     attend: torch.Tensor | None, documents: torch.Tensor | None, causal: bool, flex: bool
 ) -> AttentionMask:
-    """What each position may attend to (`AttentionMask`): FlexAttention's block mask for documents on
-    CUDA when `flex` allows it (the caller knows its dropout and head width), else a boolean mask, or None
-    when nothing is masked. `attend` and `documents` as in `Backbone.forward`."""
+    """What each position may attend to: FlexAttention's block mask for documents on CUDA when `flex` allows (the
+    caller knows its dropout and head width), else a boolean mask, or None. Arguments as in `Backbone.forward`."""
     if attend is None:
         if documents is None:
             return None

@@ -1,16 +1,11 @@
-"""The backbone contract: all that objectives, strategies and callbacks may ask of `model.backbone`.
-
-A backbone maps token ids to hidden states and scores hidden states with a language-model head. The
-rest of the template reaches it only through the members below, so a new architecture is one module
-that subclasses `Backbone` and one config (`configs/model/backbone/`):
+"""The backbone contract: all that objectives, strategies and callbacks may ask of `model.backbone`, so a new
+architecture is one `Backbone` subclass and one config (`configs/model/backbone/`):
 
 - `forward(tokens, attend, documents, position_ids)`: hidden states (batch, length, `d_model`);
-- `logits(hidden)`: the language-model head, the one every loss, validation, generation and distillation
-  applies to hidden states (a linear projection by `head_weight` unless overridden: a soft cap, a scale);
-- `head_weight`: the weight of the head's projection (the FLOPs count and the Hugging Face export read it);
+- `logits(hidden)`: the one language-model head (a projection by `head_weight` unless overridden);
+- `head_weight`: the head's projection weight (read by the FLOPs count and the Hugging Face export);
 - `vocab_size`, `max_seq_len`, `d_model`, `causal`: the sizes and the kind the objectives check;
-- `repeated_layers()`: the repeated units that FSDP2 shards one by one, `model.compile` compiles and activation
-  checkpointing recomputes; `run_layers` runs them, checkpointed when a strategy asks;
+- `repeated_layers()`: the units FSDP2 shards, `model.compile` compiles and `run_layers` checkpoints;
 - `flops_per_token` and `head_flops_per_token`: the model FLOPs behind `perf/mfu`;
 - `init_weights()` (a second contrastive tower draws its own) and `describe()` (the run's model line).
 """
@@ -33,15 +28,14 @@ from pretraining.errors import ConfigError
 
 
 class Backbone(nn.Module, metaclass=abc.ABCMeta):
-    """Token ids in, hidden states out; a head (`logits`) for the language-model objectives. Subclasses set
-    `vocab_size`, `max_seq_len`, `d_model` and `causal` in `__init__` and implement the abstract methods."""
+    """Token ids in, hidden states out, and a head (`logits`). Subclasses set `vocab_size`, `max_seq_len`, `d_model`
+    and `causal` in `__init__` and implement the abstract methods."""
 
     vocab_size: int
     max_seq_len: int
     d_model: int
     causal: bool  # True: a position sees only those before it (next-token); False: all (masked-LM, encoders)
-    # Set by the FSDP policy (pretraining.plugins.fsdp): keep only each layer's input for backward and
-    # recompute the rest, trading a second forward for activation memory.
+    # Set by the FSDP policy (pretraining.plugins.fsdp): recompute each layer in backward to save activation memory.
     checkpoint_activations: bool = False
 
     @abc.abstractmethod
@@ -52,49 +46,41 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
         documents: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states (batch, length, d_model) for token ids (batch, length).
-
-        `attend` (batch, length) is False at padding: no position attends to it. `documents` (batch,
-        length), each token's document in a packed block (non-decreasing along a row): a position attends
-        only within its document. `position_ids` (batch, length) replace 0, 1, ... (`document_positions`
-        restarts them per document)."""
+        """Hidden states (batch, length, d_model) for token ids (batch, length). `attend` is False at padding, which
+        no position attends to; `documents` (non-decreasing along a row) keeps attention within each packed document;
+        `position_ids` replace 0, 1, ... (`document_positions` restarts them per document)."""
 
     @property
     @abc.abstractmethod
     def head_weight(self) -> torch.Tensor:
-        """The weight (vocabulary rows, d_model) of the head's projection, `hidden @ head_weight.T` (see `logits`).
-        Its rows may exceed `vocab_size` (padding for faster matmuls); the padded ids never occur in data."""
+        """The head's projection weight (vocabulary rows, d_model; see `logits`). Rows beyond `vocab_size` are
+        padding for faster matmuls; those ids never occur in data."""
 
     @abc.abstractmethod
     def repeated_layers(self) -> Sequence[nn.Module]:
-        """The repeated units, in order: each one FSDP2 unit, one compiled module, one checkpointed region.
-        Not named `layers`: Hugging Face's decoders keep theirs in a submodule of that name (`layers.0.mlp`),
-        which a backbone named as theirs (`Llama`) must be free to have."""
+        """The repeated units in order: each one FSDP2 unit, compiled module and checkpointed region. Not `layers`:
+        a backbone named as Hugging Face's (`Llama`) needs that name for its submodule (`layers.0.mlp`)."""
 
     @abc.abstractmethod
     def init_weights(self) -> None:
         """Draw fresh weights, as at construction."""
 
     def checked_positions(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
-        """The positions of `tokens` (batch, length): `position_ids` if given, else 0, 1, ...; a sequence longer
-        than `max_seq_len` is refused."""
+        """`position_ids`, else 0, 1, ...; a sequence longer than `max_seq_len` is refused."""
         length = tokens.shape[1]
         if length > self.max_seq_len:
             raise ValueError(f"sequence of {length} tokens exceeds model.backbone.max_seq_len={self.max_seq_len}")
         return torch.arange(length, device=tokens.device) if position_ids is None else position_ids
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The language-model head: logits (..., padded vocabulary) of hidden states (..., d_model).
-
-        The one head: training losses, validation, generation and distillation all score through it. The
-        chunked losses call it on a few positions at a time, so it must score each position alone. Override
-        it for another head (a soft cap, a scale) that starts from this projection: `head_weight` stays its
-        weight, which the FLOPs count reads; the Hugging Face export writes only this default head."""
+        """The language-model head: logits (..., padded vocabulary) of hidden states (..., d_model), through which
+        losses, validation, generation and distillation all score. Chunked losses call it a few positions at a time,
+        so it must score each alone. An override (a soft cap, a scale) keeps `head_weight` as its projection, which
+        the FLOPs count reads; the Hugging Face export writes only this default head."""
         return F.linear(hidden, self.head_weight)
 
     def run_layers(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
-        """`x` through every layer (each called as `layer(x, *args)`), each recomputed in backward when
-        `checkpoint_activations` is set."""
+        """`x` through every layer (`layer(x, *args)`), recomputed in backward if `checkpoint_activations`."""
         for layer in self.repeated_layers():
             if self.checkpoint_activations and torch.is_grad_enabled():
                 # Non-reentrant: works under FSDP hooks and torch.compile, and replays the same dropout masks.
@@ -104,20 +90,16 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
         return x
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs (forward + backward) of the layers for one token of a `seq_len`-token sequence.
-
-        PaLM's count (appendix B): 6 per weight of every matmul (2 forward, 4 backward), here the layers'
-        linear layers; plus attention's two matmuls against the sequence, 12 d_model seq_len a layer
-        (queries of d_model dimensions in all heads), counted over the whole sequence even when causal, as
-        PaLM does. Left out: embedding lookups, norms, biases, softmax (not matmuls), and the recomputation
-        of activation checkpointing (MFU counts the model's FLOPs, not the hardware's). The head is apart:
-        `head_flops_per_token`, for each token it scores. Override where attention is wider or narrower."""
+        """Training FLOPs (forward + backward) of the layers per token of a `seq_len`-token sequence, by PaLM's
+        count (appendix B): 6 per linear weight, plus attention's two matmuls, 12 d_model seq_len a layer over the
+        whole sequence even when causal. Left out: embeddings, norms, biases, softmax, and activation
+        checkpointing's recomputation (MFU counts the model's FLOPs). The head: `head_flops_per_token`. Override
+        where attention is wider or narrower."""
         return 6 * self.layer_matmul_weights + 12 * len(self.repeated_layers()) * self.d_model * seq_len
 
     @functools.cached_property
     def layer_matmul_weights(self) -> int:
-        """The weights of the layers' linear layers, counted once: their count is fixed, and asked for at every
-        step (the throughput count)."""
+        """The layers' linear weights, counted once: fixed, and asked for at every step."""
         layers = self.repeated_layers()
         return sum(m.weight.numel() for layer in layers for m in layer.modules() if isinstance(m, nn.Linear))
 
@@ -145,9 +127,8 @@ def padded_vocabulary(vocab_size: int) -> int:
 
 
 def check_fits_in_memory(parameters: int, fix: str) -> None:
-    """Refuse a model whose float32 weights alone exceed this machine's memory, before allocating them: the
-    allocation would fail (or swap the machine to a halt) only after the data is read. `fix` says which
-    sizes to lower."""
+    """Refuse a model whose float32 weights alone exceed this machine's memory before allocating them, which would
+    fail (or swap) only after the data is read; `fix` names the sizes to lower."""
     needed, memory = 4 * parameters, physical_memory()
     if memory and needed > memory:
         raise ConfigError(

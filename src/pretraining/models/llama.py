@@ -1,24 +1,14 @@
-"""A Llama-style backbone in plain PyTorch (`Backbone`'s second kind), named as Hugging Face's Llama.
+"""A Llama-style backbone in plain PyTorch (`Backbone`'s second kind), named as Hugging Face's Llama. Against the
+GPT-2-style `Transformer`: RMSNorm, rotary positions always (`max_seq_len` only bounds the input), a gated MLP (SwiGLU
+with `activation=silu`, squared ReLU with `relu2`), grouped-query attention (`n_kv_head` key/value heads: a smaller
+cache at generation), optional QK-norm (Qwen3, OLMo-2: attention logits cannot blow up), no biases, a tied or own head
+(`tie_head`). `dropout` (none by default) acts as the `Transformer`'s, for runs that reread their data.
 
-Against the GPT-2-style `Transformer`: RMSNorm instead of LayerNorm, rotary positions always (no position
-table: `max_seq_len` only bounds the input), a gated MLP (`down(act(gate(x)) * up(x))`, SwiGLU with
-`activation=silu`, or squared ReLU with `relu2`), grouped-query attention (`n_kv_head` key/value heads
-shared by the `n_head` query heads: a smaller key/value cache at generation), optional QK-norm (an RMSNorm
-on each head's queries and keys before rotary, as Qwen3 and OLMo-2: attention logits cannot blow up), no
-biases anywhere, and a head tied to the token embedding or its own (`tie_head`). `dropout` (none by default,
-as in Llama) drops attention weights, each layer's two outputs and the embeddings, as the `Transformer`'s
-does: for runs that read the same data many times.
-
-Every parameter is named as in Hugging Face's `LlamaForCausalLM` without its `model.` prefix
-(`embed_tokens`, `layers.0.self_attn.q_proj`, `layers.0.mlp.gate_proj`, `norm`, `lm_head`; with QK-norm
-Qwen3's `q_norm`, `k_norm`), and computes as it does (RMSNorm in float32, rotary over the first and
-second halves of each head), so that an export renames nothing and reproduces the logits. The embedding
-(and an untied head) has its rows padded to a multiple of 64; an export keeps them, and its generation
-config suppresses the padded ids.
-
-`causal=True` for next-token prediction, `causal=False` for masked-LM and contrastive encoders.
-Document masking and `position_ids` work as in the `Transformer` (`pretraining.models.attention`).
-"""
+Parameters are named as in `LlamaForCausalLM` without its `model.` prefix, and compute as it does (RMSNorm in
+float32, rotary over each head's two halves), so an export renames nothing and reproduces the logits. The embedding's
+rows (and an untied head's) are padded to a multiple of 64; an export keeps them and suppresses the padded ids.
+`causal=False` serves masked-LM and contrastive encoders; document masking and `position_ids` are as in the
+`Transformer` (`pretraining.models.attention`)."""
 
 from __future__ import annotations
 
@@ -45,29 +35,27 @@ from pretraining.ranges import Positive, Range, checked_ranges
 
 
 def squared_relu(x: torch.Tensor) -> torch.Tensor:
-    """relu(x)^2 (Primer, So et al. 2021; modded-nanogpt): Hugging Face's `hidden_act="relu2"`."""
+    """relu(x)^2 (Primer; modded-nanogpt): Hugging Face's `hidden_act="relu2"`."""
     return F.relu(x).square()
 
 
 # The gate's activation, by Hugging Face's `hidden_act` name.
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "relu2": squared_relu}
-# How the projections back into the residual stream (o_proj, down_proj) start: `zero` (modded-nanogpt,
-# nanochat): every layer starts as the identity, so the residual stream keeps its scale at any depth with
-# no depth-dependent std to tune, and the layers grow in from the first update; `scaled`: GPT-2's
-# N(0, 0.02 / sqrt(2 n_layer)).
+# How o_proj and down_proj start: `zero` (modded-nanogpt, nanochat) makes each layer the identity, so the residual
+# stream keeps its scale at any depth with no std to tune; `scaled`: GPT-2's N(0, 0.02 / sqrt(2 n_layer)).
 OUTPUT_INITS = ("zero", "scaled")
 INIT_STD = 0.02
 
 
 def default_mlp_width(d_model: int) -> int:
-    """8/3 d_model rounded up to a multiple of 64: a gated MLP's three matrices then hold about the weights of
-    GPT-2's two at 4 d_model (Shazeer 2020; Llama)."""
+    """8/3 d_model rounded up to a multiple of 64: a gated MLP's three matrices then weigh about GPT-2's two at
+    4 d_model (Shazeer 2020; Llama)."""
     return math.ceil(8 * d_model / 3 / 64) * 64
 
 
 class RMSNorm(nn.Module):
-    """Scale by the reciprocal root mean square, then by a learned weight; computed in float32 and the
-    weight applied after casting back, as Hugging Face's `LlamaRMSNorm` (the same logits in bfloat16)."""
+    """Scale by the reciprocal root mean square, then a learned weight; in float32, the weight applied after casting
+    back, as Hugging Face's `LlamaRMSNorm` (the same logits in bfloat16)."""
 
     def __init__(self, width: int, eps: float) -> None:
         super().__init__()
@@ -188,12 +176,9 @@ def check_shape(d_model: int, n_head: int, n_kv_head: int, activation: str, outp
 
 
 class Llama(Backbone):
-    """Token embeddings, `n_layer` pre-norm decoder layers (grouped-query attention with rotary positions,
-    a gated MLP), a final RMSNorm, and a head tied to the embedding or its own.
-
-    `Backbone.flops_per_token` holds as it is for grouped-query attention: the linear weights it counts are
-    the smaller key/value projections, and attention's matmuls against the sequence run in n_head heads of
-    d_model / n_head dimensions, d_model in all, whatever n_kv_head is."""
+    """Token embeddings, `n_layer` pre-norm decoder layers, a final RMSNorm, and a tied or own head.
+    `Backbone.flops_per_token` holds for grouped-query attention: it counts the smaller key/value projections, and
+    attention's matmuls run over d_model dimensions in all, whatever n_kv_head is."""
 
     @checked_ranges("model.backbone")
     def __init__(

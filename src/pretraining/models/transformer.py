@@ -1,19 +1,8 @@
 """GPT-2's pre-norm transformer backbone in plain PyTorch, readable in one sitting (`Backbone`'s first kind).
-
-The same module serves every objective: `causal=True` for next-token
-prediction, `causal=False` for masked-LM and contrastive encoders. It returns
-hidden states; `logits()` applies the language-model head, whose weight is
-tied to the token embedding.
-
-Packed blocks hold several documents; document masks and rotary positions are shared with the other
-backbones (`pretraining.models.attention`).
-
-Positions are learned embeddings added to the tokens (GPT-2, BERT), or rotary (RoPE, Su et al. 2021;
-Llama, ModernBERT): each head's queries and keys are rotated by angles proportional to their positions,
-so attention scores depend on the offset between two positions. A bidirectional model learns to read
-its neighbours far sooner with rotary positions: the masked-LM default with learned ones predicted the
-most frequent byte at every masked position for its whole run.
-"""
+`causal=True` for next-token prediction, `causal=False` for masked-LM and contrastive encoders; the head is tied to
+the token embedding. Document masks and rotary positions are shared (`pretraining.models.attention`). Positions are
+learned (GPT-2, BERT) or rotary, whose scores depend on the offset between positions: a bidirectional model learns to
+read its neighbours far sooner with them (masked-LM with learned positions predicted the most frequent byte)."""
 
 from __future__ import annotations
 
@@ -94,12 +83,8 @@ def parameter_count(vocab_size: int, max_seq_len: int, d_model: int, n_layer: in
 
 
 class Transformer(Backbone):
-    """Token embeddings (plus learned position embeddings, or rotary positions in attention), `n_layer`
-    pre-norm blocks, a final norm.
-
-    The embedding table is padded to a multiple of 64 rows for faster matmuls;
-    the padded ids never occur in data, and `logits()` can drop them.
-    """
+    """Token embeddings (plus learned position embeddings, or rotary positions in attention), `n_layer` pre-norm
+    blocks, a final norm. The table's rows are padded to a multiple of 64; those ids never occur in data."""
 
     @checked_ranges("model.backbone")
     def __init__(
@@ -143,7 +128,7 @@ class Transformer(Backbone):
         """Draw fresh weights: N(0, 0.02), residual projections scaled down, zero biases."""
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear | nn.Embedding):
-                # GPT-2: projections into the residual stream are scaled down so its variance stays flat in depth.
+                # GPT-2: residual-stream projections scaled down so its variance stays flat in depth.
                 residual = name.endswith(("attention.proj", "mlp.down"))
                 nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.n_layer) if residual else 0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
@@ -156,8 +141,7 @@ class Transformer(Backbone):
         documents: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states (batch, length, d_model): see `Backbone.forward`. Packed blocks have no padding;
-        padded pairs are no packed documents."""
+        """Hidden states (batch, length, d_model): see `Backbone.forward` (packed blocks have no padding)."""
         position_ids = self.checked_positions(tokens, position_ids)
         x = self.token_embedding(tokens)
         rotary = None
@@ -170,8 +154,7 @@ class Transformer(Backbone):
         return self.final_norm(x)
 
     def attention_mask(self, attend: torch.Tensor | None, documents: torch.Tensor | None) -> AttentionMask:
-        """What each position may attend to (`AttentionMask`): FlexAttention's block mask for documents on
-        CUDA, where its kernels work, else a boolean mask, or None when nothing is masked."""
+        """`pretraining.models.attention.attention_mask`, with FlexAttention where it works."""
         # FlexAttention has no dropout, and its kernels need heads of 16 dimensions at least.
         flex = not (self.training and self.attention_dropout) and self.d_model // self.n_head >= FLEX_MIN_HEAD_WIDTH
         return attention_mask(attend, documents, self.causal, flex)
