@@ -84,10 +84,10 @@ info: install ## What produced a checkpoint: make info CKPT=path/to/last.ckpt [A
 	$(BIN)/pretrain-info $(CKPT) $(ARGS)
 
 test: install ## Run the core's fast tests (tests/README.md)
-	$(BIN)/pytest -m "not slow and not distributed and not extras" $(ARGS)
+	$(BIN)/pytest -n auto --dist worksteal -m "not slow and not distributed and not extras" $(ARGS)
 
 test-full: install ## Run every test: the core's slow and distributed ones, and the extras'
-	$(BIN)/pytest $(ARGS)
+	$(BIN)/pytest -n auto --dist worksteal $(ARGS)
 
 lint: install ## Check style, formatting and types
 	$(BIN)/ruff check src tests scripts

@@ -40,6 +40,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
+# One thread per test process, and for the `pretrain` processes tests start (they inherit it): the tiny
+# models gain nothing from more, and on two cores pytest-xdist's two workers with a thread per core each
+# oversubscribe them, where OpenMP's spinning threads make a test tens of times slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # A model and run small enough for a few seconds of CPU, for any objective.
 TINY = [
