@@ -27,7 +27,7 @@ FLOORS = [
     ("callbacks", ["callbacks", "loggers"]),
     (
         "run set-up",
-        ["config", "schema", "settings", "resume", "stored", "run", "report", "launch", "job_status", "world_size"],
+        ["config", "schema", "settings", "resume", "stored", "run", "report", "launch", "job_status"],
     ),
     ("entry points", ["train", "evaluate", "info", "data.commands"]),
     ("commands", ["cli", "__main__"]),

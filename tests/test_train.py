@@ -22,7 +22,9 @@ from pretraining.cli import info as info_main
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import CheckpointError, ConfigError, ShardError
 from pretraining.evaluate import evaluate
+from pretraining.instantiate import build
 from pretraining.objectives.causal_lm import CausalLM
+from pretraining.run import build_trainer
 from pretraining.stored import load_checkpoint
 from pretraining.train import train
 
@@ -248,3 +250,16 @@ def test_info_prints_a_resumed_checkpoints_lineage_and_ancestry(
     assert f"{checkpoints / 'step-000006.ckpt'} (no longer exists)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="not found"):
         info_main([str(checkpoints / "step-000099.ckpt")])
+
+
+@pytest.mark.parametrize(("trainer", "world", "accumulation"), [("cpu", 1, 4), ("ddp_cpu", 2, 2)])
+def test_the_trainer_accumulates_the_global_batch_over_its_processes(
+    compose_train: Any, trainer: str, world: int, accumulation: int
+) -> None:
+    """A global batch of 4 in micro-batches of 1: 4 per step on one process, 2 on each of two; the validation
+    interval (6 steps) in Lightning's micro-batches. Nothing is launched: the Trainer is only built."""
+    cfg = compose_train(f"trainer={trainer}", "data.micro_batch_size=1", "data.streams=4", "logger=csv")
+    datamodule = build(cfg.data, tokenizer=build(cfg.tokenizer))
+    built = build_trainer(cfg, datamodule, callbacks=[])
+    assert (built.world_size, built.accumulate_grad_batches) == (world, accumulation)
+    assert built.val_check_interval == 6 * accumulation

@@ -33,7 +33,6 @@ from pretraining.quiet import set_up_messages
 from pretraining.resume import Resume, check_fits
 from pretraining.schema import check_schema
 from pretraining.settings import TrainSettings
-from pretraining.world_size import world_size
 
 # The fix for each `???` key, named before anything resolves: tokenizer.path interpolates data.dir, so OmegaConf
 # would name the wrong key.
@@ -166,12 +165,14 @@ def run_lineage(cfg: DictConfig, datamodule: ShardDataModule, resume: Resume | N
 
 
 def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[Callback]) -> Trainer:
-    """The configured Trainer, with the accumulation that makes the global batch over the world size
-    (`pretraining.world_size`), worked out first: a global batch the processes cannot share stops the run here."""
+    """The configured Trainer, with the accumulation that makes the global batch over its processes. Lightning
+    works the processes out as it builds a Trainer (`devices=auto`, nodes, a launcher's environment) and takes the
+    accumulation (and the validation interval, which it counts in micro-batches) only in the constructor: a bare
+    Trainer of the same config tells them first. A global batch they cannot share stops the run here."""
     configured = [build(callback) for callback in cfg.callbacks.values()]
     loggers: list[Logger] = [build(logger) for logger in cfg.logger.values()]
     environment = plugins(cfg)
-    world = world_size(cfg.trainer, environment)
+    world = build(cfg.trainer, logger=False, plugins=environment).world_size
     plan = datamodule.plan_for(world)
     rank_zero_info(
         f"global batch {plan.global_batch} = {world} devices x {plan.accumulation} micro-batches of "
@@ -179,7 +180,7 @@ def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[
     )
     every = cfg.trainer.get("val_check_interval")  # Lightning counts micro-batches: a validation ends a step
     steps = {"val_check_interval": every * plan.accumulation} if isinstance(every, int) else {}
-    trainer: Trainer = build(
+    return build(
         cfg.trainer,
         callbacks=callbacks + configured,
         logger=loggers,
@@ -187,12 +188,6 @@ def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[
         accumulate_grad_batches=plan.accumulation,
         **steps,
     )
-    if trainer.world_size != world:
-        raise ConfigError(
-            f"the batch plan is for {world} processes, and Lightning runs {trainer.world_size}: pass "
-            "trainer.devices and trainer.num_nodes as numbers"
-        )
-    return trainer
 
 
 def plugins(cfg: DictConfig) -> list[Any]:
