@@ -6,11 +6,15 @@ imports an extra (`pretraining.extras`); an extra imports the core and other ext
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from conftest import tiny_run
 from pretraining.config import PROJECT_ROOT
+from pretraining.instantiate import within
 
 PACKAGE = PROJECT_ROOT / "src" / "pretraining"
 # Lowest first. A module is on the floor of the longest prefix of its name listed here.
@@ -150,3 +154,33 @@ def test_no_import_cycles() -> None:
     for module in sorted(graph):
         if module not in state:
             visit(module, [])
+
+
+# What a next-token run on one process leaves unloaded: what a run loads is what a fork must read.
+NOT_LOADED_BY_A_PLAIN_RUN = [
+    "pretraining.plugins.fsdp",  # an FSDP2 run's
+    "pretraining.models.llama",  # the backbone it does not build
+    "pretraining.data.pair_format",  # a contrastive run's
+    "pretraining.data.arguments",  # pretrain-data's
+    "pretraining.compat",  # an old checkpoint's
+    "pretraining.extras.goodput",  # opt-in
+]
+
+
+def test_a_plain_run_loads_only_what_it_uses(tmp_path: Path, shard_dir: Path) -> None:
+    overrides = [*tiny_run(), f"data.dir={shard_dir}", f"paths.output_dir={tmp_path}", "trainer.max_steps=2"]
+    script = f"""
+import sys
+from hydra import compose, initialize_config_dir
+from pretraining.config import CONFIG_DIR
+from pretraining.train import train
+with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+    train(compose("train", overrides={overrides!r}))
+print(" ".join(sys.modules))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = done.stdout.splitlines()[-1].split()
+    assert "pretraining.models.transformer" in loaded  # the check sees the run's modules
+    unused = [name for name in loaded if any(within(name, root) for root in NOT_LOADED_BY_A_PLAIN_RUN)]
+    assert unused == []
