@@ -28,7 +28,7 @@ OWN_LINES = [
     r"model\.decay_steps=\d+ does not fit in trainer\.max_steps=\d+ .* set model\.decay_steps to choose$",
     r"model: \w+, [\d.]+M parameters \(.*\)$",
     r"global batch \d+ = \d+ devices x \d+ micro-batches of \d+, drawn from \d+ streams$",
-    r"validation: \d+ blocks from \d+ bytes of text of \d+ of the \d+ documents of the validation split",
+    r"validation: [\d,]+ blocks from [\d,]+ bytes of text of [\d,]+ of the [\d,]+ documents of the validation split",
     r"resuming from \S+",
     r"run directory: \S+$",
     r"last checkpoint: \S+$",

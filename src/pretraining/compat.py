@@ -1,11 +1,12 @@
-"""What this code reads of older versions, and nothing else: delete this module once no checkpoint or
-config you still use was written before 0.9 (nothing here is needed by a run of this version's configs).
+"""What this code reads of older versions: delete this module once no checkpoint or config you still use
+was written before 0.10.0 (nothing here is needed by a run of this version's configs).
 
 - `position_of_format_2`: a data position saved before data mixtures (0.9.0: format 2, one directory).
 - `current_config`: a config stored in a checkpoint whose classes have moved since (`MOVED_TARGETS`:
   0.1.0's, 0.5's, 0.6's and 0.9's names), or whose objective took `init_from` (0.5).
 - `MOVED_KEYS`: the hint for a key of the example format written one level up (`data.block_size`: the
-  lengths were there before 0.1.0; users reach for the fields there too).
+  lengths were there before 0.1.0). Users still reach for the fields there: deleted, such a key gets the
+  closest known one instead.
 
 Each is called from one place, which imports it only when it meets an old format (or, for a stored config,
 always: `pretraining.stored`, which a training run does not load). To delete it, drop those call sites:

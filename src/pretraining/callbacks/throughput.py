@@ -1,6 +1,6 @@
 """Throughput, data wait, memory and MFU (model FLOP/s over the devices' peak), logged every few steps.
 
-The model FLOPs are the objective's (`PretrainingObjective.batch_work`, from `Transformer.flops_per_token`,
+The model FLOPs are the objective's (`PretrainingObjective.batch_work`, from `Backbone.flops_per_token`,
 recomputation not counted). Counts come from batch shapes on the host, the data wait from `WaitTimedLoader`,
 and the clock is read (after a CUDA sync) only at logging steps, so measuring costs no per-step sync."""
 

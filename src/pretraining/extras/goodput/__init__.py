@@ -6,7 +6,7 @@
 - `account`: the book read back: wall time, productive time, goodput, what restarts, saves, validation and
   data waits cost, restarts and their causes, cost and the projection to `trainer.max_steps`.
 - `callback`: `Goodput`, the callback that keeps the book, enforces a budget and raises alerts
-  (`configs/callbacks/goodput/default.yaml`, on in every run `callbacks=default` trains).
+  (`configs/callbacks/goodput.yaml`: `callbacks=[default,goodput]`, from a run's first command).
 - `alerts`: the conditions worth a warning before a run wastes a day.
 - `cli`, `report`: `pretrain-goodput RUN` (or a sweep's directory: each job, and the share that completed).
 """
