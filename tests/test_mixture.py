@@ -623,6 +623,19 @@ BAD_MIXTURES = {
         ConfigError,
         r"the weights of data\.sources are all zero: give at least one source a positive weight",
     ),
+    "weights_sum_overflows": (
+        None,
+        {"a": {"dir": NOWHERE, "weight": 1e308}, "b": {"dir": NOWHERE, "weight": 1e308}},
+        ConfigError,
+        r"data\.sources\.a\.weight=1e\+308, data\.sources\.b\.weight=1e\+308: their sum \(inf\) is out of a "
+        r"float's range; a weight is a share, so scale them in proportion",
+    ),
+    "weights_sum_too_small": (
+        None,
+        {"a": {"dir": NOWHERE, "weight": 1e-320}},
+        ConfigError,
+        r"data\.sources\.a\.weight=9\.99989e-321: their sum \(9\.99989e-321\) is out of a float's range",
+    ),
     "dir_and_sources": (
         "{a}",
         {"a": {"dir": NOWHERE}},
@@ -723,6 +736,7 @@ def test_a_bad_mixture_on_the_command_line_stops_before_any_work(
     """Through the run's own path, each an error of ours (printed alone, no traceback: tests/test_errors.py)."""
     for overrides, message in [
         (mixture_overrides(sources, a=-1, b=1), r"data\.sources\.a\.weight=-1: a weight is a finite number >= 0"),
+        (mixture_overrides(sources, a=1e308, b=1e308), r"data\.sources\.a\.weight=1e\+308, .*: their sum \(inf\)"),
         (mixture_overrides(sources, a=0.5, b=0.5)[1:], r"set exactly one of data\.dir .* and data\.sources"),
         (
             ["tokenizer=bpe", *mixture_overrides(sources, a=0.5, b=0.5)],

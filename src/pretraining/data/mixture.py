@@ -19,6 +19,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import sys
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -61,12 +62,25 @@ def source_settings(sources: Mapping[str, Mapping[str, Any]] | None, dir: str | 
     if not sources:
         raise ConfigError("data.sources is empty: name at least one shard directory (data.sources.<name>.dir=<dir>)")
     settings = [one_source(str(name), entry) for name, entry in sources.items()]
-    if not sum(source.weight for source in settings) > 0:
+    check_total_weight(settings)
+    return settings
+
+
+def check_total_weight(settings: Sequence[SourceSettings]) -> None:
+    """Refuse weights whose sum the mixture cannot divide by: all zero, or a sum that overflows to infinity
+    (or is too small for a float's full precision), which would send examples to a source that is not there."""
+    total = sum(source.weight for source in settings)
+    if total == 0:
         raise ConfigError(
             "the weights of data.sources are all zero: give at least one source a positive weight "
             "(a source of weight 0 is only validated on)"
         )
-    return settings
+    if not sys.float_info.min <= total <= sys.float_info.max:
+        weights = ", ".join(f"{source.key}.weight={source.weight:g}" for source in settings)
+        raise ConfigError(
+            f"{weights}: their sum ({total:g}) is out of a float's range; a weight is a share, so scale them in "
+            f"proportion (0.7 and 0.3 mix as 7 and 3 do)"
+        )
 
 
 def one_source(name: str, entry: Mapping[str, Any] | None) -> SourceSettings:
