@@ -36,17 +36,18 @@ OWN_KEYS = {
 
 def ancestry(path: Path) -> list[dict[str, Any]]:
     """`path` and the checkpoints its run continued from, newest first: the path, step, whether it
-    verifies against its sidecar, and its lineage (None where the file is gone)."""
+    verifies against its sidecar, its lineage (None where the file is gone) and the validation metrics its
+    sidecar records (None where it records none)."""
     chain: list[dict[str, Any]] = []
     seen: set[Path] = set()
     current: Path | None = path
     while current is not None and current.resolve() not in seen:
         seen.add(current.resolve())
-        entry: dict[str, Any] = {"path": str(current), "lineage": None, "verified": None}
+        entry: dict[str, Any] = {"path": str(current), "lineage": None, "verified": None, "validation": None}
         if current.exists() or current == path:  # the checkpoint asked about must exist
             entry["lineage"] = read_lineage(current)
             try:
-                verify(current)
+                entry["validation"] = verify(current).get("validation")
                 entry["verified"] = "ok"
             except CheckpointError as error:
                 entry["verified"] = str(error)
@@ -67,10 +68,11 @@ def describe(chain: list[dict[str, Any]]) -> str:
         ("checkpoint", newest["path"]),
         ("verified", newest["verified"]),
         ("step", lineage.get("step")),
+        ("validation", validation_summary(newest["validation"])),
         ("run", f"{config.get('task_name')}/{config.get('run_name')} (W&B run {lineage.get('wandb_run_id')})"),
         ("code", f"{code.get('commit')}{dirty}"),
         ("model", config.get("model", {}).get("_target_")),
-        ("data", f"version {lineage.get('data_version')} from {config.get('data', {}).get('dir') or 'a mixture of'}"),
+        ("data", f"version {lineage.get('data_version')} from {data_origin(lineage, config)}"),
         *mixture_rows(lineage),
         ("tokenizer", f"fingerprint {lineage.get('tokenizer_fingerprint')}"),
         ("topology", ", ".join(f"{key} {value}" for key, value in (lineage.get("topology") or {}).items())),
@@ -89,11 +91,30 @@ def describe(chain: list[dict[str, Any]]) -> str:
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
 
 
+def validation_summary(validation: Any) -> str:
+    """The validation metrics (`val/...`) of the values a sidecar records at its validation, on one line."""
+    metrics = sorted(validation.items()) if isinstance(validation, dict) else []
+    metrics = [(name, value) for name, value in metrics if str(name).startswith("val/")]
+    if not metrics:
+        return "none recorded (the step was not validated, or its validation did not finish)"
+    return ", ".join(
+        f"{name} {value:.4g}" if isinstance(value, int | float) else f"{name} {value}" for name, value in metrics
+    )
+
+
+def data_origin(lineage: dict[str, Any], config: dict[str, Any]) -> str:
+    """Where the data came from: a mixture (its sources follow), or the directory of the run's one source
+    (`data.dir`, or the one entry of `data.sources`)."""
+    if lineage.get("mixture"):
+        return "a mixture of"
+    sources = list((lineage.get("sources") or {}).values())
+    return str(sources[0].get("dir") if len(sources) == 1 else config.get("data", {}).get("dir"))
+
+
 def mixture_rows(lineage: dict[str, Any]) -> list[tuple[str, str]]:
-    """A mixture's sources (directory, version, weight, cap) and its phases, as rows (none for one source)."""
-    mixture = lineage.get("mixture")
-    if not mixture:
-        return []
+    """A mixture's sources (directory, version, weight, cap) and its phases, as rows: the phases also for a run
+    on one source that was a mixture before a resume."""
+    mixture = lineage.get("mixture") or {}
     sources = lineage.get("sources") or {}
     rows = []
     for name, settings in mixture.items():

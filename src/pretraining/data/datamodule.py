@@ -107,7 +107,9 @@ class ShardDataModule(LightningDataModule):
             source.name: {"dir": source.settings.dir, "version": source.manifest.version} for source in self.sources
         }
         mixture = self.mixture_settings
-        phases = {"mixture_phases": self.position.phases} if mixture else {}
+        # A run that was a mixture keeps its phases after a resume on one source: a lineage is append-only.
+        was_mixture = mixture or len(self.position.phases) > 1
+        phases = {"mixture_phases": self.position.phases} if was_mixture else {}
         return {"topology": self.topology, "sources": sources, "mixture": mixture, **phases}
 
     def plan_for(self, world_size: int) -> BatchPlan:

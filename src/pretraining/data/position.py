@@ -106,8 +106,7 @@ class DataPosition:
         self.ran_out = self.still_run_out(state.get("ran_out", {}), state.get("stopped_by", {}))
         if self.phases[-1]["weights"] != self.weights:
             self.phases.append({"step": steps, "weights": self.weights})
-            if len(self.sources) > 1:
-                rank_zero_info(f"data.sources: the weights {self.weights} take effect at step {steps}")
+            rank_zero_info(f"data.sources: the weights {self.weights} take effect at step {steps}")
         index = {source.name: number for number, source in enumerate(self.sources)}
         unchanged = {
             name
@@ -192,7 +191,9 @@ class DataPosition:
                 f"{self.FORMAT}: resume it with the code revision that wrote it"
             )
         state = self.renamed(state)
-        if len(self.sources) == 1:  # a mixture of one draws from it whatever its weight: one phase, this run's
+        # A mixture of one draws from it whatever its weight: one phase, this run's, unless the run was a mixture
+        # before (its phases are the lineage of those steps, kept).
+        if len(self.sources) == 1 and all(len(phase["weights"]) == 1 for phase in state["phases"]):
             state = state | {"phases": [{"step": 0, "weights": self.weights}]}
         return state
 
