@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import types
 import typing
 from collections import abc
@@ -16,26 +17,44 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 from pretraining.errors import ConfigError
 
 Function = TypeVar("Function", bound=Callable[..., Any])
+UNBOUNDED = "any number"
 
 
 @dataclass(frozen=True)
 class Range:
     """Bounds of a number as `Annotated` metadata (`Range(gt=0, lt=1)`); `why`, in the message, says what a
-    non-obvious bound is for."""
+    non-obvious bound is for. NaN is never admitted, infinity only with `allow_infinity` (no limit): either would
+    pass the comparisons below and fail later, after work has started."""
 
     gt: float | None = None
     ge: float | None = None
     lt: float | None = None
     le: float | None = None
     why: str | None = None
+    allow_infinity: bool = False
 
     def admits(self, value: float) -> bool:
+        if not self.finite_enough(value):
+            return False
         return not (
             (self.gt is not None and value <= self.gt)
             or (self.ge is not None and value < self.ge)
             or (self.lt is not None and value >= self.lt)
             or (self.le is not None and value > self.le)
         )
+
+    def finite_enough(self, value: float) -> bool:
+        """Whether `value` is a number (not NaN) and finite unless this range allows infinity."""
+        if not isinstance(value, float):  # an int is finite, and may be too large for math.isinf
+            return True
+        return not math.isnan(value) and (self.allow_infinity or math.isfinite(value))
+
+    def problem(self, value: float) -> str:
+        """What `value`, which this range does not admit, must be instead ("must be a finite number > 0")."""
+        if self.finite_enough(value):
+            return f"must be {self}"
+        number = "a number" if self.allow_infinity else "a finite number"
+        return f"must be {number} {self}" if self.bounds() != UNBOUNDED else f"must be {number}"
 
     def __str__(self) -> str:
         return f"{self.bounds()} ({self.why})" if self.why else self.bounds()
@@ -49,7 +68,7 @@ class Range:
         for bound, words in ((self.gt, "> {}"), (self.ge, "at least {}"), (self.lt, "< {}"), (self.le, "at most {}")):
             if bound is not None:
                 return words.format(bound)
-        return "any number"
+        return UNBOUNDED
 
 
 Positive = Annotated[int, Range(ge=1)]
@@ -132,7 +151,7 @@ def range_problem(value: Any, annotation: Any) -> str | None:
     origin, args = get_origin(annotation), get_args(annotation)
     if origin is Annotated:
         ranges = [meta for meta in args[1:] if isinstance(meta, Range)]
-        return range_problem(value, args[0]) or next((f"must be {r}" for r in ranges if not r.admits(value)), None)
+        return range_problem(value, args[0]) or next((r.problem(value) for r in ranges if not r.admits(value)), None)
     if origin in (Union, types.UnionType):
         problems = [range_problem(value, arg) for arg in args if fits(value, arg)]
         return None if not problems or None in problems else problems[0]

@@ -62,25 +62,30 @@ UNSET = Unset()
 
 def check_schema(cfg: DictConfig, settings: type, name: str) -> None:
     """Raise a ConfigError naming key, value and fix for the first value not fitting `settings` (a dataclass, for
-    config `name`'s top-level keys) or the signature of its node's `_target_`."""
-    check_node(plain(cfg, skip=("hydra",)), settings, "", f"a key of {name}")
+    config `name`'s top-level keys) or the signature of its node's `_target_`. The values written are checked
+    before those interpolating them, so a bad value is named by the key it was set at (model.backbone.max_seq_len),
+    not by one copying it (data.format.block_size: ${model.backbone.max_seq_len})."""
+    for interpolations in (False, True):
+        check_node(plain(cfg, skip=("hydra",), interpolations=interpolations), settings, "", f"a key of {name}")
 
 
-def plain(node: Any, skip: tuple[str, ...] = ()) -> Any:
-    """`node` as dicts, lists and resolved values, with UNSET where a value cannot be known yet."""
+def plain(node: Any, skip: tuple[str, ...] = (), interpolations: bool = True) -> Any:
+    """`node` as dicts, lists and resolved values, with UNSET where a value cannot be known yet (and, without
+    `interpolations`, where it is an interpolation)."""
     if isinstance(node, DictConfig):
-        values = {}
-        for key in node:
-            if str(key) in skip:
-                continue
-            try:
-                values[str(key)] = UNSET if OmegaConf.is_missing(node, key) else plain(node[key])
-            except OmegaConfBaseException:  # an interpolation only a Hydra run resolves, or a `???` one
-                values[str(key)] = UNSET
-        return values
+        return {str(key): plain_item(node, key, interpolations) for key in node if str(key) not in skip}
     if isinstance(node, ListConfig):
-        return [plain(item) for item in node]
+        return [plain_item(node, index, interpolations) for index in range(len(node))]
     return node
+
+
+def plain_item(node: DictConfig | ListConfig, key: Any, interpolations: bool) -> Any:
+    try:
+        if OmegaConf.is_missing(node, key) or (not interpolations and OmegaConf.is_interpolation(node, key)):
+            return UNSET
+        return plain(node[key], interpolations=interpolations)
+    except OmegaConfBaseException:  # an interpolation only a Hydra run resolves, or a `???` one
+        return UNSET
 
 
 def check_node(values: dict[str, Any], target: Callable[..., Any], key: str, what: str) -> None:

@@ -17,7 +17,7 @@ import functools
 import math
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pretraining.errors import ConfigError
+from pretraining.ranges import Range
+
+# `max_seq_len` of every backbone: positions are turned into rotary angles in float32, exact up to 2^24.
+SequenceLength = Annotated[int, Range(ge=1, le=2**24, why="positions are exact in float32 up to 2^24")]
 
 
 class Backbone(nn.Module, metaclass=abc.ABCMeta):

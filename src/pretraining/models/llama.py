@@ -30,7 +30,7 @@ from pretraining.models.attention import (
     rotary_angles,
     rotate,
 )
-from pretraining.models.backbone import Backbone, check_fits_in_memory, padded_vocabulary
+from pretraining.models.backbone import Backbone, SequenceLength, check_fits_in_memory, padded_vocabulary
 from pretraining.ranges import Positive, Range, checked_ranges
 
 
@@ -184,7 +184,7 @@ class Llama(Backbone):
     def __init__(
         self,
         vocab_size: Positive,
-        max_seq_len: Positive = 256,
+        max_seq_len: SequenceLength = 256,
         d_model: Positive = 128,
         n_layer: Positive = 4,
         n_head: Positive = 4,
