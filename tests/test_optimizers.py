@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import csv
 import io
+import logging
 from functools import partial
 from pathlib import Path
 
@@ -221,3 +222,46 @@ def test_a_checkpoint_continues_only_with_the_optimizer_it_was_trained_with() ->
         adamw.on_load_checkpoint(saved["muon"])
     with pytest.raises(ConfigError, match=r"^the checkpoint was trained with model/optimizer=adamw, .* or start a"):
         muon.on_load_checkpoint(saved["adamw"])
+
+
+def test_lr_scale_moves_both_peak_learning_rates() -> None:
+    model = CausalLM(backbone(), optimizer=partial(MUON, lr_scale=0.5))
+    adamw, no_decay, muon = configured(model)["optimizer"].param_groups
+    assert (adamw["initial_lr"], no_decay["initial_lr"], muon["initial_lr"]) == (0.5e-2, 0.5e-2, 0.01)
+    assert composed("model/optimizer=muon").model.optimizer.lr_scale == 1.0  # the presets' rates as they were
+
+
+def test_a_resume_says_which_optimizer_settings_it_keeps(caplog: pytest.LogCaptureFixture) -> None:
+    """A checkpoint's param groups replace the run's (torch's load_state_dict, which Lightning calls): one line
+    per model.optimizer key that has no effect, naming the value asked and the value kept."""
+    saved = configured(CausalLM(backbone(), optimizer=MUON))["optimizer"].state_dict()
+    changed = partial(MUON, muon_lr=0.05, betas=(0.9, 0.95), muon_momentum=0.9)
+    optimizer = configured(CausalLM(backbone(), optimizer=changed))["optimizer"]
+    caplog.set_level(logging.INFO)
+    optimizer.load_state_dict(copy.deepcopy(saved))
+    kept = [record.getMessage() for record in caplog.records if "the resumed run keeps" in record.getMessage()]
+    assert kept == [
+        "model.optimizer.betas: this run asks (0.9, 0.95), but the resumed run keeps the (0.9, 0.999) it trained "
+        "with (a run continues its optimizer's settings; a separate run, run_name=<new name>, trains with new ones)",
+        f"model.optimizer.muon_lr: this run asks 0.05, but the resumed run keeps the 0.02 it trained with {KEPT_FIX}",
+        f"model.optimizer.muon_momentum: this run asks 0.9, but the resumed run keeps the 0.95 it trained with "
+        f"{KEPT_FIX}",
+    ]
+    assert optimizer.param_groups[2]["initial_lr"] == 0.02  # as documented: the run keeps its LR
+    caplog.clear()
+    same = configured(CausalLM(backbone(), optimizer=MUON))["optimizer"]
+    same.load_state_dict(copy.deepcopy(saved))
+    assert "the resumed run keeps" not in caplog.text
+
+
+KEPT_FIX = "(a run continues its optimizer's settings; a separate run, run_name=<new name>, trains with new ones)"
+
+
+def test_a_resumed_adamw_run_names_its_kept_learning_rate(compose_train, caplog: pytest.LogCaptureFixture) -> None:
+    train(compose_train("trainer.max_steps=4", "callbacks.checkpoint.every_n_steps=4", "trainer.val_check_interval=4"))
+    caplog.set_level(logging.INFO)
+    train(compose_train("trainer.max_steps=6", "trainer.val_check_interval=4", "model.optimizer.lr=0.01"))
+    assert (
+        f"model.optimizer.lr: this run asks 0.01, but the resumed run keeps the 0.003 it trained with {KEPT_FIX}"
+        in (caplog.text)
+    )

@@ -1,5 +1,6 @@
 """An objective's optimizer and LR schedule (`optimizer_and_schedule`), clipping under bf16 with a fused
-optimizer (`clips_unscaled`), and refusing a checkpoint of the other optimizer (`check_same_optimizer`)."""
+optimizer (`clips_unscaled`), refusing a checkpoint of the other optimizer (`check_same_optimizer`), and saying
+which settings a resume keeps from its checkpoint (`report_kept_settings`)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,18 @@ from typing import Any
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
-from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch.optim import Optimizer
 
 from pretraining.errors import ConfigError
 from pretraining.objectives.optimizers import is_muon, muon_parameter_groups
 from pretraining.objectives.schedules import ScheduleName, lr_schedule
+
+# The param group settings that model.optimizer keys set, in AdamW's groups and in Muon's (`initial_lr`: a
+# group's peak LR, the schedule's base); a checkpoint's param groups replace them on resume.
+ADAMW_SETTINGS = ("initial_lr", "betas", "eps", "weight_decay")
+MUON_SETTINGS = ("initial_lr", "weight_decay", "momentum", "nesterov", "ns_steps", "lr_scaling")
 
 
 def optimizer_and_schedule(
@@ -44,6 +50,7 @@ def optimizer_and_schedule(
     fused = {} if scaled and trainer.gradient_clip_val else fused_if_open(factory, trained)
     optimizer = factory(groups, **fused)
     scheduler = lr_schedule(optimizer, schedule, warmup_steps, min_lr_ratio, decay_steps, trainer.max_steps)
+    optimizer.register_load_state_dict_pre_hook(report_kept_settings)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
@@ -79,3 +86,36 @@ def check_same_optimizer(checkpoint: dict[str, Any], muon: bool) -> None:
         f"the checkpoint was trained with model/optimizer={saved}, and this run builds {wanted}: continue it with "
         f"model/optimizer={saved}, or start a separate run (run_name=<new name> or resume=never)"
     )
+
+
+def report_kept_settings(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    """Before a checkpoint's optimizer state replaces this run's (its param groups win: a resumed run keeps
+    the LRs and settings it trained with), say which of this run's settings it leaves without effect."""
+    for key, (asked, kept) in kept_settings(optimizer.param_groups, state_dict.get("param_groups", [])).items():
+        rank_zero_info(
+            f"model.optimizer.{key}: this run asks {asked}, but the resumed run keeps the {kept} it trained with "
+            "(a run continues its optimizer's settings; a separate run, run_name=<new name>, trains with new ones)"
+        )
+
+
+def kept_settings(ours: Sequence[dict[str, Any]], saved: Sequence[dict[str, Any]]) -> dict[str, tuple[Any, Any]]:
+    """{model.optimizer key: (this run's value, the checkpoint's)} for each setting in which the groups differ."""
+    kept: dict[str, tuple[Any, Any]] = {}
+    for group, saved_group in zip(ours, saved, strict=False):  # other group counts: torch refuses them next
+        for setting in MUON_SETTINGS if group.get("muon") else ADAMW_SETTINGS:
+            if setting in group and setting in saved_group and differ(group[setting], saved_group[setting]):
+                kept.setdefault(config_key(group, setting), (group[setting], saved_group[setting]))
+    return kept
+
+
+def config_key(group: dict[str, Any], setting: str) -> str:
+    """The model.optimizer key that sets `setting` of `group`: a Muon group's are muon_*."""
+    name = "lr" if setting == "initial_lr" else setting
+    return f"muon_{name}" if group.get("muon") else name
+
+
+def differ(ours: Any, saved: Any) -> bool:
+    """Whether two settings differ; betas are a tuple read back from a checkpoint, a list from a config."""
+    if isinstance(ours, list | tuple) and isinstance(saved, list | tuple):
+        return tuple(ours) != tuple(saved)
+    return bool(ours != saved)

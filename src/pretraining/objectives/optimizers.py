@@ -2,8 +2,8 @@
 
 Muon (https://kellerjordan.github.io/posts/muon/) updates a matrix with its orthogonalised gradient momentum,
 so no direction dominates; it suits the layers' projections (`hidden_matrices`), while embeddings, head,
-norms and scalars keep AdamW. One optimizer holds both, so a checkpoint has one state and the schedule
-scales both LRs. The update is torch.optim.Muon's, but orthogonalised in float32 off CUDA
+norms and scalars keep AdamW. One optimizer holds both, so a checkpoint has one state, and the schedule and
+`lr_scale` (the key to sweep) scale both LRs. The update is torch.optim.Muon's, but orthogonalised in float32 off CUDA
 (`orthogonalisation_dtype`). Muon needs whole matrices: FSDP is refused with it (`pretraining.run.check_config`)."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ Beta = Annotated[float, Range(ge=0, lt=1)]
 
 class MuonAdamW(AdamW):
     """AdamW (unfused) on every param group, except those flagged `muon: True`, which Muon updates; the
-    `muon_*` settings are their defaults (`muon_lr` scaled per shape by `muon_lr_scaling`, decay times LR)."""
+    `muon_*` settings are their defaults (`muon_lr` scaled per shape by `muon_lr_scaling`, decay times LR).
+    `lr_scale` multiplies `lr` and `muon_lr` alike: one key moves both peak LRs."""
 
     @checked_ranges("model.optimizer")
     def __init__(
@@ -47,9 +48,10 @@ class MuonAdamW(AdamW):
         muon_nesterov: bool = True,
         muon_ns_steps: Annotated[int, Range(ge=1, le=99)] = 5,
         muon_lr_scaling: LRScaling = "original",
+        lr_scale: PositiveFloat = 1.0,
     ) -> None:
         muon_defaults = {
-            "lr": muon_lr,
+            "lr": muon_lr * lr_scale,
             "weight_decay": muon_weight_decay,
             "momentum": muon_momentum,
             "nesterov": muon_nesterov,
@@ -63,7 +65,7 @@ class MuonAdamW(AdamW):
             if isinstance(param, DTensor):
                 raise ValueError("Muon needs whole matrices, and this one is sharded (FSDP): use AdamW under FSDP")
         # Not fused: a fused step takes the loss scale of 16-mixed inside it, which the Muon groups cannot.
-        super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(groups, lr=lr * lr_scale, betas=betas, eps=eps, weight_decay=weight_decay)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
