@@ -23,6 +23,7 @@ from pretraining.data.reader import read_shard
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.stream import Cursor, ShardStream
 from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
+from pretraining.data.validation import DEVICE_MULTIPLE
 from pretraining.errors import ShardError
 
 SOURCE = textwrap.dedent(
@@ -315,3 +316,36 @@ def test_jsonl_pair_missing_a_side_names_the_line(tmp_path: Path) -> None:
     assert next(documents).texts == {"query.txt": "a", "passage.txt": "b"}
     with pytest.raises(CorpusError, match=r"pairs\.jsonl:2\b"):
         next(documents)
+
+
+def test_a_build_of_few_pairs_warns_that_its_validation_is_too_small(tmp_path: Path, capsys) -> None:
+    """40 pairs at the default --validation-fraction: a handful of validation pairs (training refuses none, and
+    validates on fewer than DEVICE_MULTIPLE alike on some device counts only), said at build time."""
+    records = [{"query": f"what is item {n}?", "passage": f"item = {n}"} for n in range(40)]
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    data_cli(["build", "--pairs", "--source", str(jsonl), "--out", str(tmp_path / "small"), "--quiet"])
+    lines = capsys.readouterr().out.splitlines()
+    documents = sum(shard.samples for shard in Manifest.load(tmp_path / "small").shards("validation"))
+    assert documents < DEVICE_MULTIPLE
+    assert lines[-2] == (
+        f"warning: the validation split has {documents} documents, fewer than the {DEVICE_MULTIPLE} validation "
+        f"examples a run shares alike on up to {DEVICE_MULTIPLE} devices (training refuses fewer than one per "
+        f"device; a pair is one example): raise --validation-fraction, or give a larger --validation-source"
+    )
+    assert lines[-1].startswith("train on it: ")
+
+    data_cli(
+        [
+            "build",
+            "--pairs",
+            "--source",
+            str(jsonl),
+            "--validation-fraction",
+            "0.5",
+            "--out",
+            str(tmp_path / "big"),
+            "--quiet",
+        ]
+    )
+    assert "warning" not in capsys.readouterr().out

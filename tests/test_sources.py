@@ -22,6 +22,7 @@ from pretraining.data import commands
 from pretraining.data.corpus import binary_kind
 from pretraining.data.manifest import PAIR_FIELDS
 from pretraining.data.shards import split_of
+from pretraining.data.validation import DEVICE_MULTIPLE
 
 FRACTION = 0.3
 TEXTS = [f"document {n}: " + " ".join(f"word{n * k % 17}" for k in range(n % 7 + 3)) for n in range(40)]
@@ -112,6 +113,18 @@ def test_parquet_builds_every_row_and_its_id_decides_the_split(tmp_path: Path, c
     by_row = stored(tmp_path / "by_row")
     assert by_row["a.parquet:0"][1] == {"txt": TEXTS[0]} and by_row["b.parquet:18"][1] == {"txt": TEXTS[38]}
     assert len(by_row) == 39
+
+
+def test_a_build_of_99_parquet_rows_warns_that_its_validation_is_too_small(tmp_path: Path, capsys) -> None:
+    """The default --validation-fraction of 99 rows holds out a handful: said at build time, naming the flags."""
+    source = write_parquet(tmp_path / "rows.parquet", {"text": [f"row {n}: " + "word " * n for n in range(99)]})
+    cli_main(["build", "--source", str(source), "--out", str(tmp_path / "small"), "--quiet"])
+    lines = capsys.readouterr().out.splitlines()
+    documents = json.loads((tmp_path / "small/manifest.json").read_text())["splits"]["validation"]["documents"]
+    assert 0 < documents < DEVICE_MULTIPLE
+    assert lines[-2].startswith(f"warning: the validation split has {documents} documents, fewer than the 8 ")
+    assert lines[-2].endswith("raise --validation-fraction or --validation-tail, or give a larger --validation-source")
+    assert lines[-1].startswith("train on it: ")
 
 
 def test_parquet_pairs(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from pretraining.data.pairs import PairCounts, docstring_pairs
 from pretraining.data.reader import SampleReader
 from pretraining.data.shards import BuildSettings, build_shards
 from pretraining.data.tokenizer import train_bpe
+from pretraining.data.validation import DEVICE_MULTIPLE
 from pretraining.errors import ShardError
 
 
@@ -69,11 +70,6 @@ def build(args: argparse.Namespace) -> None:
         validation_documents=itertools.chain.from_iterable(validation),
     )
     dedup, splits = manifest["dedup"], manifest["splits"]
-    if splits["validation"]["documents"] == 0:
-        print(
-            "warning: no validation documents; training needs some: raise --validation-fraction or "
-            "--validation-tail, or give a --validation-source with documents"
-        )
     print(
         f"wrote {args.out}: version {manifest['version']}, "
         + ", ".join(f"{name} {s['documents']} docs in {len(s['shards'])} shards" for name, s in splits.items())
@@ -82,7 +78,24 @@ def build(args: argparse.Namespace) -> None:
     )
     if counts.files:
         print(f"docstring pairs: {asdict(counts)}")
+    warning = small_validation_warning(splits["validation"]["documents"], args.pairs)
+    if warning:
+        print(warning)
     print(training_command(manifest, Path(args.out).resolve()))
+
+
+def small_validation_warning(documents: int, pairs: bool) -> str | None:
+    """A warning line for a validation split of fewer documents than the examples a run keeps to share them
+    alike on up to `DEVICE_MULTIPLE` devices (one example per device is the least it accepts): found at build
+    time, not at the first validation."""
+    if documents >= DEVICE_MULTIPLE:
+        return None
+    flags = "--validation-fraction" if pairs else "--validation-fraction or --validation-tail"
+    return (
+        f"warning: the validation split has {documents} documents, fewer than the {DEVICE_MULTIPLE} validation "
+        f"examples a run shares alike on up to {DEVICE_MULTIPLE} devices (training refuses fewer than one per "
+        f"device{'; a pair is one example' if pairs else ''}): raise {flags}, or give a larger --validation-source"
+    )
 
 
 def text_fields(manifest: Manifest, named: list[str] | None = None) -> tuple[str, ...]:

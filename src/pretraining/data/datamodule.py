@@ -21,6 +21,7 @@ from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from lightning.pytorch import LightningDataModule
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from pretraining.data.batches import BatchPlan, BatchStream, batch_plan, default_streams, global_batch_examples
@@ -31,7 +32,7 @@ from pretraining.data.position import DataPosition, seed_step
 from pretraining.data.sources import check_skips, checked_shards, load_source, refused_samples
 from pretraining.data.stream import ShardStream, stable_hash
 from pretraining.data.tokenizer import Tokenizer
-from pretraining.data.validation import rank_share, source_validation_examples
+from pretraining.data.validation import rank_share, validation_examples
 from pretraining.ranges import Positive, Range, checked_ranges
 
 
@@ -220,3 +221,17 @@ class ShardDataModule(LightningDataModule):
             for examples in self.validation_sets
         ]
         return loaders[0] if len(loaders) == 1 else loaders
+
+
+def source_validation_examples(source: Source, size: int, policy: str, mixture: bool) -> list[Tensors]:
+    """All ranks' validation examples of a source (but its refused shards), announced on rank zero."""
+    shards = [shard for shard in source.manifest.shards("validation") if shard.name not in source.refused]
+    urls, documents = [source.manifest.url(shard) for shard in shards], sum(shard.samples for shard in shards)
+    chosen = validation_examples(urls, source.format, size, documents, policy)
+    of = f" of {source.settings.key}" if mixture else ""
+    rank_zero_info(
+        f"validation{of}: {len(chosen.examples)} {source.format.kind} from {chosen.text_bytes:,} bytes of text of "
+        f"{chosen.documents} of the {chosen.split_documents} documents of the validation split, "
+        f"in {len(shards)} shards"
+    )
+    return chosen.examples

@@ -1,6 +1,6 @@
 """The validation set: a fixed sample spread over the whole validation split, the same every time and on
-any number of devices (each source's: `source_validation_examples`), dealt to ranks in equal shares
-(`rank_share`)."""
+any number of devices (each source's: `ShardDataModule.validation_sets`), dealt to ranks in equal shares
+(`rank_share`). Without Lightning: `pretrain-data build` warns of a split too small (`DEVICE_MULTIPLE`)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from lightning.pytorch.utilities import rank_zero_info
 
 from pretraining.data.formats import ExampleFormat, Tensors
-from pretraining.data.mixture import Source
 from pretraining.data.reader import SampleReader
 from pretraining.errors import ShardError
 
@@ -66,20 +64,6 @@ def validation_examples(
     examples = [format.tensors(example) | {"sample_id": torch.tensor(index)} for index, example in enumerate(made)]
     text_bytes = sum(len(field.encode()) for text in texts for field in text)
     return ValidationSet(examples, len(documents), split_documents, text_bytes)
-
-
-def source_validation_examples(source: Source, size: int, policy: str, mixture: bool) -> list[Tensors]:
-    """All ranks' validation examples of a source (but its refused shards), announced on rank zero."""
-    shards = [shard for shard in source.manifest.shards("validation") if shard.name not in source.refused]
-    urls, documents = [source.manifest.url(shard) for shard in shards], sum(shard.samples for shard in shards)
-    chosen = validation_examples(urls, source.format, size, documents, policy)
-    of = f" of {source.settings.key}" if mixture else ""
-    rank_zero_info(
-        f"validation{of}: {len(chosen.examples)} {source.format.kind} from {chosen.text_bytes:,} bytes of text of "
-        f"{chosen.documents} of the {chosen.split_documents} documents of the validation split, "
-        f"in {len(shards)} shards"
-    )
-    return chosen.examples
 
 
 def rank_share(examples: list[Tensors], rank: int, world_size: int, kind: str) -> list[Tensors]:
