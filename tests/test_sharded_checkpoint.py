@@ -8,6 +8,7 @@ import csv
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -23,7 +24,7 @@ from conftest import tiny_run
 from pretraining.checkpoint import CheckpointError, newest_verified, prune, saved_checkpoints, sidecar_path, verify
 from pretraining.checkpoint.sharded import load_sharded, publish_sharded
 from pretraining.config import CONFIG_DIR
-from pretraining.errors import ConfigError
+from pretraining.errors import ConfigError, MissingFileError
 from pretraining.evaluate import evaluate
 from pretraining.files import sha256_of, temporary_path
 from pretraining.resume import checkpoint_to_resume
@@ -154,6 +155,42 @@ def test_the_shard_index_cannot_run_code(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"\.metadata cannot be read: it refers to \w+\.mkdir, .* could run code"):
         load_checkpoint(path)
     assert not marker.exists()
+
+
+def no_complete_sharded(tmp_path: Path) -> list[tuple[Path, str]]:
+    """Directories given as sharded checkpoints: empty, one file short, and with a pipe or folder for a file."""
+    empty, short, piped, foldered = (tmp_path / name for name in ("empty", "short", "piped", "foldered"))
+    empty.mkdir()
+    for path in (short, piped, foldered):
+        save_sharded(tmp_path, 1).rename(path)
+    (short / ".metadata").unlink()
+    (piped / "meta.pt").unlink()
+    os.mkfifo(piped / "meta.pt")  # would block its reader forever
+    (foldered / "meta.pt").unlink()
+    (foldered / "meta.pt").mkdir()
+    return [
+        (empty, rf"{empty} is not a complete sharded checkpoint: it has no \.metadata and no meta\.pt"),
+        (short, rf"{short} is not a complete sharded checkpoint: it has no \.metadata \("),
+        (piped, rf"the sharded checkpoint's file {piped}/meta\.pt is a named pipe, not a file"),
+        (foldered, rf"the sharded checkpoint's file {foldered}/meta\.pt is a directory, not a file"),
+    ]
+
+
+def test_an_incomplete_sharded_checkpoint_or_one_holding_no_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    for path, message in no_complete_sharded(tmp_path):
+        for read in (load_checkpoint, load_sharded, verify):
+            with pytest.raises((CheckpointError, MissingFileError), match=message):
+                read(path)
+
+
+@pytest.mark.slow  # a pretrain-eval process each, ~10 s on two loaded cores
+def test_pretrain_eval_refuses_an_incomplete_sharded_checkpoint_without_a_traceback(tmp_path: Path) -> None:
+    for path, message in no_complete_sharded(tmp_path)[:2]:
+        program = str(Path(sys.executable).parent / "pretrain-eval")  # the console script
+        command = [program, f"ckpt_path={path}", f"paths.log_dir={tmp_path}/logs"]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 1 and re.search(message, run.stderr), run.stderr
+        assert "Traceback" not in run.stderr, run.stderr  # Hydra's compact error: the message alone
 
 
 def test_a_sharded_checkpoint_is_refused_before_any_work_without_fsdp2(compose_train, tmp_path: Path) -> None:

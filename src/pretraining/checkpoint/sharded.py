@@ -32,14 +32,20 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from pretraining.checkpoint.sidecar import SHARDED_META, SIDECAR_FORMAT, files_under, summary
+from pretraining.checkpoint.sidecar import (
+    DCP_METADATA,
+    SHARDED_META,
+    SIDECAR_FORMAT,
+    complete_sharded,
+    files_under,
+    summary,
+)
 from pretraining.checkpoint.store import remove, vouch_for
 from pretraining.checkpoint.weights_only import load_weights_only, refusing_code
 from pretraining.errors import CheckpointError
 from pretraining.files import fsync_directory, sha256_of
 
 MODEL_KEY = "state_dict"  # Lightning saves the weights under this key; DCP flattens them to "state_dict.<name>"
-DCP_METADATA = ".metadata"  # DCP's pickled index of every tensor's shards
 
 
 def save_sharded(shards: dict[str, Any], meta: dict[str, Any] | None, temporary: Path, path: Path) -> None:
@@ -129,6 +135,7 @@ def load_sharded(directory: Path) -> dict[str, Any]:
     """A sharded checkpoint as one checkpoint dict, in this process (no process group): meta.pt's state
     and the model's full weights, gathered from every rank's shards (not the optimizer's state). Nothing
     in it can run code: meta.pt loads weights-only, and the shard index through `MetadataUnpickler`."""
+    complete_sharded(directory)
     tensors = model_tensors(WeightsOnlyReader(directory).read_metadata())
     state = {
         MODEL_KEY: {name: torch.empty(entry.size, dtype=entry.properties.dtype) for name, entry in tensors.items()}
@@ -143,6 +150,7 @@ def load_sharded_into(module: nn.Module, optimizers: list[Optimizer], directory:
     """Restore the FSDP2 `module` and its `optimizers` from a sharded checkpoint, each rank reading its own
     shards, and return meta.pt's state (the rest of the checkpoint). Lightning's loader does the same but
     unpickles the shard index; here nothing in the checkpoint can run code."""
+    complete_sharded(directory)
     WeightsOnlyReader(directory).read_metadata()  # an unsafe index refused in our words, before DCP wraps them
     model_state = {MODEL_KEY: get_model_state_dict(module)}
     load_shards(model_state, directory)

@@ -10,11 +10,12 @@ from typing import Any
 import torch
 
 from pretraining.errors import CheckpointError
-from pretraining.files import sha256_of, write_durably
+from pretraining.files import regular_file, sha256_of, write_durably
 
 SIDECAR_FORMAT = 1
 # In a sharded checkpoint: all but the weights and optimizer, as Lightning names it (fabric.utilities.load).
 SHARDED_META = "meta.pt"
+DCP_METADATA = ".metadata"  # DCP's pickled index of every tensor's shards
 # The lineage record of `pretraining.callbacks.lineage.Lineage`; earlier formats' configs name classes now gone.
 LINEAGE_FORMAT = 4
 READABLE_LINEAGE_FORMATS = (4,)
@@ -48,6 +49,22 @@ def files_under(directory: Path) -> set[Path]:
     return {path for path in directory.rglob("*") if path.is_file()}
 
 
+def complete_sharded(directory: Path) -> Path:
+    """`directory`, refused unless it holds DCP's index and `meta.pt`, and nothing but regular files and folders:
+    a pipe in it would block its reader forever, a device never end."""
+    fix = f"use another checkpoint in {directory.parent}"
+    for entry in [directory / DCP_METADATA, directory / SHARDED_META, *directory.rglob("*")]:
+        if entry.name in (DCP_METADATA, SHARDED_META) or not entry.is_dir():
+            regular_file(entry, "the sharded checkpoint's file", fix)
+    missing = [name for name in (DCP_METADATA, SHARDED_META) if not (directory / name).is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{directory} is not a complete sharded checkpoint: it has no {' and no '.join(missing)} (DCP's index "
+            f"and Lightning's meta.pt are in every one); {fix}"
+        )
+    return directory
+
+
 def checkpoint_bytes(path: Path) -> int:
     """The size of a checkpoint file, or the total size of a sharded checkpoint's files."""
     return sum(file.stat().st_size for file in files_under(path)) if path.is_dir() else path.stat().st_size
@@ -66,6 +83,8 @@ def verify(path: Path) -> dict[str, Any]:
     path = path.resolve()
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} not found")
+    if path.is_dir():
+        complete_sharded(path)
     sidecar = sidecar_path(path)
     if not sidecar.is_file():
         raise CheckpointError(
