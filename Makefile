@@ -72,7 +72,7 @@ tokenizer: data ## Train a BPE tokenizer on the default shards (then use tokeniz
 train: install data ## Train (EXPERIMENT=clm_modern, clm_tiny, mlm_modern, mlm_tiny, contrastive_tiny; gpt2_124m, bert_base, contrastive_code need ARGS="data.dir=...")
 	$(BIN)/pretrain experiment=$(EXPERIMENT) $(ARGS)
 
-sweep: install data ## A Hydra multirun, each job in logs/train/multiruns/<sweep>/<job>: make sweep ARGS="model.optimizer.lr=1e-3,3e-3"
+sweep: install data ## A Hydra multirun, each job in logs/train/multiruns/<sweep>/<job>: make sweep ARGS="model.optimizer.lr_scale=0.5,1,2"
 	$(BIN)/pretrain -m experiment=$(EXPERIMENT) $(ARGS)
 
 eval: install ## Evaluate a checkpoint: make eval CKPT=path/to/last.ckpt [ARGS="..."]

@@ -184,13 +184,26 @@ def check_composes(overrides: list[str], config_dir: Path) -> None:
     check_config(cfg)
 
 
+def default_experiment() -> str:
+    """The Makefile's `EXPERIMENT ?= ...`: what `make train` trains unless told."""
+    found = re.search(r"^EXPERIMENT \?= (\S+)$", (PROJECT_ROOT / "Makefile").read_text(), re.M)
+    assert found, "the Makefile sets no default EXPERIMENT"
+    return found.group(1)
+
+
+def search_preset(experiment: str) -> str:
+    """What `make sweep-optuna` searches (make/sweeps.mk): the experiment's own hparams_search, else its objective's."""
+    own = CONFIG_DIR / "hparams_search" / f"{experiment}.yaml"
+    return experiment if own.is_file() else experiment.split("_")[0]
+
+
 def check_make(argv: list[str], config_dir: Path) -> None:
     target, assignments = argv[1], dict(arg.split("=", 1) for arg in argv[2:])
     assert target in makefile_targets(), f"make {target}: no such target"
     args = shlex.split(assignments.get("ARGS", ""))
-    experiment = assignments.get("EXPERIMENT", "clm_tiny")
+    experiment = assignments.get("EXPERIMENT", default_experiment())
     if target in ("train", "sweep", "sweep-optuna"):
-        search = [f"hparams_search={experiment.split('_')[0]}"] if target == "sweep-optuna" else []
+        search = [f"hparams_search={search_preset(experiment)}"] if target == "sweep-optuna" else []
         check_composes([f"experiment={experiment}", *search, *args], config_dir)
     elif target == "tokenizer":
         arguments.data_parser().parse_args(["tokenizer", "--data", "data/stdlib", *args])

@@ -188,6 +188,23 @@ def test_the_report_ranks_by_the_sweepers_direction_and_marks_dead_jobs_interrup
     assert (tmp_path / "report.md").read_text().startswith(f"# Sweep {tmp_path.name}: 2 completed, 1 interrupted")
 
 
+def test_the_report_names_the_peak_rates_each_job_ran_at(tmp_path: Path) -> None:
+    """A sweep of lr_scale (or of lr) on the Muon preset: the report shows both rates, so what a key moved shows."""
+    jobs = make_sweep(tmp_path, ["0.5", "2"])
+    for job, scale in zip(jobs, (0.5, 2.0), strict=True):
+        optimizer = {"_target_": "pretraining.objectives.optimizers.MuonAdamW", "lr": 3e-3, "muon_lr": 0.02}
+        config = {"optimized_metric": "val/loss", "model": {"optimizer": {**optimizer, "lr_scale": scale}}}
+        OmegaConf.save(config, job / ".hydra" / "config.yaml")
+        (job / ".hydra" / "overrides.yaml").write_text(f"- experiment=clm_modern\n- model.optimizer.lr_scale={scale}\n")
+        write_status(job, {"status": "completed"})
+
+    header, rows = write_report(tmp_path).table()
+
+    lr, muon_lr = header.index("peak lr"), header.index("peak muon_lr")
+    assert sorted((row[lr], row[muon_lr]) for row in rows) == [("0.0015", "0.01"), ("0.006", "0.04")]
+    assert "| peak lr | peak muon_lr |" in (tmp_path / "report.md").read_text()
+
+
 def test_the_report_names_what_to_pass_for_a_directory_without_jobs(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no job directories"):
         report_main([str(tmp_path)])
@@ -201,11 +218,11 @@ def test_status_records_are_json(tmp_path: Path) -> None:
     assert read_status(tmp_path / "elsewhere") == {"status": "unknown"}
 
 
-@pytest.mark.parametrize("preset", ["clm", "mlm", "contrastive"])
+@pytest.mark.parametrize("preset", ["clm", "clm_modern", "mlm", "contrastive"])
 def test_each_search_preset_is_a_valid_space_over_existing_keys(preset: str) -> None:
     from pretraining.extras.sweeps.optuna import search_space
 
-    experiment = {"clm": "clm_tiny", "mlm": "mlm_tiny", "contrastive": "contrastive_tiny"}[preset]
+    experiment = {"clm": "clm_tiny", "mlm": "mlm_tiny", "contrastive": "contrastive_tiny"}.get(preset, preset)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", [f"experiment={experiment}", f"hparams_search={preset}"], return_hydra_config=True)
 

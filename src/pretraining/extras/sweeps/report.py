@@ -7,8 +7,9 @@ jobs, then exits with the first error.
 a sweep that is finished, still going or was interrupted:
 
 - `report.md` (also printed) and `report.csv`: one row per job with the overrides in which the jobs
-  differ, status, the optimised metric, the step of the newest checkpoint, median tokens/s and every
-  final `val/` and `probe/` metric, best first (by the sweeper's `direction`, else lowest first);
+  differ, the peak LRs it ran at (AdamW's `lr` and, under Muon, `muon_lr`, each times `lr_scale`: a sweep of
+  one key shows what it moved), status, the optimised metric, the step of the newest checkpoint, median
+  tokens/s and every final `val/` and `probe/` metric, best first (by the sweeper's `direction`, else lowest first);
 - `plots/overlay.png`: the learning curves of every job that logged metrics, on shared panels.
 """
 
@@ -22,7 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.errors import MissingExtraError
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 
 CONFIG_FILE = Path(".hydra") / "config.yaml"
 FINAL_PREFIXES = ("val/", "probe/")  # the metrics a row reports at their last logged value
+# The peak LRs a row reports, by the model.optimizer key that sets each (times lr_scale, where the optimizer has it).
+RATES = {"lr": "peak lr", "muon_lr": "peak muon_lr"}
 
 
 class SweepError(ValueError):
@@ -58,6 +62,7 @@ class Job:
     status: str
     error: str
     metric: str
+    rates: dict[str, float]  # column (RATES) -> the job's peak LR
     value: float | None
     step: int | None  # of the newest checkpoint
     tokens_per_s: float | None
@@ -66,7 +71,8 @@ class Job:
 
 def read_job(job_dir: Path) -> Job:
     status = current_status(job_dir)
-    metric = str(OmegaConf.select(OmegaConf.load(job_dir / CONFIG_FILE), "optimized_metric") or "")
+    config = OmegaConf.load(job_dir / CONFIG_FILE)
+    metric = str(OmegaConf.select(config, "optimized_metric") or "")
     metrics = logged_metrics(job_dir)
     final = {name: series.values[-1] for name, series in metrics.items() if name.startswith(FINAL_PREFIXES)}
     throughput = metrics.get("perf/tokens_per_s")
@@ -77,11 +83,27 @@ def read_job(job_dir: Path) -> Job:
         status=status["status"],
         error=status.get("error", ""),
         metric=metric,
+        rates=peak_rates(config),
         value=final.get(metric, status.get("value")),
         step=saved[0][0] if saved else None,
         tokens_per_s=statistics.median(throughput.values) if throughput else None,
         final=final,
     )
+
+
+def peak_rates(config: DictConfig) -> dict[str, float]:
+    """The peak LRs of a job's config (RATES), each times the optimizer's `lr_scale`; a rate whose value is not
+    a number here (an interpolation this process cannot resolve) is left out."""
+    rates = {}
+    for key, column in RATES.items():
+        try:
+            rate = OmegaConf.select(config, f"model.optimizer.{key}")
+            scale = OmegaConf.select(config, "model.optimizer.lr_scale", default=1.0)
+            if rate is not None:
+                rates[column] = float(rate) * float(scale)
+        except (OmegaConfBaseException, TypeError, ValueError):
+            continue
+    return rates
 
 
 def logged_metrics(job_dir: Path) -> dict[str, Series]:
@@ -136,7 +158,8 @@ class Report:
         swept = self.swept()
         metrics = sorted({name for job in self.jobs for name in job.final} - {job.metric for job in self.jobs})
         optimised = sorted({job.metric for job in self.jobs if job.metric}) or ["value"]
-        header = ["job", "status", *swept, *optimised, "step", "tokens/s", *metrics, "error"]
+        rates = [column for column in RATES.values() if any(column in job.rates for job in self.jobs)]
+        header = ["job", "status", *swept, *rates, *optimised, "step", "tokens/s", *metrics, "error"]
         rows = []
         for job in self.ranked():
             rows.append(
@@ -144,6 +167,7 @@ class Report:
                     job.directory.name,
                     job.status,
                     *(job.overrides.get(key, "") for key in swept),
+                    *(number(job.rates.get(column)) for column in rates),
                     *(number(job.value if job.metric == name else None) for name in optimised),
                     "" if job.step is None else str(job.step),
                     number(job.tokens_per_s),
