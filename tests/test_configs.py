@@ -126,3 +126,25 @@ def test_run_names_differ_between_processes_started_together() -> None:
     runs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) for _ in range(2)]
     suffixes = [run.communicate()[0].strip() for run in runs]
     assert len(set(suffixes)) == 2 and all(len(s) == 6 for s in suffixes)
+
+
+def test_cfg_job_resolve_prints_the_directories_the_run_gets(tmp_path: Path) -> None:
+    """`--cfg job` runs no job, so Hydra sets no runtime.output_dir: the run's directory is hydra.run.dir."""
+    command = [
+        sys.executable,
+        "-m",
+        "pretraining",
+        "--cfg",
+        "job",
+        "--resolve",
+        "run_name=x",
+        f"paths.log_dir={tmp_path}",
+    ]
+    printed = OmegaConf.create(subprocess.run(command, capture_output=True, text=True, timeout=120, check=True).stdout)
+    assert printed.paths.output_dir == str(tmp_path / "train" / "runs" / "x")
+    assert (
+        printed.paths.checkpoint_dir
+        == f"{printed.paths.output_dir}/checkpoints"
+        == printed.callbacks.checkpoint.dirpath
+    )
+    assert printed.trainer.default_root_dir == printed.paths.output_dir

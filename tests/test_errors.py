@@ -79,7 +79,16 @@ BAD_COMMANDS = [
     (["trainer.devices=banana"], "trainer.devices='banana' is not a number of devices, a list of device indices or"),
     (["trainer.accelerator=tpu"], "trainer.accelerator=tpu is not one this template runs on; this machine has "),
     (["model.backbone.vocab_size=10"], "model.backbone.vocab_size=10, but the tokenizer has 260 tokens: leave it out"),
-    (["model.backbone.max_seq_len=10000000000"], "model.backbone makes 320,000,"),
+    (["model.backbone.max_seq_len=10000000000"], "model.backbone.max_seq_len=10000000000 must be in [1, 16777216]"),
+    (
+        ["experiment=clm_modern", "model.backbone.max_seq_len=10000000000"],
+        "model.backbone.max_seq_len=10000000000 must be in [1, 16777216]",
+    ),
+    (["model.backbone.max_seq_len=1e10"], "model.backbone.max_seq_len=10000000000.0 is not an integer"),
+    (["model.optimizer.lr=nan"], "model.optimizer.lr=nan must be a finite number > 0"),
+    (["experiment=clm_modern", "model.optimizer.muon_lr=nan"], "model.optimizer.muon_lr=nan must be a finite number"),
+    (["model.min_lr_ratio=nan"], "model.min_lr_ratio=nan must be a finite number in [0, 1]"),
+    (["experiment=clm_modern", "model.backbone.norm_eps=nan"], "model.backbone.norm_eps=nan must be a finite number"),
 ]
 TWO_PROCESSES, REFUSED_BY_HYDRA, IN_ONE_PROCESS = BAD_COMMANDS[:3], BAD_COMMANDS[3:6], BAD_COMMANDS[6:]
 
@@ -134,6 +143,9 @@ def test_bad_commands_print_one_message_without_a_traceback(tmp_path: Path, shar
     [
         ("run_name", ["run_name=${hydra:job.name}/../../../../escape"]),  # resolved as the job would
         pytest.param("task_name", ["-m", "task_name=../escape", "seed=1,2"], marks=pytest.mark.slow),
+        pytest.param(
+            "hydra.sweep.subdir", ["-m", "hydra.sweep.subdir=../../../escape", "seed=1,2"], marks=pytest.mark.slow
+        ),
     ],
 )
 def test_a_name_that_is_not_one_directorys_is_refused_before_any_directory_is_made(
@@ -152,6 +164,29 @@ def test_task_and_run_names_are_one_directorys(name: str) -> None:
         config = OmegaConf.create({"task_name": "train", "run_name": "clm_tiny", key: name})
         with pytest.raises(ConfigError, match=f"^{key}="):
             check_directory_names(config)
+
+
+def test_a_name_longer_than_the_file_system_allows_is_refused_naming_the_key(tmp_path: Path) -> None:
+    longest = os.pathconf(tmp_path, "PC_NAME_MAX")
+    names = {"task_name": "train", "run_name": "clm_tiny", "paths": {"log_dir": str(tmp_path / "not" / "yet")}}
+    check_directory_names(OmegaConf.create({**names, "run_name": "r" * longest}))
+    for key in DIRECTORY_NAME_KEYS:
+        with pytest.raises(
+            ConfigError,
+            match=rf"^{key}='xxx.*' is {longest + 45} bytes long, .* {longest} bytes at "
+            rf"most on this file system: pass a shorter {key}=<name>$",
+        ):
+            check_directory_names(OmegaConf.create({**names, key: "x" * (longest + 45)}))
+
+
+@pytest.mark.slow  # ~10 s: the directory-names callback under the entry point (the fast test above: its rule)
+def test_a_run_name_too_long_for_the_file_system_is_refused_in_one_line(tmp_path: Path) -> None:
+    returncode, stderr = finish(
+        start("pretrain", ["run_name=" + "a" * 300, f"paths.log_dir={tmp_path}/logs"], tmp_path)
+    )
+    assert returncode == 1 and stderr.splitlines() == [stderr.strip()], stderr
+    assert stderr.startswith("run_name='aaa") and "pass a shorter run_name=<name>" in stderr, stderr
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.slow  # every bad command under the entry point: the fast suite has one of each kind, and the rest below

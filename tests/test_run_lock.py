@@ -17,10 +17,12 @@ from typing import Any
 import pytest
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from omegaconf import OmegaConf
 
 from conftest import tiny_run
 from pretraining.checkpoint import saved_checkpoints
-from pretraining.errors import ConfigError, RunLockedError
+from pretraining.config import check_job_directory
+from pretraining.errors import ConfigError, MissingFileError, RunLockedError
 from pretraining.resume import start_over
 from pretraining.run_lock import HELD, LOCK_FILE, holder, own_run_directory
 from pretraining.stored import load_checkpoint
@@ -338,3 +340,44 @@ def test_a_ddp_job_is_one_holder_and_a_second_job_is_refused(tmp_path: Path, sha
     returncode, stderr = finish(first)
     assert returncode == 0, stderr[-3000:]
     assert newest_step(directory) == 4
+
+
+def sweep_job(job_dir: Path, *overrides: str, subdir: str = "same") -> Any:
+    """A multirun job's config, as far as `check_job_directory` reads it."""
+    hydra = {"runtime": {"output_dir": str(job_dir)}, "sweep": {"subdir": subdir}, "overrides": {"task": overrides}}
+    return OmegaConf.create({"hydra": hydra})
+
+
+def test_a_sweep_job_is_refused_a_directory_holding_another_jobs_run(tmp_path: Path) -> None:
+    job_dir = tmp_path / "same"
+    check_job_directory(sweep_job(job_dir, "model.optimizer.lr=0.001"))  # nothing recorded there yet
+    (job_dir / ".hydra").mkdir(parents=True)
+    (job_dir / ".hydra" / "overrides.yaml").write_text("- model.optimizer.lr=0.001\n- seed=1\n")
+    check_job_directory(sweep_job(job_dir, "seed=1", "model.optimizer.lr=0.001", "quiet=false"))  # the same job
+    with pytest.raises(
+        ConfigError,
+        match=r"^hydra\.sweep\.subdir=same: this job \(model\.optimizer\.lr=0\.002\) would write .*/same, which holds "
+        r"the run of another job \(model\.optimizer\.lr=0\.001\): give each job its own directory",
+    ):
+        check_job_directory(sweep_job(job_dir, "model.optimizer.lr=0.002", "seed=1"))
+    with pytest.raises(ConfigError, match=r"^hydra\.sweep\.subdir='\.\./x': a multirun's job directory is"):
+        check_job_directory(sweep_job(job_dir, subdir="../x"))
+    (job_dir / ".hydra" / "overrides.yaml").write_text("{not: [a list")
+    with pytest.raises(ConfigError, match=r"overrides\.yaml is not a list of overrides, so its job cannot be told"):
+        check_job_directory(sweep_job(job_dir, "model.optimizer.lr=0.001"))
+    (job_dir / ".hydra" / "overrides.yaml").unlink()
+    os.mkfifo(job_dir / ".hydra" / "overrides.yaml")  # refused, not read: it would block
+    with pytest.raises(MissingFileError, match=r"overrides\.yaml is a named pipe, not a file"):
+        check_job_directory(sweep_job(job_dir, "model.optimizer.lr=0.001"))
+
+
+@pytest.mark.slow  # a two-job sweep, ~30 s
+def test_a_sweep_whose_jobs_share_a_directory_stops_at_the_second(tmp_path: Path, shard_dir: Path) -> None:
+    sweep = [*tiny_run(), f"data.dir={shard_dir}", f"paths.log_dir={tmp_path}", "trainer.max_steps=2"]
+    sweep += ["trainer.val_check_interval=2", "callbacks.checkpoint.every_n_steps=2", "~callbacks.text_sample"]
+    returncode, stderr = finish(start("-m", *sweep, "model.optimizer.lr=0.001,0.002", "hydra.sweep.subdir=same"))
+    assert returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    refusal = stderr.strip().splitlines()[-1]
+    assert refusal.startswith("hydra.sweep.subdir=same: this job (model.optimizer.lr=0.002) would write"), refusal
+    (job_dir,) = (tmp_path / "train" / "multiruns").glob("*/same")
+    assert OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")[-1] == "model.optimizer.lr=0.001"  # job 1's, kept

@@ -9,15 +9,20 @@ import os
 import re
 import secrets
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from pretraining.errors import ConfigError
+from pretraining.errors import ConfigError, MissingFileError
+from pretraining.files import regular_file
+from pretraining.run_lock import CONFIG_COPIES
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PROJECT_ROOT / "configs"
@@ -49,10 +54,24 @@ def default_run_name() -> str:
 def run_name(experiment: str | None, overrides: Iterable[str]) -> str:
     """`experiment`, plus a short hash of the `overrides` that change what runs (not how)."""
     experiment = (experiment or "default").replace("/", "-")  # one directory: configs/experiment/team/x.yaml too
-    named = sorted(o for o in overrides if o.split("=")[0].lstrip("+~") not in RUN_CONTROL_KEYS)
+    named = what_runs(overrides)
     if not named:
         return experiment
     return f"{experiment}-{hashlib.sha256(' '.join(named).encode()).hexdigest()[:8]}"
+
+
+def what_runs(overrides: Iterable[str]) -> list[str]:
+    """The `overrides` that change what runs (not how), sorted: they name a run, and tell two jobs' runs apart."""
+    return sorted(o for o in overrides if o.split("=")[0].lstrip("+~") not in RUN_CONTROL_KEYS)
+
+
+def job_output_dir() -> str:
+    """The job's directory (`paths.output_dir`): Hydra's `runtime.output_dir`, set when a job runs. Composed for
+    `--cfg job`, always as a single run, where none is set: the directory that run gets, `hydra.run.dir`."""
+    hydra = HydraConfig.get()
+    if OmegaConf.is_missing(hydra.runtime, "output_dir"):
+        return os.path.abspath(hydra.run.dir)
+    return str(hydra.runtime.output_dir)
 
 
 # One suffix per process: two evaluations started in the same second get different directories.
@@ -60,41 +79,136 @@ _RUN_SUFFIX = secrets.token_hex(3)
 OmegaConf.register_new_resolver("project_root", lambda: str(PROJECT_ROOT), replace=True)
 OmegaConf.register_new_resolver("run_suffix", lambda: _RUN_SUFFIX, replace=True)
 OmegaConf.register_new_resolver("default_run_name", default_run_name, replace=True)
+OmegaConf.register_new_resolver("job_output_dir", job_output_dir, replace=True)
 # A multirun's name from the sweep's overrides (configs/hydra/default.yaml). Cached: Hydra copies the sweep's resolver
 # cache into each job, whose overrides are its own (`seed=1`), so all jobs agree on the sweep directory.
 OmegaConf.register_new_resolver("sweep_name", run_name, use_cache=True, replace=True)
 
 
-# Keys naming a directory of their own: logs/<task_name>/runs/<run_name> (configs/hydra/default.yaml).
+# Keys naming one directory: logs/<task_name>/runs/<run_name> (configs/hydra/default.yaml), a multirun's job
+# <hydra.sweep.dir>/<hydra.sweep.subdir>; each with where its directory is, for the message.
 DIRECTORY_NAME_KEYS = ("task_name", "run_name")
+WHERE = {
+    "task_name": "a run's directory is logs/<task_name>/runs/<run_name>",
+    "run_name": "a run's directory is logs/<task_name>/runs/<run_name>",
+    "hydra.sweep.subdir": "a multirun's job directory is <hydra.sweep.dir>/<hydra.sweep.subdir>",
+}
+LONGEST_NAME = 255  # bytes of one file name where the file system does not say (most do: ext4, XFS, APFS)
 
 
 def check_directory_names(config: DictConfig) -> None:
-    """Refuse a `task_name` or `run_name` that is not one directory's name (`run_name=../../x` escapes the runs)."""
+    """Refuse a `task_name` or `run_name` that is not one directory's name (`run_name=../../x` escapes the runs), or
+    is longer than a file name may be under `paths.log_dir`."""
+    longest = longest_name(Path(str(OmegaConf.select(config, "paths.log_dir", default="."))))
     for key in DIRECTORY_NAME_KEYS:
-        name = str(config[key])
-        if name in {"", ".", ".."} or any(separator and separator in name for separator in (os.sep, os.altsep)):
-            raise ConfigError(
-                f"{key}={name!r}: a run's directory is logs/<task_name>/runs/<run_name>, so {key} must name one "
-                f"directory (no '/', not '.' or '..'): pass {key}=<name>"
-            )
+        check_directory_name(key, str(OmegaConf.select(config, key)), longest)
+
+
+def check_directory_name(key: str, name: str, longest: int) -> None:
+    if name in {"", ".", ".."} or any(separator and separator in name for separator in (os.sep, os.altsep)):
+        raise ConfigError(
+            f"{key}={name!r}: {WHERE[key]}, so {key} must name one directory (no '/', not '.' or '..'): "
+            f"pass {key}=<name>"
+        )
+    if len(os.fsencode(name)) > longest:
+        raise ConfigError(
+            f"{key}={name[:24] + '...'!r} is {len(os.fsencode(name))} bytes long, and a directory's name may be "
+            f"{longest} bytes at most on this file system: pass a shorter {key}=<name>"
+        )
+
+
+def longest_name(directory: Path) -> int:
+    """The longest file name, in bytes, on the file system of `directory` (or of its nearest existing parent)."""
+    existing = next((path for path in (directory, *directory.resolve().parents) if path.is_dir()), Path("/"))
+    try:
+        return os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):  # not said here, or no pathconf (Windows)
+        return LONGEST_NAME
+
+
+def check_sweep_subdir(config: DictConfig) -> None:
+    """Refuse a `hydra.sweep.subdir` that is not one directory's name, as the first job would resolve it: each job
+    of a multirun writes its own directory inside the sweep's (`../../../x` would escape it)."""
+    job = copy.deepcopy(config)
+    OmegaConf.set_readonly(job, False)
+    job.hydra.job.num, job.hydra.job.id = 0, "0"  # set by the launcher for each job
+    HydraConfig.instance().set_config(job)
+    try:
+        subdir = str(job.hydra.sweep.subdir)
+    except OmegaConfBaseException:  # only a job resolves it: checked at the job's start (check_job_directory)
+        return
+    check_directory_name("hydra.sweep.subdir", subdir, longest_name(Path(str(job.hydra.sweep.dir))))
+
+
+def check_job_directory(config: DictConfig) -> None:
+    """Refuse a multirun's job whose directory is not one directory inside the sweep's, or holds the run of another
+    job: one whose recorded overrides (`.hydra/overrides.yaml`) differ from this job's in what runs. The same job of
+    the same sweep run again (same overrides, whatever its number) continues its run; another would resume that run
+    and report its result as its own."""
+    job_dir = Path(config.hydra.runtime.output_dir)
+    check_directory_name("hydra.sweep.subdir", str(config.hydra.sweep.subdir), longest_name(job_dir))
+    recorded = recorded_overrides(job_dir)
+    mine = what_runs(config.hydra.overrides.task)
+    if recorded is None or what_runs(recorded) == mine:
+        return
+    theirs = what_runs(recorded)
+    raise ConfigError(
+        f"hydra.sweep.subdir={config.hydra.sweep.subdir}: this job ({differences(mine, theirs)}) would write "
+        f"{job_dir}, which holds the run of another job ({differences(theirs, mine)}): give each job its own "
+        "directory (the default, hydra.sweep.subdir=${hydra.job.num})"
+    )
+
+
+def differences(overrides: list[str], others: list[str]) -> str:
+    """The `overrides` that `others` lacks, in words."""
+    return " ".join(override for override in overrides if override not in others) or "no other overrides"
+
+
+def recorded_overrides(job_dir: Path) -> list[str] | None:
+    """The overrides a job recorded in `job_dir` (`pretraining.job_status.save_job_config`), None if none did."""
+    path = job_dir / CONFIG_COPIES / "overrides.yaml"
+    fix = f"remove {path}, or give this job a directory of its own (hydra.sweep.subdir)"
+    if not regular_file(path, "the overrides recorded by a job,", fix).is_file():
+        return None
+    try:
+        overrides = OmegaConf.to_container(OmegaConf.load(path))
+    except (OSError, ValueError, yaml.YAMLError, OmegaConfBaseException):
+        overrides = None
+    if not isinstance(overrides, list):
+        raise ConfigError(f"{path} is not a list of overrides, so its job cannot be told from this one: {fix}")
+    return [str(override) for override in overrides]
 
 
 class CheckDirectoryNames(Callback):
-    """`check_directory_names` before Hydra makes any directory of a run or a sweep (configs/hydra/default.yaml)."""
+    """The directory names' checks before Hydra makes any directory of a run or a sweep, and each multirun job's
+    `check_job_directory` before it records itself there (configs/hydra/default.yaml: before the job-status
+    callback)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        # Hydra reports a callback's exception as a warning and carries on: exit with our one line; a name that
-        # cannot be resolved is refused, not guessed at.
-        try:
-            HydraConfig.instance().set_config(copy.deepcopy(config))  # as for the job: the names may read it
-            check_directory_names(config)
-        except ConfigError as error:
-            sys.exit(str(error))
-        except Exception as error:
-            sys.exit(f"{' or '.join(DIRECTORY_NAME_KEYS)} cannot be resolved ({error}): pass run_name=<name>")
+        refuse_unless(config, check_directory_names)
 
-    on_multirun_start = on_run_start
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        refuse_unless(config, check_directory_names)
+        refuse_unless(config, check_sweep_subdir)
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if config.hydra.mode == RunMode.MULTIRUN:
+            refuse_unless(config, check_job_directory)
+
+
+def refuse_unless(config: DictConfig, check: Callable[[DictConfig], None]) -> None:
+    """Run `check` on `config`, exiting with its one line if it refuses. Hydra reports a callback's exception as a
+    warning and carries on; a name that cannot be resolved is refused, not guessed at."""
+    hydra = HydraConfig.instance().cfg
+    try:
+        HydraConfig.instance().set_config(copy.deepcopy(config))  # as for the job: the names may read it
+        check(config)
+    except (ConfigError, MissingFileError) as error:
+        sys.exit(str(error))
+    except Exception as error:
+        sys.exit(f"{' or '.join(DIRECTORY_NAME_KEYS)} cannot be resolved ({error}): pass run_name=<name>")
+    finally:
+        HydraConfig.instance().cfg = hydra
 
 
 # Key and environment variable names holding credentials: `api_key`, `HF_TOKEN`, `db_password`; not `max_new_tokens`.
