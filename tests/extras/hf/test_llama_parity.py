@@ -157,6 +157,15 @@ def test_a_bidirectional_llama_has_no_export_and_the_fix_is_named() -> None:
         model_files(model, ByteTokenizer(), {})
 
 
+@pytest.mark.parametrize("number", [float("nan"), float("inf")])
+def test_a_non_finite_setting_is_refused_naming_its_key_not_written_as_json_nan(number: float, tmp_path: Path) -> None:
+    backbone = llama()
+    backbone.rope_theta = number  # as a stored config from before its range refused it
+    with pytest.raises(ConfigError, match=rf"^the export's rope_theta is {number}, a number JSON cannot hold: "):
+        exported(backbone, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_init_from_refuses_a_model_of_the_other_kind_naming_both(tmp_path: Path) -> None:
     gpt2 = exported(Transformer(vocab_size=260, max_seq_len=64, d_model=64, n_layer=2, n_head=4), tmp_path / "gpt2")
     with pytest.raises(

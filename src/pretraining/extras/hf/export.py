@@ -17,6 +17,7 @@ its sidecar and, where the registry extra is installed, must not be tainted in t
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,7 @@ def export(
     )
     kind, files = model_files(model.eval(), examples.tokenizer, examples.lengths)
     record = lineage_record(checkpoint_path, sidecar, checkpoint["lineage"], kind)
-    files[LINEAGE] = json.dumps(record, indent=2, default=str).encode()
+    files[LINEAGE] = as_json(record)
     files["README.md"] = model_card(kind, record, usage(kind, out)).encode()
     write_directory(out, files)
     return kind
@@ -235,7 +236,28 @@ def weights_file(tensors: dict[str, torch.Tensor]) -> Content:
 
 
 def as_json(value: Any) -> bytes:
-    return (json.dumps(value, indent=2) + "\n").encode()
+    """Strict JSON, which has no NaN or infinity (Python's `json` would write them, other readers refuse them):
+    a non-finite number is refused, naming its key."""
+    found = non_finite(value)
+    if found:
+        key, number = found
+        raise ConfigError(
+            f"the export's {key} is {number}, a number JSON cannot hold: the checkpoint stores a value no model "
+            "trains with; export a checkpoint whose settings and validation are finite"
+        )
+    return (json.dumps(value, indent=2, allow_nan=False, default=str) + "\n").encode()
+
+
+def non_finite(value: Any, key: str = "") -> tuple[str, float] | None:
+    """The first (dotted key, number) in `value` that is a float NaN or infinity, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return key, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
+    for name, item in items:
+        found = non_finite(item, f"{key}.{name}" if key else str(name))
+        if found:
+            return found
+    return None
 
 
 def usage(kind: str, out: Path) -> str:
