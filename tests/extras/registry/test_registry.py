@@ -227,12 +227,20 @@ def test_the_command_line_prints_each_verb_and_refuses_in_one_line(
         registry_command(["--registry", str(tmp_path / "registry"), *args])
         return capsys.readouterr().out
 
-    assert command("register", str(run_checkpoints[0])).startswith("registered    v1 clm step 100, val/bpb 2.9")
-    assert "[prod]" in command("register", str(run_checkpoints[1]), "--alias", "prod")
-    assert command("list").splitlines()[0] == "   v1 clm step 100, val/bpb 2.9"
-    assert command("promote", "v1", "prod").startswith("prod: v2 -> v1")
-    assert "removed from prod" in command("taint", "v1", "--why", "bad data")
-    assert command("rollback", "prod").startswith("prod: no version -> v2")
+    changes = [command("register", str(run_checkpoints[0]))]
+    assert changes[0].startswith("registered    v1 clm step 100, val/bpb 2.9")
+    changes.append(command("register", str(run_checkpoints[1]), "--alias", "prod"))
+    assert "[prod]" in changes[-1]
+    listed = command("list").splitlines()
+    assert listed[0] == "   v1 clm step 100, val/bpb 2.9"
+    assert listed[-1].startswith("W&B: 2 version(s) wait to be mirrored; `pretrain-registry mirror` mirrors them")
+    changes.append(command("promote", "v1", "prod"))
+    assert changes[-1].startswith("prod: v2 -> v1")
+    changes.append(command("taint", "v1", "--why", "bad data"))
+    assert "removed from prod" in changes[-1]
+    changes.append(command("rollback", "prod"))
+    assert changes[-1].startswith("prod: no version -> v2")
+    assert not [change for change in changes if "W&B" in change]  # offline, a change says nothing of W&B
     shown = json.loads(command("show", "prod", "--json"))
     assert shown["number"] == 2 and shown["file"] == "ok" and "config" not in shown["lineage"]
     assert "TAINTED: bad data" in command("list")

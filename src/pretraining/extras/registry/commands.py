@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pretraining.extras.registry.mirror import ARTIFACT, PROJECT, mirror, mirror_if_online
+from pretraining.extras.registry.mirror import ARTIFACT, PROJECT, mirror, mirror_if_online, waiting_note
 from pretraining.extras.registry.versions import Registry, Version, file_status
 
 # The metrics a listing shows, the first a version has.
@@ -50,6 +50,9 @@ def list_versions(registry: Registry, args: argparse.Namespace) -> None:
     for version in state.versions.values():
         gone = "" if Path(version.path).exists() else " (file gone)"
         print(line(version) + gone)
+    note = waiting_note(registry)
+    if note:
+        print(note)
 
 
 def show(registry: Registry, args: argparse.Namespace) -> None:

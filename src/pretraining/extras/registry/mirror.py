@@ -93,14 +93,20 @@ def model_artifact(version: Version, name: str) -> wandb.Artifact:
 
 
 def mirror_if_online(registry: Registry, project: str = PROJECT, artifact: str = ARTIFACT) -> str:
-    """Mirror the waiting versions now if W&B credentials allow; else say how many wait, and how to mirror."""
-    if online():
-        mirrored, where = mirror(registry, project, artifact)
-        return f"W&B: mirrored {len(mirrored)} version(s) to {where}" if mirrored else ""
+    """Mirror the waiting versions now if W&B credentials allow, and say so; without them, nothing (a registry
+    used offline would hear it after every change: `pretrain-registry list` says how many wait)."""
+    if not online():
+        return ""
+    mirrored, where = mirror(registry, project, artifact)
+    return f"W&B: mirrored {len(mirrored)} version(s) to {where}" if mirrored else ""
+
+
+def waiting_note(registry: Registry) -> str:
+    """How many versions W&B has not seen, and how to mirror them; empty when none wait."""
     count = len(waiting(registry.state()))
     if not count:
         return ""
     return (
-        f"W&B: {count} version(s) wait to be mirrored (no credentials here); `pretrain-registry mirror` mirrors "
-        "them once `wandb login` has run (or, with WANDB_MODE=offline, into an offline run for `wandb sync`)"
+        f"W&B: {count} version(s) wait to be mirrored; `pretrain-registry mirror` mirrors them once `wandb login` "
+        "has run (or, with WANDB_MODE=offline, into an offline run for `wandb sync`)"
     )
