@@ -9,13 +9,16 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 
 from conftest import TINY
+from pretraining.callbacks.progress import ProgressBar
 from pretraining.cli import data
 from pretraining.quiet import quiet_libraries
 from pretraining.report import has_extra
@@ -101,6 +104,19 @@ def test_a_resumed_run_prints_only_its_own_lines(tmp_path: Path, shard_dir: Path
 def test_a_run_of_the_modern_preset_prints_only_its_own_lines(tmp_path: Path, shard_dir: Path) -> None:
     printed = pretrain(tmp_path, shard_dir, "trainer.max_steps=6", experiment="clm_modern")
     assert foreign_lines(printed) == [] and "does not fit in trainer.max_steps=6" in printed
+
+
+def test_a_resumed_runs_progress_bar_counts_to_max_steps_at_this_processs_rate() -> None:
+    """Resumed at step 30 of 60 (2 micro-batches a step), 5 steps in 10 s: Lightning calls no epoch-start hook
+    inside an epoch, and its bar then had no total, no time left, and a rate counting the 30 steps before."""
+    trainer = SimpleNamespace(global_step=30, max_steps=60, accumulate_grad_batches=2)
+    progress = ProgressBar()
+    progress.on_train_start(trainer, None)  # type: ignore[arg-type]
+    bar = progress.train_progress_bar
+    bar.n, bar.start_t = 70, time.time() - 10
+    meter = bar.format_meter(**bar.format_dict)
+    progress.on_train_end(trainer, None)  # type: ignore[arg-type]
+    assert meter.startswith("Training:") and "70/120 [00:10<00:50, 1.00it/s" in " ".join(meter.split()), meter
 
 
 def test_the_srun_hint_is_left_out_outside_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,12 +12,14 @@ from typing import Any, cast
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from pretraining.callbacks.checkpoint import StepCheckpoint, validated_at
 from pretraining.callbacks.lineage import Lineage, code_revision
 from pretraining.callbacks.preemption import Preempted, stop_signal
 from pretraining.checkpoint import parameter_shapes
@@ -169,7 +171,7 @@ def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[
     works the processes out as it builds a Trainer (`devices=auto`, nodes, a launcher's environment) and takes the
     accumulation (and the validation interval, which it counts in micro-batches) only in the constructor: a bare
     Trainer of the same config tells them first. A global batch they cannot share stops the run here."""
-    configured = [build(callback) for callback in cfg.callbacks.values()]
+    configured = model_checkpoints_first([build(callback) for callback in cfg.callbacks.values()])
     loggers: list[Logger] = [build(logger) for logger in cfg.logger.values()]
     environment = plugins(cfg)
     world = build(cfg.trainer, logger=False, plugins=environment).world_size
@@ -188,6 +190,14 @@ def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[
         accumulate_grad_batches=plan.accumulation,
         **steps,
     )
+
+
+def model_checkpoints_first(callbacks: list[Callback]) -> list[Callback]:
+    """`callbacks` with Lightning's `ModelCheckpoint`s before `StepCheckpoint`, which saves their state: Lightning
+    runs checkpoint callbacks last in the order given, and one after it would resume a validation behind."""
+    saver = next((index for index, c in enumerate(callbacks) if isinstance(c, StepCheckpoint)), len(callbacks))
+    later = [c for c in callbacks[saver:] if isinstance(c, ModelCheckpoint)]
+    return [*callbacks[:saver], *later, *(c for c in callbacks[saver:] if c not in later)]
 
 
 def plugins(cfg: DictConfig) -> list[Any]:
@@ -244,6 +254,8 @@ def fit(
             trainer.validate(model, datamodule=datamodule, ckpt_path=ckpt_path, verbose=tables)
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path)
         metrics = logged_values(trainer.callback_metrics)
+        if not metrics and resume:  # a run that stays stopped (EarlyStopping, `StepCheckpoint`) logs nothing
+            metrics = dict(resume.sidecar.get("validation", {}))
         complete = trainer.global_step >= (trainer.max_steps or 0) and not stop_signal(trainer)
         if complete and model.last_validated_step != trainer.global_step:
             metrics |= logged_values(trainer.validate(model, datamodule=datamodule, verbose=tables)[0])
@@ -255,12 +267,17 @@ def fit(
 
 
 def validation_owed(trainer: Trainer, resume: Resume, checkpoint_dir: Path) -> bool:
-    """Whether the run's own checkpoint is of a step validated after, whose validation did not finish: Lightning
-    resumes a step-boundary checkpoint as if it had run. The last step is validated after `fit` anyway."""
-    step, every = resume.sidecar["step"], trainer.val_check_interval
+    """Whether the run's own checkpoint is of a step validated in training whose validation did not finish (a signal
+    saved it before, or inside, the validation): Lightning resumes it as if it had run. The last step is validated
+    after `fit` anyway."""
+    step = resume.sidecar["step"]
     own = resume.path.resolve().parent == checkpoint_dir.resolve()
-    validated = isinstance(every, int) and (step * trainer.accumulate_grad_batches) % every == 0
-    return own and validated and 0 < step < (trainer.max_steps or 0) and "validation" not in resume.sidecar
+    return (
+        own
+        and validated_at(trainer, step)
+        and 0 < step < (trainer.max_steps or 0)
+        and "validation" not in resume.sidecar
+    )
 
 
 def finished(resume: Resume, checkpoint_dir: Path, max_steps: int, schedule: str = "cosine") -> bool:

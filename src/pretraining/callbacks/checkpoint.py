@@ -11,7 +11,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Checkpoint, Timer
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from pretraining.checkpoint import (
     CheckpointError,
@@ -36,9 +36,13 @@ class StepCheckpoint(Checkpoint):
     checkpoint holds whole steps. Keep the newest `keep_last` (at least 2: a fallback if the newest is damaged
     later) and every step divisible by `keep_every`; prune only once the new one is complete.
 
-    A checkpoint is saved before its step's validation, whose metrics then join its sidecar
-    (`record_validation`); a resume whose validation was cut short validates first (`pretraining.run.fit`).
-    With `background`, the step waits only for the copy to host memory; a writer thread
+    A step that Lightning validates in training is saved at the end of that validation, once the callbacks
+    acting on it have (Lightning's `EarlyStopping`, and `ModelCheckpoint`, which `pretraining.run.build_trainer`
+    orders before this one): what they keep resumes as if the run had never stopped. Its metrics then join its
+    sidecar (`record_validation`). A signal saves at the step boundary (or inside the validation), before the
+    validation, and the continued run validates that step first (`pretraining.run.fit`). A run that
+    `EarlyStopping` stopped stays stopped when run again. With `background`, a step not validated waits only
+    for the copy to host memory (a validated one for the write too, to record its validation); a writer thread
     (`pretraining.checkpoint.background`, passed as `storage_options`) writes it with the same guarantees
     (one device, DDP, FSDP2; FSDP1 saves synchronously). Not `ModelCheckpoint`: it verifies nothing before a
     resume trusts it, cannot record a validation after saving, and prunes before the newer save is complete."""
@@ -57,6 +61,7 @@ class StepCheckpoint(Checkpoint):
         self.writer = BackgroundWriter() if background else None
         self.writing_shards = False
         self.saved_step = self.boundary_step = -1
+        self.due_step = -1  # a step to save at the end of its validation
         self.stop_requested = False  # asked for inside a gradient accumulation: obeyed at the step's end
         self.last_model_path = ""
         self.validated_path: Path | None = None  # the checkpoint whose validation was just recorded
@@ -81,11 +86,20 @@ class StepCheckpoint(Checkpoint):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.saved_step = self.boundary_step = trainer.global_step
         self.stop_requested = False
+        stop = early_stopped(trainer)
+        # Lightning restores the callback, not its stop: the run would train another interval. Any rank's stop.
+        if trainer.strategy.reduce_boolean_decision(stop is not None, all=False):
+            rank_zero_info(
+                f"EarlyStopping stopped this run at step {trainer.global_step} ({stop or 'on another rank'}); it "
+                "stays stopped. To train on, remove that callback, or pass resume=never to start over"
+            )
+            trainer.should_stop = True
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Save the step if this validation asked to stop (EarlyStopping), then record the validation of the
-        step just saved in its sidecar (`record_validation`)."""
-        if trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking and trainer.should_stop:
+        """Save the step due or asked to stop (EarlyStopping), now that this validation's callbacks have acted,
+        then record the validation of the step just saved in its sidecar (`record_validation`)."""
+        in_training = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+        if in_training and (trainer.should_stop or self.due_step == trainer.global_step):
             self.save(trainer)
         self.collect(trainer, wait=True)  # the sidecar is written last
         validated = pl_module.trained_steps if isinstance(pl_module, PretrainingObjective) else trainer.global_step
@@ -98,12 +112,15 @@ class StepCheckpoint(Checkpoint):
             record_validation(self.validated_path, logged_values(trainer.callback_metrics))
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
-        """Save every `every_n_steps`, at the last step and where training stops, before the validation
-        Lightning runs at a stop (this hook runs after the other callbacks')."""
+        """Save every `every_n_steps`, at the last step and where training stops (this hook runs after the
+        other callbacks'): at once, or at the end of the validation that follows (`on_validation_end`)."""
         step = trainer.global_step
         if step == self.boundary_step:  # inside a gradient accumulation
             self.defer_stop(trainer)
             return
+        if self.due_step > self.saved_step:  # a Lightning that no longer validates as `validates_now` says
+            rank_zero_warn(f"step {self.due_step} was not saved: the validation expected after it did not run")
+            self.due_step = -1
         self.boundary_step = step
         trainer.should_stop |= self.stop_requested
         self.stop_requested = False
@@ -111,7 +128,10 @@ class StepCheckpoint(Checkpoint):
             return
         self.collect(trainer, wait=False)
         if step % self.every_n_steps == 0 or step >= trainer.max_steps or trainer.should_stop:
-            self.save(trainer)
+            if validates_now(trainer):
+                self.due_step = step
+            else:
+                self.save(trainer)
 
     def defer_stop(self, trainer: Trainer) -> None:
         """Inside a gradient accumulation, defer a stop to the step's end: the data position is a step's."""
@@ -198,6 +218,30 @@ class StepCheckpoint(Checkpoint):
             prune(self.dirpath, self.keep_last, self.keep_every, keep=path)
             for logger in trainer.loggers:  # as ModelCheckpoint does: a logger may keep it (W&B artifacts)
                 logger.after_save_checkpoint(self)  # type: ignore[arg-type]  # loggers read last_model_path only
+
+
+def validated_at(trainer: Trainer, step: int) -> bool:
+    """Whether Lightning validates step `step` in training by its schedule: every `val_check_interval`
+    micro-batches (an int, set in micro-batches by `pretraining.run.build_trainer`), in the epochs it validates."""
+    every, epochs = trainer.val_check_interval, trainer.check_val_every_n_epoch
+    in_epoch = epochs is None or (trainer.current_epoch + 1) % epochs == 0
+    return isinstance(every, int) and in_epoch and (step * trainer.accumulate_grad_batches) % every == 0
+
+
+def validates_now(trainer: Trainer) -> bool:
+    """Whether Lightning validates after the step just ended, as its training loop decides (at a stop it may
+    obey, or by schedule); asked at the step boundary, where no public API tells it."""
+    if not trainer.enable_validation:
+        return False
+    may_stop = trainer.global_step >= (trainer.min_steps or 0) and trainer.current_epoch >= (trainer.min_epochs or 0)
+    return (trainer.should_stop and may_stop) or validated_at(trainer, trainer.global_step)
+
+
+def early_stopped(trainer: Trainer) -> str | None:
+    """Why one of Lightning's `EarlyStopping` callbacks stopped this run, as restored from its checkpoint (set
+    only by a stop; Lightning 2.5 keeps no such record, and its runs train on)."""
+    reasons = [getattr(callback, "stopping_reason_message", None) for callback in trainer.early_stopping_callbacks]
+    return next((reason.strip() for reason in reasons if reason), None)
 
 
 def raise_failed(path: Path, error: Exception, directory: Path) -> NoReturn:
