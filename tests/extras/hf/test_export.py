@@ -164,6 +164,25 @@ def test_a_contrastive_model_is_a_sentence_transformer_with_the_templates_embedd
     assert tokenizer(TEXT)["input_ids"] == examples.encode_text(TEXT, 10_000)  # CLS first, then the BPE ids
 
 
+def test_a_masked_lm_cards_tokenizer_loads_without_the_directorys_code_a_prompt_or_a_warning(
+    exports: Path, tmp_path: Path
+) -> None:
+    """AutoTokenizer reads config.json, whose auto_map needs the modelling code: without trust_remote_code it asks
+    [y/N] (on a terminal), then warns of the model type. The card loads the plain tokenizer, which needs no code."""
+    copy = copy_export(exports / "mlm_tiny", tmp_path / "mlm_tiny", leave_out="modeling_pretraining.py")
+    card = (copy / "README.md").read_text().split("```python\n")[1].split("```")[0]
+    lines = [line for line in card.splitlines() if line.startswith(("from transformers", "tokenizer ="))]
+    script = "\n".join([*lines, f"print(tokenizer({TEXT!r}).input_ids)"]).replace(
+        repr(str(exports / "mlm_tiny")), repr(str(copy))
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, capture_output=True, text=True, timeout=120
+    )  # stdin stays open: a prompt would wait for an answer
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout) == ByteTokenizer().encode(TEXT)
+    assert "[y/N]" not in result.stdout + result.stderr and "model of type" not in result.stderr
+
+
 def test_the_model_card_and_lineage_name_the_checkpoint_run_and_validation(
     checkpoints: dict[str, Path], exports: Path
 ) -> None:

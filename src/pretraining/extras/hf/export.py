@@ -6,7 +6,9 @@
 - a masked-LM model as `AutoModelForMaskedLM`, and a contrastive one as `AutoModel` and as a
   `sentence-transformers` model, both with their modelling code written beside the weights
   (`trust_remote_code=True`);
-- the tokenizer as a `PreTrainedTokenizerFast` that gives the template's ids;
+- the tokenizer as a `PreTrainedTokenizerFast` that gives the template's ids (an encoder's loads with
+  `PreTrainedTokenizerFast.from_pretrained`: `AutoTokenizer` reads config.json first, whose `auto_map` needs
+  the modelling code, so without `trust_remote_code=True` it asks to run it);
 - a model card (README.md) and `lineage.json`: config, code revision, data version, step, validation.
 
 The checkpoint (a file, or a sharded FSDP2 directory, gathered in this one process) must verify against
@@ -274,8 +276,8 @@ USAGE = {
     "gpt2": NEXT_TOKEN_USAGE,
     "llama": NEXT_TOKEN_USAGE,
     "qwen3": NEXT_TOKEN_USAGE,
-    "masked-lm": """from transformers import AutoModelForMaskedLM, AutoTokenizer
-tokenizer = AutoTokenizer.from_pretrained({out}, trust_remote_code=True)
+    "masked-lm": """from transformers import AutoModelForMaskedLM, PreTrainedTokenizerFast
+tokenizer = PreTrainedTokenizerFast.from_pretrained({out})  # a plain tokenizer: no code of the directory runs
 model = AutoModelForMaskedLM.from_pretrained({out}, trust_remote_code=True)
 inputs = tokenizer("def add(a, b): return a <mask> b", return_tensors="pt")
 guess = model(**inputs).logits.argmax(-1)[inputs.input_ids == tokenizer.mask_token_id]
