@@ -1,10 +1,13 @@
 """Nothing read from a checkpoint runs code: a stored config builds only trusted classes, and a
-pickled payload is refused by every route that loads a checkpoint; the payloads provably never ran."""
+pickled payload is refused by every route that loads a checkpoint; the payloads provably never ran. A file a
+run appends to is written where it is: never through a planted link, nor blocking on a pipe."""
 
 from __future__ import annotations
 
 import builtins
 import copy
+import logging
+import os
 import re
 import shutil
 import warnings
@@ -15,6 +18,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from pretraining.checkpoint import load_weights_only, save_file
 from pretraining.checkpoint.sharded import load_shards
@@ -24,6 +28,7 @@ from pretraining.config import CONFIG_DIR
 from pretraining.data.manifest import SPLITS
 from pretraining.errors import CheckpointError, ConfigError, ShardError
 from pretraining.evaluate import evaluate
+from pretraining.files import RunLogFile
 from pretraining.train import train
 
 
@@ -188,3 +193,27 @@ def test_a_stored_config_cannot_allow_the_commands_of_a_manifest(
         evaluate_checkpoint(path, tmp_path)
     assert not marker.exists()
     assert "val/loss" in evaluate_checkpoint(path, tmp_path, "trust_pipe_commands=true") and marker.exists()
+
+
+def test_the_run_log_is_not_written_through_a_link_nor_blocks_on_a_pipe(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    outside = tmp_path / "outside.log"
+    outside.write_text("kept\n")
+    (tmp_path / "link.log").symlink_to(outside)
+    os.mkfifo(tmp_path / "pipe.log")
+    (tmp_path / "dir.log").mkdir()
+    record = logging.LogRecord("pretraining", logging.INFO, __file__, 1, "a line", None, None)
+    for name in ("link.log", "pipe.log", "dir.log"):
+        handler = RunLogFile(str(tmp_path / name), delay=False)
+        handler.emit(record)
+        handler.close()
+        assert f"warning: the run's log file {tmp_path / name} is a" in capsys.readouterr().err
+    assert outside.read_text() == "kept\n"
+    handler = RunLogFile(str(tmp_path / "train.log"), delay=True)
+    handler.emit(record)
+    handler.close()
+    assert (tmp_path / "train.log").read_text() == "a line\n"
+    # Hydra makes the run's log file so (a real run with a link there: tests/extras/goodput/test_damaged_record.py).
+    handlers = OmegaConf.load(CONFIG_DIR / "hydra" / "default.yaml").job_logging.handlers
+    assert handlers.file["class"] == "pretraining.files.RunLogFile"

@@ -1,14 +1,17 @@
 """Files that are whole or absent: written under a temporary name beside the final one, fsynced, renamed into place,
 the directory fsynced, so a failed write (full disk, crash) leaves the previous file and no temporary. Checkpoints,
-sidecars, manifests, tokenizers, run records and reports are written so. `regular_file` guards files a user names."""
+sidecars, manifests, tokenizers, run records and reports are written so. `regular_file` guards files a user names;
+`open_to_append` the files a run appends to (a record, its log), where a link is refused too."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
+import sys
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from pretraining.errors import MissingFileError
 
@@ -21,6 +24,41 @@ def regular_file(path: Path, what: str, fix: str) -> Path:
         kind = next((kind for kind, found in kinds.items() if found), "a device")
         raise MissingFileError(f"{what} {path} is {kind}, not a file: {fix}")
     return path
+
+
+def appendable_file(path: Path, what: str, fix: str) -> Path:
+    """`path`, refused as `regular_file` refuses, and if it is a symbolic link: a file a run appends to grows where
+    the run keeps it, not wherever a link (copied, or planted) points."""
+    if path.is_symlink():
+        raise MissingFileError(f"{what} {path} is a symbolic link, not a file: {fix}")
+    return regular_file(path, what, fix)
+
+
+def open_to_append(path: Path, what: str, fix: str) -> IO[str]:
+    """`path` (made if missing) opened to append text, refused as `appendable_file` refuses. A link or a pipe put there
+    after the check fails to open rather than being written through or blocking."""
+    appendable_file(path, what, fix)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    return os.fdopen(os.open(path, flags, 0o666), "a")
+
+
+class RunLogFile(logging.FileHandler):
+    """The run's log file (`hydra.job_logging`'s file handler, configs/hydra/default.yaml). Where `appendable_file`
+    refuses its path, the run says so and logs to its console only: Hydra's own handler would block on a pipe there
+    and append through a link, and an error raised here would reach the console as Hydra's traceback."""
+
+    def __init__(self, filename: str, mode: str = "a", encoding: str | None = None, delay: bool = False) -> None:
+        self.refusal: MissingFileError | None = None
+        try:
+            appendable_file(Path(filename), "the run's log file", "this run logs to its console only; remove it")
+        except MissingFileError as refusal:
+            self.refusal = refusal
+            sys.stderr.write(f"warning: {refusal}\n")
+        super().__init__(filename, mode, encoding, delay=delay or self.refusal is not None)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.refusal is None:
+            super().emit(record)
 
 
 def temporary_path(path: Path) -> Path:
