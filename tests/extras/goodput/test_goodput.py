@@ -26,7 +26,7 @@ from pretraining.errors import ConfigError
 from pretraining.extras.goodput import alerts, cli
 from pretraining.extras.goodput.account import KILLED, account_run, amount
 from pretraining.extras.goodput.callback import Goodput
-from pretraining.extras.goodput.record import RECORD_FILE, SPENT_ON, read_attempts
+from pretraining.extras.goodput.record import RECORD_FILE, SPENT_ON, read_record
 from pretraining.job_status import read_status
 from pretraining.train import train
 
@@ -71,7 +71,7 @@ def report(run: Path, *args: str) -> dict[str, Any]:
 
 
 def alerts_raised(run: Path) -> list[tuple[int, str]]:
-    attempts, _ = read_attempts(run / RECORD_FILE)
+    attempts = read_record(run / RECORD_FILE).attempts
     return [(a.number, line["condition"]) for a in attempts for line in a.lines if line["event"] == "alert"]
 
 
@@ -176,19 +176,19 @@ def test_a_budget_stops_the_run_with_a_checkpoint_and_refuses_its_restart(tmp_pa
     assert f"stopped at step {step} of trainer.max_steps=5000: the run's budget is spent" in output
     assert budget <= report(run)["device_hours"]
     # It stopped at the first logging step past the budget: at the one before, the budget was not spent yet.
-    (attempt,), _ = read_attempts(run / RECORD_FILE)
+    (attempt,) = read_record(run / RECORD_FILE).attempts
     before = [line["t"] for line in attempt.lines if line["event"] == "progress" and line["step"] == step - 10]
     assert step == 10 or (before[0] - attempt.start["started"]) / 3600 < budget
 
     code, output, _ = pretrain(tmp_path, overrides)
     assert code == 1 and "Traceback" not in output
     assert "nothing was started. To continue, raise callbacks.goodput.max_device_hours" in output
-    assert len(read_attempts(run / RECORD_FILE)[0]) == 1  # the refused start is no attempt
+    assert len(read_record(run / RECORD_FILE).attempts) == 1  # the refused start is no attempt
 
     raised = [*run_overrides, f"trainer.max_steps={step + 10}", "callbacks.goodput.max_device_hours=1"]
     code, output, _ = pretrain(tmp_path, raised)
     assert code == 0, output[-3000:]
-    attempts, _ = read_attempts(run / RECORD_FILE)
+    attempts = read_record(run / RECORD_FILE).attempts
     assert [a.start["resumed_from"] for a in attempts] == [None, step]
     assert attempts[-1].cause == "completed"
     # Finished, it is run again with its first budget (spent): it reports the run, nothing refused.
@@ -215,13 +215,13 @@ def test_a_flat_validation_loss_is_alerted_once_and_can_stop_the_run(
     assert len([w for w in warned if "goodput alert" in str(w.message)]) == 1
     assert alerts_raised(tmp_path) == [(1, "no_improvement")]
     assert wandb_alerts == [f"no_improvement ({tmp_path.name})"]
-    assert account_run(read_attempts(tmp_path / RECORD_FILE)[0]).step == 16  # the alert did not stop it
+    assert account_run(read_record(tmp_path / RECORD_FILE).attempts).step == 16  # the alert did not stop it
 
     stopping = tmp_path / "stopping"
     with pytest.warns(UserWarning, match="no_improvement"):
         train(compose_train(*flat, f"paths.output_dir={stopping}", "callbacks.goodput.stop_on=[no_improvement]"))
     # Validations at 0, 2, 4, 6: the fourth after the first finds no improvement; the next logging step stops.
-    (attempt,), _ = read_attempts(stopping / RECORD_FILE)
+    (attempt,) = read_record(stopping / RECORD_FILE).attempts
     assert attempt.cause.startswith("the alert no_improvement (callbacks.goodput.stop_on): val/loss has not")
     (step, _), *_ = saved_checkpoints(stopping / "checkpoints")
     assert step == 10
@@ -247,7 +247,7 @@ def test_a_starved_loader_and_a_slow_device_are_alerted_and_their_time_accounted
     quiet = ["callbacks.goodput.slow_steps=20", "callbacks.goodput.flat_validations=null"]
     with pytest.warns(UserWarning, match="goodput alert, data_wait: the training loop waited for data"):
         train(compose_train(f"trainer.max_steps={steps}", *quiet))
-    got = account_run(read_attempts(tmp_path / RECORD_FILE)[0])
+    got = account_run(read_record(tmp_path / RECORD_FILE).attempts)
     assert steps * delay <= got.spent["data_wait"] < steps * delay + 1.0
     assert alerts_raised(tmp_path) == [(1, "data_wait")]
 
@@ -294,9 +294,9 @@ def test_the_account_of_a_record_written_by_hand(tmp_path: Path) -> None:
     ]
     path = tmp_path / RECORD_FILE
     path.write_text("\n".join(map(json.dumps, lines)) + '\n{"attempt": 2, "ev')  # the last line cut short
-    attempts, skipped = read_attempts(path)
-    got = account_run(attempts)
-    assert skipped == 1
+    record = read_record(path)
+    attempts, got = record.attempts, account_run(record.attempts)
+    assert list(record.damaged) == [6]
     assert [attempt.cause for attempt in attempts] == [None, "SIGTERM"]
     assert got.wall == 55 + 50
     assert got.spent == zero | {"startup": 20, "setup": 10, "training": 60, "saving": 10, "redone": 5}
@@ -322,6 +322,7 @@ def test_a_sweeps_report_gives_each_job_and_the_share_that_completed(tmp_path: P
         (tmp_path / str(job)).mkdir()
         (tmp_path / str(job) / "status.json").write_text(json.dumps({"status": status}))
         end = {"attempt": 1, "event": "end", "t": 11, "step": 5, "spent": zero | {"startup": 1, "training": 10}}
+        end["cause"] = status
         if job != 1:  # the failed job has no record
             (tmp_path / str(job) / RECORD_FILE).write_text(f"{json.dumps(start)}\n{json.dumps(end)}\n")
     (tmp_path / "multirun.yaml").write_text("")

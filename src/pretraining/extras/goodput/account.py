@@ -229,7 +229,7 @@ def lines(account: RunAccount) -> list[str]:
     restarted = [attempt for attempt in account.attempts if attempt.number > 1]
     restore = [attempt.kept["setup"] for attempt in restarted]
     out = [
-        f"step {account.step}" + (f" of {account.max_steps}" if account.max_steps else ""),
+        f"step {account.step}" + (f" of {account.max_steps}" if (account.max_steps or 0) > 0 else ""),
         f"wall time {hours(wall)} over {len(account.attempts)} attempt(s); productive {share(account.productive)}: "
         f"goodput {account.goodput:.1%}",
         f"lost to restarts {share(account.lost_to_restarts)}: start-up and restore of {len(restarted)} restart(s) "

@@ -19,9 +19,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.callbacks.lineage import trainer_lineage
+from pretraining.callbacks.preemption import Preempted
 from pretraining.checkpoint.sidecar import read_sidecar
 from pretraining.data.loader import WaitTimedLoader
-from pretraining.errors import ConfigError
+from pretraining.errors import ConfigError, PretrainingError
 from pretraining.extras.goodput import alerts
 from pretraining.extras.goodput.account import (
     AttemptAccount,
@@ -32,8 +33,17 @@ from pretraining.extras.goodput.account import (
     amount,
 )
 from pretraining.extras.goodput.alerts import Condition
-from pretraining.extras.goodput.record import RECORD_FILE, SPENT_ON, Attempt, RecordWriter, read_attempts
-from pretraining.job_status import read_status
+from pretraining.extras.goodput.record import (
+    LATEST_TIME,
+    RECORD_FILE,
+    SPENT_ON,
+    Attempt,
+    RecordWriter,
+    job_record,
+    number,
+    read_record,
+)
+from pretraining.files import appendable_file
 from pretraining.objectives.step_values import logs_written_at
 from pretraining.ranges import Positive, Range, checked_ranges
 
@@ -103,9 +113,7 @@ class Goodput(Callback):
         self.restarts_per_hour, self.restore_seconds = restarts_per_hour, restore_seconds
         self.stop_on = set(stop_on or ())
         self.may_stop = self.budget < math.inf or bool(self.stop_on)  # else no rank asks the others
-        self.earlier: list[Attempt] = []  # the run's attempts before this one
-        if self.path.is_file():  # read on every rank, before any rank's set-up: rank zero then adds to it
-            self.earlier, _ = read_attempts(self.path)
+        self.earlier = self.read_earlier_attempts()
         self.started = attempt_start_time(Path(dir))
         self.spent_before = account_run(self.earlier).device_hours
         # Refused here, before the loggers start; but a finished run run again only reports its metrics
@@ -132,6 +140,19 @@ class Goodput(Callback):
         self.last_line = 0.0
         self.asking: str | None = None  # why rank zero asks the ranks to stop, until they do
         self.stop_reason: str | None = None  # pretraining.report.StopsTraining
+
+    def read_earlier_attempts(self) -> list[Attempt]:
+        """The run's attempts before this one, read on every rank before any rank's set-up (rank zero then adds to
+        the record); damaged lines are left out, with a warning: a damaged record never stops training. The budget
+        counts the readable attempts' time, never less: no line is read as a NaN, negative or huge time."""
+        appendable_file(self.path, "the goodput record", "move it aside: the run starts a new record")
+        if not self.path.exists():
+            return []
+        record = read_record(self.path)
+        damage = record.damage()
+        if damage:
+            rank_zero_warn(damage)
+        return record.attempts
 
     # Where the time goes: at each hook that begins another activity, the time since the last one is booked
     # to it, less the saves' and data waits' shares (their counters are read then).
@@ -288,7 +309,7 @@ class Goodput(Callback):
             return
         self.book(trainer, "training" if self.in_fit else "other")
         value = trainer.callback_metrics.get(self.monitor)
-        if value is None:
+        if value is None or not math.isfinite(float(value)):  # NaN improves on nothing, and is no value of the record
             self.write(trainer, "validation")
             return
         self.validated[self.step(trainer)] = float(value)
@@ -304,8 +325,14 @@ class Goodput(Callback):
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         # The record stays open: a stop that ends in `report` (a signal in a validation) writes the last line.
-        if self.start is not None:
-            self.write(trainer, "end", cause=f"error: {type(exception).__name__}: {exception}".rstrip(": "))
+        if self.start is None or isinstance(exception, Preempted):
+            return
+        if isinstance(exception, PretrainingError) and not self.worked:  # a refused start is no attempt
+            if self.writer is not None:
+                self.writer.withdraw()
+            self.writer = self.start = None
+            return
+        self.write(trainer, "end", cause=f"error: {type(exception).__name__}: {exception}".rstrip(": "))
 
     def on_run_end(self, trainer: Trainer, stopped_by: str | None) -> list[str]:
         """The run's end (`pretraining.report.HearsTheRunEnd`): the last line of this attempt, and the summary's."""
@@ -390,12 +417,14 @@ def attempt_start_time(run_dir: Path) -> float:
     """When this attempt began. For a `pretrain` job (its status record says this process runs it): the process's
     start, or for a multirun's job after the first the job's own (with Hydra's basic launcher the jobs share a
     process); for a run started otherwise (from Python: a notebook, a test), now."""
-    status = read_status(run_dir)
+    status = job_record(run_dir)
     if status.get("status") != "running" or status.get("pid") != os.getpid():
         return time.time()
     hydra = cast(DictConfig, HydraConfig.get()) if HydraConfig.initialized() else None  # a DictConfig at run time
     later_job = hydra is not None and OmegaConf.select(hydra, "job.num", default=0) > 0
-    return status["started"] if later_job else process_start_time()
+    if later_job:
+        return status["started"] if number(0, LATEST_TIME)(status.get("started")) else time.time()
+    return process_start_time()
 
 
 def process_start_time() -> float:

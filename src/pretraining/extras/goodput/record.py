@@ -13,17 +13,23 @@ time), `step` (optimizer steps done) and `spent`: the seconds since the process 
   stopped training, or the error).
 
 A process killed without warning (SIGKILL, the OOM killer, a lost machine) writes no `end`: its account
-stops at its last line, at most a heartbeat before it died. A line cut short by such a kill is skipped when
-read."""
+stops at its last line, at most a heartbeat before it died. `read_record` checks every line's fields: one cut
+short by such a kill, or damaged by a user, a copy or a disk, is named and left out, never read as a figure.
+The file is appended to where it is: a link, a pipe or a directory in its place is refused (`open_to_append`)."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
+
+from pretraining.files import open_to_append, regular_file
+from pretraining.job_status import read_status
 
 RECORD_FILE = "goodput.jsonl"
 # What a process's seconds go to: start-up (from the process's start to the trainer's set-up: imports,
@@ -32,6 +38,64 @@ RECORD_FILE = "goodput.jsonl"
 # steps' waits on checkpoint writes); data wait (the training loop's waits on its next batch); other (between
 # the trainer's stages, the end of the run).
 SPENT_ON = ("startup", "setup", "training", "validation", "saving", "data_wait", "other")
+# Bounds beyond any real run: a value outside them is damage, never a figure (a 1e300 `t` would print as a
+# 150-digit count of hours, and a NaN or negative one would undo the budget).
+LATEST_TIME = 1e11  # seconds: a Unix time before the year 5100, and any duration
+MOST_STEPS = 10**15
+MOST_DEVICES = 10**7
+HIGHEST_PRICE = 1e12
+MOST_SHOWN = 5  # damaged lines named in a warning
+# The clock may read a little behind the sum of the seconds it booked (float rounding).
+SLACK_SECONDS = 1e-3
+
+Check = Callable[[Any], bool]
+
+
+def number(low: float, high: float) -> Check:
+    """A JSON number within [low, high]: NaN and the infinities are outside every such range."""
+    return lambda value: type(value) in (int, float) and low <= value <= high
+
+
+def whole(low: int, high: int) -> Check:
+    return lambda value: type(value) is int and low <= value <= high
+
+
+def text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def spent(value: Any) -> bool:
+    """Seconds by what they went to: a mapping whose known keys are durations (one missing counts 0)."""
+    seconds = number(0, LATEST_TIME)
+    return isinstance(value, dict) and all(seconds(value[name]) for name in SPENT_ON if name in value)
+
+
+def nullable(check: Check) -> Check:
+    return lambda value: value is None or check(value)
+
+
+# Each event's fields: (what they must be, whether a line must have them); fields not named are not read.
+EVERY_LINE = {
+    "attempt": (whole(1, MOST_STEPS), True),
+    "t": (number(0, LATEST_TIME), True),
+    "step": (whole(0, MOST_STEPS), True),
+    "spent": (spent, True),
+}
+FIELDS: dict[str, dict[str, tuple[Check, bool]]] = {
+    "start": {
+        "started": (number(0, LATEST_TIME), True),
+        "devices": (whole(1, MOST_DEVICES), False),
+        "resumed_from": (nullable(whole(0, MOST_STEPS)), False),
+        "max_steps": (nullable(whole(-1, MOST_STEPS)), False),
+        "device_hour": (nullable(number(0, HIGHEST_PRICE)), False),
+        "host": (text, False),
+        "device": (text, False),
+    },
+    "progress": {},
+    "validation": {"value": (number(-sys.float_info.max, sys.float_info.max), False)},
+    "alert": {"condition": (text, True)},
+    "end": {"cause": (text, True)},
+}
 
 
 @dataclass
@@ -55,37 +119,98 @@ class Attempt:
         return self.last.get("cause") if self.last["event"] == "end" else None
 
 
-def read_attempts(path: Path) -> tuple[list[Attempt], int]:
-    """The attempts recorded in `path`, in order, and the number of lines skipped as unreadable (cut short
-    by a kill). Lines before the first `start` belong to no attempt and are skipped too."""
+@dataclass
+class Record:
+    """A record read back: its attempts, in order, and its damaged lines (numbered from 1), each with what is wrong."""
+
+    path: Path
+    attempts: list[Attempt]
+    damaged: dict[int, str]
+
+    def damage(self) -> str | None:
+        """The damaged lines in words (None if there are none): which, and the first one's fault."""
+        if not self.damaged:
+            return None
+        numbers = list(self.damaged)
+        more = len(numbers) - MOST_SHOWN
+        shown = ", ".join(map(str, numbers[:MOST_SHOWN])) + (f" and {more} more" if more > 0 else "")
+        return (
+            f"{self.path}: {len(numbers)} damaged line(s) left out of the account and the budget (line {shown}; "
+            f"line {numbers[0]}: {self.damaged[numbers[0]]}); to start the record afresh, move it aside"
+        )
+
+
+def read_record(path: Path) -> Record:
+    """The record at `path` (refused if something other than a file is there), every line checked: a line that is not
+    JSON (cut short by a kill), lacks a field, has one of the wrong type or out of range, belongs to no attempt, or
+    goes back in time is damaged, and left out. No line makes it raise: a damaged record never stops training."""
+    regular_file(path, "the goodput record", "move it aside: the run starts a new record")
     attempts: list[Attempt] = []
-    skipped = 0
-    for text in path.read_text(errors="replace").splitlines():
-        try:
-            line = json.loads(text)
-        except json.JSONDecodeError:
-            skipped += 1
-            continue
-        if not isinstance(line, dict) or "event" not in line:
-            skipped += 1
+    damaged: dict[int, str] = {}
+    for index, written in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        line, problem = parsed(written)
+        problem = problem or fault(line, attempts[-1] if attempts else None)
+        if problem:
+            damaged[index] = problem
         elif line["event"] == "start":
             attempts.append(Attempt(line, []))
-        elif attempts and line.get("attempt") == attempts[-1].number:
-            attempts[-1].lines.append(line)
         else:
-            skipped += 1
-    return attempts, skipped
+            attempts[-1].lines.append(line)
+    return Record(path, attempts, damaged)
+
+
+def parsed(line: str) -> tuple[Any, str | None]:
+    """A line's JSON value, or what stops it being read."""
+    try:
+        return json.loads(line), None
+    except (ValueError, RecursionError):  # not JSON, an integer of thousands of digits, nesting past the stack
+        return None, "not JSON (cut short by a kill?)"
+
+
+def fault(line: Any, attempt: Attempt | None) -> str | None:
+    """What is wrong with a parsed `line` coming after `attempt` (the last one so far), or None."""
+    if not isinstance(line, dict) or not isinstance(line.get("event"), str) or line["event"] not in FIELDS:
+        return f"not a line of the record (an event: {', '.join(FIELDS)})"
+    for name, (check, required) in (EVERY_LINE | FIELDS[line["event"]]).items():
+        if name not in line and required:
+            return f"no {name!r}"
+        if name in line and not check(line[name]):
+            return f"its {name!r} is of the wrong type or out of range"
+    if line["event"] == "start":
+        started = line["started"]
+    elif attempt is None or line["attempt"] != attempt.number:
+        return f"a line of attempt {line['attempt']}, whose start is not in the record"
+    elif line["t"] < attempt.last["t"]:
+        return "earlier than the line before it"
+    else:
+        started = attempt.start["started"]
+    if line["t"] < started:
+        return "earlier than its attempt's start"
+    if sum(line["spent"].get(name, 0.0) for name in SPENT_ON) > line["t"] - started + SLACK_SECONDS:
+        return "more seconds spent than passed since its attempt started"
+    return None
+
+
+def job_record(run_dir: Path) -> dict[str, Any]:
+    """The run's status record (`pretraining.job_status`), or nothing where its status.json is damaged: the goodput
+    extra only reads it."""
+    try:
+        record = read_status(run_dir)
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return record if isinstance(record, dict) else {}
 
 
 class RecordWriter:
     """Appends lines to a run's record, each flushed as written (a kill loses at most the line being
-    written; `read_attempts` skips it). A write the file system refuses stops the record with a warning, not
+    written; `read_record` skips it). A write the file system refuses stops the record with a warning, not
     the run."""
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        torn = path.is_file() and path.stat().st_size > 0 and last_byte(path) != b"\n"
-        self.file: IO[str] = path.open("a")
+        self.path, self.length = path, path.stat().st_size if path.is_file() else None
+        torn = bool(self.length) and last_byte(path) != b"\n"
+        self.file: IO[str] = open_to_append(path, "the goodput record", "move it aside: the run starts a new record")
         if torn:  # the last process died mid-line: this one starts on a line of its own
             self.file.write("\n")
 
@@ -98,6 +223,15 @@ class RecordWriter:
         except OSError as error:
             warnings.warn(f"{self.file.name}: {error}; the goodput record stops here", stacklevel=2)
             self.file.close()
+
+    def withdraw(self) -> None:
+        """Take back every line this writer wrote (a refused start is no attempt): the record as it was found, or
+        none if there was none."""
+        self.file.close()
+        if self.length is None:
+            self.path.unlink(missing_ok=True)
+        else:
+            os.truncate(self.path, self.length)
 
     def close(self) -> None:
         self.file.close()

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pretraining.extras.goodput.account import account_run, amount, hours, lines
-from pretraining.extras.goodput.record import RECORD_FILE, read_attempts
+from pretraining.extras.goodput.record import RECORD_FILE, job_record, read_record, whole
 from pretraining.job_status import current_status
 from pretraining.run_lock import STATUS_FILE
 
@@ -16,18 +16,28 @@ def is_run(path: Path) -> bool:
     return any((path / name).exists() for name in (RECORD_FILE, STATUS_FILE, "checkpoints"))
 
 
+def run_status(run: Path) -> str:
+    """The run's status (`current_status`: a `running` one whose process is gone reads `interrupted`), or `unknown`
+    where its status.json is damaged."""
+    record = job_record(run)
+    status, pid = record.get("status"), record.get("pid")
+    if not isinstance(status, str) or (status == "running" and not whole(1, 2**31)(pid)):  # a process id
+        return f"unknown ({STATUS_FILE} is damaged)"
+    return str(current_status(run)["status"])
+
+
 def run_report(run: Path, device_hour: float | None) -> tuple[list[str], dict[str, Any]]:
     """A run's account in words and as JSON values; for a run without a record, what it cannot account for."""
-    status = current_status(run)["status"]
-    if not (run / RECORD_FILE).is_file():
+    status = run_status(run)
+    if not (run / RECORD_FILE).exists():
         note = (
             f"{run} has no {RECORD_FILE}: the run's time, restarts and cost cannot be accounted for (it ran "
             "without the goodput extra, or with callbacks=none, or before version 0.9.1)"
         )
         return [f"{run}: {status}", f"not accounted for: {note}"], {"status": status, "unaccounted": [note]}
-    attempts, skipped = read_attempts(run / RECORD_FILE)
-    notes = [f"{skipped} unreadable line(s) of {RECORD_FILE} skipped (cut short by a kill)"] if skipped else []
-    account = account_run(attempts, device_hour, notes)
+    record = read_record(run / RECORD_FILE)
+    damage = record.damage()
+    account = account_run(record.attempts, device_hour, [damage] if damage else [])
     return [f"{run}: {status}", *lines(account)], {"status": status} | account.as_dict()
 
 
