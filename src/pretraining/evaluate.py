@@ -13,6 +13,7 @@ those you trust: `trusted_targets=[my_project.objectives]`.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,8 @@ import torch
 from lightning.pytorch import Trainer
 from omegaconf import DictConfig
 
+from pretraining.callbacks.numerics import NumericalError, nonfinite_validation
+from pretraining.callbacks.text_sample import NO_SAMPLE, sample_text
 from pretraining.data.manifest import Manifest
 from pretraining.instantiate import build
 from pretraining.objectives.base import PretrainingObjective, logged_values
@@ -56,7 +59,8 @@ def build_from_checkpoint(
 
 
 def evaluate(cfg: DictConfig) -> dict[str, Any]:
-    """Validation metrics of `cfg.ckpt_path` and a sample, also written to metrics.json."""
+    """Validation metrics of `cfg.ckpt_path` and a sample, also written to metrics.json (a non-finite value as null);
+    a validation with non-finite values then raises `NumericalError`."""
     check_schema(cfg, EvalSettings, "configs/eval.yaml")
     set_up_messages(cfg.quiet)
     checkpoint = load_checkpoint(cfg.ckpt_path)
@@ -64,6 +68,7 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     overrides["trust_pipe_commands"] = cfg.trust_pipe_commands  # the command line's word, never the stored one
     trusted = list(cfg.trusted_targets)
     model, datamodule = build_from_checkpoint(checkpoint, str(cfg.ckpt_path), overrides, cfg.tokenizer_path, trusted)
+    model.restored_step = checkpoint["global_step"]  # the step its messages name
     trainer = Trainer(accelerator=cfg.accelerator, devices=1, logger=False, enable_checkpointing=False)
     # One result per validation loader (a mixture has one per source), each holding every metric: the objective
     # logs them all at the epoch's end.
@@ -72,13 +77,24 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     result: dict[str, Any] = {"checkpoint": str(cfg.ckpt_path), "step": checkpoint["global_step"], **metrics}
     if cfg.prompt and isinstance(model, CausalLM):
         torch.manual_seed(cfg.seed)
-        result["sample"] = model.complete(
-            datamodule.tokenizer, cfg.prompt, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k
+        result["sample"] = sample_text(
+            model, datamodule.tokenizer, cfg.prompt, cfg.max_new_tokens, temperature=cfg.temperature, top_k=cfg.top_k
         )
     if datamodule.data_version != checkpoint["lineage"]["data_version"]:
         result["note"] = "evaluated on a different data version than the checkpoint was trained on"
     out = Path(cfg.paths.output_dir) / "metrics.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.write_text(json.dumps({key: json_value(value) for key, value in result.items()}, indent=2) + "\n")
     for key, value in result.items():
-        print(f"{key}: {value}" if key != "sample" else f"sample:\n{'-' * 60}\n{value}\n{'-' * 60}")
+        print(f"{key}: {value}" if key != "sample" else f"sample:\n{'-' * 60}\n{value or NO_SAMPLE}\n{'-' * 60}")
+    nonfinite = nonfinite_validation(metrics)
+    if nonfinite:
+        raise NumericalError(
+            f"{cfg.ckpt_path}: the validation gave non-finite values {nonfinite} (written to {out} as null): the "
+            f"checkpoint's weights, or its settings, make NaN or infinite values, so it has no result to compare"
+        )
     return result
+
+
+def json_value(value: Any) -> Any:
+    """A value for strict JSON: a non-finite number as null (JSON has no NaN)."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value

@@ -12,6 +12,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from pretraining.callbacks.data_counts import DataCounts
+from pretraining.callbacks.numerics import check_result
 from pretraining.checkpoint import storage_faults_stop_the_run
 from pretraining.instantiate import build
 from pretraining.launch import distributed_job, is_rank_zero_process
@@ -37,11 +38,12 @@ from pretraining.run_lock import own_run_directory
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Train as `cfg` says, continuing the run if it has a checkpoint; return the final metrics, or exit 128 + the
-    signal number if a signal stopped training (after saving)."""
+    signal number if a signal stopped training (after saving). A run with no finite result raises `NumericalError`
+    (`check_result`)."""
     check_config(cfg)
     prepare_process(cfg)
     fit_schedule(cfg)  # a smoke run shorter than the default warmup (or wsd decay)
-    checkpoints = Path(cfg.paths.checkpoint_dir)
+    run_dir, checkpoints = Path(cfg.paths.output_dir), Path(cfg.paths.checkpoint_dir)
     resume = checkpoint_to_resume(cfg.resume, cfg.ckpt_path, checkpoints)
     tokenizer = build(cfg.tokenizer)
     check_example_lengths(cfg, tokenizer)
@@ -49,20 +51,22 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model = build_objective(cfg.model, datamodule.format)
     describe_model(model)
     if cfg.resume == "never":
-        start_over(Path(cfg.paths.output_dir))  # only now: a start refused above leaves the earlier run in place
+        start_over(run_dir)  # only now: a start refused above leaves the earlier run in place
     lineage = run_lineage(cfg, datamodule, resume)
     # Lineage stamps the checkpoints; DataCounts keeps to the bad-data policy and logs what the data gave.
     trainer = build_trainer(cfg, datamodule, callbacks=[lineage, DataCounts()])
     if resume:
         check_resume(trainer, datamodule, model, resume, list(cfg.resume_allow))
-        schedule = cfg.model.get("schedule", "cosine")
-        if finished(resume, checkpoints, cfg.trainer.max_steps, schedule):  # before a logger starts a run
-            return dict(resume.sidecar["validation"])
+    if resume and finished(resume, checkpoints, cfg.trainer.max_steps, cfg.model.get("schedule", "cosine")):
+        metrics = dict(resume.sidecar["validation"])  # before a logger starts a run
+        check_result(metrics, resume.sidecar["step"])
+        return metrics
     log_hyperparameters(trainer, lineage)
     validate_first = validation_owed(trainer, resume, checkpoints) if resume else cfg.validate_before_training
     with storage_faults_stop_the_run(checkpoints):
         metrics = fit(trainer, model, datamodule, validate_first, resume, not cfg.quiet)
     report(trainer, metrics)
+    check_result(metrics, trainer.global_step)  # after the summary, which shows the values
     return metrics
 
 

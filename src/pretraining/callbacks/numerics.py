@@ -1,11 +1,12 @@
 """Numerical faults: skip an optimizer step whose loss or gradient norm is not finite, stop after
-too many in a row, and log loss spikes."""
+too many in a row, log loss spikes, and fail a run whose result is not a number (`check_result`)."""
 
 from __future__ import annotations
 
 import json
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Annotated, Any
@@ -19,12 +20,13 @@ from torch.optim import Optimizer
 from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.errors import PretrainingError
-from pretraining.objectives.base import PretrainingObjective
+from pretraining.objectives.base import NONFINITE_BATCHES, PretrainingObjective
 from pretraining.ranges import Range, checked_ranges
 
 
 class NumericalError(RuntimeError, PretrainingError):
-    """Training stopped on consecutive non-finite steps; the message names them, the newest checkpoint, the fix."""
+    """Training stopped on consecutive non-finite steps, or a run or evaluation ended with no finite result; the
+    message names them, what was kept, the fix."""
 
 
 @dataclass
@@ -186,6 +188,34 @@ class NumericalGuard(Callback):
         self.bad_in_a_row, self.first_bad_step = state_dict["bad_in_a_row"], state_dict["first_bad_step"]
         # The window is the config's: a run continued with another one keeps the statistics so far.
         self.statistics = LossStatistics(self.statistics.window, **state_dict["loss_statistics"])
+
+
+def check_result(metrics: Mapping[str, float], steps: int) -> None:
+    """Fail a run whose result no reader or sweep may take for a number: its last validation gave a non-finite
+    value, or every one of its `steps` steps was skipped as non-finite (`train/skipped_steps`: untrained weights)."""
+    reasons = []
+    if steps and metrics.get("train/skipped_steps", 0) >= steps:
+        reasons.append(f"every one of its {steps} steps had a non-finite loss or gradient norm and was skipped")
+    nonfinite = nonfinite_validation(metrics)
+    if nonfinite:
+        reasons.append(f"its last validation gave non-finite values {nonfinite}")
+    if reasons:
+        raise NumericalError(
+            f"the run failed: {'; '.join(reasons)}: it has no result (a sweep is given none). Likely causes: "
+            f"a setting that makes every loss NaN (a model.backbone value), a learning rate too high "
+            f"(model.optimizer.lr), float16 overflow (trainer.precision=bf16-mixed), or a checkpoint with non-finite "
+            f"weights; change it and start over with resume=never"
+        )
+
+
+def nonfinite_validation(metrics: Mapping[str, float]) -> str | None:
+    """Where a validation's metrics show non-finite values (`in N of its batches: val/loss, ...`), or None."""
+    names = [name for name, value in sorted(metrics.items()) if name.startswith("val/") and not math.isfinite(value)]
+    batches = int(metrics.get(f"val/{NONFINITE_BATCHES}", 0))
+    if not names and not batches:
+        return None
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    return f"in {batches} of its batches" + (f": {shown}" if shown else "")
 
 
 def learning_rates(optimizer: Optimizer) -> dict[str, float]:

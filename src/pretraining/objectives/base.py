@@ -10,12 +10,13 @@ A new objective subclasses `PretrainingObjective` with `training_loss`, its vali
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Annotated, Any, ClassVar, NamedTuple, cast
 
 import torch
 from lightning.pytorch import Callback, LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from omegaconf import OmegaConf
 from torch import nn
@@ -39,11 +40,15 @@ from pretraining.ranges import Range, checked_ranges
 WarmupSteps = Annotated[int, Range(ge=0)]
 LRRatio = Annotated[float, Range(ge=0, le=1)]
 DecaySteps = Annotated[int, Range(ge=1)]
+# The validation batches (over ranks and sources) in which a value the objective accumulates was NaN or infinite:
+# logged as `val/nonfinite_batches` by every objective, the unit its metrics are updated in.
+NONFINITE_BATCHES = "nonfinite_batches"
 
 
 def sums(*names: str) -> dict[str, Metric]:
-    """Float64 running sums, reduced over ranks by addition."""
-    return {name: SumMetric().set_dtype(torch.float64) for name in names}
+    """Float64 running sums, reduced over ranks by addition. A NaN is summed like any value (torchmetrics' default
+    drops it, so a validation with NaN batches would read lower than the model is): the sum is NaN."""
+    return {name: SumMetric(nan_strategy="disable").set_dtype(torch.float64) for name in names}
 
 
 class BatchWork(NamedTuple):
@@ -76,6 +81,7 @@ class PretrainingObjective(LightningModule):
         self.schedule, self.decay_steps = schedule, decay_steps  # decay_steps: the wsd schedule's
         self.validation_state = nn.ModuleDict(validation_state or {})
         self.validation_states = nn.ModuleList([self.validation_state])  # one per data source validated
+        self.nonfinite_counts = nn.ModuleList(sums(NONFINITE_BATCHES).values())  # one per source too
         # Not `self.compile`: that is nn.Module's method.
         self.compile_blocks, self.model_configured = compile, False
         self.restored_step = 0  # the step of the checkpoint restored into this module, if any
@@ -154,21 +160,30 @@ class PretrainingObjective(LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         states = self.source_states(dataloader_idx)
-        for name, value in self.validation_update(batch).items():
+        update = self.validation_update(batch)
+        for name, value in update.items():
             cast(Metric, states[name]).update(value)
+        cast(Metric, self.nonfinite_counts[dataloader_idx]).update(any_nonfinite(update.values()))
 
     def source_states(self, source: int) -> nn.ModuleDict:
         """The validation states of a mixture's `source`-th source, made on first use as emptied copies of
-        `validation_state` (the first's), in training mode: Lightning warns of modules left in eval mode."""
+        `validation_state` (the first's), in training mode: Lightning warns of modules left in eval mode; and its
+        count of non-finite batches."""
         while len(self.validation_states) <= source:
             states = copy.deepcopy(self.validation_state).train()
             for metric in states.values():
                 cast(Metric, metric).reset()
             self.validation_states.append(states)
+            count = cast(Metric, copy.deepcopy(self.nonfinite_counts[0]).train())  # on the first's device
+            count.reset()
+            self.nonfinite_counts.append(count)
         return cast(nn.ModuleDict, self.validation_states[source])
 
     def on_validation_epoch_end(self) -> None:
-        per_source = [self.computed_metrics(cast(nn.ModuleDict, states)) for states in self.validation_states]
+        per_source = [
+            self.computed_metrics(cast(nn.ModuleDict, states), cast(Metric, count))
+            for states, count in zip(self.validation_states, self.nonfinite_counts, strict=True)
+        ]
         if len(per_source) == 1:
             metrics = per_source[0]
         else:  # each source's, and their mean weighted as the mixture weighs them (weight 0 left out)
@@ -179,24 +194,39 @@ class PretrainingObjective(LightningModule):
             metrics = {
                 name: torch.stack([weight * values[name] for weight, values in weighted]).sum() / total
                 for name in weighted[0][1]
-                if all(name in values for _, values in weighted)
+                if all(name in values for _, values in weighted) and name != NONFINITE_BATCHES
             }
             for source, values in zip(data.sources, per_source, strict=True):
                 metrics |= {f"{source.name}/{name}": value for name, value in values.items()}
+            metrics[NONFINITE_BATCHES] = torch.stack([values[NONFINITE_BATCHES] for values in per_source]).sum()
+        self.warn_if_nonfinite(int(metrics[NONFINITE_BATCHES]))
         metrics = {f"val/{name}": value for name, value in metrics.items()}
+        counts = {name: metrics.pop(name) for name in list(metrics) if name.endswith(NONFINITE_BATCHES)}
         # Already global: the max over ranks of the same value is that value, and Lightning does not warn.
         self.log_dict(metrics, prog_bar=True, sync_dist=True, reduce_fx="max")
+        self.log_dict(counts, sync_dist=True, reduce_fx="max")  # off the progress bar, where 0 would say nothing
         # Logged at the step of the weights validated (Lightning's `step` key), wherever the validation runs.
         self.log("step", float(self.trained_steps), sync_dist=True, reduce_fx="max")
         self.last_validated_step = self.trained_steps
 
-    def computed_metrics(self, states: nn.ModuleDict) -> dict[str, torch.Tensor]:
-        """The validation metrics of one source's states, reduced over ranks; the states start afresh."""
+    def warn_if_nonfinite(self, batches: int) -> None:
+        """Say that `batches` validation batches gave non-finite values, if any did."""
+        if batches:
+            rank_zero_warn(
+                f"validation of step {self.trained_steps}: NaN or infinite values in {batches} of its batches "
+                f"(val/{NONFINITE_BATCHES}), so val/loss is NaN or infinite, never lower: the weights, or a setting, "
+                f"make non-finite values"
+            )
+
+    def computed_metrics(self, states: nn.ModuleDict, nonfinite: Metric) -> dict[str, torch.Tensor]:
+        """The validation metrics of one source's states and its count of non-finite batches, reduced over ranks;
+        states and count start afresh."""
         metrics = {name: cast(Metric, metric) for name, metric in states.items()}
         totals = {name: metric.compute() for name, metric in metrics.items()}
-        for metric in metrics.values():
+        computed = self.validation_metrics(totals) | {NONFINITE_BATCHES: nonfinite.compute()}
+        for metric in [*metrics.values(), nonfinite]:
             metric.reset()
-        return {name: value.float() for name, value in self.validation_metrics(totals).items()}
+        return {name: value.float() for name, value in computed.items()}
 
     def configure_optimizers(self) -> OptimizerLRSchedulerConfig:
         # trainer.max_steps is above warmup_steps (+ decay_steps): see pretraining.run.fit_schedule
@@ -225,6 +255,12 @@ class PretrainingObjective(LightningModule):
 def logged_values(metrics: Mapping[str, Any]) -> dict[str, float]:
     """Logged metrics (`trainer.callback_metrics`) as floats, without the `step` key of validation rows."""
     return {name: float(value) for name, value in metrics.items() if name != "step"}
+
+
+def any_nonfinite(values: Iterable[torch.Tensor]) -> torch.Tensor | float:
+    """1 if any of the floating-point `values` holds a NaN or an infinity, else 0, on their device (no host sync)."""
+    flags = [~value.isfinite().all() for value in values if value.is_floating_point()]
+    return torch.stack(flags).any().double() if flags else 0.0
 
 
 @contextmanager
