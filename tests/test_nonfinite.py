@@ -1,6 +1,7 @@
 """A NaN run never looks like the best run: a validation with non-finite values reads NaN (never lower) and counts
 them (`val/nonfinite_batches`), with torchmetrics' own classes; a run with no finite result fails (exit status,
-status.json, no value for a sweeper), and so does its evaluation, without a traceback."""
+status.json, no value for a sweeper), and so does its evaluation, without a traceback; a refused re-run leaves the
+records of the run it refused as they were."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from pretraining.callbacks.numerics import NumericalError, check_result
 from pretraining.models.transformer import Transformer
 from pretraining.objectives.base import PretrainingObjective
 from pretraining.objectives.causal_lm import CausalLM
-from pretraining.run_lock import STATUS_FILE
+from pretraining.run_lock import CONFIG_COPIES, STATUS_FILE
 from test_contrastive import pair_batch, tiny_contrastive
 from test_resume import TEST_ENV, pretrain_command, run_dir
 
@@ -164,3 +165,17 @@ def test_the_nan_run_again_and_its_evaluation_fail_without_a_traceback(tmp_path:
     (written,) = (tmp_path / "eval" / "runs").glob("*/metrics.json")
     result = strict_json(written)
     assert result["val/loss"] is None and result["val/nonfinite_batches"] == 1 and result["sample"] is None
+
+
+def test_a_refused_rerun_leaves_the_records_of_the_completed_run_as_they_were(tmp_path: Path, shard_dir: Path) -> None:
+    run = [f"data.dir={shard_dir}", "trainer.max_steps=2", "trainer.val_check_interval=2"]
+    assert pretrain(tmp_path, "done", *run, "callbacks.checkpoint.every_n_steps=2").returncode == 0
+    directory = run_dir(tmp_path, "done")
+    records = [directory / STATUS_FILE, *sorted((directory / CONFIG_COPIES).iterdir())]
+    before = {path: path.read_bytes() for path in records}
+    assert json.loads(before[directory / STATUS_FILE])["status"] == "completed"
+    # Another global batch does not fit the run's checkpoint: refused before any work.
+    refused = pretrain(tmp_path, "done", *run, "callbacks.checkpoint.every_n_steps=2", "data.global_batch_size=8")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert "global_batch_size" in refused.stderr
+    assert {path: path.read_bytes() for path in records} == before  # it turned `failed`, with the refused config

@@ -1,7 +1,9 @@
 """Every job's outcome in `<run dir>/status.json`, written by a Hydra callback (configs/hydra/default.yaml): `running`
 at the start, then `completed` (with the sweeper's value), `failed` (with the error), or `stopped` before
 `trainer.max_steps` (`record_stop`). Schedulers, people and the sweeps extra read it. The callback also writes the
-`.hydra/` config copies (`hydra.output_subdir` is null, so Hydra would write them before any lock), under the lock."""
+`.hydra/` config copies (`hydra.output_subdir` is null, so Hydra would write them before any lock), under the lock.
+A job that ends before its work begins (`work_begins`: a refused re-run of a finished run) puts back the records of
+the run it found, as they were."""
 
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ class RecordJobStatus(Callback):
     # in use neither rewrites its records nor marks it failed, nor remakes a refused command's removed directory.
     lock: RunLock | None = None
 
+    def __init__(self) -> None:
+        self.found: dict[Path, bytes] = {}  # the records of the run in the job's directory when the job started
+
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if not is_rank_zero_process():
             return
@@ -38,6 +43,8 @@ class RecordJobStatus(Callback):
             self.lock = acquire(job_dir)
         except RunLockedError:  # the job itself stops with it
             return
+        WORKING.discard(job_dir.resolve())
+        self.found = run_records(job_dir)
         save_job_config(job_dir, config)
         write_status(
             job_dir, {"status": "running", "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
@@ -51,7 +58,11 @@ class RecordJobStatus(Callback):
             return
         try:
             job_dir = Path(config.hydra.runtime.output_dir)
-            if job_dir.is_dir():
+            began = job_dir.resolve() in WORKING
+            WORKING.discard(job_dir.resolve())
+            if job_return.status != JobStatus.COMPLETED and not began and Path(STATUS_FILE) in self.found:
+                put_back(job_dir, self.found)  # refused before touching the run: its record stays the run's
+            elif job_dir.is_dir():
                 record = read_status(job_dir)
                 ended = outcome(job_return)
                 if record["status"] == "stopped" and ended["status"] == "completed":
@@ -59,6 +70,28 @@ class RecordJobStatus(Callback):
                 write_status(job_dir, {**record, **ended, "finished": time.time()})
         finally:
             release(lock)
+
+
+# The run directories (resolved) whose job, in this process, passed its checks and began its work.
+WORKING: set[Path] = set()
+
+
+def work_begins(job_dir: Path) -> None:
+    """Say that the job in `job_dir` passed its checks and now works on the run there (`pretraining.train`): from
+    here its failure is the run's, recorded as `failed`; before, a failure leaves an earlier run's records as found."""
+    WORKING.add(job_dir.resolve())
+
+
+def run_records(job_dir: Path) -> dict[Path, bytes]:
+    """The status record and config copies in `job_dir` (by relative path), as bytes; none in a new directory."""
+    paths = [job_dir / STATUS_FILE, *sorted((job_dir / CONFIG_COPIES).glob("*"))]
+    return {path.relative_to(job_dir): path.read_bytes() for path in paths if path.is_file()}
+
+
+def put_back(job_dir: Path, records: dict[Path, bytes]) -> None:
+    """Write `run_records`' records back into `job_dir`, as they were."""
+    for name, content in records.items():
+        write_atomically(job_dir / name, content)
 
 
 def save_job_config(job_dir: Path, config: DictConfig) -> None:

@@ -15,6 +15,7 @@ from pretraining.callbacks.data_counts import DataCounts
 from pretraining.callbacks.numerics import check_result
 from pretraining.checkpoint import storage_faults_stop_the_run
 from pretraining.instantiate import build
+from pretraining.job_status import work_begins
 from pretraining.launch import distributed_job, is_rank_zero_process
 from pretraining.objectives.base import build_objective
 from pretraining.report import report
@@ -39,7 +40,7 @@ from pretraining.run_lock import own_run_directory
 def train(cfg: DictConfig) -> dict[str, float]:
     """Train as `cfg` says, continuing the run if it has a checkpoint; return the final metrics, or exit 128 + the
     signal number if a signal stopped training (after saving). A run with no finite result raises `NumericalError`
-    (`check_result`)."""
+    (`check_result`); a start refused before its work leaves the run's status record as it was (`work_begins`)."""
     check_config(cfg)
     prepare_process(cfg)
     fit_schedule(cfg)  # a smoke run shorter than the default warmup (or wsd decay)
@@ -51,12 +52,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model = build_objective(cfg.model, datamodule.format)
     describe_model(model)
     if cfg.resume == "never":
+        work_begins(run_dir)  # the earlier run's outputs go aside: its record describes them no more
         start_over(run_dir)  # only now: a start refused above leaves the earlier run in place
     lineage = run_lineage(cfg, datamodule, resume)
     # Lineage stamps the checkpoints; DataCounts keeps to the bad-data policy and logs what the data gave.
     trainer = build_trainer(cfg, datamodule, callbacks=[lineage, DataCounts()])
     if resume:
         check_resume(trainer, datamodule, model, resume, list(cfg.resume_allow))
+    work_begins(run_dir)
     if resume and finished(resume, checkpoints, cfg.trainer.max_steps, cfg.model.get("schedule", "cosine")):
         metrics = dict(resume.sidecar["validation"])  # before a logger starts a run
         check_result(metrics, resume.sidecar["step"])
