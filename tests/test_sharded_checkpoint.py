@@ -22,6 +22,7 @@ from hydra import compose, initialize_config_dir
 
 from conftest import tiny_run
 from pretraining.checkpoint import CheckpointError, newest_verified, prune, saved_checkpoints, sidecar_path, verify
+from pretraining.checkpoint.lineage import read_lineage
 from pretraining.checkpoint.sharded import load_sharded, publish_sharded
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError, MissingFileError
@@ -178,7 +179,7 @@ def no_complete_sharded(tmp_path: Path) -> list[tuple[Path, str]]:
 
 def test_an_incomplete_sharded_checkpoint_or_one_holding_no_file_is_refused_before_it_is_read(tmp_path: Path) -> None:
     for path, message in no_complete_sharded(tmp_path):
-        for read in (load_checkpoint, load_sharded, verify):
+        for read in (load_checkpoint, load_sharded, verify, read_lineage):  # read_lineage: pretrain-info's
             with pytest.raises((CheckpointError, MissingFileError), match=message):
                 read(path)
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pretraining.checkpoint.sidecar import SHARDED_META
+from pretraining.checkpoint.sidecar import SHARDED_META, complete_sharded
 from pretraining.checkpoint.weights_only import load_weights_only
 from pretraining.errors import ConfigError, MissingFileError
 from pretraining.files import regular_file
@@ -36,7 +36,7 @@ def read_lineage(path: Path) -> dict[str, Any]:
     """The lineage record of a checkpoint file or sharded directory, without loading its tensors."""
     path = existing_checkpoint(path)
     sharded = path.is_dir()  # its meta.pt holds the lineage; the shards are not read
-    source = path / SHARDED_META if sharded else path
+    source = complete_sharded(path) / SHARDED_META if sharded else path
     return lineage_of(load_weights_only(source, mmap=not sharded), path)
 
 

@@ -27,7 +27,8 @@ def sidecar_path(path: Path) -> Path:
 
 def read_sidecar(path: Path) -> Any:
     """The record of a checkpoint's sidecar, parsed (not verified: see `verify`)."""
-    return json.loads(sidecar_path(path).read_text())
+    sidecar = regular_file(sidecar_path(path), "checkpoint sidecar", "use another checkpoint")
+    return json.loads(sidecar.read_text())
 
 
 def write_sidecar(path: Path, record: dict[str, Any]) -> None:
