@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from pretraining.checkpoint import saved_checkpoints
@@ -91,7 +91,7 @@ def read_job(job_dir: Path) -> Job:
     )
 
 
-def peak_rates(config: DictConfig) -> dict[str, float]:
+def peak_rates(config: DictConfig | ListConfig) -> dict[str, float]:
     """The peak LRs of a job's config (RATES), each times the optimizer's `lr_scale`; a rate whose value is not
     a number here (an interpolation this process cannot resolve) is left out."""
     rates = {}
