@@ -124,16 +124,27 @@ def record_stop(job_dir: Path, step: int, stopped_by: str) -> None:
 
 
 def read_status(job_dir: Path) -> dict[str, Any]:
-    """The job's status record as written; `unknown` where it has none."""
+    """The job's status record as written; `unknown` where it has none, `damaged` where it is no record with a status
+    (a torn copy, a user's edit): readers go on, and the job's next write replaces it."""
     path = job_dir / STATUS_FILE
-    return json.loads(path.read_text()) if path.is_file() else {"status": "unknown"}
+    if not path.is_file():
+        return {"status": "unknown"}
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return {"status": "damaged"}
+    return record if isinstance(record, dict) and isinstance(record.get("status"), str) else {"status": "damaged"}
 
 
 def current_status(job_dir: Path) -> dict[str, Any]:
     """The job's status record for a reader: `running` whose process is gone from this host reads `interrupted`."""
     record = read_status(job_dir)
-    if record["status"] == "running" and record.get("host") == socket.gethostname() and not alive(record["pid"]):
-        record["status"] = "interrupted"
+    if record["status"] == "running":
+        pid = record.get("pid")
+        if not isinstance(pid, int) or isinstance(pid, bool) or not 0 < pid < 2**31:
+            record["status"] = "damaged"
+        elif record.get("host") == socket.gethostname() and not alive(pid):
+            record["status"] = "interrupted"
     return record
 
 

@@ -39,11 +39,11 @@ from pretraining.extras.goodput.record import (
     SPENT_ON,
     Attempt,
     RecordWriter,
-    job_record,
     number,
     read_record,
 )
 from pretraining.files import appendable_file
+from pretraining.job_status import read_status
 from pretraining.objectives.step_values import logs_written_at
 from pretraining.ranges import Positive, Range, checked_ranges
 
@@ -417,7 +417,7 @@ def attempt_start_time(run_dir: Path) -> float:
     """When this attempt began. For a `pretrain` job (its status record says this process runs it): the process's
     start, or for a multirun's job after the first the job's own (with Hydra's basic launcher the jobs share a
     process); for a run started otherwise (from Python: a notebook, a test), now."""
-    status = job_record(run_dir)
+    status = read_status(run_dir)
     if status.get("status") != "running" or status.get("pid") != os.getpid():
         return time.time()
     hydra = cast(DictConfig, HydraConfig.get()) if HydraConfig.initialized() else None  # a DictConfig at run time

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import IO, Any
 
 from pretraining.files import open_to_append, regular_file
-from pretraining.job_status import read_status
 
 RECORD_FILE = "goodput.jsonl"
 # What a process's seconds go to: start-up (from the process's start to the trainer's set-up: imports,
@@ -189,16 +188,6 @@ def fault(line: Any, attempt: Attempt | None) -> str | None:
     if sum(line["spent"].get(name, 0.0) for name in SPENT_ON) > line["t"] - started + SLACK_SECONDS:
         return "more seconds spent than passed since its attempt started"
     return None
-
-
-def job_record(run_dir: Path) -> dict[str, Any]:
-    """The run's status record (`pretraining.job_status`), or nothing where its status.json is damaged: the goodput
-    extra only reads it."""
-    try:
-        record = read_status(run_dir)
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return record if isinstance(record, dict) else {}
 
 
 class RecordWriter:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from pretraining.extras.goodput.account import account_run, amount, hours, lines
-from pretraining.extras.goodput.record import RECORD_FILE, job_record, read_record, whole
+from pretraining.extras.goodput.record import RECORD_FILE, read_record
 from pretraining.job_status import current_status
 from pretraining.run_lock import STATUS_FILE
 
@@ -17,13 +17,9 @@ def is_run(path: Path) -> bool:
 
 
 def run_status(run: Path) -> str:
-    """The run's status (`current_status`: a `running` one whose process is gone reads `interrupted`), or `unknown`
-    where its status.json is damaged."""
-    record = job_record(run)
-    status, pid = record.get("status"), record.get("pid")
-    if not isinstance(status, str) or (status == "running" and not whole(1, 2**31)(pid)):  # a process id
-        return f"unknown ({STATUS_FILE} is damaged)"
-    return str(current_status(run)["status"])
+    """The run's status (`current_status`: a `running` one whose process is gone reads `interrupted`)."""
+    status = str(current_status(run)["status"])
+    return f"unknown ({STATUS_FILE} is damaged)" if status == "damaged" else status
 
 
 def run_report(run: Path, device_hour: float | None) -> tuple[list[str], dict[str, Any]]:
