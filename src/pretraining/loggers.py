@@ -16,7 +16,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from pretraining.checkpoint import read_sidecar, sidecar_path
 from pretraining.errors import ConfigError
-from pretraining.files import write_atomically
+from pretraining.files import open_to_append, write_atomically
 from pretraining.internals import drop_wandb_anonymous
 
 CHECKPOINT_ARTIFACTS = (None, "reference", "upload")
@@ -145,7 +145,7 @@ class ResumableCSVLogger(Logger):
             self.columns = sorted([*self.columns, *new])
             self.rewrite()
         else:
-            with self.path.open("a", newline="") as file:
+            with open_to_append(self.path, "the CSV logger's file", "remove it; the logger keeps its own") as file:
                 csv.DictWriter(file, fieldnames=self.columns).writerows(self.rows)
         self.rows = []
 

@@ -10,6 +10,7 @@ from typing import Any
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from pretraining.data.contract import training_data
+from pretraining.files import open_to_append
 
 
 class BatchLog(Callback):
@@ -41,7 +42,8 @@ class BatchLog(Callback):
             "loss": float(loss).hex(),
         }
         self.dir.mkdir(parents=True, exist_ok=True)
-        with (self.dir / f"rank{trainer.global_rank}.jsonl").open("a") as file:
+        log = self.dir / f"rank{trainer.global_rank}.jsonl"
+        with open_to_append(log, "the batch log", "remove it; the run keeps its own") as file:
             file.write(json.dumps(record) + "\n")
 
 

@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.errors import PretrainingError
+from pretraining.files import open_to_append
 from pretraining.objectives.base import NONFINITE_BATCHES, PretrainingObjective
 from pretraining.ranges import Range, checked_ranges
 
@@ -244,5 +245,5 @@ def newest_checkpoint(trainer: Trainer) -> tuple[int, Path] | None:
 def append_line(path: Path, record: dict[str, Any]) -> None:
     """Append one JSON line in a single write: a crash cannot leave half a line before a whole one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as file:
+    with open_to_append(path, "the loss-spike record", "remove it; the run keeps its own") as file:
         file.write(json.dumps(record) + "\n")
