@@ -192,7 +192,7 @@ class PretrainingObjective(LightningModule):
             weighted = [(weight, values) for weight, values in weighted if weight > 0]
             total = sum(weight for weight, _ in weighted)
             metrics = {
-                name: torch.stack([weight * values[name] for weight, values in weighted]).sum() / total
+                name: torch.stack([weight / total * values[name] for weight, values in weighted]).sum()
                 for name in weighted[0][1]
                 if all(name in values for _, values in weighted) and name != NONFINITE_BATCHES
             }
