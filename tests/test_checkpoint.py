@@ -335,15 +335,15 @@ def test_an_unwritable_directory_stops_the_run_naming_it(compose_train, tmp_path
 
 
 class ReadOnlyAtValidation(Callback):
-    """The checkpoint directory turns read-only as the validation of step `step` starts, after that step's
-    checkpoint is saved: its validation cannot be recorded in the sidecar, nor anything saved after."""
+    """The checkpoint directory turns read-only as the validation of step `step` starts: that step's checkpoint,
+    saved after its validation, cannot be written, nor anything after."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, directory: str = "checkpoints") -> None:
+        self.step, self.directory = step, directory
 
     def on_validation_start(self, trainer: Trainer, *args: object) -> None:
         if trainer.global_step == self.step and trainer.state.fn == TrainerFn.FITTING:
-            make_read_only(Path(trainer.default_root_dir) / "checkpoints")
+            make_read_only(Path(trainer.default_root_dir) / self.directory)
 
 
 def make_read_only(directory: Path) -> None:
@@ -370,16 +370,38 @@ def own_file_system(directory: Path) -> Iterator[None]:
         subprocess.run(["umount", "-l", str(directory)], check=True)
 
 
+def test_a_run_directory_turned_read_only_outside_a_save_stops_the_run_with_one_line(
+    compose_train, tmp_path: Path
+) -> None:
+    """A write that is no checkpoint's (here the CSV logger's, at the validation of step 12, after step 6 was saved) fails: the
+    run stops with what was kept and how to go on."""
+    read_only = [
+        "+callbacks.read_only._target_=test_checkpoint.ReadOnlyAtValidation",
+        "+callbacks.read_only.step=12",
+        "+callbacks.read_only.directory=csv",
+        "logger=csv",
+    ]
+    with own_file_system(tmp_path / "csv"):
+        with pytest.raises(StorageError) as stopped:
+            train(compose_train("trainer.max_steps=18", "callbacks.checkpoint.background=false", *read_only))
+        message = str(stopped.value)
+        assert re.search(r"the run stopped: \[Errno (30|13)\] (Read-only file system|Permission denied)", message)
+        assert f"the newest complete checkpoint, {tmp_path / 'checkpoints' / 'step-000006.ckpt'}, is intact" in message
+        assert "run the same command to continue" in message
+
+
 def test_a_directory_turned_read_only_mid_run_stops_it_with_one_line_and_the_checkpoint_intact(
     compose_train, tmp_path: Path
 ) -> None:
     checkpoints = tmp_path / "checkpoints"
-    read_only = ["+callbacks.read_only._target_=test_checkpoint.ReadOnlyAtValidation", "+callbacks.read_only.step=6"]
+    read_only = ["+callbacks.read_only._target_=test_checkpoint.ReadOnlyAtValidation", "+callbacks.read_only.step=12"]
     with own_file_system(checkpoints):
-        with pytest.raises(StorageError) as stopped:
-            train(compose_train("trainer.max_steps=12", "callbacks.checkpoint.background=false", *read_only))
+        with pytest.raises(CheckpointError) as stopped:
+            train(compose_train("trainer.max_steps=18", "callbacks.checkpoint.background=false", *read_only))
         message = str(stopped.value)
-        assert re.search(r"the run stopped: \[Errno (30|13)\] (Read-only file system|Permission denied)", message)
+        assert re.search(
+            r"step-000012\.ckpt failed: \[Errno (30|13)\] (Read-only file system|Permission denied)", message
+        )
         assert f"the newest complete checkpoint, {checkpoints / 'step-000006.ckpt'}, is intact" in message
         assert "run the same command to continue" in message
         assert verify(checkpoints / "step-000006.ckpt")["step"] == 6
