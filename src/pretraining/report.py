@@ -16,6 +16,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.utilities import rank_zero_info
 
+from pretraining.callbacks.checkpoint import early_stopped
 from pretraining.callbacks.preemption import stop_signal
 from pretraining.job_status import record_stop
 from pretraining.launch import hydra_quote
@@ -70,7 +71,7 @@ def report(trainer: Trainer, metrics: dict[str, float]) -> None:
     rank_zero_info("\n".join(lines))
     if stopped_by:
         at = f"at step {trainer.global_step} of trainer.max_steps={trainer.max_steps}"
-        if stopped_by == callback_stop(trainer):  # a callback's words, which say how to go on
+        if stopped_by == callback_stop(trainer):  # a callback's words, which say how to go on (or not to)
             rank_zero_info(f"stopped {at}: {stopped_by}")
         else:
             rank_zero_info(f"stopped by {stopped_by} {at}; run the same command to continue")
@@ -99,8 +100,14 @@ def stop_cause(trainer: Trainer) -> str | None:
 
 
 def callback_stop(trainer: Trainer) -> str | None:
-    """Why a callback that says so (`StopsTraining`) stopped training, if one did."""
+    """Why a callback that says so (`StopsTraining`, or Lightning's `EarlyStopping`) stopped training, if one did."""
     reasons = [c.stop_reason for c in trainer.callbacks if isinstance(c, StopsTraining)]  # type: ignore[attr-defined]
+    early = early_stopped(trainer)  # kept in its state: the same command again trains no further
+    reasons.append(
+        f"EarlyStopping stopped it ({early}), and it stays stopped; to train on, remove that callback"
+        if early
+        else None
+    )
     return next(filter(None, reasons), None)
 
 
