@@ -86,12 +86,12 @@ def test_the_parameters_are_counted_before_the_model_is_built(bias: bool, positi
 
 
 def test_a_model_larger_than_the_machines_memory_is_refused_before_allocating(monkeypatch) -> None:
-    monkeypatch.setattr(backbone_module, "physical_memory", lambda: 16 * 2**30)
-    # 10^10 learned positions of width 128: a 5 TB table, refused at once instead of allocated.
-    message = r"makes 1,280,000,820,352 parameters, 4,768\.4 GiB in float32, and this machine has 16\.0 GiB of memory"
+    monkeypatch.setattr(backbone_module, "physical_memory", lambda: 2**30)
+    # 2^24 learned positions (the most max_seq_len admits) of width 128: an 8 GiB table, refused instead of allocated.
+    message = r"makes 2,148,304,000 parameters, 8\.0 GiB in float32, and this machine has 1\.0 GiB of memory"
     with pytest.raises(ConfigError, match=message):
-        Transformer(vocab_size=256, max_seq_len=10**10)
-    Transformer(vocab_size=256, max_seq_len=10**10, positions="rotary")  # no table: rotary angles are computed
+        Transformer(vocab_size=256, max_seq_len=2**24)
+    Transformer(vocab_size=256, max_seq_len=2**24, positions="rotary")  # no table: rotary angles are computed
 
 
 def test_tied_head_padded_vocab_and_scaled_residual_init() -> None:
