@@ -373,8 +373,8 @@ def own_file_system(directory: Path) -> Iterator[None]:
 def test_a_run_directory_turned_read_only_outside_a_save_stops_the_run_with_one_line(
     compose_train, tmp_path: Path
 ) -> None:
-    """A write that is no checkpoint's (here the CSV logger's, at the validation of step 12, after step 6 was saved) fails: the
-    run stops with what was kept and how to go on."""
+    """A write that is no checkpoint's (the CSV logger's, at step 12's validation, after step 6 was saved) fails:
+    the run stops with what was kept and how to go on."""
     read_only = [
         "+callbacks.read_only._target_=test_checkpoint.ReadOnlyAtValidation",
         "+callbacks.read_only.step=12",
