@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import csv
 import errno
 import os
 import re
@@ -405,3 +406,32 @@ def test_a_directory_turned_read_only_mid_run_stops_it_with_one_line_and_the_che
         assert f"the newest complete checkpoint, {checkpoints / 'step-000006.ckpt'}, is intact" in message
         assert "run the same command to continue" in message
         assert verify(checkpoints / "step-000006.ckpt")["step"] == 6
+
+
+class StopAtStep(Callback):
+    """Stops training at `step`, as a time limit or a budget would between two validations."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: Trainer, *args: object) -> None:
+        if trainer.global_step == self.step:
+            trainer.should_stop = True
+
+
+def logged_rows(run: Path) -> list[tuple[str, str]]:
+    """(step, train/loss) of each training row of the run's metrics.csv."""
+    with (run / "csv" / "metrics.csv").open() as file:
+        return [(row["step"], row["train/loss"]) for row in csv.DictReader(file) if row.get("train/loss")]
+
+
+def test_a_stop_between_validations_continues_with_each_row_at_its_step(compose_train, tmp_path: Path) -> None:
+    """A stop off the validation schedule saves at the step boundary: Lightning, resuming it, counts the steps as a
+    run never stopped does (saved inside the validation Lightning runs at a stop, it resumed one step behind)."""
+    every_step = ["trainer.log_every_n_steps=1", "callbacks.checkpoint.background=false"]
+    train(compose_train(*every_step, f"paths.output_dir={tmp_path / 'once'}"))
+    stopped = [*every_step, f"paths.output_dir={tmp_path / 'twice'}"]
+    train(compose_train(*stopped, "+callbacks.stop._target_=test_checkpoint.StopAtStep", "+callbacks.stop.step=4"))
+    assert verify(tmp_path / "twice" / "checkpoints" / "step-000004.ckpt")["step"] == 4
+    train(compose_train(*stopped))
+    assert logged_rows(tmp_path / "twice") == logged_rows(tmp_path / "once")

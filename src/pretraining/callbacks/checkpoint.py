@@ -36,13 +36,15 @@ class StepCheckpoint(Checkpoint):
     checkpoint holds whole steps. Keep the newest `keep_last` (at least 2: a fallback if the newest is damaged
     later) and every step divisible by `keep_every`; prune only once the new one is complete.
 
-    A step that Lightning validates in training is saved at the end of that validation, once the callbacks
-    acting on it have (Lightning's `EarlyStopping`, and `ModelCheckpoint`, which `pretraining.run.build_trainer`
-    orders before this one): what they keep resumes as if the run had never stopped. Its metrics then join its
-    sidecar (`record_validation`). A signal saves at the step boundary (or inside the validation), before the
-    validation, and the continued run validates that step first (`pretraining.run.fit`). A run that
-    `EarlyStopping` stopped stays stopped when run again. With `background`, a step not validated waits only
-    for the copy to host memory (a validated one for the write too, to record its validation); a writer thread
+    A step that Lightning validates in training by its schedule is saved at the end of that validation, once the
+    callbacks acting on it have (Lightning's `EarlyStopping`, and `ModelCheckpoint`, which
+    `pretraining.run.build_trainer` orders before this one): what they keep resumes as if the run had never
+    stopped. Its metrics then join its sidecar (`record_validation`). A stop off the schedule (a time limit, a
+    budget) saves at the step boundary, before the validation Lightning runs at a stop: a run never stopped has
+    none there. A signal saves at the step boundary (or inside the validation), before the validation, and the
+    continued run validates that step first (`pretraining.run.fit`). A run that `EarlyStopping` stopped stays
+    stopped when run again. With `background`, a step not validated waits only for the copy to host memory (a
+    validated one for the write too, to record its validation); a writer thread
     (`pretraining.checkpoint.background`, passed as `storage_options`) writes it with the same guarantees
     (one device, DDP, FSDP2; FSDP1 saves synchronously). Not `ModelCheckpoint`: it verifies nothing before a
     resume trusts it, cannot record a validation after saving, and prunes before the newer save is complete."""
@@ -118,7 +120,7 @@ class StepCheckpoint(Checkpoint):
         if step == self.boundary_step:  # inside a gradient accumulation
             self.defer_stop(trainer)
             return
-        if self.due_step > self.saved_step:  # a Lightning that no longer validates as `validates_now` says
+        if self.due_step > self.saved_step:  # a Lightning that no longer validates as `validated_at` says
             rank_zero_warn(f"step {self.due_step} was not saved: the validation expected after it did not run")
             self.due_step = -1
         self.boundary_step = step
@@ -128,7 +130,7 @@ class StepCheckpoint(Checkpoint):
             return
         self.collect(trainer, wait=False)
         if step % self.every_n_steps == 0 or step >= trainer.max_steps or trainer.should_stop:
-            if validates_now(trainer):
+            if trainer.enable_validation and validated_at(trainer, step):
                 self.due_step = step
             else:
                 self.save(trainer)
@@ -226,15 +228,6 @@ def validated_at(trainer: Trainer, step: int) -> bool:
     every, epochs = trainer.val_check_interval, trainer.check_val_every_n_epoch
     in_epoch = epochs is None or (trainer.current_epoch + 1) % epochs == 0
     return isinstance(every, int) and in_epoch and (step * trainer.accumulate_grad_batches) % every == 0
-
-
-def validates_now(trainer: Trainer) -> bool:
-    """Whether Lightning validates after the step just ended, as its training loop decides (at a stop it may
-    obey, or by schedule); asked at the step boundary, where no public API tells it."""
-    if not trainer.enable_validation:
-        return False
-    may_stop = trainer.global_step >= (trainer.min_steps or 0) and trainer.current_epoch >= (trainer.min_epochs or 0)
-    return (trainer.should_stop and may_stop) or validated_at(trainer, trainer.global_step)
 
 
 def early_stopped(trainer: Trainer) -> str | None:
