@@ -16,6 +16,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -194,6 +195,102 @@ def test_a_damaged_time_does_not_loosen_a_budget(tmp_path: Path, t: Any) -> None
     warned = pytest.warns(UserWarning, match=r"1 damaged line\(s\) left out of the account and the budget \(line 3;")
     with warned, pytest.raises(ConfigError, match=r"budget is spent: 0\.0111 device-hours .* nothing was started"):
         Goodput(str(tmp_path), max_device_hours=0.01)
+
+
+STARTED = 1.7e9  # a Unix time of 2023
+
+
+def attempt_lines(number: int, started: float, devices: int = 8) -> list[dict[str, Any]]:
+    """An attempt of 2 h on `devices`: a start after 60 s of start-up, a heartbeat every 10 min, then killed."""
+    start = {"attempt": number, "event": "start", "t": started + 60, "step": 0, "spent": ZERO | {"startup": 60.0}}
+    start |= {"started": started, "host": "h", "pid": 1, "devices": devices, "device": "gpu", "resumed_from": None}
+    progress = [
+        {"attempt": number, "event": "progress", "t": started + seconds, "step": seconds // 6}
+        | {"spent": ZERO | {"startup": 60.0, "training": seconds - 60.0}}
+        for seconds in range(600, 7201, 600)
+    ]
+    return [start, *progress]
+
+
+def two_attempts() -> list[dict[str, Any]]:
+    """Two attempts of 2 h on 8 devices (32 device-hours), the second starting an hour after the first died."""
+    return attempt_lines(1, STARTED) + attempt_lines(2, STARTED + 3 * 3600)
+
+
+def device_hours(path: Path, lines: list[Any]) -> float:
+    write_record(path, lines)
+    return account_run(read_record(path).attempts).device_hours
+
+
+START_DAMAGE: dict[str, Any] = {
+    "devices a string": {"devices": "8"},
+    "t NaN": {"t": math.nan},
+    "started in 1990": {"started": STARTED - 1e9},
+    "t in the year 3300": {"t": STARTED + 4e10},
+    "no spent": {"spent": None},
+}
+
+
+@pytest.mark.parametrize("damage", START_DAMAGE)
+@pytest.mark.parametrize("attempt", [0, 1])
+def test_an_attempt_whose_start_is_damaged_still_counts(tmp_path: Path, damage: str, attempt: int) -> None:
+    """The attempt is kept, on a start rebuilt from its next line, on the other attempt's 8 devices: it counts no
+    fewer device-hours than the intact record less the damaged line's own (its 60 s of start-up), and no more."""
+    intact = device_hours(tmp_path / "intact.jsonl", two_attempts())
+    lines = two_attempts()
+    start = attempt * 13  # the attempt's start line
+    lines[start] = lines[start] | START_DAMAGE[damage]
+    path = tmp_path / RECORD_FILE
+    got = device_hours(path, lines)
+    assert list(read_record(path).damaged) == [start + 1]
+    assert len(read_record(path).attempts) == 2
+    assert intact - 60 * 8 / 3600 <= got <= intact + 1e-9, (intact, got)
+
+
+def test_a_start_cut_short_by_a_kill_keeps_its_attempt(tmp_path: Path) -> None:
+    lines: list[Any] = two_attempts()
+    lines[13] = json.dumps(lines[13])[:40] + "\n"
+    assert device_hours(tmp_path / RECORD_FILE, lines) == pytest.approx(32)
+
+
+@pytest.mark.parametrize("where", [5, 12])  # a heartbeat in the middle, the last
+@pytest.mark.parametrize("t", [STARTED + 4e10, STARTED + 7200 + 3600, STARTED + 1e9])
+def test_a_time_in_the_future_does_not_inflate_the_account(tmp_path: Path, where: int, t: float) -> None:
+    """A heartbeat's time moved to the year 3300, or an hour or years on, disagrees with the seconds it spent: it is
+    left out (it made 88,888,889 device-hours, stopping a healthy run)."""
+    intact = device_hours(tmp_path / "intact.jsonl", attempt_lines(1, STARTED))
+    lines = attempt_lines(1, STARTED)
+    lines[where] = lines[where] | {"t": t}
+    path = tmp_path / RECORD_FILE
+    got = device_hours(path, lines)
+    assert list(read_record(path).damaged) == [where + 1]
+    assert intact - 600 * 8 / 3600 <= got <= intact, (intact, got)
+
+
+def test_a_line_of_the_next_attempt_within_an_attempt_is_no_attempt(tmp_path: Path) -> None:
+    """A heartbeat whose attempt number reads 2 would begin an attempt before attempt 1's last line: damaged, not
+    a second attempt counting attempt 1's hours again."""
+    lines = attempt_lines(1, STARTED)
+    lines[6] = lines[6] | {"attempt": 2}
+    path = tmp_path / RECORD_FILE
+    assert device_hours(path, lines) == pytest.approx(16)
+    assert list(read_record(path).damaged) == [7] and len(read_record(path).attempts) == 1
+
+
+def test_a_restart_counts_an_attempt_whose_start_is_damaged_on_its_own_devices(tmp_path: Path) -> None:
+    """The record's only start is damaged: the reader knows no devices (it counts 1, 2 device-hours), the restart on
+    8 counts 16 and refuses to start over a budget of 10, as on the intact record."""
+    write_record(tmp_path / RECORD_FILE, attempt_lines(1, STARTED))
+    with pytest.raises(ConfigError, match=r"budget is spent: 16 device-hours"):
+        Goodput(str(tmp_path), max_device_hours=10)
+    lines = attempt_lines(1, STARTED)
+    write_record(tmp_path / RECORD_FILE, [lines[0] | {"devices": "8"}, *lines[1:]])
+    with pytest.warns(UserWarning, match=r"1 damaged line\(s\)"):
+        goodput = Goodput(str(tmp_path), max_device_hours=10)
+    assert goodput.spent_before == pytest.approx(2)
+    trainer = SimpleNamespace(world_size=8, strategy=SimpleNamespace(broadcast=lambda value: value))
+    with pytest.raises(ConfigError, match=r"budget is spent: 16 device-hours .* nothing was started"):
+        goodput.begin(trainer, SimpleNamespace())  # type: ignore[arg-type]
 
 
 def test_a_record_that_is_no_file_is_refused_before_set_up(tmp_path: Path) -> None:

@@ -39,6 +39,7 @@ from pretraining.extras.goodput.record import (
     SPENT_ON,
     Attempt,
     RecordWriter,
+    count_rebuilt_starts_on,
     number,
     read_record,
 )
@@ -191,6 +192,9 @@ class Goodput(Callback):
 
     def begin(self, trainer: Trainer, pl_module: LightningModule) -> None:
         """The first set-up of this process: this attempt's start in the record."""
+        # An attempt whose start is damaged counts at least this run's devices, known only now.
+        count_rebuilt_starts_on(self.earlier, trainer.world_size)
+        self.spent_before = account_run(self.earlier).device_hours
         self.refuse_a_spent_budget()
         # Every rank's account starts at rank zero's clock (the goodput logged is their mean).
         self.started = self.since = trainer.strategy.broadcast(self.started)

@@ -14,7 +14,8 @@ time), `step` (optimizer steps done) and `spent`: the seconds since the process 
 
 A process killed without warning (SIGKILL, the OOM killer, a lost machine) writes no `end`: its account
 stops at its last line, at most a heartbeat before it died. `read_record` checks every line's fields: one cut
-short by such a kill, or damaged by a user, a copy or a disk, is named and left out, never read as a figure.
+short by such a kill, or damaged by a user, a copy or a disk, is named and left out, never read as a figure; an
+attempt whose `start` is damaged keeps its other lines, on a start rebuilt from the first of them.
 The file is appended to where it is: a link, a pipe or a directory in its place is refused (`open_to_append`)."""
 
 from __future__ import annotations
@@ -38,14 +39,17 @@ RECORD_FILE = "goodput.jsonl"
 # the trainer's stages, the end of the run).
 SPENT_ON = ("startup", "setup", "training", "validation", "saving", "data_wait", "other")
 # Bounds beyond any real run: a value outside them is damage, never a figure (a 1e300 `t` would print as a
-# 150-digit count of hours, and a NaN or negative one would undo the budget).
+# 150-digit count of hours, and a NaN or negative one would undo the budget). A time inside them can still be
+# damaged (the year 3300): a line's seconds spent must add up to the time since its attempt started.
 LATEST_TIME = 1e11  # seconds: a Unix time before the year 5100, and any duration
 MOST_STEPS = 10**15
 MOST_DEVICES = 10**7
 HIGHEST_PRICE = 1e12
 MOST_SHOWN = 5  # damaged lines named in a warning
-# The clock may read a little behind the sum of the seconds it booked (float rounding).
-SLACK_SECONDS = 1e-3
+# How far a line's seconds spent may be from the time since its attempt started: they are summed at every
+# logging step, and their float rounding over the longest attempt stays far under this; a damaged time is off by
+# more, and at most this much of a line's time is ever counted that did not pass.
+SLACK_SECONDS = 1.0
 
 Check = Callable[[Any], bool]
 
@@ -103,6 +107,7 @@ class Attempt:
 
     start: dict[str, Any]
     lines: list[dict[str, Any]]
+    start_rebuilt: bool = False  # its `start` line is damaged: `start` is rebuilt from its first readable line
 
     @property
     def number(self) -> int:
@@ -141,20 +146,26 @@ class Record:
 
 def read_record(path: Path) -> Record:
     """The record at `path` (refused if something other than a file is there), every line checked: a line that is not
-    JSON (cut short by a kill), lacks a field, has one of the wrong type or out of range, belongs to no attempt, or
-    goes back in time is damaged, and left out. No line makes it raise: a damaged record never stops training."""
+    JSON (cut short by a kill), lacks a field, has one of the wrong type or out of range, belongs to no attempt, goes
+    back in time or whose seconds spent do not add up to the time passed is damaged, and left out. An attempt whose
+    `start` is damaged is kept (`rebuilt_start`). No line makes it raise: a damaged record never stops training."""
     regular_file(path, "the goodput record", "move it aside: the run starts a new record")
     attempts: list[Attempt] = []
     damaged: dict[int, str] = {}
     for index, written in enumerate(path.read_text(errors="replace").splitlines(), start=1):
         line, problem = parsed(written)
-        problem = problem or fault(line, attempts[-1] if attempts else None)
+        problem = problem or fault(line)
+        if not problem and begins_after_a_damaged_start(line, attempts):
+            attempts.append(Attempt(rebuilt_start(line), [], start_rebuilt=True))
+        problem = problem or fault_after(line, attempts[-1] if attempts else None)
         if problem:
             damaged[index] = problem
         elif line["event"] == "start":
             attempts.append(Attempt(line, []))
         else:
             attempts[-1].lines.append(line)
+    most = max((attempt.start.get("devices", 1) for attempt in attempts if not attempt.start_rebuilt), default=1)
+    count_rebuilt_starts_on(attempts, most)
     return Record(path, attempts, damaged)
 
 
@@ -166,8 +177,8 @@ def parsed(line: str) -> tuple[Any, str | None]:
         return None, "not JSON (cut short by a kill?)"
 
 
-def fault(line: Any, attempt: Attempt | None) -> str | None:
-    """What is wrong with a parsed `line` coming after `attempt` (the last one so far), or None."""
+def fault(line: Any) -> str | None:
+    """What is wrong with a parsed `line`'s fields, or None."""
     if not isinstance(line, dict) or not isinstance(line.get("event"), str) or line["event"] not in FIELDS:
         return f"not a line of the record (an event: {', '.join(FIELDS)})"
     for name, (check, required) in (EVERY_LINE | FIELDS[line["event"]]).items():
@@ -175,18 +186,53 @@ def fault(line: Any, attempt: Attempt | None) -> str | None:
             return f"no {name!r}"
         if name in line and not check(line[name]):
             return f"its {name!r} is of the wrong type or out of range"
+    return None
+
+
+def seconds_spent(line: dict[str, Any]) -> float:
+    return sum(line["spent"].get(name, 0.0) for name in SPENT_ON)
+
+
+def begins_after_a_damaged_start(line: dict[str, Any], attempts: list[Attempt]) -> bool:
+    """Whether a checked `line` is the first readable one of the attempt after the last, whose `start` is damaged.
+    Attempts follow one another: one that would have begun before the last one's last line (or before 1970) is a
+    damaged line (its attempt number, its seconds), not a new attempt."""
+    last = attempts[-1] if attempts else None
+    if line["event"] == "start" or line["attempt"] != (last.number if last else 0) + 1:
+        return False
+    return line["t"] - seconds_spent(line) >= (last.last["t"] if last else 0.0)
+
+
+def rebuilt_start(line: dict[str, Any]) -> dict[str, Any]:
+    """The start of `line`'s attempt, from `line`: it started when the line says its seconds began (the time is its
+    own, to a second); its devices, resumed step, host and price are unknown (`count_rebuilt_starts_on`)."""
+    started = line["t"] - seconds_spent(line)
+    start = {"attempt": line["attempt"], "event": "start", "t": started, "step": 0, "started": started}
+    return start | {"spent": dict.fromkeys(SPENT_ON, 0.0)}
+
+
+def count_rebuilt_starts_on(attempts: list[Attempt], devices: int) -> None:
+    """Count each attempt whose start is rebuilt on at least `devices`: the most any readable start of the record
+    names, or a restart's own (its devices are the likeliest, and fewer would loosen the budget)."""
+    for attempt in attempts:
+        if attempt.start_rebuilt:
+            attempt.start["devices"] = max(attempt.start.get("devices", 1), devices)
+
+
+def fault_after(line: dict[str, Any], attempt: Attempt | None) -> str | None:
+    """What is wrong with a checked `line` coming after `attempt` (the last one so far), or None."""
     if line["event"] == "start":
         started = line["started"]
     elif attempt is None or line["attempt"] != attempt.number:
-        return f"a line of attempt {line['attempt']}, whose start is not in the record"
+        return f"a line of attempt {line['attempt']} out of place (after attempt {attempt.number if attempt else 0})"
     elif line["t"] < attempt.last["t"]:
         return "earlier than the line before it"
     else:
         started = attempt.start["started"]
     if line["t"] < started:
         return "earlier than its attempt's start"
-    if sum(line["spent"].get(name, 0.0) for name in SPENT_ON) > line["t"] - started + SLACK_SECONDS:
-        return "more seconds spent than passed since its attempt started"
+    if abs(seconds_spent(line) - (line["t"] - started)) > SLACK_SECONDS:
+        return "its seconds spent do not add up to the time since its attempt started"
     return None
 
 
