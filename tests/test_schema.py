@@ -116,6 +116,15 @@ def test_an_objective_of_your_own_is_checked_by_its_signature_and_its_base() -> 
         check_config(composed("model._target_=test_schema.ZLossLM", "+model.z_los=1"))
 
 
+def test_an_interpolated_target_is_checked_as_the_class_it_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`_target_: ${...}` (a common Hydra idiom) is read as what it resolves to, in the pass over interpolations."""
+    monkeypatch.setenv("BACKBONE", "pretraining.models.transformer.Transformer")
+    backbone = ["experiment=clm_tiny", "model.backbone._target_=${oc.env:BACKBONE}"]
+    check_config(composed(*backbone))
+    with pytest.raises(ConfigError, match=r"model\.backbone\.dropout=1\.5 must be "):
+        check_config(composed(*backbone, "model.backbone.dropout=1.5"))
+
+
 def test_a_missing_group_option_gets_hydras_message() -> None:
     with pytest.raises(MissingConfigException) as error:
         composed("model=nope")

@@ -104,6 +104,8 @@ def check_value(value: Any, annotation: Any, key: str) -> None:
     """Check one value: a `_target_` node against its target, anything else against `annotation`."""
     if value is UNSET:
         return
+    if isinstance(value, dict) and value.get("_target_") is UNSET:  # interpolated: checked in the second pass
+        return
     if isinstance(value, dict) and "_target_" in value:
         target = locate(value["_target_"], key)
         if not value.get("_partial_") and not builds(target, annotation):
