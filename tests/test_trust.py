@@ -210,6 +210,14 @@ def test_the_run_log_is_not_written_through_a_link_nor_blocks_on_a_pipe(
         handler.close()
         assert f"warning: the run's log file {tmp_path / name} is a" in capsys.readouterr().err
     assert outside.read_text() == "kept\n"
+    handler = RunLogFile(str(tmp_path / "late.log"), delay=True)
+    (tmp_path / "late.log").symlink_to(outside)  # put there after the handler was made, before its first line
+    handler.emit(record)
+    handler.close()
+    assert outside.read_text() == "kept\n" and "late.log is a symbolic link" in capsys.readouterr().err
+    handler = RunLogFile(str(tmp_path / f"{'x' * 300}.log"))  # a name the file system does not take
+    handler.emit(record)
+    assert "File name too long" in capsys.readouterr().err
     handler = RunLogFile(str(tmp_path / "train.log"), delay=True)
     handler.emit(record)
     handler.close()

@@ -101,7 +101,8 @@ def check_directory_names(config: DictConfig) -> None:
     is longer than a file name may be under `paths.log_dir`."""
     longest = longest_name(Path(str(OmegaConf.select(config, "paths.log_dir", default="."))))
     for key in DIRECTORY_NAME_KEYS:
-        check_directory_name(key, str(OmegaConf.select(config, key)), longest)
+        room = longest - len(".log") if key == "task_name" else longest  # the run's log file is <task_name>.log
+        check_directory_name(key, str(OmegaConf.select(config, key)), room)
 
 
 def check_directory_name(key: str, name: str, longest: int) -> None:
@@ -112,8 +113,8 @@ def check_directory_name(key: str, name: str, longest: int) -> None:
         )
     if len(os.fsencode(name)) > longest:
         raise ConfigError(
-            f"{key}={name[:24] + '...'!r} is {len(os.fsencode(name))} bytes long, and a directory's name may be "
-            f"{longest} bytes at most on this file system: pass a shorter {key}=<name>"
+            f"{key}={name[:24] + '...'!r} is {len(os.fsencode(name))} bytes long, and may be {longest} bytes at "
+            f"most on this file system: pass a shorter {key}=<name>"
         )
 
 

@@ -6,12 +6,13 @@ sidecars, manifests, tokenizers, run records and reports are written so. `regula
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import os
 import sys
 import uuid
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from pretraining.errors import MissingFileError
 
@@ -34,7 +35,7 @@ def appendable_file(path: Path, what: str, fix: str) -> Path:
     return regular_file(path, what, fix)
 
 
-def open_to_append(path: Path, what: str, fix: str) -> IO[str]:
+def open_to_append(path: Path, what: str, fix: str) -> io.TextIOWrapper:
     """`path` (made if missing) opened to append text, refused as `appendable_file` refuses. A link or a pipe put there
     after the check fails to open rather than being written through or blocking."""
     appendable_file(path, what, fix)
@@ -43,20 +44,22 @@ def open_to_append(path: Path, what: str, fix: str) -> IO[str]:
 
 
 class RunLogFile(logging.FileHandler):
-    """The run's log file (`hydra.job_logging`'s file handler, configs/hydra/default.yaml). Where `appendable_file`
-    refuses its path, the run says so and logs to its console only: Hydra's own handler would block on a pipe there
-    and append through a link, and an error raised here would reach the console as Hydra's traceback."""
+    """The run's log file (`hydra.job_logging`'s file handler, configs/hydra/default.yaml), opened by
+    `open_to_append` at the first line logged. Where it refuses the path, the run says so and logs to its console
+    only: Hydra's own handler would block on a pipe there and append through a link, and an error raised here would
+    reach the console as Hydra's traceback."""
 
     def __init__(self, filename: str, mode: str = "a", encoding: str | None = None, delay: bool = False) -> None:
-        self.refusal: MissingFileError | None = None
-        try:
-            appendable_file(Path(filename), "the run's log file", "this run logs to its console only; remove it")
-        except MissingFileError as refusal:
-            self.refusal = refusal
-            sys.stderr.write(f"warning: {refusal}\n")
-        super().__init__(filename, mode, encoding, delay=delay or self.refusal is not None)
+        super().__init__(filename, mode, encoding, delay=True)
+        self.refusal: OSError | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self.stream is None and self.refusal is None:
+            try:
+                self.stream = open_to_append(Path(self.baseFilename), "the run's log file", "remove it")
+            except OSError as refusal:  # what open_to_append refuses, or a name the file system does not take
+                self.refusal = refusal
+                sys.stderr.write(f"warning: {refusal}; this run logs to its console only\n")
         if self.refusal is None:
             super().emit(record)
 
