@@ -10,10 +10,11 @@ import socket
 from pathlib import Path
 
 import pytest
+from hydra.core.utils import JobReturn, JobStatus
 
 from pretraining.callbacks.numerics import append_line
-from pretraining.errors import MissingFileError
-from pretraining.job_status import current_status, read_status
+from pretraining.errors import ConfigError, MissingFileError
+from pretraining.job_status import JOB, current_status, read_status, refused_before_work, work_begins
 from pretraining.run_lock import STATUS_FILE
 
 DAMAGED = ["{not json", "[1, 2]", '"running"', "{}", '{"status": 3}', "[" * 100_000]
@@ -53,3 +54,16 @@ def test_the_loss_spike_record_is_not_appended_through_a_link_nor_opened_on_a_pi
     assert target.read_text() == ""
     append_line(tmp_path / "spikes.jsonl", {"step": 1})
     assert json.loads((tmp_path / "spikes.jsonl").read_text()) == {"step": 1}
+
+
+def failed(error: BaseException) -> JobReturn:
+    return JobReturn(status=JobStatus.FAILED, _return_value=error)
+
+
+def test_only_a_refusal_before_the_work_begins_leaves_the_earlier_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(JOB, "work_began", False)
+    assert refused_before_work(failed(ConfigError("a bad value")))
+    assert not refused_before_work(failed(MemoryError()))  # the run's failure, whenever it happens
+    assert not refused_before_work(JobReturn(status=JobStatus.COMPLETED, _return_value=1.0))
+    work_begins()
+    assert not refused_before_work(failed(ConfigError("a bad value")))

@@ -18,7 +18,7 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from pretraining.errors import RunLockedError
+from pretraining.errors import PretrainingError, RunLockedError
 from pretraining.files import write_atomically
 from pretraining.internals import failed_job_error
 from pretraining.launch import is_rank_zero_process
@@ -43,7 +43,7 @@ class RecordJobStatus(Callback):
             self.lock = acquire(job_dir)
         except RunLockedError:  # the job itself stops with it
             return
-        WORKING.discard(job_dir.resolve())
+        JOB.work_began = False
         self.found = run_records(job_dir)
         save_job_config(job_dir, config)
         write_status(
@@ -58,9 +58,7 @@ class RecordJobStatus(Callback):
             return
         try:
             job_dir = Path(config.hydra.runtime.output_dir)
-            began = job_dir.resolve() in WORKING
-            WORKING.discard(job_dir.resolve())
-            if job_return.status != JobStatus.COMPLETED and not began and Path(STATUS_FILE) in self.found:
+            if refused_before_work(job_return) and Path(STATUS_FILE) in self.found:
                 put_back(job_dir, self.found)  # refused before touching the run: its record stays the run's
             elif job_dir.is_dir():
                 record = read_status(job_dir)
@@ -72,14 +70,27 @@ class RecordJobStatus(Callback):
             release(lock)
 
 
-# The run directories (resolved) whose job, in this process, passed its checks and began its work.
-WORKING: set[Path] = set()
+class Job:
+    """This process's job (with Hydra's basic launcher a multirun's jobs share one process, one after another)."""
+
+    work_began = False  # the job passed its checks and works on the run (`work_begins`)
 
 
-def work_begins(job_dir: Path) -> None:
-    """Say that the job in `job_dir` passed its checks and now works on the run there (`pretraining.train`): from
-    here its failure is the run's, recorded as `failed`; before, a failure leaves an earlier run's records as found."""
-    WORKING.add(job_dir.resolve())
+JOB = Job()
+
+
+def work_begins() -> None:
+    """Say that the job passed its checks and now works on its run (`pretraining.train`): from here its failure is
+    the run's, recorded as `failed`; before, a refusal leaves an earlier run's records as found."""
+    JOB.work_began = True
+
+
+def refused_before_work(job_return: JobReturn) -> bool:
+    """Whether the job was refused (one of the template's errors) before its work began; an error of another kind
+    (out of memory, an import) is the run's failure whenever it happens."""
+    if job_return.status == JobStatus.COMPLETED or JOB.work_began:
+        return False
+    return isinstance(failed_job_error(job_return), PretrainingError)
 
 
 def run_records(job_dir: Path) -> dict[Path, bytes]:

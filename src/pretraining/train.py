@@ -52,14 +52,14 @@ def train(cfg: DictConfig) -> dict[str, float]:
     model = build_objective(cfg.model, datamodule.format)
     describe_model(model)
     if cfg.resume == "never":
-        work_begins(run_dir)  # the earlier run's outputs go aside: its record describes them no more
+        work_begins()  # the earlier run's outputs go aside: its record describes them no more
         start_over(run_dir)  # only now: a start refused above leaves the earlier run in place
     lineage = run_lineage(cfg, datamodule, resume)
     # Lineage stamps the checkpoints; DataCounts keeps to the bad-data policy and logs what the data gave.
     trainer = build_trainer(cfg, datamodule, callbacks=[lineage, DataCounts()])
     if resume:
         check_resume(trainer, datamodule, model, resume, list(cfg.resume_allow))
-    work_begins(run_dir)
+    work_begins()
     if resume and finished(resume, checkpoints, cfg.trainer.max_steps, cfg.model.get("schedule", "cosine")):
         metrics = dict(resume.sidecar["validation"])  # before a logger starts a run
         check_result(metrics, resume.sidecar["step"])
