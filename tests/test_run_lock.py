@@ -16,12 +16,13 @@ from typing import Any
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from lightning.pytorch import Callback, LightningModule, Trainer
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from conftest import tiny_run
 from pretraining.checkpoint import saved_checkpoints
-from pretraining.config import check_job_directory
+from pretraining.config import CONFIG_DIR, check_job_directory, refuse_unless
 from pretraining.errors import ConfigError, MissingFileError, RunLockedError
 from pretraining.resume import start_over
 from pretraining.run_lock import HELD, LOCK_FILE, holder, own_run_directory
@@ -381,3 +382,14 @@ def test_a_sweep_whose_jobs_share_a_directory_stops_at_the_second(tmp_path: Path
     assert refusal.startswith("hydra.sweep.subdir=same: this job (model.optimizer.lr=0.002) would write"), refusal
     (job_dir,) = (tmp_path / "train" / "multiruns").glob("*/same")
     assert OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")[-1] == "model.optimizer.lr=0.001"  # job 1's, kept
+
+
+def test_a_directory_check_that_cannot_run_names_the_key_checked_and_its_fix() -> None:
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        config = compose("train", return_hydra_config=True)
+
+    def unreadable(config: DictConfig) -> None:
+        raise PermissionError(13, "Permission denied", "logs/sweep/0/.hydra/overrides.yaml")
+
+    with pytest.raises(SystemExit, match=r"^hydra\.sweep\.subdir cannot be checked \(PermissionError: .*overrides"):
+        refuse_unless(config, unreadable, "hydra.sweep.subdir", "hydra.sweep.subdir=<name>")

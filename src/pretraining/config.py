@@ -180,26 +180,30 @@ def recorded_overrides(job_dir: Path) -> list[str] | None:
     return [str(override) for override in overrides]
 
 
+SUBDIR_FIX = "hydra.sweep.subdir=<a directory name> (the default: ${hydra.job.num})"
+
+
 class CheckDirectoryNames(Callback):
     """The directory names' checks before Hydra makes any directory of a run or a sweep, and each multirun job's
     `check_job_directory` before it records itself there (configs/hydra/default.yaml: before the job-status
     callback)."""
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        refuse_unless(config, check_directory_names)
+        refuse_unless(config, check_directory_names, "task_name or run_name", "run_name=<name>")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        refuse_unless(config, check_directory_names)
-        refuse_unless(config, check_sweep_subdir)
+        refuse_unless(config, check_directory_names, "task_name or run_name", "run_name=<name>")
+        refuse_unless(config, check_sweep_subdir, "hydra.sweep.subdir", SUBDIR_FIX)
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if config.hydra.mode == RunMode.MULTIRUN:
-            refuse_unless(config, check_job_directory)
+            refuse_unless(config, check_job_directory, "hydra.sweep.subdir", SUBDIR_FIX)
 
 
-def refuse_unless(config: DictConfig, check: Callable[[DictConfig], None]) -> None:
+def refuse_unless(config: DictConfig, check: Callable[[DictConfig], None], keys: str, fix: str) -> None:
     """Run `check` on `config`, exiting with its one line if it refuses. Hydra reports a callback's exception as a
-    warning and carries on; a name that cannot be resolved is refused, not guessed at."""
+    warning and carries on; a name that cannot be checked (resolved, or its directory read) is refused, not guessed
+    at, naming the `keys` checked and the `fix`."""
     hydra = HydraConfig.instance().cfg
     try:
         HydraConfig.instance().set_config(copy.deepcopy(config))  # as for the job: the names may read it
@@ -207,7 +211,7 @@ def refuse_unless(config: DictConfig, check: Callable[[DictConfig], None]) -> No
     except (ConfigError, MissingFileError) as error:
         sys.exit(str(error))
     except Exception as error:
-        sys.exit(f"{' or '.join(DIRECTORY_NAME_KEYS)} cannot be resolved ({error}): pass run_name=<name>")
+        sys.exit(f"{keys} cannot be checked ({type(error).__name__}: {error}): pass {fix}")
     finally:
         HydraConfig.instance().cfg = hydra
 
