@@ -20,21 +20,25 @@ Function = TypeVar("Function", bound=Callable[..., Any])
 UNBOUNDED = "any number"
 
 
+def finite(value: float) -> bool:
+    """Whether `value` is a number and finite; an int is, however large (too large for math.isfinite)."""
+    return not isinstance(value, float) or math.isfinite(value)
+
+
 @dataclass(frozen=True)
 class Range:
     """Bounds of a number as `Annotated` metadata (`Range(gt=0, lt=1)`); `why`, in the message, says what a
-    non-obvious bound is for. NaN is never admitted, infinity only with `allow_infinity` (no limit): either would
-    pass the comparisons below and fail later, after work has started."""
+    non-obvious bound is for. Neither NaN nor infinity is admitted: either would pass the comparisons below and fail
+    later, after work has started (a limit meaning "none" is None, not infinity)."""
 
     gt: float | None = None
     ge: float | None = None
     lt: float | None = None
     le: float | None = None
     why: str | None = None
-    allow_infinity: bool = False
 
     def admits(self, value: float) -> bool:
-        if not self.finite_enough(value):
+        if not finite(value):
             return False
         return not (
             (self.gt is not None and value <= self.gt)
@@ -43,18 +47,11 @@ class Range:
             or (self.le is not None and value > self.le)
         )
 
-    def finite_enough(self, value: float) -> bool:
-        """Whether `value` is a number (not NaN) and finite unless this range allows infinity."""
-        if not isinstance(value, float):  # an int is finite, and may be too large for math.isinf
-            return True
-        return not math.isnan(value) and (self.allow_infinity or math.isfinite(value))
-
     def problem(self, value: float) -> str:
         """What `value`, which this range does not admit, must be instead ("must be a finite number > 0")."""
-        if self.finite_enough(value):
+        if finite(value):
             return f"must be {self}"
-        number = "a number" if self.allow_infinity else "a finite number"
-        return f"must be {number} {self}" if self.bounds() != UNBOUNDED else f"must be {number}"
+        return f"must be a finite number {self}" if self.bounds() != UNBOUNDED else "must be a finite number"
 
     def __str__(self) -> str:
         return f"{self.bounds()} ({self.why})" if self.why else self.bounds()
