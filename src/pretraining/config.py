@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from pretraining.errors import ConfigError, MissingFileError
+from pretraining.errors import ConfigError
 from pretraining.files import regular_file
 from pretraining.run_lock import CONFIG_COPIES
 
@@ -208,7 +208,7 @@ def refuse_unless(config: DictConfig, check: Callable[[DictConfig], None], keys:
     try:
         HydraConfig.instance().set_config(copy.deepcopy(config))  # as for the job: the names may read it
         check(config)
-    except (ConfigError, MissingFileError) as error:
+    except ConfigError as error:  # a MissingFileError is one
         sys.exit(str(error))
     except Exception as error:
         sys.exit(f"{keys} cannot be checked ({type(error).__name__}: {error}): pass {fix}")

@@ -85,7 +85,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     out = Path(cfg.paths.output_dir) / "metrics.json"
     out.write_text(json.dumps({key: json_value(value) for key, value in result.items()}, indent=2) + "\n")
     for key, value in result.items():
-        print(f"{key}: {value}" if key != "sample" else f"sample:\n{'-' * 60}\n{value or NO_SAMPLE}\n{'-' * 60}")
+        print(
+            f"{key}: {value}"
+            if key != "sample"
+            else f"sample:\n{'-' * 60}\n{NO_SAMPLE if value is None else value}\n{'-' * 60}"
+        )
     nonfinite = nonfinite_validation(metrics)
     if nonfinite:
         raise NumericalError(

@@ -103,11 +103,8 @@ def callback_stop(trainer: Trainer) -> str | None:
     """Why a callback that says so (`StopsTraining`, or Lightning's `EarlyStopping`) stopped training, if one did."""
     reasons = [c.stop_reason for c in trainer.callbacks if isinstance(c, StopsTraining)]  # type: ignore[attr-defined]
     early = early_stopped(trainer)  # kept in its state: the same command again trains no further
-    reasons.append(
-        f"EarlyStopping stopped it ({early}), and it stays stopped; to train on, remove that callback"
-        if early
-        else None
-    )
+    if early:
+        reasons.append(f"EarlyStopping stopped it ({early}), and it stays stopped; to train on, remove that callback")
     return next(filter(None, reasons), None)
 
 

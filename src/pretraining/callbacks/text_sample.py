@@ -39,7 +39,9 @@ class TextSample(Callback):
                 temperature=self.temperature,
                 top_k=self.top_k,
             )
-        rank_zero_info(f"\nSample at step {trainer.global_step}:\n{'-' * 60}\n{text or NO_SAMPLE}\n{'-' * 60}")
+        rank_zero_info(
+            f"\nSample at step {trainer.global_step}:\n{'-' * 60}\n{NO_SAMPLE if text is None else text}\n{'-' * 60}"
+        )
 
 
 def sample_text(model: CausalLM, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, **sampling: Any) -> str | None:
