@@ -23,4 +23,6 @@
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-.}"
 
-srun --kill-on-bad-exit=1 .venv/bin/pretrain trainer="${TRAINER:-ddp}" ++trainer.num_nodes="$SLURM_JOB_NUM_NODES" "$@"
+# Lightning joins SLURM's tasks and starts none: one device per task, so devices is SLURM's tasks per node.
+srun --kill-on-bad-exit=1 .venv/bin/pretrain trainer="${TRAINER:-ddp}" \
+    ++trainer.num_nodes="$SLURM_JOB_NUM_NODES" ++trainer.devices="$SLURM_NTASKS_PER_NODE" "$@"

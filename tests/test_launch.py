@@ -24,7 +24,7 @@ from conftest import tiny_run
 from pretraining.config import CONFIG_DIR, PROJECT_ROOT
 from pretraining.errors import ConfigError
 from pretraining.instantiate import build
-from pretraining.launch import check_devices, hydra_quote
+from pretraining.launch import check_devices, check_slurm_tasks, hydra_quote
 from pretraining.models.llama import DecoderLayer
 from pretraining.models.transformer import Block
 from pretraining.train import train
@@ -138,6 +138,39 @@ def test_more_gpus_than_the_node_has_are_refused(compose_train, monkeypatch, dev
         check_devices(compose_train("trainer=ddp", f"trainer.devices={fits}").trainer)
 
 
+def slurm_tasks(monkeypatch: pytest.MonkeyPatch, per_node: int, nodes: int) -> None:
+    """The variables of a task that `srun` started in a job of `nodes` nodes x `per_node` tasks."""
+    variables = {"SLURM_NTASKS": per_node * nodes, "SLURM_NTASKS_PER_NODE": per_node, "SLURM_NNODES": nodes}
+    for name, value in {**variables, "SLURM_JOB_NAME": "pretrain", "SLURM_JOB_ID": 7}.items():
+        monkeypatch.setenv(name, str(value))
+
+
+def test_devices_or_nodes_unlike_the_slurm_jobs_are_refused_before_any_work(
+    compose_train, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """2 nodes x 1 task with ddp_cpu's devices=2: Lightning refused it only after the data and model were built."""
+    slurm_tasks(monkeypatch, per_node=1, nodes=2)
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.devices=2 runs 2 rank\(s\) per node, but SLURM starts "
+        r"--ntasks-per-node=1: each task is one rank, so pass trainer.devices=1",
+    ):
+        train(compose_train("trainer=ddp_cpu", "++trainer.num_nodes=2"))
+    with pytest.raises(
+        ConfigError, match=r"trainer.num_nodes=1, but the SLURM job has --nodes=2: pass trainer.num_nodes=2"
+    ):
+        train(compose_train("trainer=ddp_cpu", "trainer.devices=1"))
+    assert not (tmp_path / "checkpoints").exists()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    slurm_tasks(monkeypatch, per_node=4, nodes=2)
+    with pytest.raises(ConfigError, match=r"trainer.devices=auto runs 8 rank\(s\) per node"):
+        check_slurm_tasks(compose_train("trainer=ddp", "++trainer.num_nodes=2").trainer)
+    check_slurm_tasks(compose_train("trainer=ddp", "++trainer.num_nodes=2", "trainer.devices=4").trainer)
+    monkeypatch.setenv("SLURM_JOB_NAME", "interactive")  # Lightning's way to run a launcher of one's own in SLURM
+    check_slurm_tasks(compose_train("trainer=ddp", "++trainer.num_nodes=1").trainer)
+
+
 @pytest.mark.parametrize("devices", ["banana", "0", "-2", "1.5", "[]", "[-1]"])
 def test_devices_that_are_no_count_indices_or_all_are_refused_naming_the_key(compose_train, devices: str) -> None:
     with pytest.raises(ConfigError, match=r"^trainer\.devices=.* is not a number of devices, a list of device indices"):
@@ -229,11 +262,11 @@ def test_torchrun_starts_every_rank_and_lightning_none(tmp_path: Path, small_sha
 
 def test_slurm_launcher_config_composes(tmp_path: Path) -> None:
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="pip install hydra-submitit-launcher")
-    overrides = ["hydra/launcher=slurm", "trainer=ddp", "trainer.num_nodes=2", f"paths.log_dir={tmp_path}"]
+    overrides = ["hydra/launcher=slurm", "trainer=ddp", "++trainer.num_nodes=2", f"paths.log_dir={tmp_path}"]
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("train", overrides=overrides, return_hydra_config=True)
     launcher = OmegaConf.to_container(cfg.hydra.launcher, resolve=True)
     assert launcher["_target_"] == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert (launcher["nodes"], launcher["tasks_per_node"]) == (2, launcher["gpus_per_node"])
     assert launcher["additional_parameters"] == {"signal": "USR1@120", "requeue": True}
-    assert launcher["setup"] == ["export SUBMITIT_PREEMPT_SIGNAL=USR1"]
+    assert launcher["setup"] == ["export SUBMITIT_PREEMPT_SIGNAL=USR1", "export SLURM_KILL_BAD_EXIT=1"]

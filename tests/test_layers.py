@@ -21,7 +21,18 @@ PACKAGE = PROJECT_ROOT / "src" / "pretraining"
 FLOORS = [
     (
         "ground",
-        ["errors", "ranges", "files", "distributed", "instantiate", "checkpoint", "run_lock", "quiet", "compat"],
+        [
+            "errors",
+            "ranges",
+            "files",
+            "distributed",
+            "instantiate",
+            "checkpoint",
+            "run_lock",
+            "quiet",
+            "compat",
+            "slurm",
+        ],
     ),
     ("data", ["data"]),
     ("models", ["models"]),

@@ -487,9 +487,18 @@ def test_a_stop_with_gradient_accumulation_saves_the_step_and_the_run_continues_
     assert all(torch.equal(expected[name], actual[name]) for name in expected), "final weights differ"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGUSR1, signal.SIGINT], ids=["SIGUSR1", "SIGINT"])
-def test_a_signal_saves_at_the_next_step_boundary_and_requeues_under_slurm(
-    compose_train, tmp_path: Path, monkeypatch, signum: int
+@pytest.mark.parametrize(
+    ("signum", "array_task", "requeued"),
+    [
+        (signal.SIGUSR1, None, "requeue 4242\n"),
+        (signal.SIGUSR1, "1", "requeue 4240_1\n"),  # an array's task alone, not the array (its job id may be it)
+        (signal.SIGTERM, None, None),  # scancel, or a preemption that SLURM requeues itself
+        (signal.SIGINT, None, None),  # a person stopped it
+    ],
+    ids=["SIGUSR1", "SIGUSR1-array-task", "SIGTERM", "SIGINT"],
+)
+def test_a_signal_saves_at_the_next_step_boundary_and_only_the_notice_requeues_under_slurm(
+    compose_train, tmp_path: Path, monkeypatch, signum: int, array_task: str | None, requeued: str | None
 ) -> None:
     scontrol = tmp_path / "bin" / "scontrol"  # stands in for SLURM's: records how it was called
     scontrol.parent.mkdir()
@@ -497,6 +506,9 @@ def test_a_signal_saves_at_the_next_step_boundary_and_requeues_under_slurm(
     scontrol.chmod(0o755)
     monkeypatch.setenv("PATH", f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    if array_task:
+        monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4240")
+        monkeypatch.setenv("SLURM_ARRAY_TASK_ID", array_task)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     signal_at = [
         "+callbacks.signal._target_=kill.SignalAt",
@@ -507,6 +519,6 @@ def test_a_signal_saves_at_the_next_step_boundary_and_requeues_under_slurm(
         train(compose_train(*signal_at))
     assert stopped.value.code == 128 + signum
     assert [step for step, _ in saved_checkpoints(tmp_path / "checkpoints")] == [4]  # the boundary after the signal
-    requeued = (tmp_path / "scontrol.log").read_text() if (tmp_path / "scontrol.log").exists() else None
-    assert requeued == ("requeue 4242\n" if signum == signal.SIGUSR1 else None)  # Ctrl-C is not requeued
+    log = tmp_path / "scontrol.log"
+    assert (log.read_text() if log.exists() else None) == requeued
     assert {s: signal.getsignal(s) for s in handlers} == handlers  # the handlers from before training are back

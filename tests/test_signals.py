@@ -162,3 +162,88 @@ def living_in_group(group: int) -> list[int]:
         if int(process_group) == group and state != "Z":
             living.append(int(stat.parent.name))
     return living
+
+
+# --- SLURM's notice outside training ----------------------------------------------------------------------
+
+
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **variables: str) -> Path:
+    """A SLURM job's variables, and an `scontrol` on PATH that records how it was called (in the returned file)."""
+    log = tmp_path / "scontrol.log"
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.parent.mkdir(exist_ok=True)
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}")
+    for name, value in {"SLURM_JOB_ID": "4242", **variables}.items():
+        monkeypatch.setenv(name, value)
+    return log
+
+
+@pytest.mark.parametrize(
+    ("variables", "requeued"),
+    [
+        ({}, "requeue 4242\n"),
+        ({"SLURM_PROCID": "1"}, None),
+        ({"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3"}, "requeue 7_3\n"),
+    ],
+    ids=["rank-zero", "other-rank", "array-task"],
+)
+def test_the_notice_outside_training_requeues_the_job_and_exits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variables: dict[str, str], requeued: str | None
+) -> None:
+    from pretraining.slurm import requeue_on_early_notice
+
+    log = fake_slurm(tmp_path, monkeypatch, **variables)
+    before = signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # as in a fresh process
+    try:
+        requeue_on_early_notice()
+        with pytest.raises(SystemExit) as stopped:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(1)  # the handler runs at the next bytecode
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    assert stopped.value.code == 128 + signal.SIGUSR1
+    assert (log.read_text() if log.exists() else None) == requeued
+
+
+def test_a_handler_someone_installed_for_the_notice_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Submitit's, in a sweep's job: it requeues the job outside training itself."""
+    from pretraining.slurm import requeue_on_early_notice
+
+    fake_slurm(tmp_path, monkeypatch)
+    theirs = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    try:
+        mine = signal.getsignal(signal.SIGUSR1)
+        requeue_on_early_notice()
+        assert signal.getsignal(signal.SIGUSR1) is mine
+    finally:
+        signal.signal(signal.SIGUSR1, theirs)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+def test_the_notice_during_start_up_requeues_a_slurm_job(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shard_dir: Path
+) -> None:
+    """SLURM's notice can come before training begins (a short --time): the notice's default action ended the job,
+    unrequeued, with exit 138."""
+    log = fake_slurm(tmp_path, monkeypatch)
+    environment = {**TEST_ENV, **{name: os.environ[name] for name in ("PATH", "SLURM_JOB_ID")}}
+    command = pretrain_command(tmp_path, "early", [*tiny_run("clm_tiny"), f"data.dir={shard_dir}"])
+    process = subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 60
+    while process.poll() is None and not catches(process.pid, signal.SIGUSR1) and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGUSR1)  # as soon as `pretrain` has its handler: while it loads torch
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGUSR1, output[-3000:]
+    assert log.read_text() == "requeue 4242\n"
+    assert "requeueing the job" in output and "Traceback" not in output, output[-3000:]
+    assert not (run_dir(tmp_path, "early") / "checkpoints").exists()  # stopped before training: nothing to save
+
+
+def catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler of its own for `signum` (its SigCgt mask in /proc)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+    return bool(caught >> (signum - 1) & 1)

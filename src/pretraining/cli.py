@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import PretrainingError
@@ -20,6 +20,10 @@ from pretraining.errors import PretrainingError
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
 def train(cfg: DictConfig) -> float | None:
     """`pretrain`: train as the config says (continuing the run from its newest checkpoint)."""
+    from pretraining.slurm import requeue_on_early_notice
+
+    if OmegaConf.select(cfg, "callbacks.preemption.requeue", default=False):
+        requeue_on_early_notice()  # before torch loads: SLURM's notice can come during the start-up
     from pretraining.train import train_job
 
     return train_job(cfg)

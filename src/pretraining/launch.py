@@ -19,6 +19,7 @@ import torch.distributed as dist
 from hydra.conf import HydraConf
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd, to_absolute_path
+from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, ListConfig
 
 from pretraining.errors import ConfigError
@@ -159,6 +160,30 @@ def check_devices(trainer: DictConfig) -> None:
             f"trainer.devices={devices} asks for GPU {max(wanted)} but this node has {available} "
             f"(0 to {available - 1}): set trainer.devices={available} or fewer (-1 or auto: all of them), "
             "and trainer.num_nodes for more"
+        )
+
+
+def check_slurm_tasks(trainer: DictConfig) -> None:
+    """In a SLURM job's tasks, stop before any work where the devices or nodes differ from SLURM's: each task is one
+    rank and Lightning starts none (Lightning's own error came after the data and model were built)."""
+    devices, accelerator = trainer.get("devices", "auto"), trainer.get("accelerator", "auto")
+    if not SLURMEnvironment.detect() or not isinstance(accelerator, str):
+        return
+    wanted = requested_gpus(devices)
+    gpus = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+    per_node = len(wanted) if wanted else torch.cuda.device_count() if gpus else None  # CPU "all": Lightning's
+    tasks, nodes = os.environ.get("SLURM_NTASKS_PER_NODE"), os.environ.get("SLURM_NNODES")
+    if tasks and tasks.isdigit() and per_node is not None and per_node != int(tasks):
+        raise ConfigError(
+            f"trainer.devices={devices} runs {per_node} rank(s) per node, but SLURM starts --ntasks-per-node={tasks}: "
+            f"each task is one rank, so pass trainer.devices={tasks} (scripts/launch_slurm.sh does), or ask SLURM "
+            f"for --ntasks-per-node={per_node}"
+        )
+    num_nodes = trainer.get("num_nodes", 1)
+    if nodes and nodes.isdigit() and num_nodes != int(nodes):
+        raise ConfigError(
+            f"trainer.num_nodes={num_nodes}, but the SLURM job has --nodes={nodes}: pass trainer.num_nodes={nodes} "
+            "(scripts/launch_slurm.sh passes $SLURM_JOB_NUM_NODES)"
         )
 
 

@@ -1,10 +1,9 @@
-"""Stop cleanly when asked to: SIGTERM (schedulers), SIGUSR1 (SLURM's warning) or Ctrl-C."""
+"""Stop cleanly when asked to: SIGTERM (`scancel`, a preemption, any scheduler), SIGUSR1 (SLURM's notice before the
+time limit) or Ctrl-C."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 from types import FrameType
 from typing import Any
 
@@ -16,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.internals import end_training_loaders, install_signal_handlers_instead
+from pretraining.slurm import NOTICE, requeue_this_job
 
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
 
@@ -28,8 +28,9 @@ class Preemption(Callback):
     """On a signal, only set a flag (the state is always a completed step's); at the next step boundary the
     ranks agree on it, save, stop, and `train` exits with 128 + the signal, for a scheduler to requeue on. A
     validation checks the flag after every batch and raises `Preempted`, after saving its step if needed; the
-    continued run validates that step again. With `requeue` under SLURM, rank zero runs `scontrol requeue`
-    (not after Ctrl-C). A second Ctrl-C stops at once, unsaved.
+    continued run validates that step again. With `requeue` under SLURM, rank zero requeues the job after the
+    time-limit notice, USR1 (`pretraining.slurm`): a SIGTERM is `scancel` or a preemption, which SLURM requeues
+    itself where it is configured to. A second Ctrl-C stops at once, unsaved.
 
     The handlers replace Lightning's, from each stage's `setup` to its teardown (`pretraining.internals`):
     its SIGTERM path runs a collective inside the handler, which can hang DDP, and can exit 0 unsaved. Outside
@@ -99,10 +100,9 @@ class Preemption(Callback):
         self.requeue_job(trainer)
 
     def requeue_job(self, trainer: Trainer) -> None:
-        """Under SLURM, with `requeue`, put the job back in the queue (not after Ctrl-C: a person stopped it)."""
-        requeueable = self.stopped_by != signal.SIGINT
-        if trainer.is_global_zero and self.requeue and requeueable and "SLURM_JOB_ID" in os.environ:
-            requeue_slurm_job(os.environ["SLURM_JOB_ID"])
+        """With `requeue`, after SLURM's time-limit notice, put the job back in the queue."""
+        if trainer.is_global_zero and self.requeue and self.stopped_by == NOTICE:
+            requeue_this_job()
 
     def agreed_signal(self, trainer: Trainer) -> int | None:
         """The largest signal any rank received (or None), alike on every rank; one process needs no sync."""
@@ -130,18 +130,6 @@ class Preemption(Callback):
     def exit_code(self) -> int:
         """The status to exit with: 0, or 128 + the signal that stopped training (as the shell reports it)."""
         return 128 + self.stopped_by if self.stopped_by else 0
-
-
-def requeue_slurm_job(job_id: str) -> None:
-    try:
-        result = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
-    except OSError as error:
-        rank_zero_warn(f"could not requeue SLURM job {job_id}: {error}")
-        return
-    if result.returncode == 0:
-        rank_zero_info(f"requeued SLURM job {job_id}")
-    else:
-        rank_zero_warn(f"could not requeue SLURM job {job_id}: {result.stderr.strip()}")
 
 
 def stop_signal(trainer: Trainer) -> int:
