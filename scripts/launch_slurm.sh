@@ -1,11 +1,17 @@
 #!/bin/bash
 # Pretrain on SLURM: sbatch [--nodes=4] scripts/launch_slurm.sh experiment=gpt2_124m data.dir=data/mine
+# To try it on CPUs (a cluster without GPUs; MASTER_ADDR where the node names do not resolve):
+#   TRAINER=ddp_cpu sbatch --nodes=2 --ntasks-per-node=1 --gpus-per-node=0 --cpus-per-task=1 \
+#       scripts/launch_slurm.sh experiment=clm_tiny
 #
 # srun starts one task per GPU on every node and Lightning joins them (it detects SLURM and starts no
 # process itself). Before the time limit SLURM sends USR1 to every task: they save a checkpoint at the
-# next step boundary, rank zero requeues the job (`scontrol requeue`), and all exit. The requeued job
-# runs this same command, which finds the same run directory and continues from its newest checkpoint;
-# a preemption (SIGTERM) is handled the same way. Keep resume=never out of this script.
+# next step boundary, rank zero requeues the job (`scontrol requeue`; an array's task alone), and all
+# exit; a notice during start-up requeues the job at once. The requeued job runs this same command, which
+# finds the same run directory and continues from its newest checkpoint. A SIGTERM (`scancel`, or a
+# preemption) saves the same way and exits without requeueing: a cancelled job stays cancelled, and a
+# preempted one is requeued by SLURM where PreemptMode=REQUEUE (docs/scale-out.md). Keep resume=never out
+# of this script.
 #
 # One task per GPU (--ntasks-per-node = --gpus-per-node); --cpus-per-task feeds each rank's DataLoader
 # workers; --signal sends USR1 to every task 120 s before the time limit; --requeue lets the job be
