@@ -5,10 +5,12 @@ and process group instead of inheriting the last one's."""
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import logging
 import os
 import re
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +24,7 @@ from hydra.utils import get_original_cwd, to_absolute_path
 from lightning.pytorch.plugins.environments import SLURMEnvironment
 from omegaconf import DictConfig, ListConfig
 
+from pretraining.data.loader import PR_SET_PDEATHSIG
 from pretraining.errors import ConfigError
 from pretraining.internals import start_ranks_with
 
@@ -37,8 +40,17 @@ def distributed_job() -> Iterator[None]:
     """One Hydra job as a distributed job of its own: extra ranks run its config in its directory, only rank zero
     writes the log file, and its process group and launcher variables go on the way out."""
     start_ranks_with(rank_command)
+    end_with_torchrun()
     with log_file_on_rank_zero(), own_process_group():
         yield
+
+
+def end_with_torchrun() -> None:
+    """Have the kernel kill a rank that torchrun started when torchrun dies: it starts each rank in a session of its
+    own, so a torchrun killed by SIGKILL (which it cannot pass on) left its ranks training, unwatched, in the run's
+    directory. Linux only (prctl); a rank dying so is a node failure, which resume is made for."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @contextmanager
