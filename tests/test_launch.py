@@ -24,7 +24,7 @@ from conftest import tiny_run
 from pretraining.config import CONFIG_DIR, PROJECT_ROOT
 from pretraining.errors import ConfigError
 from pretraining.instantiate import build
-from pretraining.launch import check_devices, check_slurm_tasks, hydra_quote
+from pretraining.launch import check_devices, check_launcher_ranks, hydra_quote
 from pretraining.models.llama import DecoderLayer
 from pretraining.models.transformer import Block
 from pretraining.train import train
@@ -153,22 +153,27 @@ def test_devices_or_nodes_unlike_the_slurm_jobs_are_refused_before_any_work(
     with pytest.raises(
         ConfigError,
         match=r"trainer.devices=2 runs 2 rank\(s\) per node, but SLURM starts "
-        r"--ntasks-per-node=1: each task is one rank, so pass trainer.devices=1",
+        r"--ntasks-per-node=1: each of its processes is one rank, so pass trainer.devices=1",
     ):
         train(compose_train("trainer=ddp_cpu", "++trainer.num_nodes=2"))
-    with pytest.raises(
-        ConfigError, match=r"trainer.num_nodes=1, but the SLURM job has --nodes=2: pass trainer.num_nodes=2"
-    ):
+    with pytest.raises(ConfigError, match=r"trainer.num_nodes=1, but SLURM runs --nodes=2: pass trainer.num_nodes=2"):
         train(compose_train("trainer=ddp_cpu", "trainer.devices=1"))
     assert not (tmp_path / "checkpoints").exists()
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     slurm_tasks(monkeypatch, per_node=4, nodes=2)
     with pytest.raises(ConfigError, match=r"trainer.devices=auto runs 8 rank\(s\) per node"):
-        check_slurm_tasks(compose_train("trainer=ddp", "++trainer.num_nodes=2").trainer)
-    check_slurm_tasks(compose_train("trainer=ddp", "++trainer.num_nodes=2", "trainer.devices=4").trainer)
+        check_launcher_ranks(compose_train("trainer=ddp", "++trainer.num_nodes=2").trainer)
+    check_launcher_ranks(compose_train("trainer=ddp", "++trainer.num_nodes=2", "trainer.devices=4").trainer)
     monkeypatch.setenv("SLURM_JOB_NAME", "interactive")  # Lightning's way to run a launcher of one's own in SLURM
-    check_slurm_tasks(compose_train("trainer=ddp", "++trainer.num_nodes=1").trainer)
+    check_launcher_ranks(compose_train("trainer=ddp", "++trainer.num_nodes=1").trainer)
+    # torchrun's: 2 nodes x 1 process
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "2", "WORLD_SIZE": "2"}
+    for name, value in torchrun.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match=r"runs 2 rank\(s\) per node, but torchrun starts --nproc-per-node=1"):
+        check_launcher_ranks(compose_train("trainer=ddp_cpu", "++trainer.num_nodes=2").trainer)
+    check_launcher_ranks(compose_train("trainer=ddp_cpu", "++trainer.num_nodes=2", "trainer.devices=1").trainer)
 
 
 @pytest.mark.parametrize("devices", ["banana", "0", "-2", "1.5", "[]", "[-1]"])

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hydra.conf import HydraConf
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_original_cwd, to_absolute_path
-from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from omegaconf import DictConfig, ListConfig
 
 from pretraining.data.loader import PR_SET_PDEATHSIG
@@ -175,27 +175,38 @@ def check_devices(trainer: DictConfig) -> None:
         )
 
 
-def check_slurm_tasks(trainer: DictConfig) -> None:
-    """In a SLURM job's tasks, stop before any work where the devices or nodes differ from SLURM's: each task is one
-    rank and Lightning starts none (Lightning's own error came after the data and model were built)."""
+# Where a launcher starts every rank: its name, its variables and options for the ranks per node and the nodes, and
+# the launch script that passes them on.
+LAUNCHERS = {
+    "SLURM": ("SLURM_NTASKS_PER_NODE", "--ntasks-per-node", "SLURM_NNODES", "--nodes", "scripts/launch_slurm.sh"),
+    "torchrun": ("LOCAL_WORLD_SIZE", "--nproc-per-node", "GROUP_WORLD_SIZE", "--nnodes", "scripts/launch_torchrun.sh"),
+}
+
+
+def check_launcher_ranks(trainer: DictConfig) -> None:
+    """Where SLURM or torchrun starts the ranks, stop before any work if the devices or nodes differ from theirs:
+    each process is one rank and Lightning starts none (Lightning's own error came after the data and model were
+    built, and named neither key nor fix)."""
     devices, accelerator = trainer.get("devices", "auto"), trainer.get("accelerator", "auto")
-    if not SLURMEnvironment.detect() or not isinstance(accelerator, str):
+    launcher = "SLURM" if SLURMEnvironment.detect() else "torchrun" if TorchElasticEnvironment.detect() else None
+    if launcher is None or not isinstance(accelerator, str):
         return
+    tasks_variable, tasks_option, nodes_variable, nodes_option, script = LAUNCHERS[launcher]
     wanted = requested_gpus(devices)
     gpus = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     per_node = len(wanted) if wanted else torch.cuda.device_count() if gpus else None  # CPU "all": Lightning's
-    tasks, nodes = os.environ.get("SLURM_NTASKS_PER_NODE"), os.environ.get("SLURM_NNODES")
-    if tasks and tasks.isdigit() and per_node is not None and per_node != int(tasks):
+    tasks, nodes = os.environ.get(tasks_variable, ""), os.environ.get(nodes_variable, "")
+    if tasks.isdigit() and per_node is not None and per_node != int(tasks):
         raise ConfigError(
-            f"trainer.devices={devices} runs {per_node} rank(s) per node, but SLURM starts --ntasks-per-node={tasks}: "
-            f"each task is one rank, so pass trainer.devices={tasks} (scripts/launch_slurm.sh does), or ask SLURM "
-            f"for --ntasks-per-node={per_node}"
+            f"trainer.devices={devices} runs {per_node} rank(s) per node, but {launcher} starts "
+            f"{tasks_option}={tasks}: each of its processes is one rank, so pass trainer.devices={tasks} ({script} "
+            f"does), or start {tasks_option}={per_node}"
         )
     num_nodes = trainer.get("num_nodes", 1)
-    if nodes and nodes.isdigit() and num_nodes != int(nodes):
+    if nodes.isdigit() and num_nodes != int(nodes):
         raise ConfigError(
-            f"trainer.num_nodes={num_nodes}, but the SLURM job has --nodes={nodes}: pass trainer.num_nodes={nodes} "
-            "(scripts/launch_slurm.sh passes $SLURM_JOB_NUM_NODES)"
+            f"trainer.num_nodes={num_nodes}, but {launcher} runs {nodes_option}={nodes}: pass "
+            f"trainer.num_nodes={nodes} ({script} does)"
         )
 
 

@@ -28,7 +28,7 @@ from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError, MissingExtraError
 from pretraining.instantiate import build
-from pretraining.launch import check_devices, check_slurm_tasks
+from pretraining.launch import check_devices, check_launcher_ranks
 from pretraining.objectives.base import PretrainingObjective, check_lengths, logged_values
 from pretraining.objectives.optimizers import is_muon
 from pretraining.quiet import set_up_messages
@@ -116,7 +116,7 @@ def prepare_process(cfg: DictConfig) -> None:
     """Messages (`quiet`), a check of this node's GPUs, the float32 matmul precision, and every seed."""
     set_up_messages(cfg.quiet)
     check_devices(cfg.trainer)
-    check_slurm_tasks(cfg.trainer)
+    check_launcher_ranks(cfg.trainer)
     torch.set_float32_matmul_precision(cfg.matmul_precision)
     seed_everything(cfg.seed, workers=True, verbose=not cfg.quiet)
 
