@@ -16,6 +16,7 @@ from __future__ import annotations
 import csv
 import importlib
 import importlib.util
+import itertools
 import os
 import re
 import shlex
@@ -266,7 +267,9 @@ def check(command: str, config_dir: Path) -> None:
     elif program == "rm":
         check_deletion(args)
     elif program == "sbatch" or program.startswith("scripts/"):
-        script, overrides = (args[0], args[1:]) if program == "sbatch" else (program, args)
+        if program == "sbatch":  # its options (--nodes=2) come before the script
+            program, *args = itertools.dropwhile(lambda arg: arg.startswith("-"), args)
+        script, overrides = program, args
         subprocess.run(["bash", "-n", str(PROJECT_ROOT / script)], check=True)
         if overrides:  # the scripts pass them to `pretrain`
             check_composes(overrides, config_dir)
