@@ -1,8 +1,9 @@
 #!/bin/bash
 # Pretrain on SLURM: sbatch [--nodes=4] scripts/launch_slurm.sh experiment=gpt2_124m data.dir=data/mine
-# To try it on CPUs (a cluster without GPUs; MASTER_ADDR where the node names do not resolve):
+# To try it on CPUs (a cluster without GPUs; MASTER_ADDR where the node names do not resolve), one task and
+# so one device per node:
 #   TRAINER=ddp_cpu sbatch --nodes=2 --ntasks-per-node=1 --gpus-per-node=0 --cpus-per-task=1 \
-#       scripts/launch_slurm.sh experiment=clm_tiny
+#       scripts/launch_slurm.sh experiment=clm_tiny trainer.devices=1
 #
 # srun starts one task per GPU on every node and Lightning joins them (it detects SLURM and starts no
 # process itself). Before the time limit SLURM sends USR1 to every task: they save a checkpoint at the
@@ -29,6 +30,4 @@
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:-.}"
 
-# Lightning joins SLURM's tasks and starts none: one device per task, so devices is SLURM's tasks per node.
-srun --kill-on-bad-exit=1 .venv/bin/pretrain trainer="${TRAINER:-ddp}" \
-    ++trainer.num_nodes="$SLURM_JOB_NUM_NODES" ++trainer.devices="$SLURM_NTASKS_PER_NODE" "$@"
+srun --kill-on-bad-exit=1 .venv/bin/pretrain trainer="${TRAINER:-ddp}" ++trainer.num_nodes="$SLURM_JOB_NUM_NODES" "$@"

@@ -21,11 +21,7 @@ MASTER_PORT=${MASTER_PORT:-29500}
 TRAINER=${TRAINER:-ddp}                 # or fsdp, fsdp1; ddp_cpu with NPROC_PER_NODE=2 to try it on a CPU
 PYTHON=${PYTHON:-.venv/bin/python}
 
-# Lightning wants devices x num_nodes = torchrun's world: a count of processes is each node's devices too.
-DEVICES=()
-if [[ "$NPROC_PER_NODE" =~ ^[0-9]+$ ]]; then DEVICES=(++trainer.devices="$NPROC_PER_NODE"); fi
-
 exec "$PYTHON" -m torch.distributed.run \
     --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC_PER_NODE" \
     --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
-    -m pretraining trainer="$TRAINER" ++trainer.num_nodes="$NNODES" ${DEVICES[@]+"${DEVICES[@]}"} "$@"
+    -m pretraining trainer="$TRAINER" ++trainer.num_nodes="$NNODES" "$@"

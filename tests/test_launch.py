@@ -174,6 +174,10 @@ def test_devices_or_nodes_unlike_the_slurm_jobs_are_refused_before_any_work(
     with pytest.raises(ConfigError, match=r"runs 2 rank\(s\) per node, but torchrun starts --nproc-per-node=1"):
         check_launcher_ranks(compose_train("trainer=ddp_cpu", "++trainer.num_nodes=2").trainer)
     check_launcher_ranks(compose_train("trainer=ddp_cpu", "++trainer.num_nodes=2", "trainer.devices=1").trainer)
+    # torchrun inside a SLURM job of one task per node: torchrun's ranks, as Lightning sees them
+    slurm_tasks(monkeypatch, per_node=1, nodes=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_launcher_ranks(compose_train("trainer=ddp_cpu", "++trainer.num_nodes=2").trainer)
 
 
 @pytest.mark.parametrize("devices", ["banana", "0", "-2", "1.5", "[]", "[-1]"])

@@ -85,7 +85,7 @@ def start_nodes(log_dir: Path, run: str, overrides: list[str]) -> list[subproces
         "MASTER_PORT": str(free_port()),
         "PYTHON": sys.executable,
     }
-    command = [str(SCRIPT), *OVERRIDES, *overrides, f"paths.log_dir={log_dir}", f"run_name={run}"]
+    command = [str(SCRIPT), *OVERRIDES, "trainer.devices=1", *overrides, f"paths.log_dir={log_dir}", f"run_name={run}"]
     nodes = []
     for rank in range(2):
         output = (log_dir / f"{run}-node{rank}.txt").open("a")  # a file, not a pipe nobody reads while we wait

@@ -455,8 +455,6 @@ def test_run_names_are_stable_for_a_command_and_ignore_how_it_resumes() -> None:
     assert longer.startswith("clm_tiny-") and longer == name("trainer.max_steps=50", "experiment=clm_tiny")
     assert name("experiment=clm_tiny", "trainer.max_steps=50", "resume=never", "ckpt_path=x") == longer
     assert name("experiment=clm_tiny", "trainer.max_steps=60") != longer
-    # The devices and nodes change no step, and the launch scripts pass them: a job moved continues its run.
-    assert name("experiment=clm_tiny", "trainer.max_steps=50", "++trainer.num_nodes=4", "trainer.devices=8") == longer
     assert run_name("team/clm", []) == "team-clm"  # an experiment in a folder of its own: one directory still
 
 

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from conftest import tiny_run
+from pretraining.callbacks.preemption import Preemption
 from pretraining.checkpoint import saved_checkpoints
+from pretraining.slurm import EarlyNotice, leave_the_notice_alone, requeue_on_early_notice
 from pretraining.train import train
 from test_resume import DDP, RESUMABLE, TEST_ENV, assert_same_training, pretrain, pretrain_command, run_dir
 
@@ -182,18 +184,12 @@ def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **variables: str
 
 @pytest.mark.parametrize(
     ("variables", "requeued"),
-    [
-        ({}, "requeue 4242\n"),
-        ({"SLURM_PROCID": "1"}, None),
-        ({"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3"}, "requeue 7_3\n"),
-    ],
-    ids=["rank-zero", "other-rank", "array-task"],
+    [({}, "requeue 4242\n"), ({"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "3"}, "requeue 7_3\n")],
+    ids=["job", "array-task"],
 )
 def test_the_notice_outside_training_requeues_the_job_and_exits(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variables: dict[str, str], requeued: str | None
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variables: dict[str, str], requeued: str
 ) -> None:
-    from pretraining.slurm import requeue_on_early_notice
-
     log = fake_slurm(tmp_path, monkeypatch, **variables)
     before = signal.signal(signal.SIGUSR1, signal.SIG_DFL)  # as in a fresh process
     try:
@@ -204,19 +200,42 @@ def test_the_notice_outside_training_requeues_the_job_and_exits(
     finally:
         signal.signal(signal.SIGUSR1, before)
     assert stopped.value.code == 128 + signal.SIGUSR1
-    assert (log.read_text() if log.exists() else None) == requeued
+    assert log.read_text() == requeued
+
+
+def test_another_task_goes_on_with_the_notice_noted_for_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exiting, it would have `srun --kill-on-bad-exit` end the first task before that one's requeue."""
+    log = fake_slurm(tmp_path, monkeypatch, SLURM_PROCID="1")
+    before = signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    preemption = Preemption()
+    try:
+        requeue_on_early_notice()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.1)
+        assert EarlyNotice.received and not log.exists()
+        preemption.install_handlers()  # as training's stage begins: the notice is its
+        assert preemption.received == signal.SIGUSR1 and not EarlyNotice.received
+    finally:
+        preemption.restore_handlers()
+        signal.signal(signal.SIGUSR1, before)
+        EarlyNotice.received = False
 
 
 def test_a_handler_someone_installed_for_the_notice_is_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Submitit's, in a sweep's job: it requeues the job outside training itself."""
-    from pretraining.slurm import requeue_on_early_notice
-
+    """Submitit's, in a sweep's job: it requeues the job outside training itself. A job with
+    `callbacks.preemption.requeue=false` leaves the notice's default action."""
     fake_slurm(tmp_path, monkeypatch)
     theirs = signal.signal(signal.SIGUSR1, lambda signum, frame: None)
     try:
         mine = signal.getsignal(signal.SIGUSR1)
         requeue_on_early_notice()
         assert signal.getsignal(signal.SIGUSR1) is mine
+        signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+        requeue_on_early_notice()
+        leave_the_notice_alone()
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGUSR1, theirs)
 
@@ -234,11 +253,14 @@ def test_the_notice_during_start_up_requeues_a_slurm_job(
     deadline = time.time() + 60
     while process.poll() is None and not catches(process.pid, signal.SIGUSR1) and time.time() < deadline:
         time.sleep(0.05)
-    os.kill(process.pid, signal.SIGUSR1)  # as soon as `pretrain` has its handler: while it loads torch
+    torch_loaded = "libtorch" in Path(f"/proc/{process.pid}/maps").read_text()
+    os.kill(process.pid, signal.SIGUSR1)  # as soon as `pretrain` has its handler
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGUSR1, output[-3000:]
+    assert not torch_loaded, "the handler came after torch loaded: a notice in the seconds before ended the job"
     assert log.read_text() == "requeue 4242\n"
-    assert "requeueing the job" in output and "Traceback" not in output, output[-3000:]
+    assert "SIGUSR1 received outside training: requeued SLURM job 4242" in output, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
     assert not (run_dir(tmp_path, "early") / "checkpoints").exists()  # stopped before training: nothing to save
 
 

@@ -74,6 +74,7 @@ def submit(cluster: SlurmCluster, log_dir: Path, run: str, overrides: list[str],
             "--cpus-per-task=1",
             f"--output={log_dir}/{run}-%j.out",
             "scripts/launch_slurm.sh",
+            "trainer.devices=1",  # one task per node: the CPU trial of docs/scale-out.md
             *overrides,
             f"paths.log_dir={log_dir}",
             f"run_name={run}",

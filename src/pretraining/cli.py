@@ -15,15 +15,22 @@ from omegaconf import DictConfig, OmegaConf
 
 from pretraining.config import CONFIG_DIR
 from pretraining.errors import PretrainingError
+from pretraining.slurm import leave_the_notice_alone, requeue_on_early_notice
+
+
+def train() -> None:
+    """`pretrain`: train as the config says (continuing the run from its newest checkpoint)."""
+    requeue_on_early_notice()  # first: SLURM's notice can come while Hydra's callbacks load torch
+    train_from_config()
 
 
 @hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name="train")
-def train(cfg: DictConfig) -> float | None:
-    """`pretrain`: train as the config says (continuing the run from its newest checkpoint)."""
-    from pretraining.slurm import requeue_on_early_notice
-
+def train_from_config(cfg: DictConfig) -> float | None:
+    """`pretrain`'s Hydra job (each job of a multirun)."""
     if OmegaConf.select(cfg, "callbacks.preemption.requeue", default=False):
-        requeue_on_early_notice()  # before torch loads: SLURM's notice can come during the start-up
+        requeue_on_early_notice()
+    else:
+        leave_the_notice_alone()
     from pretraining.train import train_job
 
     return train_job(cfg)

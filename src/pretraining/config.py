@@ -28,12 +28,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = PROJECT_ROOT / "configs"
 REGISTRY_DIR = PROJECT_ROOT / "logs" / "registry"  # the default paths.registry_dir, for the commands without Hydra
 
-# Overrides that say how to run, not what: they do not change the run's name. The devices and nodes do not change
-# the steps (docs/scale-out.md), and the launch scripts pass SLURM's or torchrun's: a job moved to other nodes
-# continues its run.
+# Overrides that say how to run, not what: they do not change the run's name.
 RUN_CONTROL_KEYS = {
-    "trainer.devices",
-    "trainer.num_nodes",
     "experiment",
     "run_name",
     "resume",

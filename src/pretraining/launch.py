@@ -188,7 +188,8 @@ def check_launcher_ranks(trainer: DictConfig) -> None:
     each process is one rank and Lightning starts none (Lightning's own error came after the data and model were
     built, and named neither key nor fix)."""
     devices, accelerator = trainer.get("devices", "auto"), trainer.get("accelerator", "auto")
-    launcher = "SLURM" if SLURMEnvironment.detect() else "torchrun" if TorchElasticEnvironment.detect() else None
+    # torchrun first, as Lightning: torchrun can run inside a SLURM job, and then starts the ranks itself.
+    launcher = "torchrun" if TorchElasticEnvironment.detect() else "SLURM" if SLURMEnvironment.detect() else None
     if launcher is None or not isinstance(accelerator, str):
         return
     tasks_variable, tasks_option, nodes_variable, nodes_option, script = LAUNCHERS[launcher]

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.plugins.environments import SLURMEnvironment, TorchElasticEnvironment
 from lightning.pytorch.strategies import FSDPStrategy, ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -203,9 +203,9 @@ def model_checkpoints_first(callbacks: list[Callback]) -> list[Callback]:
 
 def plugins(cfg: DictConfig) -> list[Any]:
     """The configured plugins, plus SLURM's environment with auto-requeue off: that saves inside the signal handler,
-    `Preemption` at the step boundary."""
+    `Preemption` at the step boundary. Not for torchrun inside a SLURM job: its ranks are torchrun's."""
     configured = [build(plugin) for plugin in cfg.trainer.get("plugins") or []]
-    if SLURMEnvironment.detect():
+    if SLURMEnvironment.detect() and not TorchElasticEnvironment.detect():
         configured.append(SLURMEnvironment(auto_requeue=False))
     return configured
 

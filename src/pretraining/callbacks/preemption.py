@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.internals import end_training_loaders, install_signal_handlers_instead
-from pretraining.slurm import NOTICE, requeue_this_job
+from pretraining.slurm import NOTICE, EarlyNotice, job_to_requeue, requeue_this_job
 
 SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGUSR1", "SIGINT") if hasattr(signal, name))
 
@@ -34,7 +34,8 @@ class Preemption(Callback):
 
     The handlers replace Lightning's, from each stage's `setup` to its teardown (`pretraining.internals`):
     its SIGTERM path runs a collective inside the handler, which can hang DDP, and can exit 0 unsaved. Outside
-    stages a signal's default action applies: nothing a restart would miss is written there. DataLoader
+    stages a signal's default action applies (nothing a restart would miss is written there), but SLURM's notice
+    requeues the job (`pretraining.slurm`). DataLoader
     workers ignore these signals (`leave_stop_signals_to_the_main_process`)."""
 
     def __init__(self, requeue: bool = True) -> None:
@@ -57,6 +58,9 @@ class Preemption(Callback):
     def install_handlers(self) -> None:
         if not self.previous:  # not ours already
             self.previous = {signum: signal.signal(signum, self.handle) for signum in SIGNALS}
+        if EarlyNotice.received:  # SLURM's notice came before this stage, to a task that does not requeue
+            self.received = self.received or NOTICE
+            EarlyNotice.received = False
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.boundary_step = trainer.global_step
@@ -98,11 +102,14 @@ class Preemption(Callback):
                 checkpoint.save(trainer)
                 checkpoint.wait_until_written(trainer)  # within the signal's grace time, before any rank leaves
         self.requeue_job(trainer)
+        # No rank leaves before the requeue is made: `srun --kill-on-bad-exit` ends the job at the first exit.
+        trainer.strategy.barrier("requeued")
 
     def requeue_job(self, trainer: Trainer) -> None:
         """With `requeue`, after SLURM's time-limit notice, put the job back in the queue."""
-        if trainer.is_global_zero and self.requeue and self.stopped_by == NOTICE:
-            requeue_this_job()
+        if trainer.is_global_zero and self.requeue and self.stopped_by == NOTICE and job_to_requeue():
+            requeued, message = requeue_this_job()
+            (rank_zero_info if requeued else rank_zero_warn)(message)
 
     def agreed_signal(self, trainer: Trainer) -> int | None:
         """The largest signal any rank received (or None), alike on every rank; one process needs no sync."""
