@@ -175,8 +175,8 @@ def check_devices(trainer: DictConfig) -> None:
         )
 
 
-# Where a launcher starts every rank: its name, its variables and options for the ranks per node and the nodes, and
-# the launch script that passes them on.
+# Where a launcher starts every rank: its variables and options for the ranks per node and the nodes, and the launch
+# script that passes the nodes on.
 LAUNCHERS = {
     "SLURM": ("SLURM_NTASKS_PER_NODE", "--ntasks-per-node", "SLURM_NNODES", "--nodes", "scripts/launch_slurm.sh"),
     "torchrun": ("LOCAL_WORLD_SIZE", "--nproc-per-node", "GROUP_WORLD_SIZE", "--nnodes", "scripts/launch_torchrun.sh"),
@@ -200,8 +200,8 @@ def check_launcher_ranks(trainer: DictConfig) -> None:
     if tasks.isdigit() and per_node is not None and per_node != int(tasks):
         raise ConfigError(
             f"trainer.devices={devices} runs {per_node} rank(s) per node, but {launcher} starts "
-            f"{tasks_option}={tasks}: each of its processes is one rank, so pass trainer.devices={tasks} ({script} "
-            f"does), or start {tasks_option}={per_node}"
+            f"{tasks_option}={tasks}: each of its processes is one rank, so pass trainer.devices={tasks}, or start "
+            f"{tasks_option}={per_node}"
         )
     num_nodes = trainer.get("num_nodes", 1)
     if nodes.isdigit() and num_nodes != int(nodes):
