@@ -141,7 +141,7 @@ def test_more_gpus_than_the_node_has_are_refused(compose_train, monkeypatch, dev
 def slurm_tasks(monkeypatch: pytest.MonkeyPatch, per_node: int, nodes: int) -> None:
     """The variables of a task that `srun` started in a job of `nodes` nodes x `per_node` tasks."""
     variables = {"SLURM_NTASKS": per_node * nodes, "SLURM_NTASKS_PER_NODE": per_node, "SLURM_NNODES": nodes}
-    for name, value in {**variables, "SLURM_JOB_NAME": "pretrain", "SLURM_JOB_ID": 7}.items():
+    for name, value in {**variables, "SLURM_JOB_NAME": "pretrain", "SLURM_JOB_ID": 7, "SLURM_STEP_ID": 0}.items():
         monkeypatch.setenv(name, str(value))
 
 
@@ -165,6 +165,9 @@ def test_devices_or_nodes_unlike_the_slurm_jobs_are_refused_before_any_work(
     with pytest.raises(ConfigError, match=r"trainer.devices=auto runs 8 rank\(s\) per node"):
         check_launcher_ranks(compose_train("trainer=ddp", "++trainer.num_nodes=2").trainer)
     check_launcher_ranks(compose_train("trainer=ddp", "++trainer.num_nodes=2", "trainer.devices=4").trainer)
+    monkeypatch.delenv("SLURM_STEP_ID")  # in the job's batch script, not in a task srun started
+    with pytest.raises(ConfigError, match=r"runs in the batch script of a SLURM job of 8 tasks, not in its tasks"):
+        check_launcher_ranks(compose_train("trainer=ddp", "++trainer.num_nodes=2", "trainer.devices=4").trainer)
     monkeypatch.setenv("SLURM_JOB_NAME", "interactive")  # Lightning's way to run a launcher of one's own in SLURM
     check_launcher_ranks(compose_train("trainer=ddp", "++trainer.num_nodes=1").trainer)
     # torchrun's: 2 nodes x 1 process

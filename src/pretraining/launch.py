@@ -193,6 +193,13 @@ def check_launcher_ranks(trainer: DictConfig) -> None:
     if launcher is None or not isinstance(accelerator, str):
         return
     tasks_variable, tasks_option, nodes_variable, nodes_option, script = LAUNCHERS[launcher]
+    ntasks = os.environ.get("SLURM_NTASKS", "")
+    if launcher == "SLURM" and "SLURM_STEP_ID" not in os.environ and ntasks.isdigit() and int(ntasks) > 1:
+        raise ConfigError(
+            f"pretrain runs in the batch script of a SLURM job of {ntasks} tasks, not in its tasks: start it with "
+            f"srun, which runs one rank per task ({script} does); alone it would wait for the other ranks until the "
+            "process group's timeout"
+        )
     wanted = requested_gpus(devices)
     gpus = accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
     per_node = len(wanted) if wanted else torch.cuda.device_count() if gpus else None  # CPU "all": Lightning's
