@@ -205,7 +205,8 @@ def test_the_notice_to_one_task_of_a_submitit_sweep_requeues_that_task_alone(
             seen = [wait_for_batches(cluster, f"{array}_{task}", sweep_dir / str(task), 3) for task in (0, 1)]
             cluster.command("scancel", "--signal=USR1", f"{array}_1")
             assert sweep.wait(timeout=240) == 0, "the launcher failed"
-            untouched, requeued = (cluster.job(f"{array}_{task}") for task in (0, 1))
+            # The launcher returns on the jobs' results, which a job writes before SLURM sees it end (COMPLETING).
+            untouched, requeued = (cluster.wait_for_job(f"{array}_{t}", ended, 60, "its end") for t in (0, 1))
             assert (untouched["JobState"], untouched["Restarts"]) == ("COMPLETED", "0")
             assert (requeued["JobState"], requeued["Restarts"]) == ("COMPLETED", "1")
             assert [batch for run in attempts(sweep_dir / "0") for batch in run] == list(range(1, STEPS + 1))
