@@ -35,8 +35,8 @@ class Preemption(Callback):
     The handlers replace Lightning's, from each stage's `setup` to its teardown (`pretraining.internals`):
     its SIGTERM path runs a collective inside the handler, which can hang DDP, and can exit 0 unsaved. Outside
     stages a signal's default action applies (nothing a restart would miss is written there), but SLURM's notice
-    requeues the job (`pretraining.slurm`). DataLoader
-    workers ignore these signals (`leave_stop_signals_to_the_main_process`)."""
+    requeues the job (`pretraining.slurm`). DataLoader workers ignore these signals
+    (`leave_stop_signals_to_the_main_process`)."""
 
     def __init__(self, requeue: bool = True) -> None:
         self.requeue = requeue
