@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
@@ -81,6 +82,13 @@ STDLIB_SAMPLE_SOURCES = [f"stdlib:{name}" for name in STDLIB_SAMPLE_PACKAGES]
 
 def stdlib_sample_files() -> Iterator[Document]:
     return itertools.chain.from_iterable(read_text_files(stdlib_root() / name) for name in STDLIB_SAMPLE_PACKAGES)
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for a process group's rendezvous, a daemon)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

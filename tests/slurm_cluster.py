@@ -14,7 +14,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -22,6 +21,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import pytest
+
+from conftest import free_port
 
 PACKAGES = "slurmctld slurmd slurm-client munge"
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "squeue", "sinfo")
@@ -50,12 +51,6 @@ def require_cluster() -> None:
     if os.environ.get("CI") == "true":
         pytest.fail(message)
     pytest.skip(message)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def job_fields(text: str) -> dict[str, str]:

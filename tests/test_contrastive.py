@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from functools import partial
 from types import SimpleNamespace
 
@@ -15,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from conftest import fit_batch
+from conftest import fit_batch, free_port
 from pretraining.data.formats import PackedBlocks
 from pretraining.data.pair_format import TokenizedPairs
 from pretraining.data.tokenizer import CLS_ID, PAD_ID, ByteTokenizer
@@ -264,12 +263,6 @@ def test_objective_and_data_must_match(compose_train) -> None:
 
 
 # --- two processes: gradients equal those of one process on the whole batch -----------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gather_without_grad(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.accelerators import CPUAccelerator
 from omegaconf import OmegaConf
 
-from conftest import tiny_run
+from conftest import free_port, tiny_run
 from pretraining.config import CONFIG_DIR, PROJECT_ROOT
 from pretraining.errors import ConfigError
 from pretraining.instantiate import build
@@ -247,12 +246,6 @@ def test_multirun_jobs_each_start_their_own_ranks(tmp_path: Path, small_shards: 
         assert "-m" not in child and seed in child and "seed=1,2" not in child
     assert jobs[0]["rank0"]["pid"] == jobs[1]["rank0"]["pid"]  # one process runs the sweep...
     assert jobs[0]["rank1"]["pid"] != jobs[1]["rank1"]["pid"]  # ...and each job starts its own second rank
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.distributed

@@ -19,12 +19,11 @@ from typing import Any
 import pytest
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from conftest import tiny_run
+from conftest import free_port, tiny_run
 from pretraining.callbacks.checkpoint import StepCheckpoint
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.config import PROJECT_ROOT
 from pretraining.job_status import read_status
-from test_launch import free_port
 from test_resume import RESUMABLE, TEST_ENV, assert_same_training, run_dir
 
 SCRIPT = PROJECT_ROOT / "scripts" / "launch_torchrun.sh"

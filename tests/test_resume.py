@@ -487,6 +487,19 @@ def test_a_stop_with_gradient_accumulation_saves_the_step_and_the_run_continues_
     assert all(torch.equal(expected[name], actual[name]) for name in expected), "final weights differ"
 
 
+def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **variables: str) -> Path:
+    """A SLURM job's variables, and an `scontrol` on PATH that records how it was called (in the returned file)."""
+    log = tmp_path / "scontrol.log"
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.parent.mkdir(exist_ok=True)
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}")
+    for name, value in {"SLURM_JOB_ID": "4242", **variables}.items():
+        monkeypatch.setenv(name, value)
+    return log
+
+
 @pytest.mark.parametrize(
     ("signum", "array_task", "requeued"),
     [
@@ -500,15 +513,8 @@ def test_a_stop_with_gradient_accumulation_saves_the_step_and_the_run_continues_
 def test_a_signal_saves_at_the_next_step_boundary_and_only_the_notice_requeues_under_slurm(
     compose_train, tmp_path: Path, monkeypatch, signum: int, array_task: str | None, requeued: str | None
 ) -> None:
-    scontrol = tmp_path / "bin" / "scontrol"  # stands in for SLURM's: records how it was called
-    scontrol.parent.mkdir()
-    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
-    scontrol.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("SLURM_JOB_ID", "4242")
-    if array_task:
-        monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "4240")
-        monkeypatch.setenv("SLURM_ARRAY_TASK_ID", array_task)
+    array = {"SLURM_ARRAY_JOB_ID": "4240", "SLURM_ARRAY_TASK_ID": array_task} if array_task else {}
+    log = fake_slurm(tmp_path, monkeypatch, **array)
     handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     signal_at = [
         "+callbacks.signal._target_=kill.SignalAt",
@@ -519,6 +525,5 @@ def test_a_signal_saves_at_the_next_step_boundary_and_only_the_notice_requeues_u
         train(compose_train(*signal_at))
     assert stopped.value.code == 128 + signum
     assert [step for step, _ in saved_checkpoints(tmp_path / "checkpoints")] == [4]  # the boundary after the signal
-    log = tmp_path / "scontrol.log"
     assert (log.read_text() if log.exists() else None) == requeued
     assert {s: signal.getsignal(s) for s in handlers} == handlers  # the handlers from before training are back

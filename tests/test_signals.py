@@ -19,7 +19,16 @@ from pretraining.callbacks.preemption import Preemption
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.slurm import EarlyNotice, leave_the_notice_alone, requeue_on_early_notice
 from pretraining.train import train
-from test_resume import DDP, RESUMABLE, TEST_ENV, assert_same_training, pretrain, pretrain_command, run_dir
+from test_resume import (
+    DDP,
+    RESUMABLE,
+    TEST_ENV,
+    assert_same_training,
+    fake_slurm,
+    pretrain,
+    pretrain_command,
+    run_dir,
+)
 
 PHASES = [
     "setup",
@@ -167,19 +176,6 @@ def living_in_group(group: int) -> list[int]:
 
 
 # --- SLURM's notice outside training ----------------------------------------------------------------------
-
-
-def fake_slurm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **variables: str) -> Path:
-    """A SLURM job's variables, and an `scontrol` on PATH that records how it was called (in the returned file)."""
-    log = tmp_path / "scontrol.log"
-    scontrol = tmp_path / "bin" / "scontrol"
-    scontrol.parent.mkdir(exist_ok=True)
-    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
-    scontrol.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{scontrol.parent}{os.pathsep}{os.environ['PATH']}")
-    for name, value in {"SLURM_JOB_ID": "4242", **variables}.items():
-        monkeypatch.setenv(name, value)
-    return log
 
 
 @pytest.mark.parametrize(

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_run
+from conftest import free_port, tiny_run
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.job_status import read_status
-from slurm_cluster import SlurmCluster, free_port, processes_with, require_cluster
+from slurm_cluster import SlurmCluster, processes_with, require_cluster
 from test_resume import DDP, RESUMABLE, TEST_ENV, assert_same_training, pretrain_command, run_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]  # a SLURM cluster and its jobs: about 2 minutes on 2 cores
