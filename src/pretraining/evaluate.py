@@ -69,7 +69,11 @@ def evaluate(cfg: DictConfig) -> dict[str, Any]:
     trusted = list(cfg.trusted_targets)
     model, datamodule = build_from_checkpoint(checkpoint, str(cfg.ckpt_path), overrides, cfg.tokenizer_path, trusted)
     model.restored_step = checkpoint["global_step"]  # the step its messages name
-    trainer = Trainer(accelerator=cfg.accelerator, devices=1, logger=False, enable_checkpointing=False)
+    # The command line's callbacks (callbacks=<group>, e.g. a downstream evaluation), never the stored config's.
+    callbacks = [build(node) for node in (cfg.callbacks or {}).values()]
+    trainer = Trainer(
+        accelerator=cfg.accelerator, devices=1, logger=False, enable_checkpointing=False, callbacks=callbacks
+    )
     # One result per validation loader (a mixture has one per source), each holding every metric: the objective
     # logs them all at the epoch's end.
     validated = trainer.validate(model, datamodule=datamodule, verbose=not cfg.quiet)[0]

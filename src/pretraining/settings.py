@@ -44,6 +44,7 @@ class EvalSettings:
     """The keys of configs/eval.yaml that evaluate.py reads."""
 
     paths: dict[str, str]
+    callbacks: dict[str, dict[str, Any]] | None
     task_name: str
     run_name: str
     ckpt_path: str

@@ -132,7 +132,7 @@ class RunAccount:
         if not self.attempts:
             return None
         steps = self.step - (self.attempts[0].resumed_from or 0)
-        busy = sum(self.spent[name] for name in ("training", "validation", "saving", "data_wait", "other"))
+        busy = sum(self.spent[name] for name in SPENT_ON if name not in ("startup", "setup"))
         return busy / steps if steps > 0 else None
 
     def cost(self, device_hours: float) -> float | None:
@@ -236,8 +236,8 @@ def lines(account: RunAccount) -> list[str]:
         f"{hours(sum(a.kept['startup'] + a.kept['setup'] for a in restarted))}, steps re-done "
         f"{hours(spent['redone'])} ({account.steps_redone} steps)",
         f"first start-up and set-up {share(account.attempts[0].kept['startup'] + account.attempts[0].kept['setup'])}",
-        f"saving {share(spent['saving'])}, validation {share(spent['validation'])}, data wait "
-        f"{share(spent['data_wait'])}, other {share(spent['other'])}",
+        f"saving {share(spent['saving'])}, validation {share(spent['validation'])}, downstream evaluation "
+        f"{share(spent['evaluation'])}, data wait {share(spent['data_wait'])}, other {share(spent['other'])}",
     ]
     if restore:
         out.append(f"restore (set-up of a resumed process): longest {hours(max(restore))}, total {hours(sum(restore))}")

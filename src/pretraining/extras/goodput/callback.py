@@ -8,7 +8,7 @@ import socket
 import time
 from collections import deque
 from pathlib import Path
-from typing import Annotated, Any, cast, get_args
+from typing import Annotated, Any, Protocol, cast, get_args, runtime_checkable
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -51,6 +51,14 @@ from pretraining.ranges import Positive, Range, checked_ranges
 NonNegative = Annotated[float, Range(ge=0)]
 Share = Annotated[float, Range(gt=0, lt=1)]
 MEDIAN_INTERVALS = 1000  # the slow-step alert's median is over at most this many logging intervals
+
+
+@runtime_checkable
+class SpendsEvaluation(Protocol):
+    """A callback that runs downstream evaluations (the evals extra's `DownstreamEvals`): its seconds so far in this
+    process, booked to `evaluation` rather than to the validation they run in."""
+
+    evaluation_seconds: float
 
 
 class Goodput(Callback):
@@ -124,7 +132,7 @@ class Goodput(Callback):
         self.deadline = math.inf  # when the budget is spent, once the devices are known
         self.activity, self.since = "startup", self.started
         self.spent = dict.fromkeys(SPENT_ON, 0.0)
-        self.saving_seen = self.waited_seen = 0.0
+        self.saving_seen = self.waited_seen = self.evaluating_seen = 0.0
         self.loader: WaitTimedLoader | None = None
         self.writer: RecordWriter | None = None
         self.attempt = 0
@@ -156,19 +164,23 @@ class Goodput(Callback):
         return record.attempts
 
     # Where the time goes: at each hook that begins another activity, the time since the last one is booked
-    # to it, less the saves' and data waits' shares (their counters are read then).
+    # to it, less the saves', evaluations' and data waits' shares (their counters are read then).
     def book(self, trainer: Trainer, activity: str) -> None:
         now = time.time()
         saving = sum(c.saving_seconds for c in trainer.checkpoint_callbacks if isinstance(c, StepCheckpoint))
+        callbacks = trainer.callbacks  # type: ignore[attr-defined]
+        evaluating = sum(c.evaluation_seconds for c in callbacks if isinstance(c, SpendsEvaluation))
         loader = trainer.train_dataloader if isinstance(trainer.train_dataloader, WaitTimedLoader) else None
         if loader is not self.loader:  # a new fit's loader counts from 0
             self.loader, self.waited_seen = loader, 0.0
         waited = loader.waited if loader is not None else 0.0
-        saved, wait = saving - self.saving_seen, waited - self.waited_seen
-        self.spent[self.activity] += now - self.since - saved - wait
+        saved, wait, evaluated = saving - self.saving_seen, waited - self.waited_seen, evaluating - self.evaluating_seen
+        self.spent[self.activity] += now - self.since - saved - wait - evaluated
         self.spent["saving"] += saved
         self.spent["data_wait"] += wait
+        self.spent["evaluation"] += evaluated
         self.activity, self.since, self.saving_seen, self.waited_seen = activity, now, saving, waited
+        self.evaluating_seen = evaluating
 
     def write(self, trainer: Trainer, event: str, **fields: Any) -> dict[str, Any]:
         """Book the time so far; the record's line for now (written by rank zero)."""

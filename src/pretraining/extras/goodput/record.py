@@ -34,10 +34,11 @@ from pretraining.files import open_to_append, regular_file
 RECORD_FILE = "goodput.jsonl"
 # What a process's seconds go to: start-up (from the process's start to the trainer's set-up: imports,
 # config, data checks, model); set-up (from there to the first step or validation: the strategy, and in a
-# resumed process the checkpoint's restore); training (steps, less the two below); validation; saving (the
-# steps' waits on checkpoint writes); data wait (the training loop's waits on its next batch); other (between
-# the trainer's stages, the end of the run).
-SPENT_ON = ("startup", "setup", "training", "validation", "saving", "data_wait", "other")
+# resumed process the checkpoint's restore); training (steps, less the two below); validation; evaluation (the
+# downstream tasks some callbacks run in a validation, `SpendsEvaluation`); saving (the steps' waits on
+# checkpoint writes); data wait (the training loop's waits on its next batch); other (between the trainer's
+# stages, the end of the run). A record of an earlier version has no evaluation: it counts as 0.
+SPENT_ON = ("startup", "setup", "training", "validation", "evaluation", "saving", "data_wait", "other")
 # Bounds beyond any real run: a value outside them is damage, never a figure (a 1e300 `t` would print as a
 # 150-digit count of hours, and a NaN or negative one would undo the budget). A time inside them can still be
 # damaged (the year 3300): a line's seconds spent must add up to the time since its attempt started.
