@@ -59,6 +59,7 @@ DEFERS_IMPORTS = (
     "extras.registry.cli",
     "extras.sweeps.cli",
     "extras.goodput.cli",
+    "extras.evals.cli",
     "plugins",
     "plugins.fsdp",
     "objectives.base",

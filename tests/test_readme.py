@@ -7,8 +7,9 @@ parsers, `make` lines name existing targets (in the Makefile and make/*.mk) and 
 scripts exist and parse, and the `rm -r` lines of the README's "What to delete" name paths that exist. A
 command no rule covers fails the test, so a new command cannot go unchecked. A command of an extra this
 checkout has deleted (README, "What to delete") is left out, so that a fork without it still passes.
-The Python examples (a new objective, a new data source, a new backbone, a new kind of example) are run,
-`make help` is run as written, and the links between these files resolve.
+The Python examples (a new objective, a new data source, a new backbone, a new kind of example) and the
+evaluation of your own task are run, `make help` is run as written, and the links between these files
+resolve.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import csv
 import importlib
 import importlib.util
 import itertools
+import json
 import os
 import re
 import shlex
@@ -60,6 +62,7 @@ ENTRY_POINTS = {
     "pretrain-plot": "pretraining.extras.plots.cli:main",
     "pretrain-sweep-report": "pretraining.extras.sweeps.cli:main",
     "pretrain-goodput": "pretraining.extras.goodput.cli:main",
+    "pretrain-evals": "pretraining.extras.evals.cli:main",
 }
 
 
@@ -73,6 +76,7 @@ EXTRA_MENTIONS = {
     "plots": r"pretrain-plot|\bmake plot\b",
     "probe": r"\bprobe\b",
     "goodput": r"pretrain-goodput|callbacks\.goodput",
+    "evals": r"\bevals\b",
     "bench": r"\bmake bench|scripts/bench/",
 }
 EXTRA_NEEDS = {"sweeps": {"plots"}}
@@ -256,6 +260,9 @@ def check(command: str, config_dir: Path) -> None:
     program, args = argv[0], argv[1:]
     if program == "pretrain":
         check_composes(args, config_dir)
+    elif program == "pretrain-eval":  # composed only: run, it would need the checkpoint
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            compose("eval", overrides=args)
     elif program == "make":
         check_make(argv, config_dir)
     elif program == "pretrain-data":
@@ -283,11 +290,14 @@ def check(command: str, config_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def example_config_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The README's example configs, each named by its first line (`# configs/<group>/<name>.yaml: ...`),
-    in a config directory of their own."""
+    in a config directory of their own (a YAML block named otherwise, a task's say, is its own test's)."""
     directory = tmp_path_factory.mktemp("configs")
     for block in code_blocks("yaml"):
+        path = re.match(r"# (configs/)?(\S+\.yaml):", block)
+        assert path, f"a README YAML block must start with '# <path>.yaml: ...' (configs/...: a config): {block[:80]}"
+        if not path[1]:
+            continue
         path = re.match(r"# configs/(\S+\.yaml):", block)
-        assert path, f"a README config block must start with '# configs/<group>/<name>.yaml: ...': {block[:80]}"
         (directory / path[1]).parent.mkdir(parents=True, exist_ok=True)
         (directory / path[1]).write_text(block)
     return directory
@@ -390,11 +400,13 @@ def test_your_own_reader_example_builds_shards(tmp_path: Path) -> None:
 
 
 def run_example(
-    module: str, overrides: list[str], tmp_path: Path, data: Path, config_dir: Path
+    module: str | None, overrides: list[str], tmp_path: Path, data: Path, config_dir: Path
 ) -> subprocess.CompletedProcess:
-    """Train a tiny run with the README's example module `module` importable and its configs found."""
-    (code,) = [block for block in code_blocks("python") if f"# {module}" in block]
-    (tmp_path / module).write_text(code)
+    """Train a tiny run in `tmp_path` with the README's example module `module` (if any) importable and its
+    configs found."""
+    if module is not None:
+        (code,) = [block for block in code_blocks("python") if f"# {module}" in block]
+        (tmp_path / module).write_text(code)
     command = [
         sys.executable, "-m", "pretraining", "experiment=clm_tiny", *overrides, *TINY_RUN,
         "trainer.max_steps=4", "trainer.val_check_interval=2", "trainer.log_every_n_steps=1",
@@ -426,7 +438,24 @@ def test_the_backbone_example_trains(tmp_path: Path, small_shards: Path, example
     assert "backbone.blocks.0.attention.q_proj.weight" in state
 
 
-@pytest.mark.slow  # the README's two examples train in the fast suite
+def test_the_own_task_recipe_scores_the_task(tmp_path: Path, small_shards: Path, example_config_dir: Path) -> None:
+    if not extra_kept("evals", makefile=False):
+        pytest.skip("the evals extra is not in this checkout")
+    (task,) = [block for block in code_blocks("yaml") if block.startswith("# my_tasks/my_task.yaml:")]
+    (command,) = [c for c in COMMANDS if "callbacks.evals.include=[my_tasks]" in c]
+    (tmp_path / "my_tasks").mkdir()
+    (tmp_path / "my_tasks" / "my_task.yaml").write_text(task)
+    items = [{"context": f"x = [{i}, {i + 1}", "choices": ["]", ")", "}"], "label": 0} for i in range(12)]
+    (tmp_path / "my_tasks" / "my_task.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+
+    result = run_example(None, shlex.split(command)[1:], tmp_path, small_shards, example_config_dir)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for metric in ("acc", "acc_norm"):
+        scores = logged(tmp_path, f"eval/my_task/{metric}")
+        assert len(scores) == 3 and all(0 <= score <= 1 for score in scores)  # steps 0, 2 and 4
+
+
+@pytest.mark.slow  # the README's other examples train in the fast suite
 def test_the_new_kind_of_example_trains_and_other_data_is_refused(
     tmp_path: Path, small_shards: Path, example_config_dir: Path
 ) -> None:
