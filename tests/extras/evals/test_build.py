@@ -21,9 +21,10 @@ from pretraining.data.reader import SampleReader
 from pretraining.data.shards import BuildSettings, build_shards, split_of
 from pretraining.errors import ConfigError, ShardError
 from pretraining.extras.evals import build as build_module
-from pretraining.extras.evals.build import SUITE_FILE, build_suite
+from pretraining.extras.evals.build import build_suite
 from pretraining.extras.evals.bundled import DOCSTRING_CODE, FUNCTION_NAME, HELDOUT_TEXT, NEXT_LINE
 from pretraining.extras.evals.cli import main
+from pretraining.extras.evals.task import SUITE_FILE
 
 HARNESS = (NEXT_LINE, FUNCTION_NAME)
 

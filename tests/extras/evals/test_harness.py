@@ -283,3 +283,30 @@ def test_a_choice_longer_than_the_context_is_refused_and_a_long_context_is_not(t
     write_task(tmp_path, [*ROWS, {"context": "x", "choices": ["a", "b" * 80], "label": 0}])
     message = refusal(tmp_path, masked_lm())
     assert "task tiny_mc, document 1: a choice of 80 tokens exceeds model.backbone.max_seq_len=64" in message
+
+
+def test_a_template_cannot_reach_python_and_a_template_lm_eval_cannot_render_is_named(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+    payload = f"{{{{ cycler.__init__.__globals__.os.system('touch {marker}') }}}}{{{{context}}}}"
+    write_task(tmp_path, ROWS, doc_to_text=payload)
+    message = refusal(tmp_path, trust_task_code=True)  # not even trusted code runs from a template
+    assert "lm_eval cannot build the requests of task tiny_mc (SecurityError" in message and not marker.exists()
+    write_task(tmp_path, ROWS, doc_to_text="{{question}}")
+    assert "(UndefinedError: 'question' is undefined): fix the YAML or its data" in refusal(tmp_path)
+
+
+def test_a_yaml_that_includes_itself_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("include: tiny_mc.yaml\n")
+    write_task(tmp_path, ROWS, include="a.txt")
+    assert "tiny_mc.yaml: included by itself" in refusal(tmp_path)
+
+
+def test_a_generation_without_room_for_a_context_is_refused_at_setup(tmp_path: Path) -> None:
+    generation = {"output_type": "generate_until", "doc_to_target": "{{choices[label]}}"}
+    generation["metric_list"] = [{"metric": "exact_match"}]
+    write_task(tmp_path, ROWS, **generation)  # lm_eval's default: 256 tokens
+    message = refusal(tmp_path)
+    assert "max_gen_toks=256 (256 where a task names none) leaves no room for a context" in message
+    assert f"in model.backbone.max_seq_len={MAX_SEQ_LEN}: give the task a smaller max_gen_toks" in message
+    write_task(tmp_path, ROWS, **generation, generation_kwargs={"max_gen_toks": 4})
+    HarnessTask("tiny_mc", [tmp_path], TOKENIZER).check(causal_lm())

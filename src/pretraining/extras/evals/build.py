@@ -34,9 +34,9 @@ from pretraining.extras.evals.bundled import (
     heldout_text_task,
     next_line_task,
 )
+from pretraining.extras.evals.task import SUITE_FILE
 from pretraining.files import fsync_directory, temporary_path, write_atomically
 
-SUITE_FILE = "suite.json"
 MIN_ITEMS = 20  # fewer and a score is mostly noise
 
 

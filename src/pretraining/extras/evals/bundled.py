@@ -22,6 +22,7 @@ import yaml
 from pretraining.data.documents import Document
 from pretraining.data.manifest import PAIR_FIELDS
 from pretraining.data.pairs import docstring_pairs
+from pretraining.extras.evals.retrieval import QRELS_HEADER
 
 SUITE_VERSION = 1
 NEXT_LINE, FUNCTION_NAME = "stdlib_next_line", "stdlib_function_name"
@@ -31,7 +32,6 @@ CONTEXT_LINES = 20  # the most lines of a next-line context
 LONGEST_LINE = 80  # bytes of a next-line choice (PEP 8's limit, nearly)
 SHORT_FUNCTION_LINES = 12  # the most lines of a function whose name is asked
 DEPTHS = {"mrr@10": 10, "map@100": 100}  # the reciprocal-rank metrics of `retrieval`, to their depth
-QRELS_HEADER = "query-id\tcorpus-id\tscore\n"
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,8 @@ def docstring_code_task(
     )
     task.files["corpus.jsonl"] = jsonl({"_id": f"c{i}", "title": "", "text": x["code"]} for i, x in enumerate(items))
     task.files["queries.jsonl"] = jsonl({"_id": f"q{i}", "text": x["query"]} for i, x in enumerate(items))
-    task.files["qrels/test.tsv"] = (QRELS_HEADER + "".join(f"q{i}\tc{i}\t1\n" for i in range(len(items)))).encode()
+    qrels = "".join(f"q{i}\tc{i}\t1\n" for i in range(len(items)))
+    task.files["qrels/test.tsv"] = ("\t".join(QRELS_HEADER) + "\n" + qrels).encode()
     return task
 
 

@@ -1,12 +1,12 @@
 """`DownstreamEvals`: the live model's downstream scores at the end of validation, logged beside `val/`.
 
 At setup (every rank, before any step) the callback reads the suite's `suite.json`, builds the tasks the
-objective scores (`SCORED`) or those `tasks` names, and has each `check` the model: a refusal stops the run
+objective runs unnamed (`SCORED`) or those `tasks` names, and has each `check` the model: a refusal stops the run
 there, naming the key. At the end of the validations it is due at (`due`: chosen by the step, so a resumed run
 neither repeats nor skips one) every rank runs every task at once, in eval mode without gradients; each task
 shares its items over the ranks itself (`pretraining.extras.evals.task.share`). The scores are logged as
 `eval/<task>/<metric>` to every logger, in the validation's row; the time each task took is printed, and the
-share of the run's wall time spent evaluating is the run summary's last word (and kept in the checkpoint).
+share of the run's wall time spent evaluating is a line of the run's summary (and kept in the checkpoint).
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.utilities import rank_zero_info
 
 from pretraining.data.contract import training_data
+from pretraining.data.formats import ExampleFormat
 from pretraining.data.pair_format import TokenizedPairs
 from pretraining.errors import ConfigError
 from pretraining.extras.evals.harness import HarnessTask
 from pretraining.extras.evals.masked_tokens import MaskedTokenTask
 from pretraining.extras.evals.retrieval import RetrievalTask
-from pretraining.extras.evals.task import EvalTask
+from pretraining.extras.evals.task import SUITE_FILE, EvalTask
 from pretraining.objectives.base import PretrainingObjective, frozen, uncompiled
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.contrastive import Contrastive
@@ -34,13 +35,14 @@ from pretraining.objectives.masked_lm import MaskedLM
 from pretraining.ranges import Positive, checked_ranges
 
 KEY = "callbacks.evals"
-SUITE_FILE = "suite.json"
 KINDS = ("harness", "retrieval", "masked_tokens")
-# Which kinds of task each objective scores (a subclass, a distillation say, scores its parent's).
-SCORED: tuple[tuple[type[PretrainingObjective], tuple[str, ...]], ...] = (
-    (CausalLM, ("harness",)),
-    (MaskedLM, ("harness", "masked_tokens")),
-    (Contrastive, ("retrieval",)),
+# Which kinds of task each objective scores, and which of them it runs when `tasks` names none (a subclass, a
+# distillation say, scores its parent's). A masked-LM scores a harness task by pseudo-log-likelihood, a forward
+# per token of each choice (a few minutes for 500 items of 4 one-line choices on 2 CPU cores): named only.
+SCORED: tuple[tuple[type[PretrainingObjective], tuple[str, ...], tuple[str, ...]], ...] = (
+    (CausalLM, ("harness",), ("harness",)),
+    (MaskedLM, ("harness", "masked_tokens"), ("masked_tokens",)),
+    (Contrastive, ("retrieval",), ("retrieval",)),
 )
 BUILD_HINT = "build the bundled suite with `make evals` (or `pretrain-evals build`)"
 
@@ -49,8 +51,8 @@ class DownstreamEvals(Callback):
     """Score the model on downstream tasks at the end of validation and log `eval/<task>/<metric>` (module doc).
 
     - `suite`: the suite's directory (`suite.json` and a folder per task, written by `pretrain-evals build`).
-    - `tasks`: None, every task of the suite that the objective scores; or the names to run, from the suite or
-      (harness tasks) from the lm-evaluation-harness task YAMLs in the `include` folders.
+    - `tasks`: None, every task of the suite of the kinds the objective runs unnamed (`SCORED`); or the names to
+      run, from the suite or (harness tasks) from the lm-evaluation-harness task YAMLs in the `include` folders.
     - `every_n_validations`: evaluate at the validations of the steps `every_n_validations` validation intervals
       apart (step 0 included), at the last step, and at every validation outside training (`pretrain-eval`).
     - `limit`: at most this many items a task (None: all); `batch_size`: items a forward, on each rank.
@@ -91,16 +93,16 @@ class DownstreamEvals(Callback):
 
     def build_tasks(self, trainer: Trainer, model: PretrainingObjective) -> list[EvalTask]:
         """The tasks `tasks` names, or every task in the suite that `model` scores."""
-        kinds = scored_kinds(model)
+        kinds, default = scored_kinds(model)
         # Tasks named from `include` alone need no suite.
         listed = {} if self.names and self.include and not self.suite.exists() else read_suite(self.suite)
         names = self.names
         if names is None:
-            names = [name for name, entry in listed.items() if entry["kind"] in kinds]
+            names = [name for name, entry in listed.items() if entry["kind"] in default]
         if not names:
             raise ConfigError(
-                f"{KEY}.suite={self.suite} has no task of the kinds a {type(model).__name__} scores "
-                f"({', '.join(kinds)}): name tasks in {KEY}.tasks, or {BUILD_HINT}"
+                f"{KEY}.suite={self.suite} has no task of the kinds a {type(model).__name__} runs unnamed "
+                f"({', '.join(default)}): name tasks in {KEY}.tasks, or {BUILD_HINT}"
             )
         return [self.named_task(name, listed, kinds, trainer, model) for name in names]
 
@@ -124,15 +126,8 @@ class DownstreamEvals(Callback):
         return self.make_task(name, kind, [self.suite / name], trainer)
 
     def make_task(self, name: str, kind: str, folders: list[Path], trainer: Trainer) -> EvalTask:
-        """Task `name` of `kind` from its `folders` (a harness task's YAML folders; the others' one folder)."""
         data_format = training_data(trainer, KEY).format
-        if kind == "harness":
-            tokenizer = data_format.tokenizer
-            return HarnessTask(name, folders, tokenizer, self.batch_size, self.limit, self.trust_task_code)
-        if kind == "retrieval":
-            pairs = cast(TokenizedPairs, data_format)  # a Contrastive model trains on pairs (`build_objective`)
-            return RetrievalTask(name, folders[0], pairs, self.batch_size, self.limit)
-        return MaskedTokenTask(name, folders[0] / f"{name}.jsonl", data_format, self.batch_size, self.limit)
+        return make_task(name, kind, folders, data_format, self.batch_size, self.limit, self.trust_task_code)
 
     def due(self, trainer: Trainer, step: int) -> bool:
         """Whether the validation of `step` is evaluated: a function of the step alone (never of a count of this
@@ -184,18 +179,37 @@ class DownstreamEvals(Callback):
         return [f"downstream evaluation: {seconds:.1f} s, {seconds / max(wall, 1e-9):.1%} of the run's wall time"]
 
 
+def make_task(
+    name: str,
+    kind: str,
+    folders: list[Path],
+    data_format: ExampleFormat[Any],
+    batch_size: int = 16,
+    limit: int | None = None,
+    trust_task_code: bool = False,
+) -> EvalTask:
+    """Task `name` of `kind` from its `folders` (a harness task's YAML folders; the others' one folder), for a
+    model trained on `data_format`'s examples."""
+    if kind == "harness":
+        return HarnessTask(name, folders, data_format.tokenizer, batch_size, limit, trust_task_code)
+    if kind == "retrieval":
+        pairs = cast(TokenizedPairs, data_format)  # a Contrastive model trains on pairs (`build_objective`)
+        return RetrievalTask(name, folders[0], pairs, batch_size, limit)
+    return MaskedTokenTask(name, folders[0] / f"{name}.jsonl", data_format, batch_size, limit)
+
+
 def objective(pl_module: LightningModule) -> PretrainingObjective:
     if not isinstance(pl_module, PretrainingObjective):
         raise ConfigError(f"{KEY} scores a pretraining objective, not a {type(pl_module).__name__}: remove ~{KEY}")
     return pl_module
 
 
-def scored_kinds(model: PretrainingObjective) -> tuple[str, ...]:
-    """The kinds of task `model`'s objective scores (`SCORED`)."""
-    kinds = next((kinds for cls, kinds in SCORED if isinstance(model, cls)), None)
-    if kinds is None:
+def scored_kinds(model: PretrainingObjective) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The kinds of task `model`'s objective scores, and those it runs when no task is named (`SCORED`)."""
+    found = next(((kinds, default) for cls, kinds, default in SCORED if isinstance(model, cls)), None)
+    if found is None:
         raise ConfigError(f"{KEY}: a {type(model).__name__} scores no downstream task: remove ~{KEY}")
-    return kinds
+    return found
 
 
 def read_suite(directory: Path) -> dict[str, dict[str, Any]]:

@@ -2,13 +2,16 @@
 
 `HarnessTask.check` refuses at setup, in one line each, what would fail (or download, or run code) mid-run: an
 unknown task, a malformed YAML, a dataset that is not local files, a `!function` not trusted, an unknown metric, a
-request type the model cannot score, a continuation longer than the model's context. `evaluate` runs lm_eval's
-own evaluator (its metrics and aggregation) on `lm.LiveLM`, offline and quietly.
+request type the model cannot score, a continuation (or a generation) longer than the model's context, and
+whatever else lm_eval refuses as it builds the task's requests (a template naming a missing field, say).
+`evaluate` runs lm_eval's own evaluator (its metrics and aggregation) on `lm.LiveLM`, offline, quietly and with
+the task's templates in Jinja's sandbox (`guarded`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
 import json
 import logging
@@ -19,8 +22,11 @@ from typing import Any
 from unittest import mock
 
 import datasets
-import lm_eval.api.metrics  # noqa: F401  (fills the metric registry)
+import lm_eval.api.metrics  # fills the metric registry
+import lm_eval.utils
 import yaml
+from jinja2 import BaseLoader, StrictUndefined
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from lm_eval.api.registry import METRIC_REGISTRY
 from lm_eval.evaluator import evaluate
 from lm_eval.tasks import TaskManager
@@ -60,9 +66,18 @@ class HarnessTask:
         path = self.yaml_path()
         config = read_task_yaml(path, self.trust_task_code)
         check_local_data(self.name, config, path)
-        check_metrics(config, path)
+        check_metrics(config, path, self.trust_task_code)
         check_output_type(self.name, config, model)
-        self.check_continuations(model)
+        try:
+            self.check_requests(model)
+        except ConfigError:
+            raise
+        except Exception as error:  # lm_eval's refusal of the task, or of a document by its templates
+            reason = (str(error).strip().splitlines() or [""])[0][:300]
+            raise ConfigError(
+                f"{path}: lm_eval cannot build the requests of task {self.name} ({type(error).__name__}: {reason}): "
+                "fix the YAML or its data"
+            ) from None
 
     def evaluate(self, model: PretrainingObjective) -> dict[str, float]:
         """The task's aggregated metrics (acc, acc_norm, their stderr, ...), the same on every rank."""
@@ -72,7 +87,7 @@ class HarnessTask:
         """lm_eval's results of the task on `model` (with every document's requests and scores if `log_samples`)."""
         lm = LiveLM(scorable(model), self.tokenizer, self.batch_size)
         tasks = self.tasks()
-        with offline(), quiet_harness():
+        with guarded(), quiet_harness():
             results = evaluate(lm, tasks, limit=self.limit, bootstrap_iters=BOOTSTRAP_ITERS, log_samples=log_samples)
         assert results is not None  # lm_eval is told it is rank 0 of 1
         return dict(results)
@@ -80,7 +95,7 @@ class HarnessTask:
     def tasks(self) -> dict[str, Any]:
         """lm_eval's task dict, loaded once (offline): loading reads the dataset, a run only builds requests."""
         if self.loaded is None:
-            with offline(), quiet_harness():
+            with guarded(), quiet_harness():
                 self.loaded = self.task_manager().load([self.name])
         return self.loaded
 
@@ -88,7 +103,10 @@ class HarnessTask:
         """lm_eval's index of the task YAMLs in `task_dirs` only (indexing reads YAML and runs no code)."""
         for folder in self.task_dirs:
             if not folder.is_dir():
-                raise ConfigError(f"task folder {folder} not found: build the suite with `pretrain-evals build`")
+                raise ConfigError(
+                    f"task folder {folder} not found: fix callbacks.evals.include, or (a task of the bundled suite) "
+                    "build the suite with `pretrain-evals build`"
+                )
         return TaskManager(include_path=[str(d) for d in self.task_dirs], include_defaults=False)
 
     def yaml_path(self) -> Path:
@@ -108,13 +126,16 @@ class HarnessTask:
             raise ConfigError(f"callbacks.evals.tasks: {self.name!r} is a group or tag: name its tasks one by one")
         return Path(entry.yaml_path)
 
-    def check_continuations(self, model: PretrainingObjective) -> None:
-        """Refuse a continuation that alone overflows the model's context (a long context is left-truncated)."""
+    def check_requests(self, model: PretrainingObjective) -> None:
+        """Build the task's requests (as a run does) and refuse a continuation that alone overflows the model's
+        context (a long context is left-truncated), or a generation that leaves no room for one."""
         lm = LiveLM(scorable(model), self.tokenizer, self.batch_size)
         task = next(iter(self.tasks()["tasks"].values()))
-        with quiet_harness():
+        with guarded(), quiet_harness():
             task.build_all_requests(limit=self.limit, rank=0, world_size=1)
         for instance in task.instances:
+            if instance.request_type == "generate_until":
+                lm.generation_settings(instance.args[1])
             if instance.request_type != "loglikelihood":
                 continue
             context, continuation = instance.args
@@ -136,9 +157,12 @@ def scorable(model: PretrainingObjective) -> CausalLM | MaskedLM:
     return model
 
 
-def read_task_yaml(path: Path, trust_task_code: bool) -> dict[str, Any]:
+def read_task_yaml(path: Path, trust_task_code: bool, including: tuple[Path, ...] = ()) -> dict[str, Any]:
     """A task YAML's settings, its `include:`s merged in as lm_eval merges them, read as plain data: a `!function`
-    (which would import Python from the task's folder) is refused unless `trust_task_code`."""
+    (which would import Python from the task's folder) is refused unless `trust_task_code`. `including`: the
+    files whose includes lead here (a file among them is a cycle)."""
+    if path.resolve() in including:
+        raise ConfigError(f"{path}: included by itself ({' -> '.join(map(str, including))}): remove the cycle")
     loader = task_yaml_loader(path, trust_task_code)
     try:
         config = yaml.load(path.read_text(), Loader=loader)  # a SafeLoader: plain data only
@@ -152,21 +176,25 @@ def read_task_yaml(path: Path, trust_task_code: bool) -> dict[str, Any]:
     includes = config.pop("include", [])
     merged: dict[str, Any] = {}
     for include in includes if isinstance(includes, list) else [includes]:
-        merged |= read_task_yaml(path.parent / include, trust_task_code)
+        merged |= read_task_yaml(path.parent / include, trust_task_code, (*including, path.resolve()))
     return merged | config
+
+
+class TaskFunction(str):
+    """The name a trusted `!function` gives (lm_eval imports it): a metric named so is the task's own."""
 
 
 def task_yaml_loader(path: Path, trust_task_code: bool) -> type[yaml.SafeLoader]:
     """YAML's safe loader (plain data only), with lm_eval's `!function` tag read as a name, never imported here."""
 
-    def function(loader: yaml.SafeLoader, node: yaml.Node) -> str:
+    def function(loader: yaml.SafeLoader, node: yaml.Node) -> TaskFunction:
         name = loader.construct_scalar(node)  # type: ignore[arg-type]
         if not trust_task_code:
             raise ConfigError(
                 f"{path}:{node.start_mark.line + 1}: `!function {name}` would import Python from the task's folder: "
                 f"remove it, or set {TRUST_KEY}=true if you trust that code"
             )
-        return str(name)
+        return TaskFunction(name)
 
     class TaskYamlLoader(yaml.SafeLoader):
         pass
@@ -187,8 +215,12 @@ def check_local_data(name: str, config: dict[str, Any], path: Path) -> None:
         )
     listed = files.values() if isinstance(files, dict) else [files]
     for entry in listed:
-        for file in [entry] if isinstance(entry, str) else entry:
-            check_data_file(Path(file), path)
+        for pattern in [entry] if isinstance(entry, str) else entry:
+            matches = sorted(glob.glob(pattern)) if glob.has_magic(pattern) else [pattern]  # datasets reads globs
+            if not matches:
+                raise ConfigError(f"{path}: no data file matches {pattern} (read from {Path.cwd()}): fix data_files")
+            for file in matches:
+                check_data_file(Path(file), path)
 
 
 def check_data_file(file: Path, task_file: Path) -> None:
@@ -209,12 +241,14 @@ def check_data_file(file: Path, task_file: Path) -> None:
                 raise ConfigError(f"{file}:{number}: not JSON ({error.msg}): fix or remove the line") from None
 
 
-def check_metrics(config: dict[str, Any], path: Path) -> None:
+def check_metrics(config: dict[str, Any], path: Path, trust_task_code: bool) -> None:
     """Refuse a metric lm_eval's registry lacks: lm_eval would look for it on the Hub (Hugging Face `evaluate`)."""
     if config.get("process_results") is not None:  # the task's own code computes its metrics
         return
     for entry in config.get("metric_list") or []:
         metric = entry.get("metric") if isinstance(entry, dict) else None
+        if trust_task_code and isinstance(metric, TaskFunction):  # the task's own function
+            continue
         downloaded = isinstance(entry, dict) and entry.get("hf_evaluate") is True
         if downloaded or (isinstance(metric, str) and metric not in METRIC_REGISTRY):
             raise ConfigError(
@@ -244,10 +278,19 @@ def numeric_metrics(results: dict[str, Any]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def offline() -> Iterator[None]:
-    """No download can start inside: `datasets` reads its offline switch once, at import, so it is set too."""
-    variables = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-    with mock.patch.dict(os.environ, variables), mock.patch.object(datasets.config, "HF_HUB_OFFLINE", True):
+def guarded() -> Iterator[None]:
+    """lm_eval inside the training process: no download can start (`datasets` reads its offline switch once, at
+    import, so it is set too); a bootstrapped stderr is computed in this process (lm_eval's default is a pool of a
+    process per CPU, forked from every rank); a task's Jinja templates (`doc_to_text`, ...) render in Jinja's
+    sandbox, where they cannot reach Python (lm_eval renders them unsandboxed: `{{ cycler.__init__.__globals__ }}`)."""
+    variables = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "DISABLE_MULTIPROC": "1"}
+    sandbox = ImmutableSandboxedEnvironment(loader=BaseLoader, undefined=StrictUndefined, keep_trailing_newline=True)
+    sandbox.filters.update(lm_eval.utils.env.filters)  # lm_eval's own (regex_replace)
+    with (
+        mock.patch.dict(os.environ, variables),
+        mock.patch.object(datasets.config, "HF_HUB_OFFLINE", True),
+        mock.patch.object(lm_eval.utils, "env", sandbox),
+    ):
         yield
 
 

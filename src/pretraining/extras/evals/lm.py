@@ -167,17 +167,23 @@ class LiveLM(TemplateLM):
         self.refuse_masked("generate_until")
         prompts = []
         for context, settings in (request.args for request in requests):
-            settings = normalize_gen_kwargs(dict(settings), MAX_GEN_TOKS)
-            until = handle_stop_sequences(settings.get("until"), eos=None)
-            room = self.max_length - settings["max_gen_toks"]
-            if room <= 0:
-                raise ConfigError(
-                    f"max_gen_toks={settings['max_gen_toks']} leaves no room for a context in model.backbone."
-                    f"max_seq_len={self.max_length}: give the task a smaller max_gen_toks (generation_kwargs)"
-                )
-            prompts.append((self.tok_encode(context, left_truncate_len=room), until, settings["max_gen_toks"]))
+            until, max_gen_toks = self.generation_settings(settings)
+            room = self.max_length - max_gen_toks
+            prompts.append((self.tok_encode(context, left_truncate_len=room), until, max_gen_toks))
         with self.scoring():
             return shared_map(self.greedy_continuations, prompts, self.batch_size, lambda prompt: len(prompt[0]))
+
+    def generation_settings(self, settings: dict[str, Any]) -> tuple[list[str], int]:
+        """A request's stop sequences and most tokens to generate (HFLM's defaults), refused if they leave no
+        room for a context in the model's."""
+        settings = normalize_gen_kwargs(dict(settings), MAX_GEN_TOKS)
+        if settings["max_gen_toks"] >= self.max_length:
+            raise ConfigError(
+                f"max_gen_toks={settings['max_gen_toks']} ({MAX_GEN_TOKS} where a task names none) leaves no room "
+                f"for a context in model.backbone.max_seq_len={self.max_length}: give the task a smaller "
+                "max_gen_toks (generation_kwargs)"
+            )
+        return handle_stop_sequences(settings.get("until"), eos=None), settings["max_gen_toks"]
 
     def greedy_continuations(self, prompts: list[tuple[list[int], list[str], int]]) -> list[str]:
         """Greedy decoding of a batch, one forward a token, until every row of every rank has stopped (under FSDP

@@ -231,5 +231,5 @@ class RetrievalTask:
         rows: list[torch.Tensor] = []
         for batch in share(texts, self.batch_size):
             tokens = torch.stack([padded(ids, length) for ids in batch]).to(model.device)
-            rows.extend(model.encode(tokens, side).cpu())
+            rows.extend(model.encode(tokens, side).cpu().clone().unbind())  # rows of their own: each pickles alone
         return torch.stack(gathered(rows, len(texts))).to(model.device)

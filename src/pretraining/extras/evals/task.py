@@ -11,6 +11,7 @@ from pretraining.distributed import gather
 from pretraining.objectives.base import PretrainingObjective
 
 Item = TypeVar("Item")
+SUITE_FILE = "suite.json"  # a suite's index of its tasks (docs/evals.md, "The bundled suite")
 
 
 class EvalTask(Protocol):
@@ -38,8 +39,8 @@ def rank_and_world() -> tuple[int, int]:
 
 def share(items: Sequence[Item], batch_size: int) -> list[list[Item]]:
     """This rank's batches of `items` (a contiguous share, in order), as many on every rank: under FSDP every
-    rank takes part in every forward, so a rank with fewer items repeats its first batch's first item (or the
-    first item) to fill the count; `gathered` drops the results of those filler batches."""
+    rank takes part in every forward, so a rank with fewer batches fills the count with batches of the first
+    item; `gathered` drops the results of those filler batches."""
     rank, world = rank_and_world()
     per_rank = -(-len(items) // world)
     mine = list(items[rank * per_rank : (rank + 1) * per_rank])
