@@ -156,12 +156,17 @@ def test_evaluations_are_logged_at_the_steps_due_and_their_time_is_reported(
 
 
 def test_a_run_stopped_in_and_after_validations_evaluates_each_step_due_once(compose_train, tmp_path: Path) -> None:
-    """Stopped by SIGTERM in the validation of step 3 (it is validated again on resume: not evaluated), then during
-    the evaluation of step 6 (it completes, and step 7 is saved): each step due is evaluated once, none is skipped."""
+    """Stopped by SIGTERM in the validation of step 3 (it is validated again on resume: not evaluated), during the
+    evaluation of step 6 (it completes, and step 7 is saved), then in the validation of step 12 (validated and
+    evaluated again on resume): each step due is evaluated once, none is skipped."""
     suite = write_suite(tmp_path / "suite")
     settings = [*SCHEDULE, *evals(suite, "callbacks.evals.every_n_validations=2")]
-    interrupt = ["+callbacks.cut._target_=evals.test_callback.SignalInValidation", "+callbacks.cut.step=3"]
-    for stop in (interrupt, ["+callbacks.evals.signal_at=6"]):
+    interrupt = ["+callbacks.cut._target_=evals.test_callback.SignalInValidation"]
+    for stop in (
+        [*interrupt, "+callbacks.cut.step=3"],
+        ["+callbacks.evals.signal_at=6"],
+        [*interrupt, "+callbacks.cut.step=12"],
+    ):
         with pytest.raises(SystemExit) as stopped:
             train(compose_train(*settings, *stop))
         assert stopped.value.code == 128 + signal.SIGTERM
