@@ -129,22 +129,32 @@ class HarnessTask:
     def check_requests(self, model: PretrainingObjective) -> None:
         """Build the task's requests (as a run does) and refuse a continuation that alone overflows the model's
         context (a long context is left-truncated), or a generation that leaves no room for one."""
-        lm = LiveLM(scorable(model), self.tokenizer, self.batch_size)
+        lm = TokenPairs(scorable(model), self.tokenizer, self.batch_size)
         task = next(iter(self.tasks()["tasks"].values()))
         with guarded(), quiet_harness():
             task.build_all_requests(limit=self.limit, rank=0, world_size=1)
         for instance in task.instances:
             if instance.request_type == "generate_until":
                 lm.generation_settings(instance.args[1])
-            if instance.request_type != "loglikelihood":
-                continue
-            context, continuation = instance.args
-            tokens = lm.tok_encode(continuation) if context == "" else lm._encode_pair(context, continuation)[1]
-            if len(tokens) > lm.max_length:
+        scored = [instance for instance in task.instances if instance.request_type == "loglikelihood"]
+        lm.loglikelihood(scored)
+        for instance, (_, continuation) in zip(scored, lm.pairs, strict=True):
+            if len(continuation) > lm.max_length:
                 raise ConfigError(
-                    f"task {self.name}, document {instance.doc_id}: a choice of {len(tokens)} tokens exceeds "
+                    f"task {self.name}, document {instance.doc_id}: a choice of {len(continuation)} tokens exceeds "
                     f"model.backbone.max_seq_len={lm.max_length} and cannot be scored: shorten it, or drop the task"
                 )
+
+
+class TokenPairs(LiveLM):
+    """A `LiveLM` that keeps the (context, continuation) tokens lm_eval makes of its log-likelihood requests
+    (`TemplateLM`'s split) instead of scoring them: what `check_requests` measures."""
+
+    pairs: list[tuple[list[int], list[int]]]
+
+    def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], **kwargs: Any) -> list[Any]:
+        self.pairs = [(context, continuation) for _, context, continuation in requests]
+        return [(0.0, False)] * len(requests)
 
 
 def scorable(model: PretrainingObjective) -> CausalLM | MaskedLM:
