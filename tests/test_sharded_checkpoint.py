@@ -28,6 +28,7 @@ from pretraining.config import CONFIG_DIR
 from pretraining.errors import ConfigError, MissingFileError
 from pretraining.evaluate import evaluate
 from pretraining.files import sha256_of, temporary_path
+from pretraining.launch import own_process_group
 from pretraining.resume import checkpoint_to_resume
 from pretraining.stored import load_checkpoint
 from pretraining.train import train
@@ -253,6 +254,9 @@ def test_resuming_a_sharded_checkpoint_cannot_run_code(compose_train, tmp_path: 
     }
     sidecar_path(path).write_text(json.dumps(record))
     verify(path)  # it passes for a good checkpoint
-    with pytest.raises(CheckpointError, match=r"\.metadata cannot be read: it refers to \w+\.mkdir, .* could run code"):
+    refused = pytest.raises(
+        CheckpointError, match=r"\.metadata cannot be read: it refers to \w+\.mkdir, .* could run code"
+    )
+    with own_process_group(), refused:  # as pretrain's job ends: the refusal leaves Lightning's process group
         train(compose_train(*one_process, "trainer.max_steps=12", "trainer.val_check_interval=6"))
     assert not marker.exists()
