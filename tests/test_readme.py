@@ -297,9 +297,8 @@ def example_config_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         assert path, f"a README YAML block must start with '# <path>.yaml: ...' (configs/...: a config): {block[:80]}"
         if not path[1]:
             continue
-        path = re.match(r"# configs/(\S+\.yaml):", block)
-        (directory / path[1]).parent.mkdir(parents=True, exist_ok=True)
-        (directory / path[1]).write_text(block)
+        (directory / path[2]).parent.mkdir(parents=True, exist_ok=True)
+        (directory / path[2]).write_text(block)
     return directory
 
 

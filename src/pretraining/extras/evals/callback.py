@@ -92,7 +92,7 @@ class DownstreamEvals(Callback):
         return f"{every}, the last step's and pretrain-eval's"
 
     def build_tasks(self, trainer: Trainer, model: PretrainingObjective) -> list[EvalTask]:
-        """The tasks `tasks` names, or every task in the suite that `model` scores."""
+        """The tasks `tasks` names, or every task of the suite of the kinds `model` runs unnamed (`SCORED`)."""
         kinds, default = scored_kinds(model)
         # Tasks named from `include` alone need no suite.
         listed = {} if self.names and self.include and not self.suite.exists() else read_suite(self.suite)
