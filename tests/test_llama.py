@@ -27,6 +27,13 @@ from pretraining.train import train
 VOCAB = 100
 SHAPE = {"vocab_size": VOCAB, "max_seq_len": 64, "d_model": 32, "n_layer": 2, "n_head": 4}
 adamw = partial(torch.optim.AdamW, lr=1e-3)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
 def llama(**settings: object) -> Llama:
@@ -132,8 +139,14 @@ def test_the_head_is_the_embedding_unless_untied() -> None:
 
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"n_kv_head": 1, "qk_norm": True}, {"tie_head": False, "mlp_width": 96, "activation": "relu2"}],
-    ids=["plain", "grouped-qk-norm", "untied-relu2"],
+    [
+        {},
+        {"n_kv_head": 1, "qk_norm": True},
+        {"tie_head": False, "mlp_width": 96, "activation": "relu2"},
+        {"n_kv_head": 2, "head_dim": 16, "attention_bias": "qkv", "qk_norm": True},
+        {"head_dim": 4, "attention_bias": "all"},
+    ],
+    ids=["plain", "grouped-qk-norm", "untied-relu2", "wide-heads-qkv-bias", "narrow-heads-all-biases"],
 )
 def test_the_parameters_are_counted_before_the_model_is_built(settings: dict[str, object]) -> None:
     built = llama(**settings)
@@ -142,6 +155,8 @@ def test_the_parameters_are_counted_before_the_model_is_built(settings: dict[str
         "mlp_width": built.layers[0].mlp.gate_proj.out_features,  # the default's, where unset
         "qk_norm": settings.get("qk_norm", False),
         "tie_head": settings.get("tie_head", True),
+        "head_dim": settings.get("head_dim"),
+        "attention_bias": settings.get("attention_bias", "none"),
     }
     shape = {key: SHAPE[key] for key in ("vocab_size", "d_model", "n_layer", "n_head")}
     assert parameter_count(**shape, **sizes) == sum(p.numel() for p in built.parameters())  # type: ignore[arg-type]
@@ -158,6 +173,23 @@ def test_flops_per_token_counts_the_smaller_key_value_projections_and_full_width
     assert model.flops_per_token(64) == 6 * 2 * weights_per_layer + 12 * 2 * 32 * 64
 
 
+def test_heads_of_their_own_width_count_attention_over_n_head_head_dim_dimensions() -> None:
+    model = llama(n_kv_head=1, mlp_width=64, head_dim=16)  # 4 heads of 16: 64 dimensions, twice d_model
+    weights_per_layer = 2 * 32 * 64 + 2 * 32 * 16 + 3 * 32 * 64
+    assert model.flops_per_token(64) == 6 * 2 * weights_per_layer + 12 * 2 * 64 * 64
+    assert model(tokens()).shape == (2, 24, 32)
+
+
+def test_biases_start_at_zero_and_rope_scaling_changes_only_the_slow_frequencies() -> None:
+    biased = llama(attention_bias="qkv")
+    attention = biased.layers[0].self_attn
+    assert attention.o_proj.bias is None and not attention.q_proj.bias.any() and not attention.v_proj.bias.any()
+    plain, scaled = llama(), llama(rope_scaling=LLAMA3)
+    with torch.no_grad():
+        assert torch.equal(plain(tokens(length=2)[:, :1]), scaled(tokens(length=2)[:, :1]))  # position 0: no turn
+        assert not torch.allclose(plain(tokens()), scaled(tokens()))
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
@@ -168,6 +200,16 @@ def test_flops_per_token_counts_the_smaller_key_value_projections_and_full_width
         ({"activation": "gelu"}, r"model.backbone.activation='gelu' must be one of silu, relu2"),
         ({"output_init": "xavier"}, r"model.backbone.output_init='xavier' must be one of zero, scaled"),
         ({"rope_theta": 0.0}, r"model.backbone.rope_theta=0.0 must be > 0"),
+        ({"head_dim": 15}, r"model.backbone.head_dim=15 is odd: choose an even head_dim$"),
+        ({"attention_bias": "q"}, r"model.backbone.attention_bias='q' must be one of none, qkv, all$"),
+        ({"rope_scaling": {"rope_type": "yarn"}}, r"rope_scaling=\{'rope_type': 'yarn'\}: .* Llama 3's RoPE scaling"),
+        ({"rope_scaling": {**LLAMA3, "beta": 1}}, r"rope_scaling has beta, which Llama 3's scaling does not read"),
+        ({"rope_scaling": {**LLAMA3, "factor": 0}}, r"rope_scaling.factor=0 must be > 0: set it as the model's"),
+        (
+            {"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 8.5}},
+            r"original_max_position_embeddings=8.5 must be at least 1 \(a whole number of positions\)",
+        ),
+        ({"rope_scaling": {**LLAMA3, "low_freq_factor": 4.0}}, r"high_freq_factor=4.0 must exceed low_freq_factor="),
     ],
 )
 def test_bad_settings_are_refused_naming_the_key_and_the_fix(settings: dict[str, object], message: str) -> None:

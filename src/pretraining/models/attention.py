@@ -7,7 +7,8 @@ Hugging Face's Llama."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import torch
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from pretraining.errors import ConfigError
+from pretraining.ranges import Range
 
 # What attention may see: None (everything, or causal), a boolean (batch, 1, query, key) mask, True where allowed,
 # or FlexAttention's block-sparse form of one.
@@ -22,6 +24,14 @@ AttentionMask = torch.Tensor | BlockMask | None
 # Rotary cosines and sines, (length, head width / 2) or per row (batch, 1, length, head width / 2); None: no rotary.
 Rotary = tuple[torch.Tensor, torch.Tensor] | None
 ROTARY_BASE = 10000.0
+# Llama 3's RoPE scaling (`model.backbone.rope_scaling`, config.json's rope_scaling): rope_type llama3 and these.
+RopeScaling = dict[str, Any]
+LLAMA3_SCALING = {
+    "factor": Range(gt=0),
+    "low_freq_factor": Range(gt=0),
+    "high_freq_factor": Range(gt=0),
+    "original_max_position_embeddings": Range(ge=1, why="a whole number of positions"),
+}
 # FlexAttention's kernels need heads of this many dimensions at least.
 FLEX_MIN_HEAD_WIDTH = 16
 
@@ -67,14 +77,63 @@ def document_attention(
     return cast(torch.Tensor, compiled(flex_attention)(q, k, v, block_mask=mask, enable_gqa=grouped))
 
 
-def rotary_angles(position_ids: torch.Tensor, head_width: int, base: float = ROTARY_BASE) -> Rotary:
+def rotary_angles(
+    position_ids: torch.Tensor, head_width: int, base: float = ROTARY_BASE, scaling: RopeScaling | None = None
+) -> Rotary:
     """The rotary cosines and sines of `position_ids` (length,) or (batch, length): pair i of a head's
-    dimensions turns by position * base^(-2i / head_width)."""
+    dimensions turns by position * base^(-2i / head_width), the frequency rescaled as `scaling` says."""
     exponents = torch.arange(0, head_width, 2, device=position_ids.device, dtype=torch.float32) / head_width
-    angles = position_ids[..., None].float() * base**-exponents
+    frequencies = base**-exponents
+    if scaling is not None:
+        frequencies = llama3_frequencies(frequencies, scaling)
+    angles = position_ids[..., None].float() * frequencies
     if angles.dim() == 3:
         angles = angles[:, None]  # a head dimension
     return angles.cos(), angles.sin()
+
+
+def llama3_frequencies(frequencies: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling, as transformers' `_compute_llama3_parameters` (modeling_rope_utils.py): pairs
+    turning slower than once in original_max_position_embeddings / low_freq_factor positions turn `factor` times
+    slower still (the long context's new positions look like the old ones), those faster than once in
+    original / high_freq_factor keep their frequency, and those between are interpolated smoothly."""
+    original, factor = scaling["original_max_position_embeddings"], scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    wavelength = 2 * math.pi / frequencies
+    scaled = torch.where(wavelength > original / low, frequencies / factor, frequencies)
+    smooth = (original / wavelength - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    between = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(between, smoothed, scaled)
+
+
+def checked_rope_scaling(scaling: Mapping[str, Any] | None) -> RopeScaling | None:
+    """`scaling` (`model.backbone.rope_scaling`) as a plain dict, refused unless it is Llama 3's with each number
+    in its range: the only RoPE scaling the backbones compute."""
+    if scaling is None:
+        return None
+    key = "model.backbone.rope_scaling"
+    if not isinstance(scaling, Mapping) or scaling.get("rope_type") != "llama3":
+        raise ConfigError(
+            f"{key}={scaling!r}: the backbones compute Llama 3's RoPE scaling only; set {key}.rope_type=llama3 with "
+            f"{', '.join(LLAMA3_SCALING)}, or {key}=null for plain rotary positions"
+        )
+    unknown = sorted(set(scaling) - {"rope_type", *LLAMA3_SCALING})
+    if unknown:
+        raise ConfigError(f"{key} has {', '.join(unknown)}, which Llama 3's scaling does not read: remove them")
+    checked: RopeScaling = {"rope_type": "llama3"}
+    for name, bounds in LLAMA3_SCALING.items():
+        value = scaling.get(name)
+        whole = name != "original_max_position_embeddings" or isinstance(value, int)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not whole or not bounds.admits(value):
+            raise ConfigError(f"{key}.{name}={value!r} must be {bounds}: set it as the model's config.json says")
+        checked[name] = value
+    if checked["high_freq_factor"] <= checked["low_freq_factor"]:
+        raise ConfigError(
+            f"{key}.high_freq_factor={checked['high_freq_factor']} must exceed low_freq_factor="
+            f"{checked['low_freq_factor']}: the frequencies between the two are interpolated"
+        )
+    return checked
 
 
 def rotate(x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

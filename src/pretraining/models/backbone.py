@@ -125,9 +125,11 @@ def backbones(module: nn.Module) -> list[Backbone]:
     return [m for m in module.modules() if isinstance(m, Backbone)]
 
 
-def padded_vocabulary(vocab_size: int) -> int:
-    """The rows of an embedding table or head: a multiple of 64, for faster matmuls."""
-    return math.ceil(vocab_size / 64) * 64
+def padded_vocabulary(vocab_size: int, pad: bool = True) -> int:
+    """The rows of an embedding table or head: a multiple of 64, for faster matmuls; exactly `vocab_size` unless
+    `pad` (`model.backbone.pad_vocabulary=false`: a model directory's table, GPT-2's 50257 rows, whose padding
+    rows would join the softmax untrained)."""
+    return math.ceil(vocab_size / 64) * 64 if pad else vocab_size
 
 
 def check_fits_in_memory(parameters: int, fix: str) -> None:

@@ -1,8 +1,11 @@
 """A Llama-style backbone in plain PyTorch (`Backbone`'s second kind), named as Hugging Face's Llama. Against the
 GPT-2-style `Transformer`: RMSNorm, rotary positions always (`max_seq_len` only bounds the input), a gated MLP (SwiGLU
 with `activation=silu`, squared ReLU with `relu2`), grouped-query attention (`n_kv_head` key/value heads: a smaller
-cache at generation), optional QK-norm (Qwen3, OLMo-2: attention logits cannot blow up), no biases, a tied or own head
-(`tie_head`). `dropout` (none by default) acts as the `Transformer`'s, for runs that reread their data.
+cache at generation), optional QK-norm (Qwen3, OLMo-2: attention logits cannot blow up), a tied or own head
+(`tie_head`). For the open models it continues: attention biases (`attention_bias`: Qwen2's on q/k/v, or on all four
+projections), heads of their own width (`head_dim`: Qwen3-0.6B's 16 heads of 128 over 1024 dimensions) and Llama 3's
+RoPE scaling (`rope_scaling`); the MLP never has biases. `dropout` (none by default) acts as the `Transformer`'s,
+for runs that reread their data.
 
 Parameters are named as in `LlamaForCausalLM` without its `model.` prefix, and compute as it does (RMSNorm in
 float32, rotary over each head's two halves), so an export renames nothing and reproduces the logits. The embedding's
@@ -13,8 +16,8 @@ rows (and an untied head's) are padded to a multiple of 64; an export keeps them
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Annotated
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +27,9 @@ from pretraining.errors import ConfigError
 from pretraining.models.attention import (
     FLEX_MIN_HEAD_WIDTH,
     AttentionMask,
+    RopeScaling,
     attention_mask,
+    checked_rope_scaling,
     head_width,
     multi_head_attention,
     rotary_angles,
@@ -44,6 +49,9 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu
 # How o_proj and down_proj start: `zero` (modded-nanogpt, nanochat) makes each layer the identity, so the residual
 # stream keeps its scale at any depth with no std to tune; `scaled`: GPT-2's N(0, 0.02 / sqrt(2 n_layer)).
 OUTPUT_INITS = ("zero", "scaled")
+# Which attention projections have biases: none (Llama's default), qkv (Qwen2's: q, k, v but not o), all (Llama's
+# `attention_bias: true`). One key of three values, not two booleans: no stock model has a bias on o alone.
+ATTENTION_BIASES = ("none", "qkv", "all")
 INIT_STD = 0.02
 
 
@@ -72,17 +80,26 @@ class Attention(nn.Module):
     """Grouped-query self-attention with rotary positions (Hugging Face's `self_attn`)."""
 
     def __init__(
-        self, d_model: int, n_head: int, n_kv_head: int, qk_norm: bool, norm_eps: float, dropout: float, causal: bool
+        self,
+        d_model: int,
+        n_head: int,
+        n_kv_head: int,
+        head_width: int,
+        bias: str,
+        qk_norm: bool,
+        norm_eps: float,
+        dropout: float,
+        causal: bool,
     ) -> None:
         super().__init__()
-        self.n_head, self.n_kv_head, self.head_width, self.causal = n_head, n_kv_head, d_model // n_head, causal
+        self.n_head, self.n_kv_head, self.head_width, self.causal = n_head, n_kv_head, head_width, causal
         self.dropout = dropout
-        self.q_proj = nn.Linear(d_model, n_head * self.head_width, bias=False)
-        self.k_proj = nn.Linear(d_model, n_kv_head * self.head_width, bias=False)
-        self.v_proj = nn.Linear(d_model, n_kv_head * self.head_width, bias=False)
-        self.o_proj = nn.Linear(n_head * self.head_width, d_model, bias=False)
-        self.q_norm = RMSNorm(self.head_width, norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_width, norm_eps) if qk_norm else None
+        self.q_proj = nn.Linear(d_model, n_head * head_width, bias=bias != "none")
+        self.k_proj = nn.Linear(d_model, n_kv_head * head_width, bias=bias != "none")
+        self.v_proj = nn.Linear(d_model, n_kv_head * head_width, bias=bias != "none")
+        self.o_proj = nn.Linear(n_head * head_width, d_model, bias=bias == "all")
+        self.q_norm = RMSNorm(head_width, norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_width, norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, mask: AttentionMask, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -114,24 +131,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """A pre-norm layer (Hugging Face's `LlamaDecoderLayer`): the backbone's unit (`Backbone.repeated_layers`)."""
 
-    def __init__(
-        self,
-        d_model: int,
-        n_head: int,
-        n_kv_head: int,
-        mlp_width: int,
-        activation: str,
-        qk_norm: bool,
-        norm_eps: float,
-        dropout: float,
-        causal: bool,
-    ) -> None:
+    def __init__(self, d_model: int, attention: Attention, mlp_width: int, activation: str, norm_eps: float) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(d_model, norm_eps)
-        self.self_attn = Attention(d_model, n_head, n_kv_head, qk_norm, norm_eps, dropout, causal)
+        self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(d_model, norm_eps)
         self.mlp = MLP(d_model, mlp_width, activation)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(attention.dropout)
 
     def forward(self, x: torch.Tensor, mask: AttentionMask, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.dropout(self.self_attn(self.input_layernorm(x), mask, rotary))
@@ -147,21 +153,34 @@ def parameter_count(
     mlp_width: int,
     qk_norm: bool,
     tie_head: bool,
+    head_dim: int | None = None,
+    attention_bias: str = "none",
+    pad_vocabulary: bool = True,
 ) -> int:
     """The parameters of a `Llama` of these sizes, counted without building it."""
-    width = d_model // n_head  # of a head
+    width = head_dim or d_model // n_head  # of a head
     attention = 2 * d_model * n_head * width + 2 * d_model * n_kv_head * width + 2 * width * qk_norm
+    attention += (n_head + 2 * n_kv_head) * width * (attention_bias != "none") + d_model * (attention_bias == "all")
     layer = attention + 3 * d_model * mlp_width + 2 * d_model  # and the two norms
-    table = padded_vocabulary(vocab_size) * d_model
+    table = padded_vocabulary(vocab_size, pad_vocabulary) * d_model
     return table * (1 if tie_head else 2) + n_layer * layer + d_model
 
 
-def check_shape(d_model: int, n_head: int, n_kv_head: int, activation: str, output_init: str) -> None:
-    """Refuse sizes and names that build no model, naming the key and the fix."""
-    if head_width(d_model, n_head) % 2:
+def check_shape(
+    d_model: int, n_head: int, n_kv_head: int, head_dim: int | None, names: dict[str, tuple[str, tuple[str, ...]]]
+) -> int:
+    """The width of a head, once sizes and names (key: (value, choices)) that build no model are refused, naming
+    the key and the fix."""
+    width = head_dim or head_width(d_model, n_head)
+    if width % 2:
+        heads = (
+            (f"head_dim={head_dim}", "an even head_dim")
+            if head_dim
+            else (f"d_model={d_model} / n_head={n_head}", "d_model and n_head with an even head width")
+        )
         raise ConfigError(
-            f"rotary positions turn pairs of each head's dimensions, and model.backbone.d_model={d_model} / "
-            f"n_head={n_head} is odd: choose d_model and n_head with an even head width"
+            f"rotary positions turn pairs of each head's dimensions, and model.backbone.{heads[0]} is odd: choose "
+            f"{heads[1]}"
         )
     if n_head % n_kv_head:
         raise ConfigError(
@@ -169,16 +188,16 @@ def check_shape(d_model: int, n_head: int, n_kv_head: int, activation: str, outp
             "key/value head serves n_head / n_kv_head query heads; choose a divisor of n_head (n_head itself: "
             "plain multi-head attention)"
         )
-    if activation not in ACTIVATIONS:
-        raise ConfigError(f"model.backbone.activation={activation!r} must be one of {', '.join(ACTIVATIONS)}")
-    if output_init not in OUTPUT_INITS:
-        raise ConfigError(f"model.backbone.output_init={output_init!r} must be one of {', '.join(OUTPUT_INITS)}")
+    for key, (value, choices) in names.items():
+        if value not in choices:
+            raise ConfigError(f"model.backbone.{key}={value!r} must be one of {', '.join(choices)}")
+    return width
 
 
 class Llama(Backbone):
     """Token embeddings, `n_layer` pre-norm decoder layers, a final RMSNorm, and a tied or own head.
-    `Backbone.flops_per_token` holds for grouped-query attention: it counts the smaller key/value projections, and
-    attention's matmuls run over d_model dimensions in all, whatever n_kv_head is."""
+    `head_dim` null: heads of d_model / n_head dimensions. `rope_scaling`: null (plain rotary positions) or Llama 3's
+    ({rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings})."""
 
     @checked_ranges("model.backbone")
     def __init__(
@@ -194,37 +213,67 @@ class Llama(Backbone):
         qk_norm: bool = False,
         tie_head: bool = True,
         rope_theta: Annotated[float, Range(gt=0)] = 10000.0,
+        rope_scaling: Mapping[str, Any] | None = None,
+        head_dim: Positive | None = None,
+        attention_bias: str = "none",
         norm_eps: Annotated[float, Range(gt=0, lt=1)] = 1e-5,
         output_init: str = "zero",
         dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0,
         causal: bool = True,
+        pad_vocabulary: bool = True,
     ) -> None:
         super().__init__()
         n_kv_head = n_kv_head or n_head
         mlp_width = mlp_width or default_mlp_width(d_model)
-        check_shape(d_model, n_head, n_kv_head, activation, output_init)
+        names = {"activation": (activation, tuple(ACTIVATIONS)), "output_init": (output_init, OUTPUT_INITS)}
+        names["attention_bias"] = (attention_bias, ATTENTION_BIASES)
+        width = check_shape(d_model, n_head, n_kv_head, head_dim, names)
         check_fits_in_memory(
-            parameter_count(vocab_size, d_model, n_layer, n_head, n_kv_head, mlp_width, qk_norm, tie_head),
+            parameter_count(
+                vocab_size,
+                d_model,
+                n_layer,
+                n_head,
+                n_kv_head,
+                mlp_width,
+                qk_norm,
+                tie_head,
+                width,
+                attention_bias,
+                pad_vocabulary,
+            ),
             "lower model.backbone.d_model, n_layer or mlp_width",
         )
         self.vocab_size, self.max_seq_len, self.d_model, self.causal = vocab_size, max_seq_len, d_model, causal
-        self.n_head, self.n_kv_head, self.head_width = n_head, n_kv_head, d_model // n_head
+        self.n_head, self.n_kv_head, self.head_width = n_head, n_kv_head, width
         # The settings an export writes into Hugging Face's config.json.
         self.mlp_width, self.activation, self.qk_norm = mlp_width, activation, qk_norm
         self.rope_theta, self.norm_eps, self.output_init = rope_theta, norm_eps, output_init
-        self.embed_tokens = nn.Embedding(padded_vocabulary(vocab_size), d_model)
+        self.rope_scaling: RopeScaling | None = checked_rope_scaling(rope_scaling)
+        self.attention_bias = attention_bias
+        rows = padded_vocabulary(vocab_size, pad_vocabulary)
+        self.embed_tokens = nn.Embedding(rows, d_model)
         self.dropout = nn.Dropout(dropout)
         self.layers = nn.ModuleList(
-            DecoderLayer(d_model, n_head, n_kv_head, mlp_width, activation, qk_norm, norm_eps, dropout, causal)
+            DecoderLayer(
+                d_model,
+                Attention(d_model, n_head, n_kv_head, width, attention_bias, qk_norm, norm_eps, dropout, causal),
+                mlp_width,
+                activation,
+                norm_eps,
+            )
             for _ in range(n_layer)
         )
         self.norm = RMSNorm(d_model, norm_eps)
-        self.lm_head = None if tie_head else nn.Linear(d_model, padded_vocabulary(vocab_size), bias=False)
+        self.lm_head = None if tie_head else nn.Linear(d_model, rows, bias=False)
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Draw fresh weights: N(0, 0.02), norms at one, the output projections as `output_init` says."""
+        """Draw fresh weights: N(0, 0.02), norms at one, the output projections as `output_init` says, zero
+        biases."""
         for name, module in self.named_modules():
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
             if isinstance(module, nn.Linear | nn.Embedding):
                 if name.endswith(("o_proj", "down_proj")) and self.output_init == "zero":
                     nn.init.zeros_(module.weight)
@@ -244,7 +293,7 @@ class Llama(Backbone):
     ) -> torch.Tensor:
         """Hidden states (batch, length, d_model): see `Backbone.forward`."""
         position_ids = self.checked_positions(tokens, position_ids)
-        rotary = rotary_angles(position_ids, self.head_width, self.rope_theta)
+        rotary = rotary_angles(position_ids, self.head_width, self.rope_theta, self.rope_scaling)
         # FlexAttention has no dropout, and its kernels need heads of 16 dimensions at least.
         flex = not (self.training and self.dropout.p) and self.head_width >= FLEX_MIN_HEAD_WIDTH
         mask = attention_mask(attend, documents, self.causal, flex=flex)
@@ -257,6 +306,12 @@ class Llama(Backbone):
 
     def repeated_layers(self) -> list[nn.Module]:
         return list(self.layers)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """`Backbone.flops_per_token` with attention's two matmuls over the n_head x head_dim dimensions of the
+        queries (d_model, unless `head_dim` says otherwise), whatever n_kv_head is; the projections' weights count
+        the smaller key/value ones."""
+        return 6 * self.layer_matmul_weights + 12 * len(self.layers) * self.n_head * self.head_width * seq_len
 
     def describe(self) -> str:
         return f"{super().describe()}, {self.n_head} heads, {self.n_kv_head} key/value heads"

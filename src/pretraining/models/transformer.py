@@ -2,11 +2,14 @@
 `causal=True` for next-token prediction, `causal=False` for masked-LM and contrastive encoders; the head is tied to
 the token embedding. Document masks and rotary positions are shared (`pretraining.models.attention`). Positions are
 learned (GPT-2, BERT) or rotary, whose scores depend on the offset between positions: a bidirectional model learns to
-read its neighbours far sooner with them (masked-LM with learned positions predicted the most frequent byte)."""
+read its neighbours far sooner with them (masked-LM with learned positions predicted the most frequent byte). The
+MLP's GELU is exact (erf) or GPT-2's tanh approximation (`activation=gelu_tanh`): with `bias=true` as well, a stock
+GPT-2 computes here as in `transformers`."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Annotated
 
 import torch
@@ -30,6 +33,16 @@ from pretraining.ranges import Positive, Range, checked_ranges
 POSITIONS = ("learned", "rotary")
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GELU by its tanh approximation: GPT-2's, transformers' `gelu_new` (named by what it computes, as torch's
+    `approximate="tanh"`, not by when it was new)."""
+    return F.gelu(x, approximate="tanh")
+
+
+# The MLP's activation: exact (erf) GELU, the default, or GPT-2's tanh approximation.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": F.gelu, "gelu_tanh": gelu_tanh}
+
+
 class SelfAttention(nn.Module):
     def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, causal: bool) -> None:
         super().__init__()
@@ -49,25 +62,26 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, d_model: int, dropout: float, bias: bool) -> None:
+    def __init__(self, d_model: int, dropout: float, bias: bool, activation: str) -> None:
         super().__init__()
         self.up = nn.Linear(d_model, 4 * d_model, bias=bias)
         self.down = nn.Linear(4 * d_model, d_model, bias=bias)
         self.dropout = nn.Dropout(dropout)
+        self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.down(F.gelu(self.up(x))))
+        return self.dropout(self.down(self.act(self.up(x))))
 
 
 class Block(nn.Module):
     """A pre-norm transformer layer: the backbone's unit (`Backbone.repeated_layers`)."""
 
-    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, causal: bool) -> None:
+    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, causal: bool, activation: str) -> None:
         super().__init__()
         self.attention_norm = nn.LayerNorm(d_model, bias=bias)
         self.attention = SelfAttention(d_model, n_head, dropout, bias, causal)
         self.mlp_norm = nn.LayerNorm(d_model, bias=bias)
-        self.mlp = MLP(d_model, dropout, bias)
+        self.mlp = MLP(d_model, dropout, bias, activation)
         self.residual_dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor, mask: AttentionMask = None, rotary: Rotary = None) -> torch.Tensor:
@@ -75,16 +89,26 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def parameter_count(vocab_size: int, max_seq_len: int, d_model: int, n_layer: int, bias: bool, positions: str) -> int:
+def parameter_count(
+    vocab_size: int,
+    max_seq_len: int,
+    d_model: int,
+    n_layer: int,
+    bias: bool,
+    positions: str,
+    pad_vocabulary: bool = True,
+) -> int:
     """The parameters of a `Transformer` of these sizes, counted without building it."""
     block = 12 * d_model**2 + 9 * d_model * bias + 2 * d_model * (1 + bias)  # attention and MLP, their norms
     position_table = max_seq_len * d_model if positions == "learned" else 0
-    return padded_vocabulary(vocab_size) * d_model + position_table + n_layer * block + d_model * (1 + bias)
+    table = padded_vocabulary(vocab_size, pad_vocabulary) * d_model
+    return table + position_table + n_layer * block + d_model * (1 + bias)
 
 
 class Transformer(Backbone):
     """Token embeddings (plus learned position embeddings, or rotary positions in attention), `n_layer` pre-norm
-    blocks, a final norm. The table's rows are padded to a multiple of 64; those ids never occur in data."""
+    blocks, a final norm. The table's rows are padded to a multiple of 64 (unless `pad_vocabulary=false`); those
+    ids never occur in data."""
 
     @checked_ranges("model.backbone")
     def __init__(
@@ -98,29 +122,32 @@ class Transformer(Backbone):
         bias: bool = False,
         causal: bool = True,
         positions: str = "learned",
+        activation: str = "gelu",
+        pad_vocabulary: bool = True,
     ) -> None:
         super().__init__()
-        if positions not in POSITIONS:
-            raise ConfigError(f"model.backbone.positions={positions!r} must be one of {', '.join(POSITIONS)}")
+        for key, value, choices in (("positions", positions, POSITIONS), ("activation", activation, ACTIVATIONS)):
+            if value not in choices:
+                raise ConfigError(f"model.backbone.{key}={value!r} must be one of {', '.join(choices)}")
         if positions == "rotary" and d_model % n_head == 0 and d_model // n_head % 2:
             raise ConfigError(
                 f"rotary positions turn pairs of each head's dimensions, and model.backbone.d_model={d_model} / "
                 f"n_head={n_head} is odd: choose an even head width, or model.backbone.positions=learned"
             )
         check_fits_in_memory(
-            parameter_count(vocab_size, max_seq_len, d_model, n_layer, bias, positions),
+            parameter_count(vocab_size, max_seq_len, d_model, n_layer, bias, positions, pad_vocabulary),
             "lower model.backbone.d_model, n_layer or max_seq_len (with learned positions, a table of max_seq_len x "
             "d_model)",
         )
-        self.positions = positions
+        self.positions, self.activation = positions, activation
         self.vocab_size, self.max_seq_len, self.n_layer, self.causal = vocab_size, max_seq_len, n_layer, causal
         self.attention_dropout = dropout
         self.d_model, self.n_head = d_model, n_head
-        self.token_embedding = nn.Embedding(padded_vocabulary(vocab_size), d_model)
+        self.token_embedding = nn.Embedding(padded_vocabulary(vocab_size, pad_vocabulary), d_model)
         if positions == "learned":
             self.position_embedding = nn.Embedding(max_seq_len, d_model)
         self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout, bias, causal) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout, bias, causal, activation) for _ in range(n_layer))
         self.final_norm = nn.LayerNorm(d_model, bias=bias)
         self.init_weights()
 
