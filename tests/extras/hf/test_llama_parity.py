@@ -213,10 +213,17 @@ def test_init_from_names_each_setting_that_differs_and_its_override(
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        ({"head_dim": 32}, r"has head_dim=32, and the backbone's heads are d_model / n_head = 16 wide"),
+        ({"head_dim": 32}, r"has head_dim=32 \(model.backbone.head_dim=16\): pass model.backbone.head_dim=32$"),
         ({"hidden_size": None}, r"has no hidden_size in its config.json: it does not say the model's size$"),
-        ({"attention_bias": True}, r"has attention_bias=True, and the backbone computes no biases in attention"),
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, r"has rope_scaling=\{.*\}, and the backbone"),
+        (
+            {"attention_bias": True},
+            r"has attention_bias=True \(model.backbone.attention_bias='none'\): pass .*attention_bias=all$",
+        ),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+            r"has rope_scaling=\{.*\}, and the backbone computes Llama 3's scaling from .* it lacks low_freq_factor, "
+            r"high_freq_factor",
+        ),
         (
             {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "yarn"}},
             r"has rope_parameters.rope_type='yarn', and the backbone computes plain rotary positions",

@@ -3,7 +3,7 @@
 An export is written into a hidden staging directory beside its destination, every file fsynced, then
 renamed into place: a crash leaves no half-written model where a reader would take it for whole. Weights
 are read from `model.safetensors` (or its index of several files), which holds only tensors, or from a
-`pytorch_model.bin` loaded weights-only.
+`pytorch_model.bin` loaded weights-only, one tensor at a time (`StoredTensors`).
 """
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from safetensors.torch import load_file
+import torch
+from safetensors import safe_open
 
 from pretraining.checkpoint import load_weights_only
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
@@ -23,6 +25,19 @@ from pretraining.files import fsync_directory, temporary_path
 
 CONFIG, LINEAGE = "config.json", "lineage.json"  # lineage.json: what `pretrain-export` writes beside the model
 SAFETENSORS, SAFETENSORS_INDEX, PICKLED = "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin"
+# safetensors' dtype names (the header's), as torch's.
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 # A file's content, or a function that writes it at the path given (weights: streamed, never all in memory twice).
 Content = bytes | Callable[[Path], None]
 
@@ -111,23 +126,68 @@ def indexed_files(directory: Path, weight_map: Any) -> list[Path]:
     return [directory / name for name in sorted(set(map(str, names)))]
 
 
-def read_weights(files: list[Path]) -> dict[str, Any]:
-    """Every tensor of a model directory's weight `files` (`weight_files`), on the CPU; nothing in the
-    files can run code."""
-    weights: dict[str, Any] = {}
-    for path in files:
-        try:
-            loaded = load_weights_only(path) if path.name == PICKLED else load_file(path)
-        except CheckpointError:  # code in a pickle: refused in its own words
-            raise
-        except Exception as error:  # safetensors and torch.load have no common error type for damage
-            raise ConfigError(
-                f"{path} cannot be read ({type(error).__name__}: {error}): it is damaged; restore it"
-            ) from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{path} holds no state dict; use a model directory written by save_pretrained")
-        weights.update(loaded)
-    return weights
+class StoredTensors(Mapping[str, torch.Tensor]):
+    """The tensors of a model directory's weight `files` (`weight_files`) by name, each read from its file only
+    when asked for (`tensors[name]`), on the CPU: a loader holds one at a time. `layout` says a tensor's shape and
+    dtype from the file's header, without reading it. A safetensors file is opened for each tensor read and closed
+    after it, so none of its pages stays mapped (resident) beside the model; a `pytorch_model.bin` is loaded
+    weights-only, memory-mapped. Nothing in the files can run code."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self.headers: dict[str, tuple[Path, tuple[int, ...], torch.dtype | None]] = {}
+        self.pickled: dict[str, torch.Tensor] = {}
+        for path in files:
+            with damage_named(path):
+                if path.name == PICKLED:
+                    self.pickled.update(state_dict_of(path))
+                    continue
+                with safe_open(path, framework="pt", device="cpu") as file:
+                    for name in file.keys():  # noqa: SIM118 (a safetensors file is no mapping)
+                        header = file.get_slice(name)
+                        layout = tuple(header.get_shape()), SAFETENSORS_DTYPES.get(header.get_dtype())
+                        self.headers[name] = (path, *layout)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.pickled:
+            return self.pickled[name]
+        path = self.headers[name][0]
+        with damage_named(path), safe_open(path, framework="pt", device="cpu") as file:
+            return cast(torch.Tensor, file.get_tensor(name))
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.pickled
+        yield from self.headers
+
+    def __len__(self) -> int:
+        return len(self.pickled) + len(self.headers)
+
+    def layout(self, name: str) -> tuple[tuple[int, ...], torch.dtype | None]:
+        """The shape and dtype of tensor `name` (None: a dtype torch has no name for), read from the header."""
+        if name in self.pickled:
+            return tuple(self.pickled[name].shape), self.pickled[name].dtype
+        _, shape, dtype = self.headers[name]
+        return shape, dtype
+
+
+def state_dict_of(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a `pytorch_model.bin`, memory-mapped (read as they are used), loaded weights-only."""
+    loaded = load_weights_only(path, mmap=True)
+    if not isinstance(loaded, dict) or not all(isinstance(value, torch.Tensor) for value in loaded.values()):
+        raise ConfigError(f"{path} holds no state dict; use a model directory written by save_pretrained")
+    return loaded
+
+
+@contextmanager
+def damage_named(path: Path) -> Iterator[None]:
+    """Turn a failure to read `path` into a ConfigError naming it; code in a pickle is refused in its own words."""
+    try:
+        yield
+    except (CheckpointError, ConfigError):
+        raise
+    except Exception as error:  # safetensors and torch.load have no common error type for damage
+        raise ConfigError(
+            f"{path} cannot be read ({type(error).__name__}: {error}): it is damaged; restore it"
+        ) from None
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -1,9 +1,9 @@
 """`callbacks=[default,init_from] callbacks.init_from.path=DIR`: a fresh run starts from the weights of a
-Hugging Face directory, for continued pretraining: GPT-2 for the `Transformer` backbone, Llama (Qwen3 with
-QK-norm) for the `Llama` one. One `pretrain-export` wrote, or one of your own that computes what the backbone
-computes and reads the run's tokenizer (a stock GPT-2 does neither: `gelu_new`, and no `<pad>`, `<eos>`,
-`<mask>`, `<cls>` at ids 0-3). Its sizes and tokenizer are checked against the run's before any weights are
-loaded; the run's lineage records where it started (`origin`)."""
+Hugging Face directory, for continued pretraining: GPT-2 for the `Transformer` backbone, the Llama family (Llama,
+Qwen2, Qwen3, Mistral) for the `Llama` one, with the backbone options that compute what the stock model computes.
+Its config.json and tokenizer are checked against the run's before any weights are read; the weights then stream
+in tensor by tensor (`pretraining.extras.hf.loading`, which says what each FSDP2 rank reads). The run's lineage
+records where it started (`origin`, with the directory's config.json)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 
@@ -20,10 +19,11 @@ from pretraining.checkpoint import checkpoint_digest, read_sidecar
 from pretraining.data.contract import training_data
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError, MissingFileError
-from pretraining.extras.hf.directory import LINEAGE, read_config, read_json, read_weights, weight_files
-from pretraining.extras.hf.llama import LLAMA_TYPES, check_llama_fits, from_llama
+from pretraining.extras.hf.directory import LINEAGE, StoredTensors, read_config, read_json, weight_files
+from pretraining.extras.hf.llama import LLAMA_TYPES, check_llama_fits, load_llama
+from pretraining.extras.hf.loading import Tensors
 from pretraining.extras.hf.tokenizer import check_same_tokenizer
-from pretraining.extras.hf.weights import check_gpt2_fits, from_gpt2
+from pretraining.extras.hf.weights import GPT2_VOCAB_SIZE, check_gpt2_fits, load_gpt2
 from pretraining.files import sha256_of
 from pretraining.models.backbone import Backbone
 from pretraining.models.llama import Llama
@@ -87,15 +87,15 @@ def check_same_origin(init_from: str, origin: dict[str, Any] | None, checkpoint:
 # What each backbone starts from: the model types it reads, in words, and the config that chooses it.
 STARTS = [
     (Transformer, ("gpt2",), "GPT-2 models (model_type gpt2)", "model/backbone=transformer"),
-    (Llama, LLAMA_TYPES, "Llama models (model_type llama, or qwen3 with QK-norm)", "model/backbone=llama"),
+    (Llama, LLAMA_TYPES, "Llama models (model_type llama, qwen2, qwen3 or mistral)", "model/backbone=llama"),
 ]
-Loader = Callable[[dict[str, Any]], dict[str, torch.Tensor]]
+Loader = Callable[[Tensors], None]  # loads the tensors into the backbone it was made for
 
 
 def initialise_from(backbone: Backbone, given: str, tokenizer: Tokenizer) -> dict[str, Any]:
     """Load the model in the directory `given` (as `callbacks.init_from.path` names it) into `backbone`: a
-    GPT-2 model into a `Transformer`, a Llama (or Qwen3) one into a `Llama`; return its origin record for
-    the lineage."""
+    GPT-2 model into a `Transformer`, a Llama-family one into a `Llama`; return its origin record for the lineage
+    (with its config.json, from which an export writes the same architecture)."""
     if not isinstance(backbone, Transformer | Llama):
         raise ConfigError(
             f"{KEY} loads GPT-2 or Llama weights into the template's backbones, and this run's is "
@@ -107,6 +107,7 @@ def initialise_from(backbone: Backbone, given: str, tokenizer: Tokenizer) -> dic
         raise MissingFileError(f"{source}: no such directory; name a Hugging Face model directory")
     config = read_config(directory)
     load = checked_loader(config, backbone, tokenizer.vocab_size, source)
+    check_same_table(config, backbone, source)
     check_same_tokenizer(
         directory / "tokenizer.json",
         tokenizer,
@@ -119,29 +120,47 @@ def initialise_from(backbone: Backbone, given: str, tokenizer: Tokenizer) -> dic
         "init_from": str(directory.resolve()),
         "weights_sha256": {path.name: sha256_of(path) for path in files},
         "exported_from": exported_from(directory),
+        "config": config,
     }
     origin["summary"] = describe_origin(origin)  # what `pretrain-info` shows
-    weights = read_weights(files)
-    backbone.load_state_dict(load(weights))
+    load(StoredTensors(files))
     return origin
 
 
 def checked_loader(config: dict[str, Any], backbone: Transformer | Llama, vocab_size: int, source: str) -> Loader:
-    """What loads the weights of the model `config` describes into `backbone`, once the config is checked to
-    fit it; a model of another kind than the backbone's is refused, naming both."""
+    """What loads the weights of the model `config` describes into `backbone` (`StoredTensors`, or a state dict),
+    once the config is checked to fit it; a model of another kind than the backbone's is refused, naming both."""
     kind = config.get("model_type")
     if isinstance(backbone, Llama) and kind in LLAMA_TYPES:
         check_llama_fits(config, backbone, vocab_size, source)
-        return lambda weights: from_llama(weights, backbone, source)
+        return lambda tensors: load_llama(tensors, backbone, source)
     if isinstance(backbone, Transformer) and kind == "gpt2":
         check_gpt2_fits(config, backbone, vocab_size, source)
-        return lambda weights: from_gpt2(weights, backbone, source)
+        return lambda tensors: load_gpt2(tensors, backbone, source)
     (words,) = [words for kinds, _, words, _ in STARTS if isinstance(backbone, kinds)]
     other = [choice for kinds, types, _, choice in STARTS if kind in types]
     hint = f"; a {kind} model starts a run with {other[0]}" if other else ""
     raise ConfigError(
         f"{source} holds a {kind!r} model: {KEY} starts from {words} into this run's "
         f"{type(backbone).__name__} backbone{hint}"
+    )
+
+
+def check_same_table(config: dict[str, Any], backbone: Transformer | Llama, source: str) -> None:
+    """Refuse a model whose vocabulary table has other rows than the backbone's: rows only the backbone has would
+    join the softmax untrained, and rows only the file has would leave it, so the first step's loss would not be
+    the model's."""
+    rows = config.get("vocab_size", GPT2_VOCAB_SIZE if config.get("model_type") == "gpt2" else None)
+    table = len(backbone.head_weight)
+    if rows == table:
+        return
+    if rows == backbone.vocab_size:
+        fix = "pass model.backbone.pad_vocabulary=false (a table of exactly vocab_size rows)"
+    else:
+        fix = "use the model's own tokenizer (tokenizer=hf tokenizer.path=<its directory>): its ids are the rows"
+    raise ConfigError(
+        f"{source} has vocab_size={rows!r}, and this run's table has {table} rows for its tokenizer's "
+        f"{backbone.vocab_size} ids: {fix}"
     )
 
 

@@ -1,10 +1,13 @@
-"""A causal `Llama` backbone as Hugging Face's own `LlamaForCausalLM`, or `Qwen3ForCausalLM` with QK-norm
-(the stock architecture with exactly that layer more), both ways.
+"""A causal `Llama` backbone as Hugging Face's Llama-family models, both ways: `LlamaForCausalLM` (Llama 2 and 3,
+SmolLM; Llama's `attention_bias`), `Qwen2ForCausalLM` (biases on q, k and v), `Qwen3ForCausalLM` (QK-norm) in and
+out, and `MistralForCausalLM` in (a Llama whose sliding window, where it has one, covers every input the run feeds).
 
 The backbone's parameters have Hugging Face's names without the `model.` prefix and compute as Hugging
-Face's layers do (tests/extras/hf/test_llama_parity.py), so its weights go out renamed by that prefix alone,
-no code of ours beside them. The vocabulary is the backbone's padded one, as the GPT-2 export's, so the
-logits agree at every id; a tied head is left out of the weights, as `transformers` expects.
+Face's layers do (tests/extras/hf/test_llama_parity.py, test_stock_models.py), so its weights go out renamed by
+that prefix alone, no code of ours beside them. The vocabulary is the backbone's padded one, as the GPT-2 export's,
+so the logits agree at every id; a tied head is left out of the weights, as `transformers` expects. What the
+backbone cannot compute (sliding windows in use, experts, other RoPE variants, MLP biases, custom code) is refused
+naming the config.json key and what it would need.
 """
 
 from __future__ import annotations
@@ -15,13 +18,28 @@ import torch
 
 from pretraining.data.tokenizer import EOS_ID, PAD_ID
 from pretraining.errors import ConfigError
-from pretraining.extras.hf.weights import check_tensor
+from pretraining.extras.hf.loading import (
+    Placement,
+    Tensors,
+    check_placements,
+    head_apart,
+    load_placements,
+    stored_names,
+)
 from pretraining.models.llama import Llama
 
-# (model_type, architecture) by the backbone's qk_norm: Qwen3 is Llama with an RMSNorm on each head's
-# queries and keys, named q_norm and k_norm as the backbone names them.
-ARCHITECTURES = {False: ("llama", "LlamaForCausalLM"), True: ("qwen3", "Qwen3ForCausalLM")}
-LLAMA_TYPES = tuple(model_type for model_type, _ in ARCHITECTURES.values())
+# (model_type, architecture) by the backbone's (qk_norm, attention_bias): Qwen3 is Llama with an RMSNorm on each
+# head's queries and keys (q_norm, k_norm), Qwen2 Llama with biases on q, k and v.
+ARCHITECTURES = {
+    (False, "none"): ("llama", "LlamaForCausalLM"),
+    (False, "all"): ("llama", "LlamaForCausalLM"),
+    (False, "qkv"): ("qwen2", "Qwen2ForCausalLM"),
+    (True, "none"): ("qwen3", "Qwen3ForCausalLM"),
+    (True, "all"): ("qwen3", "Qwen3ForCausalLM"),
+}
+LLAMA_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# The attention biases a model type always has (no attention_bias key); the others read attention_bias.
+TYPE_BIASES = {"qwen2": "qkv", "mistral": "none"}
 # config.json's sizes, by the model.backbone key each is; every writer of these models writes them.
 SIZES = {
     "hidden_size": "d_model",
@@ -30,28 +48,30 @@ SIZES = {
     "num_key_value_heads": "n_kv_head",
     "intermediate_size": "mlp_width",
 }
-# config.json's settings: (the model.backbone key, the default LlamaConfig and Qwen3Config both take when absent).
+# config.json's settings: (the model.backbone key, the default the Llama-family configs take when absent).
 SETTINGS: dict[str, tuple[str, Any]] = {
     "hidden_act": ("activation", "silu"),
     "rms_norm_eps": ("norm_eps", 1e-6),
     "rope_theta": ("rope_theta", 10000.0),
     "tie_word_embeddings": ("tie_head", False),
 }
-ROTARY = "plain rotary positions (no RoPE scaling)"
 # What the backbone always computes, as config keys: (the value it writes, also the default when absent; in words).
 FIXED: dict[str, tuple[Any, str]] = {
-    "attention_bias": (False, "no biases in attention"),
     "mlp_bias": (False, "no biases in the MLP"),
-    "rope_scaling": (None, ROTARY),
-    "use_sliding_window": (False, "attention over the whole input (no sliding window)"),
+    "partial_rotary_factor": (1.0, "rotary positions over each head's every dimension"),
 }
-# The config.json key that says each model.backbone key (qk_norm: Qwen3 has it, Llama not).
+# Keys of a mixture of experts (Mixtral, Qwen-MoE, DeepSeek): the backbone's MLP is one dense gated MLP a layer.
+EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+# The config.json key that says each model.backbone key (qk_norm and attention_bias: `said`).
 CONFIG_KEY = {
     **{name: key for key, name in SIZES.items()},
     **{name: key for key, (name, _) in SETTINGS.items()},
-    "qk_norm": "model_type",
+    "head_dim": "head_dim",
+    "rope_scaling": "rope_scaling",
 }
-TABLES = ("embed_tokens.weight", "lm_head.weight")  # vocabulary rows: padded in the backbone
+ROTARY = "plain rotary positions or Llama 3's RoPE scaling (rope_type llama3)"
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+DEFAULT_WINDOW = 4096  # Mistral's, Qwen2's and Qwen3's sliding_window when config.json leaves it out
 
 
 def backbone_settings(backbone: Llama) -> dict[str, Any]:
@@ -62,26 +82,38 @@ def backbone_settings(backbone: Llama) -> dict[str, Any]:
         "n_head": backbone.n_head,
         "n_kv_head": backbone.n_kv_head,
         "mlp_width": backbone.mlp_width,
+        "head_dim": backbone.head_width,
         "activation": backbone.activation,
         "norm_eps": backbone.norm_eps,
         "rope_theta": backbone.rope_theta,
+        "rope_scaling": backbone.rope_scaling,
         "tie_head": backbone.lm_head is None,
+        "attention_bias": backbone.attention_bias,
         "qk_norm": backbone.qk_norm,
     }
 
 
 def llama_config(backbone: Llama) -> dict[str, Any]:
-    """config.json of the causal backbone as `LlamaForCausalLM` (`Qwen3ForCausalLM` with QK-norm)."""
-    model_type, architecture = ARCHITECTURES[backbone.qk_norm]
+    """config.json of the causal backbone as `LlamaForCausalLM` (`Qwen3ForCausalLM` with QK-norm,
+    `Qwen2ForCausalLM` with biases on q, k and v alone)."""
+    architecture = ARCHITECTURES.get((backbone.qk_norm, backbone.attention_bias))
+    if architecture is None:
+        raise ConfigError(
+            "model.backbone.qk_norm=true with attention_bias=qkv has no architecture in transformers (Qwen3 has "
+            "QK-norm and all four biases or none, Qwen2 q/k/v biases without QK-norm): it cannot be exported"
+        )
     ours = backbone_settings(backbone)
     return {
-        "architectures": [architecture],
-        "model_type": model_type,
+        "architectures": [architecture[1]],
+        "model_type": architecture[0],
         "vocab_size": backbone.embed_tokens.num_embeddings,  # padded: the logits of every id match
         **{key: ours[name] for key, name in SIZES.items()},
         "head_dim": backbone.head_width,
         **{key: ours[name] for key, (name, _) in SETTINGS.items()},
-        **{key: value for key, (value, _) in FIXED.items()},
+        "attention_bias": backbone.attention_bias == "all",
+        "mlp_bias": False,
+        "rope_scaling": backbone.rope_scaling,
+        "use_sliding_window": False,
         "max_position_embeddings": backbone.max_seq_len,
         "attention_dropout": backbone.dropout.p,  # Hugging Face's Llama drops nothing else
         "initializer_range": 0.02,
@@ -102,47 +134,35 @@ def to_llama(backbone: Llama) -> dict[str, torch.Tensor]:
     return {hf_name(name): tensor.float().contiguous() for name, tensor in backbone.state_dict().items()}
 
 
-def from_llama(weights: dict[str, Any], backbone: Llama, source: str) -> dict[str, torch.Tensor]:
-    """A state dict for `backbone` from Llama weights (with or without the `model.` prefix), refusing a
-    missing, misshapen, non-float or non-finite tensor, and a head apart from the embedding where the
-    backbone ties them. The vocabulary tables keep the backbone's own rows past the file's (padding: ids no
-    tokenizer produces)."""
-    weights = {name.removeprefix("model."): value for name, value in weights.items()}
-    loaded = {}
-    for name, own in backbone.state_dict().items():
-        tensor = weights.get(name)
-        if not isinstance(tensor, torch.Tensor):
-            raise ConfigError(f"{source} has no tensor {hf_name(name)}: it is not a complete model of its config.json")
-        table = name in TABLES
-        check_tensor(tensor, tuple(own.shape), backbone.vocab_size if table else None, f"{source} has {hf_name(name)}")
-        loaded[name] = with_own_padding(own, tensor) if table else tensor.to(own.dtype)
-    head = weights.get("lm_head.weight")  # transformers leaves a tied head out; a stored one must be the same
-    tied = isinstance(head, torch.Tensor) and torch.equal(head, weights["embed_tokens.weight"])
-    if backbone.lm_head is None and head is not None and not tied:
+def load_llama(tensors: Tensors, backbone: Llama, source: str) -> None:
+    """Load Llama-family weights (with or without the `model.` prefix) into `backbone` tensor by tensor
+    (`pretraining.extras.hf.loading`), refusing first a missing, misshapen or non-float tensor and a head apart
+    from the embedding where the backbone ties them. The vocabulary tables keep the backbone's own rows past the
+    file's (padding: ids no tokenizer produces)."""
+    names, state = stored_names(tensors, "model."), backbone.state_dict()
+    plan = [Placement(name, hf_name(name), table=name in TABLES) for name in state]
+    check_placements(tensors, names, state, plan, backbone.vocab_size, source)
+    if backbone.lm_head is None and head_apart(tensors, names, "model.embed_tokens.weight"):
         raise ConfigError(
             f"{source} has a head apart from its token embedding, and model.backbone.tie_head=true ties them: "
             "pass model.backbone.tie_head=false"
         )
-    return loaded
+    load_placements(tensors, names, state, plan, source)
 
 
-def with_own_padding(own: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`'s rows where `own` has them, then `own`'s."""
-    table = own.clone()
-    rows = min(len(own), len(tensor))
-    table[:rows] = tensor[:rows]
-    return table
+TABLES = ("embed_tokens.weight", "lm_head.weight")  # vocabulary rows: padded in the backbone
 
 
 def check_llama_fits(config: dict[str, Any], backbone: Llama, vocab_size: int, source: str) -> None:
-    """Refuse a Llama (or Qwen3) config.json whose model `backbone` cannot hold exactly, naming what differs
-    and the fix. `max_position_embeddings` is not compared: rotary positions keep no table, so the run may
-    train at another length."""
+    """Refuse a Llama-family config.json whose model `backbone` cannot hold exactly, naming what differs and
+    the fix. `max_position_embeddings` is not compared: rotary positions keep no table, so the run may train at
+    another length (within a sliding window, where the model has one)."""
     if not backbone.causal:
         raise ConfigError(
             f"{source} is {config.get('model_type')}, a causal model: start a causal objective from it "
             "(experiment=clm_tiny model/backbone=llama)"
         )
+    check_computable(config, backbone.max_seq_len, source)
     config = with_size_defaults(config)
     absent = [key for key in [*SIZES, "head_dim"] if key not in config]
     if absent:
@@ -150,25 +170,9 @@ def check_llama_fits(config: dict[str, Any], backbone: Llama, vocab_size: int, s
     ours, found = backbone_settings(backbone), read_settings(config)
     differ = [name for name in ours if found[name] != ours[name]]
     if differ:
-        shown = {**found, "qk_norm": config.get("model_type")}
-        named = ", ".join(
-            f"{CONFIG_KEY[name]}={shown[name]!r} (model.backbone.{name}={ours[name]!r})" for name in differ
-        )
+        named = ", ".join(f"{said(config, found, name)} (model.backbone.{name}={ours[name]!r})" for name in differ)
         fix = " ".join(f"model.backbone.{name}={as_override(found[name])}" for name in differ)
         raise ConfigError(f"{source} has {named}: pass {fix}")
-    if config["head_dim"] != backbone.head_width:
-        raise ConfigError(
-            f"{source} has head_dim={config['head_dim']!r}, and the backbone's heads are d_model / n_head = "
-            f"{backbone.head_width} wide: it cannot hold this model"
-        )
-    fixed = {key: config.get(key, computed) for key, (computed, _) in FIXED.items()}
-    fixed["rope_parameters.rope_type"] = rope_parameters(config).get("rope_type", "default")
-    for key, (computed, meaning) in {**FIXED, "rope_parameters.rope_type": ("default", ROTARY)}.items():
-        if fixed[key] != computed:
-            raise ConfigError(
-                f"{source} has {key}={fixed[key]!r}, and the backbone computes {meaning}: it cannot continue this "
-                "model exactly; start from a directory `pretrain-export` wrote"
-            )
     vocabulary = config.get("vocab_size")
     if not isinstance(vocabulary, int) or vocabulary < vocab_size:
         raise ConfigError(
@@ -177,34 +181,118 @@ def check_llama_fits(config: dict[str, Any], backbone: Llama, vocab_size: int, s
         )
 
 
+def said(config: dict[str, Any], found: dict[str, Any], name: str) -> str:
+    """`key=value` of config.json that says model.backbone's `name` (`found` as `read_settings` read it)."""
+    if name == "qk_norm" or (name == "attention_bias" and config["model_type"] in TYPE_BIASES):
+        return f"model_type={config['model_type']!r}"
+    if name == "attention_bias":
+        return f"attention_bias={config.get('attention_bias', False)!r}"
+    return f"{CONFIG_KEY[name]}={found[name]!r}"
+
+
+def check_computable(config: dict[str, Any], max_seq_len: int, source: str) -> None:
+    """Refuse a model the backbone cannot compute at any size, naming the config.json key and what it needs."""
+    cannot = f"{source} has {{}}, and the backbone computes {{}}: it cannot continue this model exactly"
+    if "auto_map" in config:
+        raise ConfigError(
+            cannot.format("auto_map (its own modelling code)", "stock architectures only")
+            + "; nothing in a model directory runs code"
+        )
+    experts = [key for key in EXPERTS if config.get(key)]
+    if experts:
+        raise ConfigError(
+            cannot.format(f"{experts[0]}={config[experts[0]]!r}", "one dense MLP a layer, no mixture of experts")
+            + "; it would need a routed MoE layer"
+        )
+    for key, (computed, meaning) in FIXED.items():
+        value = config.get(key, rope_parameters(config).get(key, computed))
+        if value != computed:
+            raise ConfigError(cannot.format(f"{key}={value!r}", meaning))
+    window = sliding_window(config)
+    if window is not None and window < max_seq_len:
+        raise ConfigError(
+            f"{source} has sliding_window={window} (each position attends to the last {window} only), and the "
+            f"backbone attends over its whole input, up to model.backbone.max_seq_len={max_seq_len}: pass "
+            f"model.backbone.max_seq_len={window} or less (a window covering every input is full attention), or "
+            "start from a model without one; longer inputs would need sliding-window attention"
+        )
+    parameters, key = rope_parameters(config), "rope_scaling" if config.get("rope_scaling") else "rope_parameters"
+    kind = rope_type(parameters)
+    if kind not in ("default", "llama3"):
+        raise ConfigError(cannot.format(f"{key}.rope_type={kind!r}", ROTARY) + f"; {kind} would need its frequencies")
+    missing = [name for name in LLAMA3_KEYS if llama3_scaling(config).get(name) is None]
+    if kind == "llama3" and missing:
+        raise ConfigError(
+            f"{source} has {key}={config[key]!r}, and the backbone computes Llama 3's scaling from "
+            f"{', '.join(LLAMA3_KEYS)}: it lacks {', '.join(missing)}; restore its config.json"
+        )
+
+
+def sliding_window(config: dict[str, Any]) -> int | None:
+    """The window attention slides over as transformers reads config.json (Mistral: `sliding_window` unless null;
+    Qwen2 and Qwen3: with `use_sliding_window`, or a layer of `layer_types` that slides), or None: none."""
+    sliding = "sliding_attention" in (config.get("layer_types") or [])
+    if config.get("model_type") == "mistral" or config.get("use_sliding_window") or sliding:
+        window = config.get("sliding_window", DEFAULT_WINDOW)
+        return window if isinstance(window, int) else None
+    return None
+
+
 def with_size_defaults(config: dict[str, Any]) -> dict[str, Any]:
     """`config` with the sizes transformers derives where a config.json leaves them out (those of Llama 2's
-    time): as many key/value heads as query heads, and heads of hidden_size / num_attention_heads."""
+    time): as many key/value heads as query heads, and heads of hidden_size / num_attention_heads (Qwen3: 128)."""
     if "num_attention_heads" not in config:
         return config
     heads = config["num_attention_heads"]
     derived = {"num_key_value_heads": heads}
-    if isinstance(config.get("hidden_size"), int) and isinstance(heads, int) and heads > 0:
+    if config.get("model_type") == "qwen3":
+        derived["head_dim"] = 128
+    elif isinstance(config.get("hidden_size"), int) and isinstance(heads, int) and heads > 0:
         derived["head_dim"] = config["hidden_size"] // heads
-    return {**derived, **config}
+    return {**derived, **{key: value for key, value in config.items() if value is not None}}
 
 
 def read_settings(config: dict[str, Any]) -> dict[str, Any]:
     """The model.backbone keys' values that a config.json says (a setting absent: transformers' default)."""
     found = {name: config[key] for key, name in SIZES.items()}
+    found["head_dim"] = config["head_dim"]
     found.update({name: config.get(key, default) for key, (name, default) in SETTINGS.items()})
     found["rope_theta"] = rope_parameters(config).get("rope_theta", found["rope_theta"])
+    found["rope_scaling"] = rope_scaling(config)
     found["qk_norm"] = config.get("model_type") == "qwen3"
+    found["attention_bias"] = TYPE_BIASES.get(config["model_type"], "all" if config.get("attention_bias") else "none")
     return found
 
 
 def rope_parameters(config: dict[str, Any]) -> dict[str, Any]:
-    """transformers 5 writes `rope_parameters` ({rope_theta, rope_type}) where earlier versions wrote
-    `rope_theta` (and `rope_scaling`), as the export does: both versions read either."""
-    parameters = config.get("rope_parameters")
+    """transformers 5 writes `rope_parameters` ({rope_theta, rope_type, and a scaling's numbers}) where earlier
+    versions wrote `rope_theta` and `rope_scaling`, as the export does; transformers 5 reads `rope_scaling` first."""
+    parameters = config.get("rope_scaling") or config.get("rope_parameters")
     return parameters if isinstance(parameters, dict) else {}
+
+
+def rope_type(parameters: dict[str, Any]) -> str:
+    """The RoPE variant `rope_parameters` names (older configs: `type`)."""
+    return str(parameters.get("rope_type", parameters.get("type", "default")))
+
+
+def llama3_scaling(config: dict[str, Any]) -> dict[str, Any]:
+    """Llama 3's scaling numbers in config.json, the original length taken from max_position_embeddings where
+    the scaling leaves it out, as transformers does."""
+    parameters = {"original_max_position_embeddings": config.get("max_position_embeddings"), **rope_parameters(config)}
+    return {"rope_type": "llama3", **{key: parameters.get(key) for key in LLAMA3_KEYS}}
+
+
+def rope_scaling(config: dict[str, Any]) -> dict[str, Any] | None:
+    """model.backbone.rope_scaling as config.json says it (checked by `check_computable`): None for plain rotary
+    positions, else Llama 3's."""
+    return llama3_scaling(config) if rope_type(rope_parameters(config)) == "llama3" else None
 
 
 def as_override(value: Any) -> str:
     """A value as a Hydra override writes it."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{as_override(item)}" for key, item in value.items()) + "}"
+    if value is None:
+        return "null"
     return str(value).lower() if isinstance(value, bool) else str(value)

@@ -1,9 +1,11 @@
 """The backbone's weights and settings in Hugging Face's layouts, both ways.
 
 A causal backbone is GPT-2 (`GPT2LMHeadModel`): the same pre-norm blocks, learned positions, exact GELU
-(`activation_function: gelu`) and tied head. GPT-2's `Conv1D` stores each matrix transposed, its
-biases and LayerNorm shifts always exist (zeros where the backbone has none), and its vocabulary is the
-backbone's padded one, so its logits equal the template's at every id. A bidirectional backbone keeps
+(`activation_function: gelu`) or GPT-2's own tanh one (`gelu_new`, the backbone's `activation=gelu_tanh`), and a
+tied head. GPT-2's `Conv1D` stores each matrix transposed, its biases and LayerNorm shifts always exist (zeros
+where the backbone has none), and an export's vocabulary is the backbone's padded one, so its logits equal the
+template's at every id; a stock GPT-2 (50257 ids, its biases, `gelu_new`) loads into `bias=true
+activation=gelu_tanh`, the rows past its 50257 keeping the backbone's own padding. A bidirectional backbone keeps
 its own names, read by the modelling code written beside it (`modeling_pretraining.py`).
 """
 
@@ -15,12 +17,22 @@ import torch
 
 from pretraining.data.tokenizer import EOS_ID, PAD_ID
 from pretraining.errors import ConfigError
+from pretraining.extras.hf.loading import (
+    Placement,
+    Tensors,
+    check_finite,
+    check_layout,
+    check_placements,
+    head_apart,
+    layout,
+    load_placements,
+    stored_names,
+)
 from pretraining.models.transformer import Transformer
 
 # What the backbone computes, as GPT-2 config keys: (the value it writes, GPT2Config's default, in words).
 # A config read back is checked against these with GPT-2's defaults for absent keys, as transformers reads it.
 GPT2_COMPUTES: dict[str, tuple[Any, Any, str]] = {
-    "activation_function": ("gelu", "gelu_new", "exact (erf) GELU, as torch's F.gelu, not GPT-2's tanh gelu_new"),
     "layer_norm_epsilon": (1e-5, 1e-5, "LayerNorm eps 1e-5 (torch's default)"),
     "n_inner": (None, None, "an MLP 4 x d_model wide"),
     "scale_attn_weights": (True, True, "attention scaled by 1/sqrt(head width)"),
@@ -36,6 +48,9 @@ GPT2_SIZES = {
     "max_seq_len": ("n_positions", 1024),
 }
 GPT2_VOCAB_SIZE = 50257
+# model.backbone.activation by GPT-2's activation_function (absent: GPT2Config's gelu_new); the first of each is
+# what an export writes. gelu_pytorch_tanh is torch's kernel for the same formula.
+GPT2_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 # (backbone name in a block, GPT-2 name in a layer, whether GPT-2 stores the matrix transposed)
 GPT2_BLOCK = [
     ("attention_norm", "ln_1", False),
@@ -59,6 +74,7 @@ def gpt2_config(backbone: Transformer) -> dict[str, Any]:
         "n_embd": backbone.d_model,
         "n_layer": backbone.n_layer,
         "n_head": backbone.n_head,
+        "activation_function": next(key for key, ours in GPT2_ACTIVATIONS.items() if ours == backbone.activation),
         **{key: written for key, (written, _, _) in GPT2_COMPUTES.items()},
         "resid_pdrop": backbone.dropout.p,
         "embd_pdrop": backbone.dropout.p,
@@ -98,65 +114,34 @@ def to_gpt2(backbone: Transformer) -> dict[str, torch.Tensor]:
     return weights
 
 
-def from_gpt2(weights: dict[str, Any], backbone: Transformer, source: str) -> dict[str, torch.Tensor]:
-    """A state dict for `backbone` from GPT-2 weights (with or without the `transformer.` prefix), refusing
-    a missing, misshapen, non-float or non-finite tensor, non-zero biases it has no place for and a head
-    not tied to the embedding. The embedding keeps `backbone`'s own rows past GPT-2's (padding: ids no
-    tokenizer produces)."""
-    weights = {
-        name if name.startswith(("transformer.", "lm_head.")) else f"transformer.{name}": value
-        for name, value in weights.items()
-    }
-    state = backbone.state_dict()
-    loaded = {}
+def load_gpt2(tensors: Tensors, backbone: Transformer, source: str) -> None:
+    """Load GPT-2 weights (with or without the `transformer.` prefix) into `backbone` tensor by tensor
+    (`pretraining.extras.hf.loading`), refusing first a missing, misshapen or non-float tensor, non-zero biases it
+    has no place for and a head not tied to the embedding. The embedding keeps `backbone`'s own rows past GPT-2's
+    (padding: ids no tokenizer produces)."""
+    names, state = stored_names(tensors, "transformer."), backbone.state_dict()
+    plan, placeless = [], {}
     for ours, theirs, transposed in gpt2_names(backbone.n_layer):
-        tensor = weights.get(theirs)
-        if not isinstance(tensor, torch.Tensor):
-            raise ConfigError(f"{source} has no tensor {theirs}: it is not a complete GPT-2 model")
-        vocabulary = backbone.vocab_size if ours == "token_embedding.weight" else None
-        check_tensor(tensor, gpt2_shape(ours, transposed, state), vocabulary, f"{source} has {theirs}")
-        tensor = tensor.T if transposed else tensor
         if ours in state:
-            loaded[ours] = tensor.to(state[ours].dtype)
-        elif tensor.count_nonzero():
+            plan.append(Placement(ours, theirs, transposed, table=ours == "token_embedding.weight"))
+        else:  # a bias the backbone does not have: checked as one of its weight's rows, then for zeros
+            placeless[theirs] = tuple(state[ours.replace(".bias", ".weight")].shape[:1])
+    check_placements(tensors, names, state, plan, backbone.vocab_size, source)
+    for theirs, rows in placeless.items():
+        if theirs not in names:
+            raise ConfigError(f"{source} has no tensor {theirs}: it is not a complete GPT-2 model")
+        check_layout(*layout(tensors, names[theirs]), rows, None, f"{source} has {theirs}")
+    for theirs in placeless:
+        bias = tensors[names[theirs]]
+        check_finite(bias, f"{source} has {theirs}")
+        if bias.count_nonzero():
             raise ConfigError(
                 f"{source} has non-zero {theirs}, and model.backbone.bias=false has no place for it: "
                 "pass model.backbone.bias=true"
             )
-    head = weights.get("lm_head.weight")  # transformers leaves a tied head out; a stored one must be the same
-    if head is not None and not (
-        isinstance(head, torch.Tensor) and torch.equal(head, weights["transformer.wte.weight"])
-    ):
+    if head_apart(tensors, names, "transformer.wte.weight"):
         raise ConfigError(f"{source} has a head apart from its token embedding; the backbone's head is tied to it")
-    embedding = state["token_embedding.weight"].clone()
-    rows = min(len(embedding), len(loaded["token_embedding.weight"]))
-    embedding[:rows] = loaded["token_embedding.weight"][:rows]
-    return {**loaded, "token_embedding.weight": embedding}
-
-
-def gpt2_shape(ours: str, transposed: bool, state: dict[str, torch.Tensor]) -> tuple[int, ...]:
-    """The shape GPT-2 stores the backbone's `ours` in (matrices transposed); a bias the backbone lacks has
-    its weight's rows."""
-    shape = tuple(state[ours].shape if ours in state else state[ours.replace(".bias", ".weight")].shape[:1])
-    return shape[::-1] if transposed else shape
-
-
-def check_tensor(tensor: torch.Tensor, expected: tuple[int, ...], vocab_size: int | None, found: str) -> None:
-    """Refuse `tensor` unless it is a finite float tensor of the `expected` shape; a vocabulary table
-    (`vocab_size` given: the token embedding, an untied head) may have any number of rows that covers the
-    tokenizer's `vocab_size`."""
-    shape = tuple(tensor.shape)
-    rows_fit = len(shape) == len(expected) and (
-        shape[0] >= vocab_size if vocab_size is not None else shape[0] == expected[0]
-    )
-    if not rows_fit or shape[1:] != expected[1:]:
-        wanted = f"(at least {vocab_size}, {expected[1]})" if vocab_size is not None else str(expected)
-        raise ConfigError(f"{found} of shape {shape}, not {wanted}: it does not fit its config.json")
-    if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
-        raise ConfigError(
-            f"{found} with {'non-finite values' if tensor.is_floating_point() else tensor.dtype}: "
-            "it holds no usable weights; restore the file"
-        )
+    load_placements(tensors, names, state, plan, source)
 
 
 def to_encoder(backbone: Transformer) -> dict[str, torch.Tensor]:
@@ -166,7 +151,13 @@ def to_encoder(backbone: Transformer) -> dict[str, torch.Tensor]:
 
 
 def encoder_config(backbone: Transformer) -> dict[str, Any]:
-    """config.json fields of a bidirectional backbone for `modeling_pretraining.PretrainingConfig`."""
+    """config.json fields of a bidirectional backbone for `modeling_pretraining.PretrainingConfig`, whose MLP
+    computes exact GELU only."""
+    if backbone.activation != "gelu":
+        raise ConfigError(
+            f"model.backbone.activation={backbone.activation} has no encoder export (its modelling code computes "
+            "exact GELU): train the encoder with model.backbone.activation=gelu to export it"
+        )
     return {
         "model_type": "pretraining-transformer",
         "vocab_size": backbone.token_embedding.num_embeddings,
@@ -195,16 +186,25 @@ def check_gpt2_fits(config: dict[str, Any], backbone: Transformer, vocab_size: i
     if not backbone.causal:
         raise ConfigError(f"{source} is GPT-2, a causal model: start a causal objective from it (experiment=clm_tiny)")
     check_learned_positions(backbone, f"started from {source}")
-    ours = {
+    ours: dict[str, Any] = {
         "d_model": backbone.d_model,
         "n_layer": backbone.n_layer,
         "n_head": backbone.n_head,
         "max_seq_len": backbone.max_seq_len,
     }
     found = {key: config.get(name, default) for key, (name, default) in GPT2_SIZES.items()}
-    differ = [key for key in GPT2_SIZES if found[key] != ours[key]]
+    activation = config.get("activation_function", "gelu_new")
+    if activation not in GPT2_ACTIVATIONS:
+        raise ConfigError(
+            f"{source} has activation_function={activation!r}, and the backbone computes exact GELU (gelu) or its "
+            "tanh approximation (gelu_new): it cannot continue this model exactly"
+        )
+    keys = {key: name for key, (name, _) in GPT2_SIZES.items()} | {"activation": "activation_function"}
+    ours["activation"], found["activation"] = backbone.activation, GPT2_ACTIVATIONS[activation]
+    shown = {**found, "activation": activation}
+    differ = [key for key in keys if found[key] != ours[key]]
     if differ:
-        named = ", ".join(f"{GPT2_SIZES[key][0]}={found[key]!r} (model.backbone.{key}={ours[key]})" for key in differ)
+        named = ", ".join(f"{keys[key]}={shown[key]!r} (model.backbone.{key}={ours[key]!r})" for key in differ)
         fix = " ".join(f"model.backbone.{key}={found[key]}" for key in differ)
         raise ConfigError(f"{source} has {named}: pass {fix}")
     for key, (computed, default, meaning) in GPT2_COMPUTES.items():
