@@ -3,6 +3,7 @@ config checks, and the large ones have the size they state; run directories are 
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,11 +40,18 @@ def test_every_group_has_options() -> None:
 
 def on_test_data(cfg: DictConfig, bpe_path: Path) -> DictConfig:
     """`cfg` (composed by `compose_train`, so on the test shards) made to run on this machine: the test
-    BPE where a BPE is read from the text shards (the pair shards hold their own), a stand-in for each value
+    BPE where a BPE is read from the text shards (the pair shards hold their own) or a model directory's
+    tokenizer, a stand-in for each value
     left to you, and the CPU for a GPU trainer (CUDA or Apple's) when there is no such GPU (the rest of the
     trainer preset is still instantiated)."""
     if cfg.tokenizer._target_.endswith("BPETokenizer") and cfg.data.format._target_.endswith("PackedBlocks"):
         cfg.tokenizer.path = str(bpe_path)
+    if cfg.tokenizer._target_.endswith("ModelTokenizer"):  # a model directory's: the test BPE, its EOS named
+        directory = bpe_path.parent / "model"
+        directory.mkdir(exist_ok=True)
+        shutil.copy(bpe_path, directory / "tokenizer.json")
+        (directory / "tokenizer_config.json").write_text('{"eos_token": "<eos>"}')
+        cfg.tokenizer.path = str(directory)
     for key in set(unset_keys(cfg)) - FILLED_BY_THE_RUN:  # left to you (a teacher, a directory): read by a run only
         OmegaConf.update(cfg, key, "stand-in")
     absent = {"gpu": not torch.cuda.is_available(), "mps": not torch.backends.mps.is_available()}

@@ -86,7 +86,7 @@ def stored_tokenizer(
                 f"this checkpoint's tokenizer ({run.tokenizer._target_}) reads no file: leave out {option}"
             )
         node = cast(DictConfig, OmegaConf.merge(run.tokenizer, {"path": tokenizer_path} if tokenizer_path else {}))
-        if "path" in node and not Path(node.path).is_file():
+        if "path" in node and not Path(node.path).exists():
             raise MissingFileError(
                 f"the tokenizer this checkpoint was trained with, {node.path}, is not there: restore it, or pass "
                 f"where it is now with {option}"

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from pretraining.data.manifest import TEXT_FIELDS
-from pretraining.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
+from pretraining.data.tokenizer import PAD_ID, Tokenizer
 from pretraining.ranges import Positive, checked_ranges
 
 Example = TypeVar("Example")
@@ -64,8 +64,9 @@ class Block:
 
 
 def encode_document(tokenizer: Tokenizer, text: str) -> list[int]:
-    """A document's tokens followed by the EOS separator."""
-    return [*tokenizer.encode(text), EOS_ID]
+    """A document's tokens followed by the tokenizer's EOS (after its BOS, where it has one to start with)."""
+    start = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
+    return [*start, *tokenizer.encode(text), tokenizer.eos_id]
 
 
 def pack_blocks(documents: Iterable[list[int]], block_size: int) -> Iterator[Block]:

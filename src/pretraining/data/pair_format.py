@@ -11,6 +11,7 @@ from typing import Annotated, ClassVar
 from pretraining.data.formats import Tensors, padded
 from pretraining.data.manifest import PAIR_FIELDS
 from pretraining.data.tokenizer import CLS_ID, Tokenizer
+from pretraining.errors import ConfigError
 from pretraining.ranges import Range, checked_ranges
 
 SideLength = Annotated[int, Range(ge=2)]  # two tokens at least: CLS and one of the text
@@ -39,6 +40,12 @@ class TokenizedPairs:
         query_field: str = PAIR_FIELDS[0],
         passage_field: str = PAIR_FIELDS[1],
     ) -> None:
+        if tokenizer.cls_id != CLS_ID:
+            raise ConfigError(
+                f"contrastive pairs start each side with the template's <cls> (id {CLS_ID}), and "
+                f"{type(tokenizer).__name__} has none there: use tokenizer=bytes or a BPE trained by "
+                "`pretrain-data tokenizer`"
+            )
         self.tokenizer, self.query_len, self.passage_len = tokenizer, query_len, passage_len
         self.lengths = {"query_len": query_len, "passage_len": passage_len}
         self.field_keys = {"query_field": query_field, "passage_field": passage_field}

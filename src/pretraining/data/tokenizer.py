@@ -1,5 +1,7 @@
-"""Tokenizers: raw bytes or a byte-level BPE trained offline, both with the special tokens at fixed ids, so
-objectives rely on them. `token_bytes[i]`, the UTF-8 bytes token `i` stands for, gives bits per byte."""
+"""Tokenizers: raw bytes or a byte-level BPE trained offline, both with the special tokens at fixed ids, which
+the masked-LM and contrastive objectives rely on. A tokenizer names its own separators (`eos_id`, `bos_id`),
+so a model's own (the hf extra's `ModelTokenizer`) packs documents as that model was trained to see them.
+`token_bytes[i]`, the UTF-8 bytes token `i` stands for, gives bits per byte."""
 
 from __future__ import annotations
 
@@ -24,21 +26,32 @@ class Tokenizer(Protocol):
     vocab_size: int
     token_bytes: np.ndarray
     fingerprint: str
-    mask_id: int | None  # MASK_ID, or None for a tokenizer without a mask token (no masked-LM)
+    eos_id: int  # ends every document in a packed block
+    bos_id: int | None  # starts every document, where the tokenizer's model was trained so; None: nothing
+    mask_id: int | None  # MASK_ID, or None for a tokenizer without the template's layout (no masked-LM)
+    cls_id: int | None  # CLS_ID, or None likewise (no contrastive pairs)
 
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
 
 
-class ByteTokenizer:
+class TemplateLayout:
+    """The special tokens at the template's fixed ids, as both of its own tokenizers have them."""
+
+    eos_id: int = EOS_ID
+    bos_id: int | None = None
+    mask_id: int | None = MASK_ID
+    cls_id: int | None = CLS_ID
+
+
+class ByteTokenizer(TemplateLayout):
     """UTF-8 bytes shifted past the special tokens: vocabulary 256 + specials."""
 
     def __init__(self) -> None:
         offset = len(SPECIAL_TOKENS)
         self._offset = offset
         self.vocab_size = 256 + offset
-        self.mask_id: int | None = MASK_ID
         self.token_bytes = np.array([0] * offset + [1] * 256, dtype=np.int64)
         self.fingerprint = hashlib.sha256(f"bytes/v1:{','.join(SPECIAL_TOKENS)}".encode()).hexdigest()[:16]
 
@@ -49,7 +62,7 @@ class ByteTokenizer:
         return bytes(i - self._offset for i in ids if i >= self._offset).decode(errors="replace")
 
 
-class BPETokenizer:
+class BPETokenizer(TemplateLayout):
     """A byte-level BPE `tokenizer.json` from `train_bpe` (the `tokenizers` library)."""
 
     def __init__(self, path: str | Path) -> None:
@@ -73,7 +86,6 @@ class BPETokenizer:
                     "retrain it with `pretrain-data tokenizer`"
                 )
         self.vocab_size = self._tokenizer.get_vocab_size()
-        self.mask_id: int | None = MASK_ID
         self.token_bytes = _byte_level_lengths(self._tokenizer.get_vocab(), self.vocab_size)
         self.fingerprint = hashlib.sha256(data).hexdigest()[:16]
 

@@ -45,9 +45,15 @@ class CausalLM(LanguageModel):
 
     @torch.no_grad()
     def generate(
-        self, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None
+        self,
+        prompt: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        eos_id: int | None = EOS_ID,
     ) -> torch.Tensor:
-        """Sample continuations of `prompt` (batch, length); stops early when every row ends in EOS."""
+        """Sample continuations of `prompt` (batch, length); stops early when every row ends in `eos_id` (the
+        template's tokenizers' by default; None: never)."""
         tokens = prompt
         for _ in range(max_new_tokens):
             window = tokens[:, -self.backbone.max_seq_len :]
@@ -57,7 +63,7 @@ class CausalLM(LanguageModel):
                 logits = logits.masked_fill(logits < threshold, float("-inf"))
             following = torch.multinomial(logits.softmax(-1), 1)
             tokens = torch.cat([tokens, following], dim=1)
-            if (following == EOS_ID).all():
+            if eos_id is not None and (following == eos_id).all():
                 break
         return tokens
 
@@ -65,4 +71,4 @@ class CausalLM(LanguageModel):
         """Text continuation of `prompt`, sampled in eval mode."""
         ids = torch.tensor([tokenizer.encode(prompt)], device=self.device)
         with frozen(self), uncompiled():
-            return tokenizer.decode(self.generate(ids, max_new_tokens, **sampling)[0].tolist())
+            return tokenizer.decode(self.generate(ids, max_new_tokens, eos_id=tokenizer.eos_id, **sampling)[0].tolist())

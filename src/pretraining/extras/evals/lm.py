@@ -21,7 +21,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from pretraining.data.tokenizer import EOS_ID, MASK_ID, PAD_ID, Tokenizer
+from pretraining.data.tokenizer import MASK_ID, PAD_ID, Tokenizer
 from pretraining.distributed import gather
 from pretraining.errors import ConfigError
 from pretraining.extras.evals.task import gathered, share
@@ -70,7 +70,7 @@ class LiveLM(TemplateLM):
 
     @property
     def eot_token_id(self) -> int:
-        return EOS_ID
+        return self.text_tokenizer.eos_id
 
     @property
     def max_length(self) -> int:
@@ -202,13 +202,14 @@ class LiveLM(TemplateLM):
                     rows[index].append(token)
                     generated[index].append(token)
                     text = self.text_tokenizer.decode(generated[index])
-                    stopped = token == EOS_ID or any(stop and stop in text for stop in until)
+                    stopped = token == self.text_tokenizer.eos_id or any(stop and stop in text for stop in until)
                     running[index] = not stopped and len(generated[index]) < limit
         return [self.continuation_text(tokens, until) for tokens, (_, until, _) in zip(generated, prompts, strict=True)]
 
     def continuation_text(self, tokens: list[int], until: list[str]) -> str:
         """The generated text before the end-of-text token and before the first stop sequence."""
-        ended = tokens[: tokens.index(EOS_ID)] if EOS_ID in tokens else tokens
+        eos = self.text_tokenizer.eos_id
+        ended = tokens[: tokens.index(eos)] if eos in tokens else tokens
         return postprocess_generated_text(self.text_tokenizer.decode(ended), until, None)
 
     def refuse_masked(self, request_type: str) -> None:

@@ -24,6 +24,7 @@ from pretraining.data.tokenizer import (
     parse_tokenizer_json,
 )
 from pretraining.errors import ConfigError, MissingFileError
+from pretraining.extras.hf.model_tokenizer import ModelTokenizer
 
 PAD, EOS, MASK, CLS = SPECIAL_TOKENS  # the roles an export's tokenizer_config.json names
 # What decides how text becomes ids: equal sections, equal ids.
@@ -34,14 +35,14 @@ def hf_tokenizer(tokenizer: Tokenizer) -> HFTokenizer:
     """The `tokenizers` object with `tokenizer`'s vocabulary and splitting. It reads a special-token string
     in a text as that token unless told not to (`encode_special_tokens`, which its JSON does not keep:
     `transformers` sets it from `split_special_tokens` in tokenizer_config.json)."""
-    if isinstance(tokenizer, BPETokenizer):
+    if isinstance(tokenizer, BPETokenizer | ModelTokenizer):
         loaded = HFTokenizer.from_str(tokenizer.json_text)  # parsed when the run's tokenizer was built
         loaded.post_processor = None  # the template encodes without one (add_special_tokens=False)
         return loaded
     if isinstance(tokenizer, ByteTokenizer):
         return byte_level_without_merges()
     raise ConfigError(
-        f"{type(tokenizer).__name__} has no Hugging Face form: export supports tokenizer=bytes and tokenizer=bpe"
+        f"{type(tokenizer).__name__} has no Hugging Face form: export supports tokenizer=bytes, bpe and hf"
     )
 
 
