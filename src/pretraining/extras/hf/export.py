@@ -33,11 +33,20 @@ from pretraining.data.tokenizer import EOS_ID, PAD_ID, Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.extras.hf import AUTO_MAP, MODELLING_CODE
 from pretraining.extras.hf.card import model_card
-from pretraining.extras.hf.directory import CONFIG, LINEAGE, SAFETENSORS, Content, check_destination, write_directory
+from pretraining.extras.hf.directory import (
+    CONFIG,
+    LINEAGE,
+    SAFETENSORS,
+    SAFETENSORS_INDEX,
+    Content,
+    check_destination,
+    write_directory,
+)
 from pretraining.extras.hf.llama import llama_config, to_llama
+from pretraining.extras.hf.model_tokenizer import ModelTokenizer
 from pretraining.extras.hf.tokenizer import CLS, EOS, MASK, PAD, tokenizer_files
 from pretraining.extras.hf.weights import encoder_config, gpt2_config, to_encoder, to_gpt2
-from pretraining.models.backbone import Backbone, padded_vocabulary
+from pretraining.models.backbone import Backbone
 from pretraining.models.llama import Llama
 from pretraining.models.transformer import Transformer
 from pretraining.objectives.base import PretrainingObjective
@@ -80,7 +89,8 @@ def export(
         "--tokenizer PATH",
         "--trusted-targets {module}",
     )
-    kind, files = model_files(model.eval(), examples.tokenizer, examples.lengths)
+    origin = (checkpoint["lineage"].get("origin") or {}).get("config")
+    kind, files = model_files(model.eval(), examples.tokenizer, examples.lengths, origin)
     record = lineage_record(checkpoint_path, sidecar, checkpoint["lineage"], kind)
     files[LINEAGE] = as_json(record)
     files["README.md"] = model_card(kind, record, usage(kind, out)).encode()
@@ -88,8 +98,11 @@ def export(
     return kind
 
 
-def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict[str, int]) -> tuple[str, Files]:
-    """(kind, files) of the model and its tokenizer, by backbone and objective."""
+def model_files(
+    model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict[str, int], origin: dict[str, Any] | None = None
+) -> tuple[str, Files]:
+    """(kind, files) of the model and its tokenizer, by backbone and objective. A next-token run that started
+    from a model directory whose config.json is `origin` goes out as that architecture (`continued_config`)."""
     backbone = model.backbone
     if not isinstance(backbone, Llama | Transformer):
         raise ConfigError(
@@ -99,9 +112,10 @@ def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict
     if not isinstance(model, Contrastive):  # an embedding model's export has no language-model head
         check_linear_head(backbone)
     if isinstance(backbone, Llama):
-        return llama_files(model, backbone, tokenizer)
+        return llama_files(model, backbone, tokenizer, origin)
     if isinstance(model, CausalLM):
-        return "gpt2", next_token_files(gpt2_config(backbone), to_gpt2(backbone), backbone, tokenizer)
+        config = continued_config(origin) if origin else {**gpt2_config(backbone), **own_ids(tokenizer)}
+        return "gpt2", next_token_files(config, to_gpt2(backbone), backbone, tokenizer)
     if isinstance(model, MaskedLM):
         return "masked-lm", masked_lm_files(backbone, tokenizer)
     if isinstance(model, Contrastive):
@@ -111,7 +125,9 @@ def model_files(model: PretrainingObjective, tokenizer: Tokenizer, lengths: dict
     )
 
 
-def llama_files(model: PretrainingObjective, backbone: Llama, tokenizer: Tokenizer) -> tuple[str, Files]:
+def llama_files(
+    model: PretrainingObjective, backbone: Llama, tokenizer: Tokenizer, origin: dict[str, Any] | None
+) -> tuple[str, Files]:
     """A next-token Llama as Hugging Face's Llama (Qwen3 with QK-norm). A bidirectional one has no stock
     architecture in `transformers`, and the modelling code written beside encoder exports is the Transformer's."""
     if not isinstance(model, CausalLM):
@@ -119,22 +135,46 @@ def llama_files(model: PretrainingObjective, backbone: Llama, tokenizer: Tokeniz
             f"a {type(model).__name__} Llama is bidirectional, and transformers has no Llama encoder to load it "
             "without custom code: train the encoder with model/backbone=transformer to export it"
         )
-    config = llama_config(backbone)
+    config = continued_config(origin) if origin else {**llama_config(backbone), **own_ids(tokenizer)}
     return config["model_type"], next_token_files(config, to_llama(backbone), backbone, tokenizer)
+
+
+def continued_config(origin: dict[str, Any]) -> dict[str, Any]:
+    """config.json of a model continued from the directory whose config.json is `origin`: the same, key for
+    key (`callbacks.init_from` checked that the backbone computes what it says), but for the weights' type."""
+    config = {key: value for key, value in origin.items() if key != "torch_dtype"}  # transformers 4's name
+    return {**config, "dtype": "float32"}  # as the weights are written
+
+
+def own_ids(tokenizer: Tokenizer) -> dict[str, int | None]:
+    """The special ids config.json names where they are a model's own (`tokenizer=hf`), not the template's."""
+    if not isinstance(tokenizer, ModelTokenizer):
+        return {}
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": None}
 
 
 def next_token_files(
     config: dict[str, Any], weights: dict[str, torch.Tensor], backbone: Backbone, tokenizer: Tokenizer
 ) -> Files:
     """A next-token model in an architecture `transformers` loads as it is (no code of ours): its config,
-    weights, generation settings and tokenizer."""
-    special = {"bos_token": EOS, "eos_token": EOS, "pad_token": PAD}
-    return {
-        CONFIG: as_json(config),
-        "generation_config.json": as_json(generation_config(backbone)),
-        SAFETENSORS: weights_file(weights),
-        **tokenizer_files(tokenizer, special, backbone.max_seq_len),
-    }
+    weights, generation settings and tokenizer. A model's own tokenizer (`tokenizer=hf`) goes out as its files
+    were, with the generation settings beside them; the vocabulary tables are cut to config.json's rows."""
+    rows = config["vocab_size"]
+    weights = {name: tensor[:rows] if name.endswith(TABLES) else tensor for name, tensor in weights.items()}
+    if isinstance(tokenizer, ModelTokenizer):  # its directory's generation_config.json, where it had one
+        generation = {key: config.get(key) for key in ("bos_token_id", "eos_token_id")}
+        own = {"generation_config.json": as_json(generation), **tokenizer.files}
+    else:
+        special = {"bos_token": EOS, "eos_token": EOS, "pad_token": PAD}
+        own = {
+            "generation_config.json": as_json(generation_config(backbone)),
+            **tokenizer_files(tokenizer, special, backbone.max_seq_len),
+        }
+    return {CONFIG: as_json(config), **sharded_weights(weights), **own}
+
+
+# The vocabulary tables, by their names in the GPT-2 and Llama exports.
+TABLES = ("wte.weight", "embed_tokens.weight", "lm_head.weight")
 
 
 def masked_lm_files(backbone: Transformer, tokenizer: Tokenizer) -> Files:
@@ -144,7 +184,7 @@ def masked_lm_files(backbone: Transformer, tokenizer: Tokenizer) -> Files:
     weights = {f"model.{name}": tensor for name, tensor in to_encoder(backbone).items()}  # base_model_prefix
     return {
         CONFIG: as_json(config),
-        SAFETENSORS: weights_file(weights),
+        **sharded_weights(weights),
         MODELLING_CODE.name: MODELLING_CODE.read_bytes(),
         **tokenizer_files(tokenizer, ENCODER_TOKENS, backbone.max_seq_len, marks_in_text=True),
     }
@@ -157,7 +197,7 @@ def embedding_files(model: Contrastive, backbone: Transformer, tokenizer: Tokeni
     config = {**encoder_config(backbone), "architectures": ["PretrainingModel"], "auto_map": AUTO_MAP}
     return {
         CONFIG: as_json(config),
-        SAFETENSORS: weights_file(to_encoder(backbone)),
+        **sharded_weights(to_encoder(backbone)),
         MODELLING_CODE.name: MODELLING_CODE.read_bytes(),
         **tokenizer_files(tokenizer, ENCODER_TOKENS, passage_len, cls_first=True),
         **sentence_transformer_files(model, passage_len),
@@ -173,7 +213,7 @@ def generation_config(backbone: Backbone) -> dict[str, Any]:
         "bos_token_id": EOS_ID,
         "eos_token_id": EOS_ID,
         "pad_token_id": PAD_ID,
-        "suppress_tokens": list(range(backbone.vocab_size, padded_vocabulary(backbone.vocab_size))),
+        "suppress_tokens": list(range(backbone.vocab_size, len(backbone.head_weight))),
     }
 
 
@@ -235,6 +275,37 @@ def lineage_record(path: Path, sidecar: dict[str, Any], lineage: dict[str, Any],
 def weights_file(tensors: dict[str, torch.Tensor]) -> Content:
     """A weights file, written straight into the export (never held as bytes beside the tensors)."""
     return lambda path: save_file(tensors, path, metadata={"format": "pt"})  # "pt": what transformers expects
+
+
+# The most bytes of weights in one file: past them, shards and their index, as `save_pretrained` writes them.
+MAX_SHARD_BYTES = 5 * 2**30
+
+
+def sharded_weights(tensors: dict[str, torch.Tensor]) -> Files:
+    """`model.safetensors`, or for a model past `MAX_SHARD_BYTES` the files `model-00001-of-0000N.safetensors`
+    and `model.safetensors.index.json` naming each tensor's (tensors in their order, a file filled before the
+    next)."""
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if groups[-1] and filled + size > MAX_SHARD_BYTES:
+            groups.append([])
+            filled = 0
+        groups[-1].append(name)
+        filled += size
+    if len(groups) == 1:
+        return {SAFETENSORS: weights_file(tensors)}
+    files = [f"model-{number:05d}-of-{len(groups):05d}.safetensors" for number in range(1, len(groups) + 1)]
+    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {name: file for file, group in zip(files, groups, strict=True) for name in group},
+    }
+    shards = {
+        file: weights_file({name: tensors[name] for name in group}) for file, group in zip(files, groups, strict=True)
+    }
+    return {**shards, SAFETENSORS_INDEX: as_json(index)}
 
 
 def as_json(value: Any) -> bytes:
