@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,22 +20,33 @@ from hf.families import family_tokenizer
 from hf.test_export import init_from
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
-from transformers import AutoModelForCausalLM, PretrainedConfig, Qwen3Config
+from tokenizers import Tokenizer
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from pretraining.callbacks.batch_log import read_batch_log
+from pretraining.cli import info as info_main
 from pretraining.config import CONFIG_DIR
+from pretraining.extras.hf import directory as directory_module
+from pretraining.extras.hf.directory import SAFETENSORS_INDEX
 from pretraining.extras.hf.export import export
 from pretraining.extras.hf.model_tokenizer import ModelTokenizer
 from pretraining.instantiate import build
 from pretraining.stored import load_checkpoint, stored_model
 from pretraining.train import train
-from test_resume import kill_twice_and_compare, run_dir
+from test_resume import kill_twice_and_compare
 
 TEXT = "def add(a, b):\n    return a + b  # naïve ☃"
 # A run small enough for seconds of CPU (the model's sizes come from each family below).
 RUN = [
     "experiment=clm_tiny",
-    "model/backbone=llama",
     "logger=csv",
     "model.backbone.max_seq_len=64",
     "model.warmup_steps=2",
@@ -47,37 +59,102 @@ RUN = [
     "callbacks.text_sample.max_new_tokens=8",
 ]
 SIZES = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
-# family: (its config, the tokenizer family, the model.backbone overrides that say the same model)
-STOCK: dict[str, tuple[PretrainedConfig, str, list[str]]] = {
+LLAMA = ["model/backbone=llama", "model.backbone.d_model=64", "model.backbone.mlp_width=96", "model.backbone.n_layer=2"]
+LLAMA_EPS = "model.backbone.norm_eps=1e-6"  # transformers' default rms_norm_eps (the backbone's: 1e-5)
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+# family: (its config for a tokenizer of `ids` ids, its special tokens last; the tokenizer's family; the
+# model.backbone overrides that say the same model)
+STOCK: dict[str, tuple[Callable[[int], PretrainedConfig], str, list[str]]] = {
     "qwen3": (
-        Qwen3Config(
+        lambda ids: Qwen3Config(
             **SIZES, num_key_value_heads=2, head_dim=16, vocab_size=448, rope_theta=1e6, tie_word_embeddings=True
         ),
         "qwen",
         [
-            "model.backbone.d_model=64",
-            "model.backbone.mlp_width=96",
-            "model.backbone.n_layer=2",
-            "model.backbone.n_head=4",
+            *LLAMA,
+            LLAMA_EPS,
             "model.backbone.n_kv_head=2",
             "model.backbone.qk_norm=true",
             "model.backbone.rope_theta=1000000.0",
-            "model.backbone.norm_eps=1e-6",
+        ],
+    ),
+    "qwen2-151936-rows": (  # Qwen's real vocabulary: 151,936 rows, scored 128 tokens at a time
+        lambda ids: Qwen2Config(**SIZES, num_key_value_heads=1, vocab_size=151936, tie_word_embeddings=True),
+        "qwen",
+        [
+            *LLAMA,
+            "model.backbone.n_kv_head=1",
+            "model.backbone.attention_bias=qkv",
+            LLAMA_EPS,
+            "model.loss_chunk_tokens=128",
+        ],
+    ),
+    "qwen2": (
+        lambda ids: Qwen2Config(**SIZES, num_key_value_heads=1, vocab_size=448, tie_word_embeddings=True),
+        "qwen",
+        [*LLAMA, "model.backbone.n_kv_head=1", "model.backbone.attention_bias=qkv", LLAMA_EPS],
+    ),
+    "llama3": (
+        lambda ids: LlamaConfig(
+            **SIZES,
+            vocab_size=448,
+            rope_parameters={"rope_theta": 500000.0, **LLAMA3_ROPE},
+            bos_token_id=ids - 2,
+            eos_token_id=ids - 1,
+        ),
+        "llama3",
+        [
+            *LLAMA,
+            "model.backbone.tie_head=false",
+            "model.backbone.rope_theta=500000.0",
+            LLAMA_EPS,
+            "model.backbone.rope_scaling={" + ",".join(f"{key}:{value}" for key, value in LLAMA3_ROPE.items()) + "}",
+        ],
+    ),
+    "llama2": (
+        lambda ids: LlamaConfig(**SIZES, vocab_size=448, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2),
+        "llama2",
+        [*LLAMA, "model.backbone.tie_head=false"],
+    ),
+    "mistral": (
+        lambda ids: MistralConfig(**SIZES, num_key_value_heads=2, vocab_size=448, sliding_window=None),
+        "llama2",
+        [*LLAMA, "model.backbone.n_kv_head=2", "model.backbone.tie_head=false", LLAMA_EPS],
+    ),
+    "gpt2": (
+        lambda ids: GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=ids, bos_token_id=ids - 1, eos_token_id=ids - 1
+        ),
+        "gpt2",
+        [
+            "model.backbone.d_model=64",
+            "model.backbone.n_layer=2",
+            "model.backbone.n_head=4",
+            "model.backbone.bias=true",
+            "model.backbone.activation=gelu_tanh",
+            "model.backbone.pad_vocabulary=false",  # its vocabulary (401 ids) is no multiple of 64
         ],
     ),
 }
 
 
 def stock_model(family: str, directory: Path) -> Path:
-    """`family`'s tiny model with random weights (norms included), saved with its tokenizer as the hub has it."""
-    config, tokenizer_family, _ = STOCK[family]
-    family_tokenizer(tokenizer_family, directory)
+    """`family`'s tiny model with random weights (norms and biases too), saved with its tokenizer as the hub has
+    them."""
+    make_config, tokenizer_family, _ = STOCK[family]
+    tokenizer = Tokenizer.from_file(str(family_tokenizer(tokenizer_family, directory) / "tokenizer.json"))
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
+    model = AutoModelForCausalLM.from_config(make_config(tokenizer.get_vocab_size()))
     with torch.no_grad():
         for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.uniform_(0.5, 1.5)
+            if parameter.dim() == 1:
+                parameter.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
     model.save_pretrained(directory)
     return directory
 
@@ -117,20 +194,28 @@ def test_the_first_step_is_the_models_loss(family: str, tmp_path: Path, shard_di
 
 
 def test_a_killed_continued_run_resumes_bitwise(qwen3: Path, tmp_path: Path, shard_dir: Path) -> None:
-    kill_twice_and_compare(tmp_path, [*continuing("qwen3", qwen3), f"data.dir={shard_dir}"], kills=(5, 10), max_steps=12)
+    kill_twice_and_compare(
+        tmp_path, [*continuing("qwen3", qwen3), f"data.dir={shard_dir}"], kills=(5, 10), max_steps=12
+    )
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "gpt2"])
 def test_the_export_is_the_same_architecture_loaded_by_transformers_alone(
-    qwen3: Path, tmp_path: Path, shard_dir: Path
+    family: str, tmp_path: Path, shard_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    train(compose_run(tmp_path / "run", shard_dir, [*continuing("qwen3", qwen3), "trainer.max_steps=4"]))
+    """Qwen3 (QK-norm, more rows than ids), Llama 3 (its RoPE scaling, a BOS, an untied head) and GPT-2 (its
+    50257-like odd vocabulary, biases): each goes out as it came in, in shards (their size made tiny)."""
+    directory = stock_model(family, tmp_path / family)
+    train(compose_run(tmp_path / "run", shard_dir, [*continuing(family, directory), "trainer.max_steps=4"]))
     checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"
     out = tmp_path / "export"
+    monkeypatch.setattr(directory_module, "MAX_SHARD_BYTES", 100_000)
     export(checkpoint, out)
-    original, exported = (json.loads((path / "config.json").read_text()) for path in (qwen3, out))
+    assert len(json.loads((out / SAFETENSORS_INDEX).read_text())["weight_map"]) > 1
+    original, exported = (json.loads((path / "config.json").read_text()) for path in (directory, out))
     assert exported == {**original, "dtype": "float32"}  # model_type, architectures, vocab_size, ids: the same
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        assert (out / name).read_bytes() == (qwen3 / name).read_bytes()
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (directory / name).read_bytes()
     model, _, examples = stored_model(load_checkpoint(checkpoint), str(checkpoint))
     tokenizer = examples.tokenizer
     assert isinstance(tokenizer, ModelTokenizer)
@@ -164,10 +249,14 @@ print(json.dumps({{"ids": ids[0].tolist(), "logits": logits.tolist(), "greedy": 
     return json.loads(result.stdout.splitlines()[-1])
 
 
-def test_the_resumed_run_names_no_other_directory(qwen3: Path, tmp_path: Path, shard_dir: Path) -> None:
-    """A continued run's lineage says where it started, and `pretrain-info` shows it."""
-    overrides = [*continuing("qwen3", qwen3), "trainer.max_steps=2", f"data.dir={shard_dir}"]
-    train(compose_run(tmp_path / "run", shard_dir, overrides))
-    origin = load_checkpoint(tmp_path / "run" / "checkpoints" / "last.ckpt")["lineage"]["origin"]
-    assert origin["init_from"] == str(qwen3.resolve()) and origin["config"]["model_type"] == "qwen3"
-    assert run_dir  # the kill test's run directory helper is shared with test_resume
+def test_the_lineage_names_the_directory_and_keeps_its_config(
+    qwen3: Path, tmp_path: Path, shard_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    train(compose_run(tmp_path / "run", shard_dir, [*continuing("qwen3", qwen3), "trainer.max_steps=2"]))
+    checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    origin = load_checkpoint(checkpoint)["lineage"]["origin"]
+    assert origin["init_from"] == str(qwen3.resolve())
+    assert origin["config"] == json.loads((qwen3 / "config.json").read_text())
+    capsys.readouterr()
+    info_main([str(checkpoint)])
+    assert f"{qwen3.resolve()} (callbacks.init_from)" in capsys.readouterr().out

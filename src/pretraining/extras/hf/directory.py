@@ -3,12 +3,14 @@
 An export is written into a hidden staging directory beside its destination, every file fsynced, then
 renamed into place: a crash leaves no half-written model where a reader would take it for whole. Weights
 are read from `model.safetensors` (or its index of several files), which holds only tensors, or from a
-`pytorch_model.bin` loaded weights-only, one tensor at a time (`StoredTensors`).
+`pytorch_model.bin` loaded weights-only, one tensor at a time (`StoredTensors`); they are written as one
+`model.safetensors`, or past `MAX_SHARD_BYTES` as shards with their index, as `save_pretrained` writes them.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Iterator, Mapping
@@ -18,6 +20,7 @@ from typing import Any, cast
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from pretraining.checkpoint import load_weights_only
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
@@ -199,3 +202,64 @@ def read_json(path: Path) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ConfigError(f"{path} holds no JSON object; restore the file")
     return value
+
+
+def weights_file(tensors: dict[str, torch.Tensor]) -> Content:
+    """A weights file, written straight into the export (never held as bytes beside the tensors)."""
+    return lambda path: save_file(tensors, path, metadata={"format": "pt"})  # "pt": what transformers expects
+
+
+# The most bytes of weights in one file: past them, shards and their index, as `save_pretrained` writes them.
+MAX_SHARD_BYTES = 5 * 2**30
+
+
+def sharded_weights(tensors: dict[str, torch.Tensor]) -> dict[str, Content]:
+    """`model.safetensors`, or for a model past `MAX_SHARD_BYTES` the files `model-00001-of-0000N.safetensors`
+    and `model.safetensors.index.json` naming each tensor's (tensors in their order, a file filled before the
+    next)."""
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if groups[-1] and filled + size > MAX_SHARD_BYTES:
+            groups.append([])
+            filled = 0
+        groups[-1].append(name)
+        filled += size
+    if len(groups) == 1:
+        return {SAFETENSORS: weights_file(tensors)}
+    files = [f"model-{number:05d}-of-{len(groups):05d}.safetensors" for number in range(1, len(groups) + 1)]
+    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
+    index = {
+        "metadata": {"total_size": total},
+        "weight_map": {name: file for file, group in zip(files, groups, strict=True) for name in group},
+    }
+    shards = {
+        file: weights_file({name: tensors[name] for name in group}) for file, group in zip(files, groups, strict=True)
+    }
+    return {**shards, SAFETENSORS_INDEX: as_json(index)}
+
+
+def as_json(value: Any) -> bytes:
+    """Strict JSON, which has no NaN or infinity (Python's `json` would write them, other readers refuse them):
+    a non-finite number is refused, naming its key."""
+    found = non_finite(value)
+    if found:
+        key, number = found
+        raise ConfigError(
+            f"the export's {key} is {number}, a number JSON cannot hold: the checkpoint stores a value no model "
+            "trains with; export a checkpoint whose settings and validation are finite"
+        )
+    return (json.dumps(value, indent=2, allow_nan=False, default=str) + "\n").encode()
+
+
+def non_finite(value: Any, key: str = "") -> tuple[str, float] | None:
+    """The first (dotted key, number) in `value` that is a float NaN or infinity, or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return key, value
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
+    for name, item in items:
+        found = non_finite(item, f"{key}.{name}" if key else str(name))
+        if found:
+            return found
+    return None

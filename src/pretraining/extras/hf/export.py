@@ -18,13 +18,10 @@ its sidecar and, where the registry extra is installed, must not be tainted in t
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from pretraining.callbacks.lineage import code_revision
 from pretraining.checkpoint import sidecar_checksums, sidecar_digest, verify
@@ -37,9 +34,11 @@ from pretraining.extras.hf.directory import (
     CONFIG,
     LINEAGE,
     SAFETENSORS,
-    SAFETENSORS_INDEX,
     Content,
+    as_json,
     check_destination,
+    sharded_weights,
+    weights_file,
     write_directory,
 )
 from pretraining.extras.hf.llama import llama_config, to_llama
@@ -270,67 +269,6 @@ def lineage_record(path: Path, sidecar: dict[str, Any], lineage: dict[str, Any],
         "lineage": lineage,
         "export": {"kind": kind, "code": code_revision(PROJECT_ROOT), "torch": torch.__version__},
     }
-
-
-def weights_file(tensors: dict[str, torch.Tensor]) -> Content:
-    """A weights file, written straight into the export (never held as bytes beside the tensors)."""
-    return lambda path: save_file(tensors, path, metadata={"format": "pt"})  # "pt": what transformers expects
-
-
-# The most bytes of weights in one file: past them, shards and their index, as `save_pretrained` writes them.
-MAX_SHARD_BYTES = 5 * 2**30
-
-
-def sharded_weights(tensors: dict[str, torch.Tensor]) -> Files:
-    """`model.safetensors`, or for a model past `MAX_SHARD_BYTES` the files `model-00001-of-0000N.safetensors`
-    and `model.safetensors.index.json` naming each tensor's (tensors in their order, a file filled before the
-    next)."""
-    groups: list[list[str]] = [[]]
-    filled = 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        if groups[-1] and filled + size > MAX_SHARD_BYTES:
-            groups.append([])
-            filled = 0
-        groups[-1].append(name)
-        filled += size
-    if len(groups) == 1:
-        return {SAFETENSORS: weights_file(tensors)}
-    files = [f"model-{number:05d}-of-{len(groups):05d}.safetensors" for number in range(1, len(groups) + 1)]
-    total = sum(tensor.numel() * tensor.element_size() for tensor in tensors.values())
-    index = {
-        "metadata": {"total_size": total},
-        "weight_map": {name: file for file, group in zip(files, groups, strict=True) for name in group},
-    }
-    shards = {
-        file: weights_file({name: tensors[name] for name in group}) for file, group in zip(files, groups, strict=True)
-    }
-    return {**shards, SAFETENSORS_INDEX: as_json(index)}
-
-
-def as_json(value: Any) -> bytes:
-    """Strict JSON, which has no NaN or infinity (Python's `json` would write them, other readers refuse them):
-    a non-finite number is refused, naming its key."""
-    found = non_finite(value)
-    if found:
-        key, number = found
-        raise ConfigError(
-            f"the export's {key} is {number}, a number JSON cannot hold: the checkpoint stores a value no model "
-            "trains with; export a checkpoint whose settings and validation are finite"
-        )
-    return (json.dumps(value, indent=2, allow_nan=False, default=str) + "\n").encode()
-
-
-def non_finite(value: Any, key: str = "") -> tuple[str, float] | None:
-    """The first (dotted key, number) in `value` that is a float NaN or infinity, or None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return key, value
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list | tuple) else ()
-    for name, item in items:
-        found = non_finite(item, f"{key}.{name}" if key else str(name))
-        if found:
-            return found
-    return None
 
 
 def usage(kind: str, out: Path) -> str:
