@@ -51,6 +51,7 @@ EXTERNAL = {
     "tar": "a plain tar listing (the shards are plain tar files: tests/test_shards.py)",
     "wandb": "the W&B CLI (the printed sync line: tests/test_tracking.py)",
     "tensorboard": "TensorBoard (the event files: tests/test_tracking.py)",
+    "huggingface-cli": "the hub's download, never run here (its directory: tests/extras/hf/test_continue.py)",
 }
 
 
@@ -70,7 +71,7 @@ ENTRY_POINTS = {
 # it needs besides. The bench extra is scripts/bench; the others are packages under pretraining.extras.
 EXTRA_MENTIONS = {
     "registry": r"pretrain-registry|\bmake registry\b|\bregister\b",
-    "hf": r"pretrain-export|\bmake export\b|init_from",
+    "hf": r"pretrain-export|\bmake export\b|init_from|tokenizer=hf|huggingface-cli",
     "distill": r"distill|model\.teacher",
     "sweeps": r"hparams_search|sweep-optuna|sweep-report|hydra/sweeper=optuna",
     "plots": r"pretrain-plot|\bmake plot\b",
@@ -452,6 +453,35 @@ def test_the_own_task_recipe_scores_the_task(tmp_path: Path, small_shards: Path,
     for metric in ("acc", "acc_norm"):
         scores = logged(tmp_path, f"eval/my_task/{metric}")
         assert len(scores) == 3 and all(0 <= score <= 1 for score in scores)  # steps 0, 2 and 4
+
+
+def test_the_open_model_recipe_continues_a_tiny_qwen3_and_exports_it(
+    tmp_path: Path, small_shards: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's commands with its directory replaced by a tiny Qwen3: refused at set-up naming the overrides,
+    then continued with them, then exported as a Qwen3."""
+    if not extra_kept("hf", makefile=False):
+        pytest.skip("the hf extra is not in this checkout")
+    from hf.test_continue import stock_model  # the hf extra's tests: a tiny model as the hub has it
+
+    (command,) = [c for c in COMMANDS if c.startswith("pretrain ") and "tokenizer=hf" in c]
+    (download,) = [c for c in COMMANDS if c.startswith("huggingface-cli download ")]
+    directory = shlex.split(download)[shlex.split(download).index("--local-dir") + 1]
+    assert directory in command
+    stock_model("qwen3", tmp_path / directory)
+    sizes = ("model.backbone.d_model", "model.backbone.n_layer", "model.backbone.n_head")  # the model's, not TINY's
+    tiny = [o for o in TINY_RUN[1:] if not o.startswith(sizes)] + ["trainer.max_steps=2"]
+    paths = [f"data.dir={small_shards}", f"paths.log_dir={tmp_path / 'logs'}", "run_name=qwen3"]
+    run = [sys.executable, "-m", "pretraining", *shlex.split(command)[1:], *tiny, *paths]
+    refused = subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    (needed,) = re.findall(r": pass (model\.backbone\..*)$", refused.stderr, re.M)
+    continued = subprocess.run([*run, *needed.split()], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert continued.returncode == 0, continued.stderr[-3000:]
+    checkpoint = tmp_path / "logs" / "train" / "runs" / "qwen3" / "checkpoints" / "last.ckpt"
+    monkeypatch.chdir(tmp_path)  # where the run named its tokenizer's directory from
+    entry_point("pretrain-export")([str(checkpoint), str(tmp_path / "export")])
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
 
 
 @pytest.mark.slow  # the README's other examples train in the fast suite

@@ -77,21 +77,23 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with rotary positions (Hugging Face's `self_attn`)."""
+    """Grouped-query self-attention with rotary positions (Hugging Face's `self_attn`): heads `head_width` wide
+    (None: d_model / n_head), biases as `bias` says (`Llama`'s `attention_bias`)."""
 
     def __init__(
         self,
         d_model: int,
         n_head: int,
         n_kv_head: int,
-        head_width: int,
-        bias: str,
         qk_norm: bool,
         norm_eps: float,
         dropout: float,
         causal: bool,
+        head_width: int | None = None,
+        bias: str = "none",
     ) -> None:
         super().__init__()
+        head_width = head_width or d_model // n_head
         self.n_head, self.n_kv_head, self.head_width, self.causal = n_head, n_kv_head, head_width, causal
         self.dropout = dropout
         self.q_proj = nn.Linear(d_model, n_head * head_width, bias=bias != "none")
@@ -257,7 +259,7 @@ class Llama(Backbone):
         self.layers = nn.ModuleList(
             DecoderLayer(
                 d_model,
-                Attention(d_model, n_head, n_kv_head, width, attention_bias, qk_norm, norm_eps, dropout, causal),
+                Attention(d_model, n_head, n_kv_head, qk_norm, norm_eps, dropout, causal, width, attention_bias),
                 mlp_width,
                 activation,
                 norm_eps,
