@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 from hf.families import FAMILIES, family_tokenizer
+from tokenizers import Tokenizer, processors
 from transformers import AutoTokenizer
 
 from pretraining.data.formats import encode_document
+from pretraining.data.pair_format import TokenizedPairs
 from pretraining.errors import ConfigError, MissingFileError
 from pretraining.extras.hf.model_tokenizer import ModelTokenizer
+from pretraining.extras.hf.tokenizer import check_same_tokenizer
 
 TEXT = 'def add(a, b):\n    """Sum. <|endoftext|> stays text"""\n    return a + b  # naïve ☃'
 # family: (the BOS a document starts with, the EOS it ends with)
@@ -75,3 +78,55 @@ def test_refusals_name_the_file(tmp_path: Path) -> None:
     config_path.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     with pytest.raises(ConfigError, match="names no EOS token"):
         ModelTokenizer(directory)
+
+
+def test_the_bos_is_the_token_the_post_processor_puts_in_front(tmp_path: Path) -> None:
+    """A post-processor adding BOS and EOS around a text (`<s> $A </s>`) starts each document with its BOS, the
+    token the model saw, whatever the files name; `add_bos_token: true` naming no BOS is refused."""
+    directory = family_tokenizer("llama3", tmp_path / "llama3")
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    bos, eos = "<|begin_of_text|>", "<|end_of_text|>"
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A {eos}", special_tokens=[(token, tokenizer.token_to_id(token)) for token in (bos, eos)]
+    )
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos}))  # no bos_token named
+    assert ModelTokenizer(directory).bos_id == tokenizer.token_to_id(bos)
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos, "add_bos_token": False}))
+    assert ModelTokenizer(directory).bos_id is None
+    tokenizer.post_processor = None
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": eos, "add_bos_token": True}))
+    with pytest.raises(ConfigError, match="has add_bos_token: true and names no bos_token"):
+        ModelTokenizer(directory)
+
+
+def test_special_tokens_map_is_read_as_transformers_reads_it(tmp_path: Path) -> None:
+    """An older directory (no added_tokens_decoder in tokenizer_config.json): special_tokens_map.json wins."""
+    directory = family_tokenizer("qwen", tmp_path / "qwen")
+    (directory / "special_tokens_map.json").write_text(json.dumps({"eos_token": {"content": "<|im_end|>"}}))
+    theirs = AutoTokenizer.from_pretrained(directory)
+    assert ModelTokenizer(directory).eos_id == theirs.eos_token_id == theirs.convert_tokens_to_ids("<|im_end|>")
+    config = json.loads((directory / "tokenizer_config.json").read_text())
+    current = {**config, "added_tokens_decoder": {}}  # a key transformers 4.34 and later write: the map is not read
+    (directory / "tokenizer_config.json").write_text(json.dumps(current))
+    theirs = AutoTokenizer.from_pretrained(directory)
+    assert ModelTokenizer(directory).eos_id == theirs.eos_token_id == theirs.convert_tokens_to_ids("<|endoftext|>")
+
+
+def test_a_directory_with_other_added_tokens_tokenizes_differently(tmp_path: Path) -> None:
+    """Added tokens are matched in a text before the vocabulary: init_from's check compares them too."""
+    run = ModelTokenizer(family_tokenizer("qwen", tmp_path / "run"))
+    other = family_tokenizer("qwen", tmp_path / "other")
+    tokenizer = Tokenizer.from_file(str(other / "tokenizer.json"))
+    tokenizer.add_tokens(["<think>"])
+    tokenizer.save(str(other / "tokenizer.json"))
+    with pytest.raises(ConfigError, match=r"tokenizes differently .* it adds 4 tokens to its vocabulary, the run's 3"):
+        check_same_tokenizer(other / "tokenizer.json", run, "fix")
+    check_same_tokenizer(tmp_path / "run" / "tokenizer.json", run, "fix")
+
+
+def test_contrastive_pairs_need_the_templates_cls(tmp_path: Path) -> None:
+    tokenizer = ModelTokenizer(family_tokenizer("gpt2", tmp_path / "gpt2"))
+    with pytest.raises(ConfigError, match=r"start each side with the template's <cls> \(id 3\), and ModelTokenizer"):
+        TokenizedPairs(tokenizer, query_len=16, passage_len=32)

@@ -30,7 +30,7 @@ from transformers import (
 from pretraining.data.tokenizer import ByteTokenizer
 from pretraining.errors import ConfigError
 from pretraining.extras.hf.directory import StoredTensors, weight_files
-from pretraining.extras.hf.init_from import checked_loader, initialise_from
+from pretraining.extras.hf.init_from import check_same_table, checked_loader, initialise_from
 from pretraining.models.backbone import Backbone
 from pretraining.models.llama import Llama
 from pretraining.models.transformer import Transformer
@@ -224,6 +224,7 @@ def stock_config(kind: str, **edit: Any) -> dict[str, Any]:
             r"has head_dim=32 \(model.backbone.head_dim=16\): pass model.backbone.head_dim=32",
         ),
         ("llama", {"vocab_size": 300}, {}, r"has vocab_size=300, not the 384 ids of the run's tokenizer at least"),
+        ("llama", {"hidden_act": "gelu"}, {}, r"has hidden_act='gelu', and the backbone computes a gate of silu or"),
     ],
 )
 def test_what_the_llama_backbone_cannot_compute_is_refused_naming_the_key(
@@ -304,3 +305,39 @@ def test_the_new_options_export_as_the_architecture_that_computes_them(
     directory = exported(backbone, tmp_path / "out")
     model = CausalLM(backbone, optimizer=torch.optim.AdamW).eval()
     check_hugging_face_computes_the_template(model, directory, architecture)
+
+
+def test_a_pytorch_model_bin_in_torchs_old_format_loads(tmp_path: Path) -> None:
+    """torch before 1.6 wrote no zip: such a file cannot be memory-mapped, and is read whole instead."""
+    architecture, config, options, _ = MODELS["llama-attention-bias-pickled"]
+    model = randomised(architecture(config))
+    model.config.to_json_file(tmp_path / "config.json")
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    stored = json.loads((tmp_path / "config.json").read_text())
+    check_computes_as(loaded(Llama(**OURS, norm_eps=1e-6, **options), tmp_path, stored), model)
+
+
+@pytest.mark.parametrize(
+    ("pad_vocabulary", "tokenizer_ids", "message"),
+    [
+        (
+            True,
+            260,
+            r"has vocab_size=260, and this run's table has 320 rows .*pad_vocabulary=false",
+        ),
+        (
+            False,
+            260,
+            r"has vocab_size=320, and this run's table has 260 rows .*pad_vocabulary=true",
+        ),
+        (True, 200, r"has vocab_size=320, .* 256 rows for its tokenizer's 200 ids: use the model's own tokenizer"),
+    ],
+)
+def test_a_table_of_other_rows_than_the_files_is_refused_naming_the_fix(
+    pad_vocabulary: bool, tokenizer_ids: int, message: str
+) -> None:
+    """Rows only the backbone has would join the softmax untrained; rows only the file has would be dropped."""
+    rows = 260 if pad_vocabulary and tokenizer_ids == 260 else 320
+    backbone = Llama(vocab_size=tokenizer_ids, max_seq_len=64, d_model=64, n_layer=2, pad_vocabulary=pad_vocabulary)
+    with pytest.raises(ConfigError, match=message):
+        check_same_table({"model_type": "llama", "vocab_size": rows}, backbone, "callbacks.init_from.path=model")

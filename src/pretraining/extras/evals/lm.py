@@ -73,6 +73,12 @@ class LiveLM(TemplateLM):
         return self.text_tokenizer.eos_id
 
     @property
+    def prefix_token_id(self) -> int:
+        """What an empty context is scored after: the BOS, else the end-of-text token (as HFLM)."""
+        bos = self.text_tokenizer.bos_id
+        return self.eot_token_id if bos is None else bos
+
+    @property
     def max_length(self) -> int:
         """The model's context length, in tokens."""
         return self.model.backbone.max_seq_len
@@ -80,7 +86,9 @@ class LiveLM(TemplateLM):
     def tok_encode(
         self, string: str, add_special_tokens: bool | None = None, left_truncate_len: int | None = None, **kwargs: Any
     ) -> list[int]:
-        tokens = self.text_tokenizer.encode(string)  # no special tokens are added: the export's tokenizer adds none
+        # As lm_eval's HFLM encodes with the export's tokenizer: a BOS first where its model reads one (Llama's).
+        bos = self.text_tokenizer.bos_id
+        tokens = [*([] if bos is None else [bos]), *self.text_tokenizer.encode(string)]
         return tokens[-left_truncate_len:] if left_truncate_len else tokens
 
     @contextmanager

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import shutil
+import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -173,8 +174,9 @@ class StoredTensors(Mapping[str, torch.Tensor]):
 
 
 def state_dict_of(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a `pytorch_model.bin`, memory-mapped (read as they are used), loaded weights-only."""
-    loaded = load_weights_only(path, mmap=True)
+    """The tensors of a `pytorch_model.bin`, loaded weights-only: memory-mapped (read as they are used) where
+    the file has torch's zip format, read whole where it is older (torch before 1.6 wrote no zip; no map)."""
+    loaded = load_weights_only(path, mmap=zipfile.is_zipfile(path))
     if not isinstance(loaded, dict) or not all(isinstance(value, torch.Tensor) for value in loaded.values()):
         raise ConfigError(f"{path} holds no state dict; use a model directory written by save_pretrained")
     return loaded

@@ -158,7 +158,7 @@ def next_token_files(
     """A next-token model in an architecture `transformers` loads as it is (no code of ours): its config,
     weights, generation settings and tokenizer. A model's own tokenizer (`tokenizer=hf`) goes out as its files
     were, with the generation settings beside them; the vocabulary tables are cut to config.json's rows."""
-    rows = config["vocab_size"]
+    rows = config.get("vocab_size", len(backbone.head_weight))  # GPT-2 may leave its 50257 unsaid
     weights = {name: tensor[:rows] if name.endswith(TABLES) else tensor for name, tensor in weights.items()}
     if isinstance(tokenizer, ModelTokenizer):  # its directory's generation_config.json, where it had one
         generation = {key: config.get(key) for key in ("bos_token_id", "eos_token_id")}

@@ -25,7 +25,7 @@ from pretraining.extras.hf.loading import Tensors
 from pretraining.extras.hf.tokenizer import check_same_tokenizer
 from pretraining.extras.hf.weights import GPT2_VOCAB_SIZE, check_gpt2_fits, load_gpt2
 from pretraining.files import sha256_of
-from pretraining.models.backbone import Backbone
+from pretraining.models.backbone import Backbone, padded_vocabulary
 from pretraining.models.llama import Llama
 from pretraining.models.transformer import Transformer
 
@@ -156,6 +156,8 @@ def check_same_table(config: dict[str, Any], backbone: Transformer | Llama, sour
         return
     if rows == backbone.vocab_size:
         fix = "pass model.backbone.pad_vocabulary=false (a table of exactly vocab_size rows)"
+    elif rows == padded_vocabulary(backbone.vocab_size):
+        fix = "pass model.backbone.pad_vocabulary=true (its padded table)"
     else:
         fix = "use the model's own tokenizer (tokenizer=hf tokenizer.path=<its directory>): its ids are the rows"
     raise ConfigError(

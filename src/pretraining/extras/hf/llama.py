@@ -26,7 +26,7 @@ from pretraining.extras.hf.loading import (
     load_placements,
     stored_names,
 )
-from pretraining.models.llama import Llama
+from pretraining.models.llama import ACTIVATIONS, Llama
 
 # (model_type, architecture) by the backbone's (qk_norm, attention_bias): Qwen3 is Llama with an RMSNorm on each
 # head's queries and keys (q_norm, k_norm), Qwen2 Llama with biases on q, k and v.
@@ -208,6 +208,9 @@ def check_computable(config: dict[str, Any], max_seq_len: int, source: str) -> N
         value = config.get(key, rope_parameters(config).get(key, computed))
         if value != computed:
             raise ConfigError(cannot.format(f"{key}={value!r}", meaning))
+    activation = config.get("hidden_act", "silu")
+    if activation not in ACTIVATIONS:
+        raise ConfigError(cannot.format(f"hidden_act={activation!r}", f"a gate of {' or '.join(ACTIVATIONS)}"))
     window = sliding_window(config)
     if window is not None and window < max_seq_len:
         raise ConfigError(

@@ -1,12 +1,13 @@
 """`tokenizer=hf tokenizer.path=DIR`: a Hugging Face model's own tokenizer as the run's, for continued
 pretraining of that model (GPT-2, Llama 2/3, Qwen2/3, Mistral, SmolLM; `callbacks.init_from`).
 
-It reads the directory's `tokenizer.json` (what `PreTrainedTokenizerFast` loads: BPE, byte-level BPE,
-SentencePiece converted) with the `tokenizers` library, and its special tokens from the files beside it as
-`transformers` does: `tokenizer_config.json`, then `special_tokens_map.json`, then the ids in
-`generation_config.json` and `config.json`. Documents are packed as the model was trained to see them: its
-BOS first where its tokenizer adds one (Llama's), its EOS after each (GPT-2's and Qwen's `<|endoftext|>`).
-A special token's text inside a document stays text, as with the template's tokenizers. Nothing in the
+It reads the directory's `tokenizer.json` as it is, with the `tokenizers` library (transformers 5 builds a
+named class's pipeline, `Qwen2Tokenizer`'s, `LlamaTokenizer`'s, around the file's vocabulary: the hub's
+files hold that same pipeline), and its special tokens from the files beside it as `transformers` reads
+them (`special_id`), then the ids in `generation_config.json` and `config.json` (a tokenizer class's own
+default EOS is not read). Documents are packed as the model was trained to see them: its BOS first where
+its tokenizer puts one in front (Llama's), its EOS after each (GPT-2's and Qwen's `<|endoftext|>`). A
+special token's text inside a document stays text, as with the template's tokenizers. Nothing in the
 directory runs: a tokenizer that needs its own code (`auto_map`) is refused.
 """
 
@@ -36,7 +37,7 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
 )
-# Where each role's token is named, in the order transformers reads them: token strings, then ids.
+# Where each role's token is named: token strings (in the order `special_id` says), then ids.
 TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 ID_FILES = ("generation_config.json", "config.json")
 BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's token for one raw byte
@@ -72,7 +73,7 @@ class ModelTokenizer:
                 f"{directory} names no EOS token (eos_token in tokenizer_config.json, or eos_token_id): packed "
                 "documents need one between them; add it to tokenizer_config.json"
             )
-        self.bos_id = self.special_id("bos", settings, directory) if adds_bos(self._tokenizer, settings) else None
+        self.bos_id = self.bos(settings, directory)
         ids = self._tokenizer.get_vocab_size(with_added_tokens=True)
         rows = settings["config.json"].get("vocab_size")
         if isinstance(rows, int) and rows < ids:
@@ -85,9 +86,30 @@ class ModelTokenizer:
         identity = [self.files["tokenizer.json"], f"{self.eos_id},{self.bos_id},{self.vocab_size}".encode()]
         self.fingerprint = hashlib.sha256(b"\0".join(identity)).hexdigest()[:16]
 
+    def bos(self, settings: dict[str, dict[str, Any]], directory: Path) -> int | None:
+        """The BOS each document starts with: the token the post-processor puts in front of a text, or where
+        tokenizer_config.json says `add_bos_token` (transformers' Llama tokenizers set their post-processor by
+        it), the token it names; None where the model saw none."""
+        said = settings["tokenizer_config.json"].get("add_bos_token")
+        front = leading_tokens(self._tokenizer)
+        if said is False or (said is None and not front):
+            return None
+        named = self.special_id("bos", settings, directory)
+        if said is None and named != front[0]:
+            named = front[0]  # the token the model saw, whatever the files call it
+        if named is None:
+            raise ConfigError(
+                f"{directory / 'tokenizer_config.json'} has add_bos_token: true and names no bos_token: the "
+                "documents' first token is unknown; add bos_token to it"
+            )
+        return named
+
     def special_id(self, role: str, settings: dict[str, dict[str, Any]], directory: Path) -> int | None:
-        """The id of the `role` token (eos, bos): its string where the token files name one, else an id."""
-        for name in TOKEN_FILES:
+        """The id of the `role` token (eos, bos): its string where the token files name one, else an id. As
+        transformers 5 reads them, special_tokens_map.json wins where tokenizer_config.json has no
+        `added_tokens_decoder` (an older directory's), and is not read where it has."""
+        current = "added_tokens_decoder" in settings["tokenizer_config.json"]
+        for name in TOKEN_FILES[:1] if current else TOKEN_FILES[::-1]:
             token = settings[name].get(f"{role}_token")
             token = token.get("content") if isinstance(token, dict) else token
             if isinstance(token, str):
@@ -130,15 +152,13 @@ def read_object(path: Path) -> dict[str, Any]:
     return value
 
 
-def adds_bos(tokenizer: Any, settings: dict[str, dict[str, Any]]) -> bool:
-    """Whether the model saw a BOS before each text: `add_bos_token` where tokenizer_config.json says it
-    (transformers' Llama tokenizers set their post-processor by it), else whether the post-processor adds a
-    token in front."""
-    said = settings["tokenizer_config.json"].get("add_bos_token")
-    if isinstance(said, bool):
-        return said
-    plain, processed = (tokenizer.encode("a", add_special_tokens=flag).ids for flag in (False, True))
-    return len(processed) > len(plain) and processed[-len(plain) :] == plain
+def leading_tokens(tokenizer: Any) -> list[int]:
+    """The ids the post-processor puts before a text (Llama's BOS; none for GPT-2 and Qwen), whatever it adds
+    after it."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    processed = tokenizer.encode("a", add_special_tokens=True).ids
+    starts = [i for i in range(len(processed) - len(plain) + 1) if processed[i : i + len(plain)] == plain]
+    return processed[: starts[0]] if starts else []
 
 
 def token_lengths(tokenizer: Any, vocab_size: int) -> np.ndarray:

@@ -28,7 +28,7 @@ from pretraining.extras.hf.model_tokenizer import ModelTokenizer
 
 PAD, EOS, MASK, CLS = SPECIAL_TOKENS  # the roles an export's tokenizer_config.json names
 # What decides how text becomes ids: equal sections, equal ids.
-TOKENIZING_SECTIONS = ("model", "normalizer", "pre_tokenizer")
+TOKENIZING_SECTIONS = ("model", "normalizer", "pre_tokenizer", "added_tokens")
 
 
 def hf_tokenizer(tokenizer: Tokenizer) -> HFTokenizer:
@@ -108,6 +108,12 @@ def check_same_tokenizer(path: Path, tokenizer: Tokenizer, fix: str) -> None:
 
 
 def difference(section: str, theirs: dict[str, Any], ours: dict[str, Any]) -> str:
+    if section == "added_tokens":  # matched in a text before the model's vocabulary, at ids of their own
+        their_tokens, our_tokens = theirs.get(section) or [], ours.get(section) or []
+        first = next((a for a, b in zip(their_tokens, our_tokens, strict=False) if a != b), None)
+        if first is None:
+            return f"it adds {len(their_tokens)} tokens to its vocabulary, the run's {len(our_tokens)}"
+        return f"its added token {first.get('content')!r} (id {first.get('id')}) is not the run's"
     if section != "model":
         return f"its {section.replace('_', '-')} is {theirs.get(section)}, the run's {ours.get(section)}"
     their_vocab, our_vocab = theirs["model"].get("vocab") or {}, ours["model"].get("vocab") or {}
