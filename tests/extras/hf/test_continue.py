@@ -31,6 +31,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from conftest import TINY
 from pretraining.callbacks.batch_log import read_batch_log
 from pretraining.cli import info as info_main
 from pretraining.config import CONFIG_DIR
@@ -45,19 +46,9 @@ from test_resume import kill_twice_and_compare
 
 TEXT = "def add(a, b):\n    return a + b  # naïve ☃"
 # A run small enough for seconds of CPU (the model's sizes come from each family below).
-RUN = [
-    "experiment=clm_tiny",
-    "logger=csv",
-    "model.backbone.max_seq_len=64",
-    "model.warmup_steps=2",
-    "data.global_batch_size=4",
-    "data.streams=2",
-    "data.num_workers=0",
-    "data.val_size=8",
-    "trainer.val_check_interval=6",
-    "callbacks.checkpoint.every_n_steps=4",
-    "callbacks.text_sample.max_new_tokens=8",
-]
+SIZES_OF_TINY = ("model.backbone.d_model", "model.backbone.n_layer", "model.backbone.n_head")
+RUN = ["experiment=clm_tiny", *(o for o in TINY if not o.startswith(SIZES_OF_TINY))]
+RUN.append("callbacks.checkpoint.every_n_steps=4")  # the kill test's restarts go back to step 4 and 8
 SIZES = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
 LLAMA = ["model/backbone=llama", "model.backbone.d_model=64", "model.backbone.mlp_width=96", "model.backbone.n_layer=2"]
 LLAMA_EPS = "model.backbone.norm_eps=1e-6"  # transformers' default rms_norm_eps (the backbone's: 1e-5)

@@ -23,6 +23,7 @@ import numpy as np
 
 from pretraining.data.tokenizer import parse_tokenizer_json
 from pretraining.errors import ConfigError, MissingFileError
+from pretraining.extras.hf.directory import read_json
 
 KEY = "tokenizer.path"
 # The files that make the tokenizer, and the generation settings that name its ids: copied as they are into
@@ -141,15 +142,7 @@ class ModelTokenizer:
 
 def read_object(path: Path) -> dict[str, Any]:
     """A JSON object of the directory, or {} where the file is absent."""
-    if not path.is_file():
-        return {}
-    try:
-        value = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path} is not valid JSON ({error}); restore the file") from None
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path} holds no JSON object; restore the file")
-    return value
+    return read_json(path) if path.is_file() else {}
 
 
 def leading_tokens(tokenizer: Any) -> list[int]:
