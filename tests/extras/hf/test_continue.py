@@ -190,12 +190,13 @@ def test_a_killed_continued_run_resumes_bitwise(qwen3: Path, tmp_path: Path, sha
     )
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama3", "gpt2"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "mistral", "llama3", "gpt2"])
 def test_the_export_is_the_same_architecture_loaded_by_transformers_alone(
     family: str, tmp_path: Path, shard_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Qwen3 (QK-norm, more rows than ids), Llama 3 (its RoPE scaling, a BOS, an untied head) and GPT-2 (its
-    50257-like odd vocabulary, biases): each goes out as it came in, in shards (their size made tiny)."""
+    """Qwen3 (QK-norm, more rows than ids), Qwen2 (q/k/v biases), Mistral (SentencePiece, a BOS), Llama 3 (its
+    RoPE scaling, a BOS, an untied head) and GPT-2 (an odd vocabulary, biases): each goes out as it came in, in
+    shards (their size made tiny), through `pretrain-export`'s own function (the card included)."""
     directory = stock_model(family, tmp_path / family)
     train(compose_run(tmp_path / "run", shard_dir, [*continuing(family, directory), "trainer.max_steps=4"]))
     checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"

@@ -8,12 +8,11 @@ from typing import Any
 import yaml
 
 from pretraining.extras.hf.init_from import describe_origin
+from pretraining.extras.hf.llama import LLAMA_TYPES
 
-# (library_name, pipeline_tag) by the kind of export
+# (library_name, pipeline_tag) by the kind of export: a next-token one's is its model_type
 CARD_TAGS = {
-    "gpt2": ("transformers", "text-generation"),
-    "llama": ("transformers", "text-generation"),
-    "qwen3": ("transformers", "text-generation"),
+    **{kind: ("transformers", "text-generation") for kind in ("gpt2", *LLAMA_TYPES)},
     "masked-lm": ("transformers", "fill-mask"),
     "embedding": ("sentence-transformers", "sentence-similarity"),
 }

@@ -2,11 +2,12 @@
 
 `transformers` loads the directory without this package installed:
 - a next-token model as GPT-2 (`GPT2LMHeadModel`, `AutoModelForCausalLM`), or, with the Llama backbone, as
-  `LlamaForCausalLM` (`Qwen3ForCausalLM` with QK-norm);
+  `LlamaForCausalLM` (`Qwen3ForCausalLM` with QK-norm, `Qwen2ForCausalLM` with q/k/v biases); one that started
+  from a model directory as that directory's architecture, with its tokenizer's own files (`tokenizer=hf`);
 - a masked-LM model as `AutoModelForMaskedLM`, and a contrastive one as `AutoModel` and as a
   `sentence-transformers` model, both with their modelling code written beside the weights
   (`trust_remote_code=True`);
-- the tokenizer as a `PreTrainedTokenizerFast` that gives the template's ids (an encoder's loads with
+- the template's tokenizer as a `PreTrainedTokenizerFast` that gives the template's ids (an encoder's loads with
   `PreTrainedTokenizerFast.from_pretrained`: `AutoTokenizer` reads config.json first, whose `auto_map` needs
   the modelling code, so without `trust_remote_code=True` it asks to run it);
 - a model card (README.md) and `lineage.json`: config, code revision, data version, step, validation.
@@ -41,7 +42,7 @@ from pretraining.extras.hf.directory import (
     weights_file,
     write_directory,
 )
-from pretraining.extras.hf.llama import llama_config, to_llama
+from pretraining.extras.hf.llama import LLAMA_TYPES, llama_config, to_llama
 from pretraining.extras.hf.model_tokenizer import ModelTokenizer
 from pretraining.extras.hf.tokenizer import CLS, EOS, MASK, PAD, tokenizer_files
 from pretraining.extras.hf.weights import encoder_config, gpt2_config, to_encoder, to_gpt2
@@ -282,9 +283,7 @@ model = AutoModelForCausalLM.from_pretrained({out})
 ids = model.generate(**tokenizer("def ", return_tensors="pt"), max_new_tokens=40, do_sample=False)
 print(tokenizer.decode(ids[0]))"""
 USAGE = {
-    "gpt2": NEXT_TOKEN_USAGE,
-    "llama": NEXT_TOKEN_USAGE,
-    "qwen3": NEXT_TOKEN_USAGE,
+    **{kind: NEXT_TOKEN_USAGE for kind in ("gpt2", *LLAMA_TYPES)},  # a next-token export's kind: its model_type
     "masked-lm": """from transformers import AutoModelForMaskedLM, PreTrainedTokenizerFast
 tokenizer = PreTrainedTokenizerFast.from_pretrained({out})  # a plain tokenizer: no code of the directory runs
 model = AutoModelForMaskedLM.from_pretrained({out}, trust_remote_code=True)

@@ -1,13 +1,14 @@
-"""Weights from a model directory into a backbone's parameters, tensor by tensor: peak memory the model plus
-about one tensor (the weights are never gathered into a state dict beside the model).
+"""Weights from a model directory into a backbone's parameters, tensor by tensor: peak memory the model plus a
+tensor or two (the weights are never gathered into a state dict beside the model).
 
 A family's mapping (`pretraining.extras.hf.llama`, `.weights`) says which stored tensor goes where
 (`Placement`). Everything a file's header says is checked first, for every tensor, before any parameter changes:
-each tensor is there, has its parameter's shape (a vocabulary table: any number of rows covering the tokenizer's)
-and is a float. Checks that need a tensor's values and would refuse a model, not a damaged file (a stored head
-apart from a tied embedding, non-zero biases with no place), read those tensors before the load as well. Only
-finiteness is checked as each tensor is read during the load: a file damaged that way raises mid-way, and the
-run stops (`InitFrom.setup` fails) with a half-loaded model that nothing trains.
+each tensor is there, has its parameter's shape (a vocabulary table: rows covering the tokenizer's; `init_from`
+requires the backbone's exactly) and is a float. Checks that need a tensor's values and would refuse a model,
+not a damaged file (a stored head apart from a tied embedding, non-zero biases with no place), read those
+tensors before the load as well. Only finiteness is checked as each tensor is read during the load: a file
+damaged that way raises mid-way, and the run stops (`InitFrom.setup` fails) with a half-loaded model that
+nothing trains.
 
 Under FSDP2 (`pretraining.plugins.fsdp`), Lightning calls callbacks' `setup` before the objective's
 `configure_model` shards it and before the strategy moves it to its device: every rank holds the whole model on the

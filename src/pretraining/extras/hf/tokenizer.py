@@ -3,7 +3,8 @@ that a model directory's tokenizer is the run's.
 
 The byte tokenizer becomes a byte-level BPE without merges: each UTF-8 byte is one token, at the same
 id (256 bytes after the special tokens), so `tokenizer(text)` gives the template's ids. A BPE is its
-own `tokenizer.json`. Contrastive exports add the CLS token in front, as the template's pairs do.
+own `tokenizer.json`, and so is a model directory's (`ModelTokenizer`, `tokenizer=hf`). Contrastive exports add
+the CLS token in front, as the template's pairs do.
 """
 
 from __future__ import annotations
