@@ -158,9 +158,8 @@ def next_token_files(
 ) -> Files:
     """A next-token model in an architecture `transformers` loads as it is (no code of ours): its config,
     weights, generation settings and tokenizer. A model's own tokenizer (`tokenizer=hf`) goes out as its files
-    were, with the generation settings beside them; the vocabulary tables are cut to config.json's rows."""
-    rows = config.get("vocab_size", len(backbone.head_weight))  # GPT-2 may leave its 50257 unsaid
-    weights = {name: tensor[:rows] if name.endswith(TABLES) else tensor for name, tensor in weights.items()}
+    were, with the generation settings beside them. The tables have config.json's rows already (a continued run's
+    backbone was refused unless they matched: `init_from.check_same_table`)."""
     if isinstance(tokenizer, ModelTokenizer):  # its directory's generation_config.json, where it had one
         generation = {key: config.get(key) for key in ("bos_token_id", "eos_token_id")}
         own = {"generation_config.json": as_json(generation), **tokenizer.files}
@@ -171,10 +170,6 @@ def next_token_files(
             **tokenizer_files(tokenizer, special, backbone.max_seq_len),
         }
     return {CONFIG: as_json(config), **sharded_weights(weights), **own}
-
-
-# The vocabulary tables, by their names in the GPT-2 and Llama exports.
-TABLES = ("wte.weight", "embed_tokens.weight", "lm_head.weight")
 
 
 def masked_lm_files(backbone: Transformer, tokenizer: Tokenizer) -> Files:

@@ -13,8 +13,8 @@ nothing trains.
 Under FSDP2 (`pretraining.plugins.fsdp`), Lightning calls callbacks' `setup` before the objective's
 `configure_model` shards it and before the strategy moves it to its device: every rank holds the whole model on the
 CPU then, reads every tensor of the directory once into it, and FSDP2 keeps its shard. Per rank the peak is the
-model plus one tensor (as without the load); reading only a rank's shards would need the load after sharding,
-into DTensors.
+model plus a tensor or two, as above; reading only a rank's shards would need the load after sharding, into
+DTensors.
 """
 
 from __future__ import annotations
