@@ -262,6 +262,43 @@ def test_objective_and_data_must_match(compose_train) -> None:
         build_objective(mlm.model, pairs)
 
 
+# --- GradCache: chunked towers, the same gradient on a fraction of the memory ------------------------
+
+
+@pytest.mark.parametrize("loss", ["clip", "sigmoid"])
+@pytest.mark.parametrize("shared_towers", [True, False])
+def test_grad_cache_gives_the_gradient_of_one_forward(loss: str, shared_towers: bool) -> None:
+    batch = pair_batch(10, seed=5)
+    whole = model_gradients(loss, batch, distributed=False, shared_towers=shared_towers)
+    chunked = model_gradients(loss, batch, distributed=False, shared_towers=shared_towers, grad_cache_chunk=3)
+    assert chunked.keys() == whole.keys() and whole["backbone.token_embedding.weight"].abs().max() > 0
+    for name, gradient in whole.items():
+        assert torch.allclose(chunked[name], gradient, atol=1e-6, rtol=1e-4), name
+
+
+def saved_bytes_in_forward(model: Contrastive, batch: dict[str, torch.Tensor]) -> int:
+    """The bytes autograd keeps for backward while the training loss is computed (dropped ones count 0)."""
+    kept: list[int] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        kept.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.training_loss(batch)
+    return sum(kept)
+
+
+def test_grad_cache_keeps_no_activations_in_the_forward() -> None:
+    batch = pair_batch(32, seed=1)
+    torch.manual_seed(0)
+    whole = saved_bytes_in_forward(tiny_contrastive(), batch)
+    torch.manual_seed(0)
+    chunked = saved_bytes_in_forward(tiny_contrastive(grad_cache_chunk=8), batch)
+    # What a chunked forward keeps is the loss's: embeddings and the similarity matrix, not the towers'.
+    assert chunked < whole / 10, (chunked, whole)
+
+
 # --- two processes: gradients equal those of one process on the whole batch -----------------------
 
 
@@ -273,10 +310,12 @@ def gather_without_grad(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def model_gradients(loss_name: str, batch: dict[str, torch.Tensor], distributed: bool) -> dict[str, torch.Tensor]:
+def model_gradients(
+    loss_name: str, batch: dict[str, torch.Tensor], distributed: bool, **options: object
+) -> dict[str, torch.Tensor]:
     """Every parameter's gradient of the module's training loss (averaged over ranks, as DDP does)."""
     torch.manual_seed(0)
-    model = tiny_contrastive(loss=loss_name)
+    model = tiny_contrastive(loss=loss_name, **options)
     model.training_loss(batch).backward()
     gradients = {name: p.grad for name, p in model.named_parameters() if p.grad is not None}
     if distributed:
@@ -294,6 +333,7 @@ def _rank_main(rank: int, world: int, port: int, batch: dict[str, torch.Tensor],
         mine = {key: value[rank * rows : (rank + 1) * rows] for key, value in batch.items()}
         for loss_name in ("clip", "sigmoid"):
             results[(rank, loss_name)] = model_gradients(loss_name, mine, True)
+            results[(rank, loss_name, "grad cache")] = model_gradients(loss_name, mine, True, grad_cache_chunk=3)
             contrastive_module.gather_with_grad = gather_without_grad
             results[(rank, loss_name, "no grad")] = model_gradients(loss_name, mine, True)
             contrastive_module.gather_with_grad = gather_with_grad
@@ -313,10 +353,10 @@ def test_two_process_gradients_equal_one_process_on_the_concatenated_batch() -> 
         single = model_gradients(loss_name, batch, distributed=False)
         assert "logit_scale" in single and single["backbone.token_embedding.weight"].abs().max() > 0
         for rank in (0, 1):
-            ranked = results[(rank, loss_name)]
-            assert ranked.keys() == single.keys()
-            for name, gradient in single.items():
-                assert torch.allclose(ranked[name], gradient, atol=1e-6, rtol=1e-4), (loss_name, name)
+            for ranked in (results[(rank, loss_name)], results[(rank, loss_name, "grad cache")]):
+                assert ranked.keys() == single.keys()
+                for name, gradient in single.items():
+                    assert torch.allclose(ranked[name], gradient, atol=1e-6, rtol=1e-4), (loss_name, name)
             # Without the gradient through the gather the gradients are partial: the comparison can fail.
             partial_gradients = results[(rank, loss_name, "no grad")]
             assert not all(torch.allclose(partial_gradients[n], g, atol=1e-5) for n, g in single.items()), loss_name

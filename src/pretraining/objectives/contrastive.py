@@ -5,6 +5,14 @@ the embeddings of all ranks *with* gradient and scores its own rows against
 all columns (open_clip's `local_loss` + `gather_with_grad`), so the gradient
 equals that of one process on the concatenated batch.
 
+A step's negatives are its micro-batch's, so a large pool needs a large micro-batch: with
+`grad_cache_chunk`, the towers embed it `grad_cache_chunk` sequences at a time, each chunk
+checkpointed (its activations dropped, then recomputed in backward, one chunk at a time). That is
+gradient caching (GradCache, Gao et al. 2021, arXiv 2101.06983) in torch's own terms: the forward
+keeps only the embeddings, the loss's backward gives their gradients, and each chunk's re-forward
+carries them into the weights; the gradient is that of one forward over the whole batch, and the
+memory that of a chunk plus the batch's similarity matrix.
+
 Validation embeds every validation pair and ranks all candidates for every
 query, in both directions: Recall@k and MRR over the whole set (ties count
 against the model), and CodeSearchNet's MRR over pools of 1000.
@@ -23,6 +31,7 @@ import torch.distributed.nn.functional as dist_autograd
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torchmetrics import CatMetric
 
 from pretraining.data.pair_format import TokenizedPairs
@@ -137,9 +146,11 @@ class Contrastive(PretrainingObjective):
         init_logit_bias: float = -10.0,
         recall_at: Sequence[Count] = (1, 5, 10),
         pool_size: Count = 1000,
+        grad_cache_chunk: Count | None = None,
         **settings: Any,
     ) -> None:
-        """`settings`: what every objective takes (`PretrainingObjective`: optimizer, warmup, ...)."""
+        """`grad_cache_chunk`: the most sequences a tower embeds at once in training (None: the whole
+        micro-batch). `settings`: what every objective takes (`PretrainingObjective`: optimizer, warmup, ...)."""
         if backbone.causal:
             raise ConfigError("Contrastive needs a bidirectional backbone: set model.backbone.causal=false")
         if pooling not in get_args(Pooling):
@@ -155,6 +166,7 @@ class Contrastive(PretrainingObjective):
         }
         super().__init__(backbone, validation_state=state, **settings)
         self.pooling, self.loss, self.recall_at, self.pool_size = pooling, loss, tuple(recall_at), pool_size
+        self.grad_cache_chunk = grad_cache_chunk
         self.query_head = nn.Linear(backbone.d_model, embed_dim, bias=False)
         self.passage_backbone: Backbone | None = None
         self.passage_head: nn.Linear | None = None
@@ -181,6 +193,13 @@ class Contrastive(PretrainingObjective):
         hidden = backbone(tokens, attend)
         pooled = hidden[:, 0] if self.pooling == "first" else masked_mean(hidden, attend)
         return F.normalize(head(pooled).float(), dim=-1)
+
+    def encode_in_chunks(self, tokens: torch.Tensor, side: str) -> torch.Tensor:
+        """`encode`, `grad_cache_chunk` sequences at a time, each chunk recomputed in backward (GradCache)."""
+        if self.grad_cache_chunk is None or len(tokens) <= self.grad_cache_chunk:
+            return self.encode(tokens, side)
+        chunks = tokens.split(self.grad_cache_chunk)
+        return torch.cat([checkpoint(self.encode, chunk, side, use_reentrant=False) for chunk in chunks])
 
     def pooled_features(self, tokens: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
         """The passage embedding that training shapes (`tokens` CLS-prefixed, as the passages are)."""
@@ -213,7 +232,8 @@ class Contrastive(PretrainingObjective):
         return BatchWork(len(batch["query"]), tokens, flops)
 
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        queries, passages = self.encode(batch["query"], "query"), self.encode(batch["passage"], "passage")
+        queries = self.encode_in_chunks(batch["query"], "query")
+        passages = self.encode_in_chunks(batch["passage"], "passage")
         return self.pair_loss(queries, passages, distributed=True, size_key="data.global_batch_size")
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
