@@ -42,7 +42,7 @@ FLOORS = [
     ("callbacks", ["callbacks", "loggers"]),
     (
         "run set-up",
-        ["config", "schema", "settings", "resume", "stored", "run", "report", "launch", "job_status"],
+        ["config", "schema", "settings", "resume", "stored", "init_from", "run", "report", "launch", "job_status"],
     ),
     ("entry points", ["train", "evaluate", "info", "data.commands"]),
     ("commands", ["cli", "__main__"]),

@@ -71,7 +71,7 @@ ENTRY_POINTS = {
 # it needs besides. The bench extra is scripts/bench; the others are packages under pretraining.extras.
 EXTRA_MENTIONS = {
     "registry": r"pretrain-registry|\bmake registry\b|\bregister\b",
-    "hf": r"pretrain-export|\bmake export\b|init_from|tokenizer=hf|huggingface-cli",
+    "hf": r"pretrain-export|\bmake export\b|init_from_hf|tokenizer=hf|huggingface-cli",
     "distill": r"distill|model\.teacher",
     "sweeps": r"hparams_search|sweep-optuna|sweep-report|hydra/sweeper=optuna",
     "plots": r"pretrain-plot|\bmake plot\b",

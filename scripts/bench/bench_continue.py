@@ -6,7 +6,7 @@ A Qwen3-shaped model (`Qwen3ForCausalLM`, QK-norm, grouped-query attention, tied
 tokenizer (byte-level BPE, `<|endoftext|>` as EOS, no BOS, more embedding rows than ids) is written as
 `save_pretrained` writes a hub model; the tokenizer is trained on the data's training split, the weights
 are random (nothing is downloaded). `pretrain` continues it for `--steps` steps with its own tokenizer and
-weights (`tokenizer=hf`, `callbacks.init_from`), `pretrain-export` writes it back, and `transformers` alone
+weights (`tokenizer=hf`, `callbacks.init_from_hf`), `pretrain-export` writes it back, and `transformers` alone
 scores the directory before and the export after on the data's validation blocks, as the template packs
 them. Prints the two losses, the template's own `val/loss` at step 0 and at the end beside them (the same
 blocks: they agree with `transformers` where the weights are the same), and the wall time.
@@ -112,8 +112,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         *BACKBONE,
         "tokenizer=hf",
         f"tokenizer.path={directory}",
-        "callbacks=[default,init_from]",
-        f"callbacks.init_from.path={directory}",
+        "callbacks=[default,init_from_hf]",
+        f"callbacks.init_from_hf.path={directory}",
         f"model.decay_steps={args.steps // 5}",
     ]
     before = validation_loss(directory, [*overrides, f"data.dir={args.data}"])

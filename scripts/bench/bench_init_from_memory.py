@@ -1,4 +1,4 @@
-"""Peak memory of `callbacks.init_from` loading a ~1B-parameter Llama from a sharded safetensors directory, as a
+"""Peak memory of `callbacks.init_from_hf` loading a ~1B-parameter Llama from a sharded safetensors directory, as a
 ratio to the model's float32 size and to building the backbone alone, measured in this run.
 
     python scripts/bench/bench_init_from_memory.py [--dir DIR] [--layers 16] [--shard-size 500MB]

@@ -1,6 +1,6 @@
 """Continued pretraining of an open model: a directory as `save_pretrained` writes it (a tiny model built with
 `transformers` itself, a tokenizer with its family's special tokens) is continued with its own tokenizer
-(`tokenizer=hf`) and weights (`callbacks.init_from`): the first step's loss is the model's loss in
+(`tokenizer=hf`) and weights (`callbacks.init_from_hf`): the first step's loss is the model's loss in
 `transformers`, a killed run resumes bitwise, and the export is the same architecture, loaded by
 `transformers` alone with the logits and greedy tokens of the template's model."""
 
@@ -251,4 +251,4 @@ def test_the_lineage_names_the_directory_and_keeps_its_config(
     assert origin["config"] == json.loads((qwen3 / "config.json").read_text())
     capsys.readouterr()
     info_main([str(checkpoint)])
-    assert f"{qwen3.resolve()} (callbacks.init_from)" in capsys.readouterr().out
+    assert f"{qwen3.resolve()} (callbacks.init_from_hf)" in capsys.readouterr().out

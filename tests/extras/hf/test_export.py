@@ -1,5 +1,5 @@
 """Models out to Hugging Face and back in: each objective's export loads in `transformers` (and
-`sentence-transformers`) and computes what the template computes; `callbacks.init_from` continues from an
+`sentence-transformers`) and computes what the template computes; `callbacks.init_from_hf` continues from an
 export; every bad input is refused before anything is written."""
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ EXPERIMENTS = ("clm_tiny", "mlm_tiny", "contrastive_tiny")
 
 def init_from(directory: Path | str, *callbacks: str) -> list[str]:
     """The overrides that start a fresh run from `directory` (the default callbacks, `callbacks`, and init_from)."""
-    return [f"callbacks=[{','.join(['default', *callbacks, 'init_from'])}]", f"callbacks.init_from.path={directory}"]
+    listed = ",".join(["default", *callbacks, "init_from_hf"])
+    return [f"callbacks=[{listed}]", f"callbacks.init_from_hf.path={directory}"]
 
 
 def compose_run(root: Path, experiment: str, data_dir: Path, *overrides: str) -> DictConfig:
@@ -298,7 +299,7 @@ def test_a_run_started_from_a_directory_no_longer_needs_it(
     train(compose_run(run, "clm_tiny", shard_dir, *init_from(latest), "trainer.max_steps=3"))
     other = copy_export(exports / "clm_tiny", tmp_path / "other")
     with pytest.raises(
-        ConfigError, match=r"callbacks.init_from.path=.*other applies to a fresh run, .* started from .*latest"
+        ConfigError, match=r"callbacks.init_from_hf.path=.*other applies to a fresh run, .* started from .*latest"
     ):
         train(compose_run(run, "clm_tiny", shard_dir, *init_from(other), "trainer.max_steps=6"))
     latest.unlink()
@@ -309,7 +310,7 @@ def test_a_run_started_from_a_directory_no_longer_needs_it(
     last = run / "checkpoints" / "last.ckpt"
     assert load_checkpoint(last)["global_step"] == 6
     export(last, tmp_path / "out")  # rebuilt from its stored config, which names the directory
-    started = f"{directory.resolve()} (callbacks.init_from), exported from"
+    started = f"{directory.resolve()} (callbacks.init_from_hf), exported from"
     assert f"| weights from | {started}" in (tmp_path / "out" / "README.md").read_text()
     capsys.readouterr()
     info_main([str(last)])
@@ -353,7 +354,7 @@ def test_init_from_refuses_another_tokenizer(exports: Path, tmp_path: Path, shar
             "mlm_tiny",
             "",
             ConfigError,
-            r"holds a 'pretraining-transformer' model: callbacks.init_from starts from GPT-2",
+            r"holds a 'pretraining-transformer' model: callbacks.init_from_hf starts from GPT-2",
         ),
         ("clm_tiny", "tokenizer.json", MissingFileError, r"tokenizer.json not found: .* pass the tokenizer"),
         ("clm_tiny", "config.json", MissingFileError, r"config.json not found: .* is not a Hugging Face model"),
@@ -614,10 +615,10 @@ def test_a_causal_model_with_rotary_positions_has_no_gpt2_form() -> None:
         ConfigError, match=f"GPT-2 has learned positions and this causal model has rotary ones, so it {fix}"
     ):
         gpt2_config(rotary)
-    with pytest.raises(ConfigError, match=r"cannot be started from callbacks\.init_from\.path=gpt2: train it with"):
+    with pytest.raises(ConfigError, match=r"cannot be started from callbacks\.init_from_hf\.path=gpt2: train it with"):
         check_gpt2_fits(
             gpt2_config(Transformer(vocab_size=320, d_model=32, n_layer=1, n_head=2)),
             rotary,
             320,
-            "callbacks.init_from.path=gpt2",
+            "callbacks.init_from_hf.path=gpt2",
         )

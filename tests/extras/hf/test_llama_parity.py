@@ -2,7 +2,7 @@
 added) into `LlamaForCausalLM`, or `Qwen3ForCausalLM` with QK-norm, and give the same logits: what the
 native export rests on (no renaming, no re-layout of the rotary halves, RMSNorm computed alike). The export
 loads in `transformers` with no code of ours and computes what the template computes, from a single-process
-checkpoint and from an FSDP2 sharded one; `callbacks.init_from` starts a Llama run from it; every
+checkpoint and from an FSDP2 sharded one; `callbacks.init_from_hf` starts a Llama run from it; every
 mismatch is refused before any weights are loaded."""
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ def saved(model: PreTrainedModel, directory: Path, **how: Any) -> dict[str, Any]
 
 def loaded(backbone: Backbone, directory: Path, config: dict[str, Any]) -> Backbone:
     """`backbone` with the directory's weights, through the loader `initialise_from` uses."""
-    load = checked_loader(config, backbone, VOCAB, f"callbacks.init_from.path={directory}")  # type: ignore[arg-type]
+    load = checked_loader(config, backbone, VOCAB, f"callbacks.init_from_hf.path={directory}")  # type: ignore[arg-type]
     load(StoredTensors(weight_files(directory)))
     return backbone.eval()
 
@@ -232,7 +232,7 @@ def test_what_the_llama_backbone_cannot_compute_is_refused_naming_the_key(
 ) -> None:
     backbone = Llama(**{**OURS, "norm_eps": 1e-6, "tie_head": False, **options})
     with pytest.raises(ConfigError, match=message):
-        checked_loader(stock_config(kind, **edit), backbone, VOCAB, "callbacks.init_from.path=model")
+        checked_loader(stock_config(kind, **edit), backbone, VOCAB, "callbacks.init_from_hf.path=model")
 
 
 @pytest.mark.parametrize(
@@ -252,7 +252,7 @@ def test_what_the_transformer_cannot_compute_is_refused_naming_the_key(
 ) -> None:
     backbone = Transformer(vocab_size=VOCAB, max_seq_len=64, d_model=64, n_layer=2, n_head=4, bias=True, **options)
     with pytest.raises(ConfigError, match=message):
-        checked_loader(stock_config("gpt2", **edit), backbone, VOCAB, "callbacks.init_from.path=model")
+        checked_loader(stock_config("gpt2", **edit), backbone, VOCAB, "callbacks.init_from_hf.path=model")
 
 
 def test_a_refused_tensor_leaves_the_backbone_as_it_was_and_a_damaged_one_stops_the_load(tmp_path: Path) -> None:
@@ -340,4 +340,4 @@ def test_a_table_of_other_rows_than_the_files_is_refused_naming_the_fix(
     rows = 260 if pad_vocabulary and tokenizer_ids == 260 else 320
     backbone = Llama(vocab_size=tokenizer_ids, max_seq_len=64, d_model=64, n_layer=2, pad_vocabulary=pad_vocabulary)
     with pytest.raises(ConfigError, match=message):
-        check_same_table({"model_type": "llama", "vocab_size": rows}, backbone, "callbacks.init_from.path=model")
+        check_same_table({"model_type": "llama", "vocab_size": rows}, backbone, "callbacks.init_from_hf.path=model")

@@ -297,7 +297,7 @@ def test_the_mirror_records_what_it_sent_and_leaves_a_training_run_alone(
         mirror(registry, "pretraining-tests", "models")
 
 
-# Training registers checkpoints; a taint is refused by export and by callbacks.init_from.
+# Training registers checkpoints; a taint is refused by export and by callbacks.init_from_hf.
 
 
 def compose_run(root: Path, shard_dir: Path, *overrides: str) -> DictConfig:
@@ -352,7 +352,8 @@ def test_a_tainted_checkpoint_is_not_exported_nor_started_from_unless_forced(tmp
         export(checkpoint, tmp_path / "refused", registry_dir=registry.directory)
     assert not (tmp_path / "refused").exists()
     export(checkpoint, tmp_path / "export", registry_dir=registry.directory, allow_tainted=True)
-    start = ["trainer.max_steps=2", "callbacks=[default,init_from]", f"callbacks.init_from.path={tmp_path / 'export'}"]
+    start = ["trainer.max_steps=2", "callbacks=[default,init_from_hf]"]
+    start.append(f"callbacks.init_from_hf.path={tmp_path / 'export'}")
     with pytest.raises(ConfigError, match=r"exported from .*step-000006.ckpt.* tainted.*allow_tainted=true"):
         train(compose_run(tmp_path / "continued", shard_dir, *start))
     assert math.isfinite(train(compose_run(tmp_path / "continued", shard_dir, *start, "allow_tainted=true"))["val/bpb"])

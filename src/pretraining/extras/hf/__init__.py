@@ -1,8 +1,8 @@
 """Hugging Face formats (an extra): models out (`pretrain-export`, `export.py`) and in (`init_from.py`, the
-`callbacks.init_from` of a fresh run): the backbone's weights in GPT-2's layout, in Llama's (`llama.py`) and
+`callbacks.init_from_hf` of a fresh run): the backbone's weights in GPT-2's layout, in Llama's (`llama.py`) and
 in the template's own modelling code (`modeling_pretraining.py`, written into exports), the tokenizer as a
 `tokenizer.json`, atomic model directories and model cards. Delete this folder and
-`configs/callbacks/init_from.yaml` to drop it."""
+`configs/callbacks/init_from_hf.yaml` to drop it."""
 
 from pathlib import Path
 

@@ -7,7 +7,6 @@ from typing import Any
 
 import yaml
 
-from pretraining.extras.hf.init_from import describe_origin
 from pretraining.extras.hf.llama import LLAMA_TYPES
 
 # (library_name, pipeline_tag) by the kind of export: a next-token one's is its model_type
@@ -44,7 +43,7 @@ def model_card(kind: str, record: dict[str, Any], usage: str) -> str:
             "tokenizer",
             f"{config.get('tokenizer', {}).get('_target_')} (fingerprint {lineage.get('tokenizer_fingerprint')})",
         ),
-        ("weights from", describe_origin(lineage.get("origin"))),
+        ("weights from", (lineage.get("origin") or {}).get("summary", "random initialisation")),
     ]
     validation = {name: value for name, value in (record.get("validation") or {}).items() if name.startswith("val/")}
     metrics = (

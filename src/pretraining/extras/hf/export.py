@@ -141,7 +141,7 @@ def llama_files(
 
 def continued_config(origin: dict[str, Any]) -> dict[str, Any]:
     """config.json of a model continued from the directory whose config.json is `origin`: the same, key for
-    key (`callbacks.init_from` checked that the backbone computes what it says), but for the weights' type."""
+    key (`callbacks.init_from_hf` checked that the backbone computes what it says), but for the weights' type."""
     config = {key: value for key, value in origin.items() if key != "torch_dtype"}  # transformers 4's name
     return {**config, "dtype": "float32"}  # as the weights are written
 

@@ -1,9 +1,10 @@
-"""`callbacks=[default,init_from] callbacks.init_from.path=DIR`: a fresh run starts from the weights of a
+"""`callbacks=[default,init_from_hf] callbacks.init_from_hf.path=DIR`: a fresh run starts from the weights of a
 Hugging Face directory, for continued pretraining: GPT-2 for the `Transformer` backbone, the Llama family (Llama,
 Qwen2, Qwen3, Mistral) for the `Llama` one, with the backbone options that compute what the stock model computes.
 Its config.json and tokenizer are checked against the run's before any weights are read; the weights then stream
 in tensor by tensor (`pretraining.extras.hf.loading`, which says what each FSDP2 rank reads). The run's lineage
-records where it started (`origin`, with the directory's config.json)."""
+records where it started (`origin`, with the directory's config.json). The core's `callbacks.init_from`
+(`pretraining.init_from`) starts a run from one of the template's own checkpoints instead."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lightning.pytorch import Callback, LightningModule, Trainer
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch import Trainer
 
-from pretraining.callbacks.lineage import trainer_lineage
-from pretraining.checkpoint import checkpoint_digest, read_sidecar
+from pretraining.checkpoint import checkpoint_digest
 from pretraining.data.contract import training_data
 from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError, MissingFileError
@@ -25,63 +24,42 @@ from pretraining.extras.hf.loading import Tensors
 from pretraining.extras.hf.tokenizer import check_same_tokenizer
 from pretraining.extras.hf.weights import GPT2_VOCAB_SIZE, check_gpt2_fits, load_gpt2
 from pretraining.files import sha256_of
+from pretraining.init_from import InitFrom
 from pretraining.models.backbone import Backbone, padded_vocabulary
 from pretraining.models.llama import Llama
 from pretraining.models.transformer import Transformer
+from pretraining.objectives.base import PretrainingObjective
 
 try:  # the registry extra, where this fork keeps it: a model exported from a tainted checkpoint is refused
     from pretraining.extras.registry import versions as registry
 except ModuleNotFoundError:
     registry = None  # type: ignore[assignment]
 
-KEY = "callbacks.init_from"
+KEY = "callbacks.init_from_hf"
 
 
-class InitFrom(Callback):
+class InitFromHF(InitFrom):
     """Load the model directory `path` into a fresh run's backbone at set-up, before any validation or step;
     a resumed run keeps its checkpoint's weights, and must name the directory it started from. A directory
     exported from a checkpoint that the registry in `registry_dir` marks tainted is refused unless
     `allow_tainted`."""
 
-    def __init__(self, path: str, registry_dir: str | None = None, allow_tainted: bool = False) -> None:
-        self.path, self.registry_dir, self.allow_tainted = path, registry_dir, allow_tainted
-        self.origin: dict[str, Any] | None = None
+    key = KEY
 
-    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        if self.origin is not None:  # loaded already (a validation before training, then fit)
-            return
-        lineage = trainer_lineage(trainer)
-        if parent := lineage and lineage.parent:
-            recorded = read_sidecar(parent).get("lineage", {}).get("origin")
-            check_same_origin(self.path, recorded, parent)
-            self.origin = recorded
-            return
+    def __init__(self, path: str, registry_dir: str | None = None, allow_tainted: bool = False) -> None:
+        super().__init__(path)
+        self.registry_dir, self.allow_tainted = registry_dir, allow_tainted
+
+    def start(self, trainer: Trainer, objective: PretrainingObjective) -> dict[str, Any]:
         tokenizer = training_data(trainer, KEY).tokenizer
-        self.origin = initialise_from(pl_module.backbone, self.path, tokenizer)  # type: ignore[arg-type]
-        exported = (self.origin["exported_from"] or {}).get("checkpoint_sha256")
+        origin = initialise_from(objective.backbone, self.path, tokenizer)
+        exported = (origin["exported_from"] or {}).get("checkpoint_sha256")
         if exported and registry is not None and self.registry_dir is not None and not self.allow_tainted:
-            what = f"{KEY}.path={self.path} (exported from {self.origin['exported_from']['checkpoint']})"
+            what = f"{KEY}.path={self.path} (exported from {origin['exported_from']['checkpoint']})"
             registry.check_not_tainted(
                 registry.Registry(self.registry_dir), checkpoint_digest(exported), what, "a start", "allow_tainted=true"
             )
-        rank_zero_info(f"starting from the weights of {self.origin['init_from']} ({KEY})")
-
-    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        checkpoint.setdefault("lineage", {})["origin"] = self.origin
-
-
-def check_same_origin(init_from: str, origin: dict[str, Any] | None, checkpoint: Path) -> None:
-    """Refuse a `path` that the run being continued did not start from: its checkpoint's weights win, and the
-    lineage would name a start that never happened. The directory is named as it was then, or as the same
-    place now (it need not exist any more)."""
-    if origin and is_origin(init_from, origin):
-        return
-    started = f"{KEY}.path={origin['given']}" if origin else f"no {KEY} (random weights)"
-    raise ConfigError(
-        f"{KEY}.path={init_from} applies to a fresh run, and this one continues from {checkpoint}, whose run "
-        f"started from {started}: pass that to continue it, or resume=never (or another run_name) to start "
-        f"afresh from {init_from}"
-    )
+        return origin
 
 
 # What each backbone starts from: the model types it reads, in words, and the config that chooses it.
@@ -93,7 +71,7 @@ Loader = Callable[[Tensors], None]  # loads the tensors into the backbone it was
 
 
 def initialise_from(backbone: Backbone, given: str, tokenizer: Tokenizer) -> dict[str, Any]:
-    """Load the model in the directory `given` (as `callbacks.init_from.path` names it) into `backbone`: a
+    """Load the model in the directory `given` (as `callbacks.init_from_hf.path` names it) into `backbone`: a
     GPT-2 model into a `Transformer`, a Llama-family one into a `Llama`; return its origin record for the lineage
     (with its config.json, from which an export writes the same architecture)."""
     if not isinstance(backbone, Transformer | Llama):
@@ -164,11 +142,6 @@ def check_same_table(config: dict[str, Any], backbone: Transformer | Llama, sour
         f"{source} has vocab_size={rows!r}, and this run's table has {table} rows for its tokenizer's "
         f"{backbone.vocab_size} ids: {fix}"
     )
-
-
-def is_origin(given: str, origin: dict[str, Any]) -> bool:
-    """Whether `given` names the directory of `origin`: as it was named then, or the same place now."""
-    return given == origin.get("given") or str(Path(given).resolve()) == origin["init_from"]
 
 
 def describe_origin(origin: dict[str, Any] | None) -> str:

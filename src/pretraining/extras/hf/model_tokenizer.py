@@ -1,5 +1,5 @@
 """`tokenizer=hf tokenizer.path=DIR`: a Hugging Face model's own tokenizer as the run's, for continued
-pretraining of that model (GPT-2, Llama 2/3, Qwen2/3, Mistral, SmolLM; `callbacks.init_from`).
+pretraining of that model (GPT-2, Llama 2/3, Qwen2/3, Mistral, SmolLM; `callbacks.init_from_hf`).
 
 It reads the directory's `tokenizer.json` as it is, with the `tokenizers` library (transformers 5 builds a
 named class's pipeline, `Qwen2Tokenizer`'s, `LlamaTokenizer`'s, around the file's vocabulary: the hub's

@@ -5,7 +5,7 @@ A causal backbone is GPT-2 (`GPT2LMHeadModel`): the same pre-norm blocks, learne
 tied head. GPT-2's `Conv1D` stores each matrix transposed, its biases and LayerNorm shifts always exist (zeros
 where the backbone has none), and an export's vocabulary is the backbone's padded one, so its logits equal the
 template's at every id; a stock GPT-2 (50257 ids, its biases, `gelu_new`) loads into `bias=true
-activation=gelu_tanh pad_vocabulary=false` (`callbacks.init_from` refuses a table of other rows than the file's:
+activation=gelu_tanh pad_vocabulary=false` (`callbacks.init_from_hf` refuses a table of other rows than the file's:
 `init_from.check_same_table`). A bidirectional backbone keeps
 its own names, read by the modelling code written beside it (`modeling_pretraining.py`).
 """
