@@ -34,7 +34,12 @@ model.recall_at and model.pool_size), queries to passages (q2p) and back (p2q):
   tokens such as CLS and PAD left out);
 - TF-IDF: those counts (raw tf, as scikit-learn's TfidfVectorizer by default) times the smoothed idf
   ln((1 + N) / (1 + df)) + 1 of the training split, where each training query and each passage is a document
-  (N of them), L2-normalised; cosine.
+  (N of them), L2-normalised; cosine;
+- BM25 (k1 1.2, b 0.75), the candidates scored for each query: the query's token counts against
+  idf(t) tf (k1 + 1) / (tf + k1 (1 - b + b |d| / mean |d|)) summed over its tokens, counted two ways: on the
+  pool itself (its candidates' idf and mean length, as rank_bm25's BM25Okapi indexes them), and on the training
+  split (Lucene's idf ln(1 + (N - df + 0.5) / (df + 0.5)) of TF-IDF's N documents, the mean length of the
+  candidates' side), the stronger: a retriever has its training corpus, not its test pool, to count on.
 With --checkpoint, a trained model's `val/q2p_mrr` and `val/p2q_mrr` on the same pairs (its own validation's
 embeddings and ranks, over all the pairs: with data.val_size equal to model.pool_size, the pool), and its margin
 over each floor with a 95 % paired-bootstrap interval: the queries drawn with replacement 2,000 times (seed 0),
@@ -86,9 +91,11 @@ SPECIALS = len(SPECIAL_TOKENS)  # the first ids: never a masked label, never a t
 RANDOM_DRAWS = 10
 RESAMPLES = 2000  # of the paired bootstrap
 MAX_ORDER = 4  # clm's n-gram floors: unigram to 4-gram
+BM25_K1, BM25_B = 1.2, 0.75  # the usual defaults (Lucene's, rank_bm25's, bm25s')
 Metrics = dict[str, float]
 Floors = dict[str, Metrics]  # a floor's description -> its metrics, named as the run logs them
 Embeddings = tuple[torch.Tensor, torch.Tensor]  # (queries, passages), row i of each from validation pair i
+Ranked = dict[str, Embeddings]  # "q2p", "p2q" -> (what is searched with, what is searched), scored by dot product
 
 
 def run_config(objective: str, overrides: Sequence[str]) -> DictConfig:
@@ -257,16 +264,45 @@ def token_counts(ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return counts
 
 
+@dataclass(frozen=True)
+class TrainingStatistics:
+    """The lexical floors' counts of the training split, where each training query and each passage is a
+    document as the format encodes it: how many documents hold each token, and each side's mean length."""
+
+    df: np.ndarray
+    documents: int
+    mean_length: dict[str, float]  # "query", "passage": non-special tokens
+
+
 @functools.cache
-def training_idf(data: ShardDataModule) -> torch.Tensor:
-    """Smoothed idf, ln((1 + N) / (1 + df)) + 1, over the N training queries and passages as the format encodes
-    them. Cached: the floors and the margins of a checkpoint over them both read it, and it reads the whole split."""
-    df, documents = np.zeros(data.tokenizer.vocab_size), 0
+def training_statistics(data: ShardDataModule) -> TrainingStatistics:
+    """Cached: the floors and the margins of a checkpoint over them both read it, and it reads the whole split."""
+    df, lengths = np.zeros(data.tokenizer.vocab_size), {"query": [], "passage": []}
     for pair in data.format.examples(train_texts(data)):
-        for side in (pair.query, pair.passage):
-            df[np.unique(side)] += 1
-            documents += 1
-    return torch.from_numpy(np.log((1 + documents) / (1 + df)) + 1)
+        for side, ids in (("query", pair.query), ("passage", pair.passage)):
+            df[np.unique(ids)] += 1
+            lengths[side].append(sum(token >= SPECIALS for token in ids))
+    mean_length = {side: float(np.mean(counts)) for side, counts in lengths.items()}
+    return TrainingStatistics(df, 2 * len(lengths["query"]), mean_length)
+
+
+def bm25(queries: torch.Tensor, candidates: torch.Tensor, idf: torch.Tensor, mean_length: float) -> Embeddings:
+    """Token counts turned into vectors whose dot product is BM25's score of each candidate for each query:
+    the query's counts against idf(t) tf (k1 + 1) / (tf + k1 (1 - b + b |d| / mean_length)), each candidate's
+    tf of each token t, |d| its length."""
+    lengths = candidates.sum(1, keepdim=True)
+    saturated = candidates * (BM25_K1 + 1) / (candidates + BM25_K1 * (1 - BM25_B + BM25_B * lengths / mean_length))
+    return queries, saturated * idf
+
+
+def pool_bm25(queries: torch.Tensor, candidates: torch.Tensor) -> Embeddings:
+    """BM25 with the candidates' own statistics, as rank_bm25's BM25Okapi indexes them: idf
+    ln((N - df + 0.5) / (df + 0.5)), one below zero (a token in more than half the candidates) replaced by
+    0.25 x the mean idf of the tokens present."""
+    df, present = (candidates > 0).sum(0).double(), candidates.sum(0) > 0
+    idf = torch.log((len(candidates) - df + 0.5) / (df + 0.5))
+    idf = torch.where(idf < 0, 0.25 * idf[present].mean(), idf)
+    return bm25(queries, candidates, idf, float(candidates.sum(1).mean()))
 
 
 def validation_pairs(data: ShardDataModule) -> list[dict[str, torch.Tensor]]:
@@ -274,40 +310,52 @@ def validation_pairs(data: ShardDataModule) -> list[dict[str, torch.Tensor]]:
     return sorted(data.validation_sets[0], key=lambda example: int(example["sample_id"]))
 
 
-def floor_embeddings(data: ShardDataModule) -> dict[str, list[Embeddings]]:
-    """Each floor's (queries, passages) embeddings of the validation pairs: one draw each, the random floor's
-    `RANDOM_DRAWS` seeded Gaussian draws (no ties)."""
+def floor_embeddings(data: ShardDataModule) -> dict[str, list[Ranked]]:
+    """Each floor's vectors of the validation pairs each way: one draw each, the random floor's `RANDOM_DRAWS`
+    seeded Gaussian draws (no ties)."""
     examples = validation_pairs(data)
     vocab = data.tokenizer.vocab_size
     queries = token_counts(torch.stack([example["query"] for example in examples]), vocab)
     passages = token_counts(torch.stack([example["passage"] for example in examples]), vocab)
-    idf = training_idf(data)
+    statistics = training_statistics(data)
+    df, documents = torch.from_numpy(statistics.df), statistics.documents
+    tfidf = torch.log((1 + documents) / (1 + df)) + 1
+    idf = torch.log(1 + (documents - df + 0.5) / (df + 0.5))  # Lucene's, never below zero
     pairs = len(examples)
     expected = sum(1 / rank for rank in range(1, pairs + 1)) / pairs
     draws = [torch.Generator().manual_seed(seed) for seed in range(RANDOM_DRAWS)]
     return {
         f"random, mean of {RANDOM_DRAWS} draws (expected mrr {expected:.4f})": [
-            tuple(torch.randn(2, pairs, 64, generator=draw, dtype=torch.float64)) for draw in draws
+            directions(*torch.randn(2, pairs, 64, generator=draw, dtype=torch.float64)) for draw in draws
         ],
-        "bag of tokens, cosine": [(F.normalize(queries, dim=1), F.normalize(passages, dim=1))],
+        "bag of tokens, cosine": [directions(F.normalize(queries, dim=1), F.normalize(passages, dim=1))],
         "TF-IDF (raw tf, smoothed training idf), cosine": [
-            (F.normalize(queries * idf, dim=1), F.normalize(passages * idf, dim=1))
+            directions(F.normalize(queries * tfidf, dim=1), F.normalize(passages * tfidf, dim=1))
+        ],
+        f"BM25 (k1 {BM25_K1}, b {BM25_B}), the pool's own idf and lengths": [
+            {"q2p": pool_bm25(queries, passages), "p2q": pool_bm25(passages, queries)}
+        ],
+        f"BM25 (k1 {BM25_K1}, b {BM25_B}), training idf and lengths": [
+            {
+                "q2p": bm25(queries, passages, idf, statistics.mean_length["passage"]),
+                "p2q": bm25(passages, queries, idf, statistics.mean_length["query"]),
+            }
         ],
     }
 
 
-def directions(queries: torch.Tensor, passages: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def directions(queries: torch.Tensor, passages: torch.Tensor) -> Ranked:
+    """A floor that embeds both sides alike: the same vectors each way."""
     return {"q2p": (queries, passages), "p2q": (passages, queries)}
 
 
-def ranking(name: str, draws: list[Embeddings], cfg: DictConfig) -> Floors:
+def ranking(name: str, draws: list[Ranked], cfg: DictConfig) -> Floors:
     """`Contrastive.validation_metrics`' retrieval metrics of these embeddings, averaged over the draws: a floor
     each way."""
     floors = {}
     for direction in ("q2p", "p2q"):
         metrics = [
-            retrieval_metrics(*directions(*draw)[direction], tuple(cfg.model.recall_at), cfg.model.pool_size)
-            for draw in draws
+            retrieval_metrics(*draw[direction], tuple(cfg.model.recall_at), cfg.model.pool_size) for draw in draws
         ]
         floors[f"{name}, {direction}"] = {
             f"val/{direction}_{key}": float(np.mean([float(draw[key]) for draw in metrics])) for key in metrics[0]
@@ -322,11 +370,11 @@ def contrastive_floors(cfg: DictConfig, data: ShardDataModule) -> Floors:
     return floors
 
 
-def reciprocal_ranks(draws: list[Embeddings]) -> dict[str, np.ndarray]:
+def reciprocal_ranks(draws: list[Ranked]) -> dict[str, np.ndarray]:
     """Each query's 1 / the rank of its own answer among all candidates, averaged over the draws, each way:
     the terms whose mean is `val/q2p_mrr` and `val/p2q_mrr` (`retrieval_ranks`, ties against the model)."""
     return {
-        direction: np.mean([1 / retrieval_ranks(*directions(*draw)[direction]).double().numpy() for draw in draws], 0)
+        direction: np.mean([1 / retrieval_ranks(*draw[direction]).double().numpy() for draw in draws], 0)
         for direction in ("q2p", "p2q")
     }
 
@@ -379,7 +427,7 @@ def checkpoint_margins(path: str, cfg: DictConfig, data: ShardDataModule) -> lis
     """The checkpoint's MRR each way and its margin over each floor, with a 95 % paired-bootstrap interval."""
     model = checkpoint_model(path, data)
     batch_size = cfg.data.val_batch_size or cfg.data.global_batch_size
-    ranks = reciprocal_ranks([model_embeddings(model, validation_pairs(data), batch_size)])
+    ranks = reciprocal_ranks([directions(*model_embeddings(model, validation_pairs(data), batch_size))])
     lines = [
         f"{path}: " + "  ".join(f"val/{direction}_mrr={rr.mean():.4f}" for direction, rr in ranks.items()),
         f"  margins over the floors, 95 % paired bootstrap over the {len(ranks['q2p'])} queries "

@@ -269,6 +269,65 @@ def test_contrastive_tfidf_finds_the_shared_rare_words(pairs_dir: Path, capsys: 
         assert bag[f"val/{direction}_mrr"] < 1.0  # the common words drown the rare one without idf
 
 
+def bm25_scores(queries: list[Counter], candidates: list[Counter], idf: dict[int, float], length: float) -> np.ndarray:
+    """BM25 (k1 1.2, b 0.75) of every candidate for every query, summed term by term."""
+    return np.array(
+        [
+            [
+                sum(
+                    count * idf[token] * doc[token] * 2.2 / (doc[token] + 1.2 * (0.25 + 0.75 * doc.total() / length))
+                    for token, count in query.items()
+                    if token in doc
+                )
+                for doc in candidates
+            ]
+            for query in queries
+        ]
+    )
+
+
+def test_contrastive_bm25_is_the_term_by_term_score(pairs_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    overrides = ["tokenizer=bytes", f"data.dir={pairs_dir}", "model.pool_size=10"]
+    floors = printed(capsys, "contrastive", *overrides)
+    data = baselines.run_data(baselines.run_config("contrastive", overrides))
+    embedded = baselines.floor_embeddings(data)
+
+    def bags(pairs: list[tuple[list[int], list[int]]]) -> dict[str, list[Counter]]:
+        specials = len(SPECIAL_TOKENS)
+        return {
+            side: [Counter(token for token in pair[at] if token >= specials) for pair in pairs]
+            for at, side in enumerate(("query", "passage"))
+        }
+
+    validation = bags([(pair["query"].tolist(), pair["passage"].tolist()) for pair in baselines.validation_pairs(data)])
+    train = bags([(pair.query, pair.passage) for pair in data.format.examples(baselines.train_texts(data))])
+    documents = train["query"] + train["passage"]
+    df = Counter(token for doc in documents for token in doc)
+    lucene = {t: math.log(1 + (len(documents) - df[t] + 0.5) / (df[t] + 0.5)) for t in range(data.tokenizer.vocab_size)}
+    for direction, (asked, searched) in {"q2p": ("query", "passage"), "p2q": ("passage", "query")}.items():
+        pool = validation[searched]
+        pool_df = Counter(token for doc in pool for token in doc)
+        okapi = {t: math.log((len(pool) - n + 0.5) / (n + 0.5)) for t, n in pool_df.items()}
+        floor = 0.25 * np.mean(list(okapi.values()))
+        okapi = {t: floor if value < 0 else value for t, value in okapi.items()}
+        expected = {
+            "the pool's own idf and lengths": bm25_scores(
+                validation[asked], pool, okapi, np.mean([doc.total() for doc in pool])
+            ),
+            "training idf and lengths": bm25_scores(
+                validation[asked], pool, lucene, np.mean([doc.total() for doc in train[searched]])
+            ),
+        }
+        for statistics, scores in expected.items():
+            name = f"BM25 (k1 1.2, b 0.75), {statistics}"
+            (draw,) = embedded[name]
+            vectors, candidates = draw[direction]
+            np.testing.assert_allclose((vectors @ candidates.T).numpy(), scores, rtol=1e-9, atol=1e-12)
+            mrr = np.mean([1 / (row >= row[i]).sum() for i, row in enumerate(scores)])
+            assert floors[f"{name}, {direction}"][f"val/{direction}_mrr"] == pytest.approx(mrr, abs=1e-4)
+        assert not np.allclose(*expected.values())  # the two statistics score differently
+
+
 def test_paired_bootstrap_interval() -> None:
     rng = np.random.default_rng(3)
     floor = rng.random(400)
@@ -293,7 +352,8 @@ def test_model_reciprocal_ranks_are_its_validation_mrr(pairs_dir: Path) -> None:
     model.eval()
     with torch.no_grad():
         logged = model.validation_metrics(model.validation_update(batch))
-    ranks = baselines.reciprocal_ranks([baselines.model_embeddings(model, baselines.validation_pairs(data), 7)])
+    embeddings = baselines.model_embeddings(model, baselines.validation_pairs(data), 7)
+    ranks = baselines.reciprocal_ranks([baselines.directions(*embeddings)])
     for direction, reciprocal in ranks.items():
         assert len(reciprocal) == 40
         assert reciprocal.mean() == pytest.approx(float(logged[f"{direction}_mrr"]), abs=1e-12)
@@ -325,9 +385,9 @@ def test_a_checkpoints_margins_over_the_floors(
     assert float(model_line[1]) == pytest.approx(metrics["val/q2p_mrr"], abs=1e-4)
     assert float(model_line[2]) == pytest.approx(metrics["val/p2q_mrr"], abs=1e-4)
     margins = re.findall(
-        r"(TF-IDF .*|bag of .*|random.*), (q2p|p2q): ([-+][\d.]+) \(([-+][\d.]+) to ([-+][\d.]+)\)", out
+        r"(TF-IDF .*|BM25 .*|bag of .*|random.*), (q2p|p2q): ([-+][\d.]+) \(([-+][\d.]+) to ([-+][\d.]+)\)", out
     )
-    assert len(margins) == 6
+    assert len(margins) == 10
     for _, _, margin, low, high in margins:
         assert float(low) <= float(margin) <= float(high)
     with pytest.raises(SystemExit):
