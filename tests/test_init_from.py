@@ -75,6 +75,9 @@ def test_a_masked_lm_starts_from_a_next_token_runs_backbone(
     assert load_checkpoint(last)["global_step"] == 2
     with pytest.raises(ConfigError, match=r"applies to a fresh run, and this one continues from .* started from"):
         train(compose_run(child, "mlm_tiny", shard_dir, *CHILD, *init_from(parent_last.parent), "trainer.max_steps=3"))
+    # Continued without the callback: every later checkpoint still names where the weights came from.
+    train(compose_run(child, "mlm_tiny", shard_dir, *CHILD, "trainer.max_steps=3"))
+    assert load_checkpoint(last)["global_step"] == 3 and load_checkpoint(last)["lineage"]["origin"] == origin
 
 
 def test_a_same_objective_parent_gives_its_whole_model(parent_run: Path, tmp_path: Path, shard_dir: Path) -> None:
@@ -90,8 +93,31 @@ def test_a_same_objective_parent_gives_its_whole_model(parent_run: Path, tmp_pat
             "model.optimizer.weight_decay=0",
         )
     )
-    origin = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")["lineage"]["origin"]
-    assert origin["loaded"] == "the whole model"
+    child = load_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    assert child["lineage"]["origin"]["loaded"] == "the whole model"
+    theirs, ours = load_checkpoint(parent_last)["state_dict"], child["state_dict"]
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[name], ours[name]) for name in theirs)
+
+
+def test_contrastive_towers_start_from_a_backbone_each_tower_from_its_own(
+    parent_run: Path, tmp_path: Path, shard_dir: Path, pair_dir: Path
+) -> None:
+    """Next-token into both towers of a two-tower model; that model (one step on: its towers differ) into another
+    of other heads, each tower from its own (not the whole model: the heads' shapes differ)."""
+    pairs = ["tokenizer=bytes", "model.shared_towers=false", "model.optimizer.weight_decay=0"]
+    child, grandchild = tmp_path / "child", tmp_path / "grandchild"
+    train(compose_run(child, "contrastive_tiny", pair_dir, *pairs, *init_from(parent_run), "trainer.max_steps=1"))
+    tuned = load_checkpoint(child / "checkpoints" / "last.ckpt")
+    assert tuned["lineage"]["origin"]["loaded"] == "the backbone, into both towers"
+    frozen = ["trainer.max_steps=1", "model.optimizer.lr=1e-30", "model.embed_dim=16"]
+    train(compose_run(grandchild, "contrastive_tiny", pair_dir, *pairs, *init_from(child), *frozen))
+    state = load_checkpoint(grandchild / "checkpoints" / "last.ckpt")["state_dict"]
+    for tower in ("backbone.", "passage_backbone."):
+        names = [name for name in state if name.startswith(tower)]
+        assert names and all(torch.equal(state[name], tuned["state_dict"][name]) for name in names)
+    assert not torch.equal(
+        tuned["state_dict"]["backbone.blocks.0.mlp.up.weight"], state["passage_backbone.blocks.0.mlp.up.weight"]
+    )
 
 
 def refused(cfg: DictConfig, error: type[Exception], message: str) -> None:
@@ -109,6 +135,7 @@ def refused(cfg: DictConfig, error: type[Exception], message: str) -> None:
         (["model/backbone=llama"], r"has a Transformer backbone and this run a Llama"),
         (["model.backbone.bias=true"], r"tensor blocks.0.attention.proj.bias is missing there and \(32,\) in this run"),
         (["callbacks.init_from.towers=query"], r"towers=query chooses a tower of a two-tower run"),
+        (["model.backbone.activation=gelu_tanh"], r"model.backbone.activation=gelu and this run's is gelu_tanh: set"),
     ],
 )
 def test_a_parent_that_does_not_fit_is_refused_before_any_step(
@@ -129,4 +156,26 @@ def test_another_tokenizer_or_no_checkpoint_is_refused(
     refused(cfg, MissingFileError, r"no such checkpoint or run")
     (tmp_path / "empty" / "checkpoints").mkdir(parents=True)
     cfg = compose_run(tmp_path / "none", "mlm_tiny", shard_dir, *CHILD, *init_from(tmp_path / "empty"))
-    refused(cfg, MissingFileError, r"the run has no checkpoint yet")
+    refused(cfg, MissingFileError, r"the run has no checkpoint that verifies")
+
+
+def test_a_start_that_is_not_there_moves_no_earlier_run_aside(tmp_path: Path, shard_dir: Path) -> None:
+    earlier = tmp_path / "run" / "checkpoints"
+    earlier.mkdir(parents=True)
+    cfg = compose_run(tmp_path / "run", "mlm_tiny", shard_dir, *CHILD, *init_from(tmp_path / "typo"), "resume=never")
+    with pytest.raises(MissingFileError, match=r"callbacks.init_from.path=.*typo: no such checkpoint, run or model"):
+        train(cfg)
+    assert earlier.is_dir()
+    both = ["callbacks=[default,init_from,init_from_hf]", f"callbacks.init_from.path={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"callbacks.init_from and callbacks.init_from_hf are two starting points"):
+        train(compose_run(tmp_path / "run", "mlm_tiny", shard_dir, *both, f"callbacks.init_from_hf.path={tmp_path}"))
+
+
+def test_a_checkpoint_directory_is_its_run_and_a_model_directory_is_named(
+    parent_run: Path, tmp_path: Path, shard_dir: Path
+) -> None:
+    train(compose_run(tmp_path / "child", "mlm_tiny", shard_dir, *CHILD, *init_from(parent_run / "checkpoints")))
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    cfg = compose_run(tmp_path / "other", "mlm_tiny", shard_dir, *CHILD, *init_from(tmp_path / "hf"))
+    refused(cfg, ConfigError, r"is a Hugging Face model directory: start from it with callbacks.init_from_hf")

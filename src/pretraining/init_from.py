@@ -4,11 +4,13 @@ towers, a next-token one into masked-LM, a contrastive model into a contrastive 
 
 The parent is a checkpoint (a file or a sharded directory) or a run directory (its newest verified checkpoint). It
 must verify against its sidecar, have been trained with the run's tokenizer (fingerprint), and have a backbone of
-the run's class and shapes (vocabulary rows, width, layers, positions, every tensor): a mismatch stops the run at
-set-up, before any step, in one line naming the key to set. Its stored config is rebuilt only from trusted classes.
-An objective of the parent's class takes its whole model (heads and temperature too); another, the backbone alone,
-into the towers `towers` names. A resumed run keeps its own checkpoint's weights; the lineage records the parent
-(`origin`: path, SHA-256, run, step), and `pretrain-info` shows it.
+the run's class, settings (model.backbone, but for those a second stage may change: causal, dropout, max_seq_len
+where no tensor depends on it, output_init) and shapes (vocabulary rows, width, layers, positions, every tensor): a
+mismatch stops the run at set-up, before any step, in one line naming the key to set. Its stored config is rebuilt
+only from trusted classes. An objective of the parent's class and every tensor's shape takes its whole model (heads
+and temperature too); any other, the backbone alone, into the towers `towers` names (a two-tower parent's passage
+tower into the passage tower). A resumed run keeps its own checkpoint's weights; the lineage records the parent
+(`origin`: path, SHA-256, run, step), and `pretrain-info` shows it, on every later resume too.
 """
 
 from __future__ import annotations
@@ -71,11 +73,14 @@ class InitFrom(Callback):
                 f"this run's is {tokenizer.fingerprint}): its weights read other ids; pass its tokenizer (its run's "
                 "`tokenizer=` settings)"
             )
-        parent, _ = stored_objective(
-            checkpoint, stored_config(checkpoint, given, self.trusted_targets), given, tokenizer
-        )
-        loaded = load_parent(parent, objective, self.towers, given)
+        stored = stored_config(checkpoint, given, self.trusted_targets)
+        parent, _ = stored_objective(checkpoint, stored, given, tokenizer)
+        pairs = backbone_pairs(parent, objective, self.towers, given)
         config = checkpoint["lineage"]["config"]
+        if lineage := trainer_lineage(trainer):
+            run_config: dict[str, Any] = lineage.record["config"]  # type: ignore[assignment]
+            check_same_settings(config["model"]["backbone"], run_config["model"]["backbone"], given)
+        loaded = load_parent(parent, objective, self.towers, pairs)
         run = f"{config.get('task_name')}/{config.get('run_name')}"
         origin = {
             "given": self.path,
@@ -101,32 +106,51 @@ def parent_checkpoint(given: str, source: str) -> Path:
     path = Path(given)
     if not path.exists():
         raise MissingFileError(f"{source}: no such checkpoint or run; runs keep their checkpoints in {CHECKPOINTS}")
+    if (path / "config.json").is_file():
+        raise ConfigError(f"{source} is a Hugging Face model directory: start from it with callbacks.init_from_hf")
+    if path.name == "checkpoints" and not (path / "checkpoints").is_dir():
+        path = path.parent  # the run's checkpoint directory: its run
     if path.is_dir() and (path / "checkpoints").is_dir():
         newest = newest_verified(path / "checkpoints")
         if newest is None:
-            raise MissingFileError(f"{source}: the run has no checkpoint yet; name a run that saved one")
+            raise MissingFileError(
+                f"{source}: the run has no checkpoint that verifies against its sidecar; name a run that saved one, "
+                "or one of its checkpoints"
+            )
         return newest[0]
     return path
 
 
-def load_parent(parent: PretrainingObjective, objective: PretrainingObjective, towers: Towers, given: str) -> str:
-    """Load `parent`'s weights into `objective`: all of them if it is of the same class (and shapes), else its
-    backbone into the `towers` named (one tower of a same-objective run takes its backbone only); what was
-    loaded, in words."""
-    targets = tower_backbones(objective, towers, given)
-    for target in targets:
-        check_same_backbone(parent.backbone, target, given)
-    if type(parent) is type(objective) and towers == "both":
-        check_same_shapes(parent, objective, given, "the model")
+Pairs = dict[str, tuple[Backbone, Backbone]]  # side -> (the parent's backbone, the run's that takes it)
+
+
+def backbone_pairs(parent: PretrainingObjective, objective: PretrainingObjective, towers: Towers, given: str) -> Pairs:
+    """Which parent backbone each backbone `towers` names takes (a two-tower parent's passage backbone the passage
+    tower's, its query backbone any other), each checked to be of the same class and shapes."""
+    parent_towers = tower_backbones(parent, "both", given)
+    pairs = {
+        side: (parent_towers.get(side, parent.backbone), target)
+        for side, target in tower_backbones(objective, towers, given).items()
+    }
+    for source, target in pairs.values():
+        check_same_backbone(source, target, given)
+    return pairs
+
+
+def load_parent(parent: PretrainingObjective, objective: PretrainingObjective, towers: Towers, pairs: Pairs) -> str:
+    """Load `parent`'s weights into `objective`: all of them if it is of the same class and shapes, else the
+    backbones `pairs` names; what was loaded, in words."""
+    if type(parent) is type(objective) and towers == "both" and same_shapes(parent, objective):
         objective.load_state_dict(parent.state_dict())
         return "the whole model"
-    for target in targets:
-        target.load_state_dict(parent.backbone.state_dict())
-    return "the backbone" if len(targets) == 1 else "the backbone, into both towers"
+    for source, target in pairs.values():
+        target.load_state_dict(source.state_dict())
+    return "the backbone" if len(pairs) == 1 else "the backbone, into both towers"
 
 
-def tower_backbones(objective: PretrainingObjective, towers: Towers, given: str) -> list[Backbone]:
-    """The backbones of `objective` that `towers` names: a two-tower run's query or passage tower, or both."""
+def tower_backbones(objective: PretrainingObjective, towers: Towers, given: str) -> dict[str, Backbone]:
+    """The backbones of `objective` that `towers` names, by side: a two-tower run's query or passage tower, or
+    both; a run of one backbone, that one (side "query")."""
     passage: Backbone | None = getattr(objective, "passage_backbone", None)
     if passage is None:
         if towers != "both":
@@ -134,8 +158,24 @@ def tower_backbones(objective: PretrainingObjective, towers: Towers, given: str)
                 f"{KEY}.towers={towers} chooses a tower of a two-tower run, and this run has one backbone: leave "
                 f"{KEY}.towers=both, or set model.shared_towers=false"
             )
-        return [objective.backbone]
-    return {"both": [objective.backbone, passage], "query": [objective.backbone], "passage": [passage]}[towers]
+        return {"query": objective.backbone}
+    both = {"query": objective.backbone, "passage": passage}
+    return both if towers == "both" else {towers: both[towers]}
+
+
+# Backbone settings a second stage may change: none decides what a weight means.
+FREE_SETTINGS = frozenset({"_target_", "causal", "dropout", "max_seq_len", "output_init", "vocab_size"})
+
+
+def check_same_settings(parent: dict[str, Any], run: dict[str, Any], given: str) -> None:
+    """Refuse a parent backbone built with other settings than the run's (a rotary base, an activation, a norm's
+    epsilon: same shapes, other meanings), naming the first key that differs; `FREE_SETTINGS` may differ."""
+    for key in sorted((parent.keys() | run.keys()) - FREE_SETTINGS):
+        if parent.get(key) != run.get(key):
+            raise ConfigError(
+                f"{given} has a backbone of model.backbone.{key}={parent.get(key)} and this run's is "
+                f"{run.get(key)}: set model.backbone.{key}={parent.get(key)}, as the parent's run did"
+            )
 
 
 def check_same_backbone(parent: Backbone, backbone: Backbone, given: str) -> None:
@@ -159,7 +199,7 @@ def check_same_backbone(parent: Backbone, backbone: Backbone, given: str) -> Non
                 f"{given} has a backbone of {theirs} {name} and this run's has {ours}: set {key} as the parent's "
                 "run did, or start from a checkpoint of this shape"
             )
-    check_same_shapes(parent, backbone, given, "the backbone")
+    check_same_shapes(parent, backbone, given)
 
 
 def same_shapes(parent: nn.Module, module: nn.Module) -> bool:
@@ -170,14 +210,14 @@ def shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in module.state_dict().items()}
 
 
-def check_same_shapes(parent: nn.Module, module: nn.Module, given: str, what: str) -> None:
+def check_same_shapes(parent: nn.Module, module: nn.Module, given: str) -> None:
     """Refuse `parent` unless its tensors have the names and shapes of `module`'s, naming the first that differs."""
     theirs, ours = shapes(parent), shapes(module)
     if theirs == ours:
         return
     name = next(name for name in sorted(theirs.keys() | ours.keys()) if theirs.get(name) != ours.get(name))
     raise ConfigError(
-        f"{given}: {what}'s tensor {name} is {theirs.get(name, 'missing')} there and {ours.get(name, 'missing')} "
+        f"{given}: the backbone's tensor {name} is {theirs.get(name, 'missing')} there and {ours.get(name, 'missing')} "
         "in this run: set model.backbone as the parent's run did (its config: pretrain-info on it)"
     )
 
@@ -191,8 +231,8 @@ def check_same_origin(key: str, given: str, origin: dict[str, Any] | None, check
     started = f"{key}.path={origin['given']}" if origin else f"no {key} (random weights)"
     raise ConfigError(
         f"{key}.path={given} applies to a fresh run, and this one continues from {checkpoint}, whose run "
-        f"started from {started}: pass that to continue it, or resume=never (or another run_name) to start "
-        f"afresh from {given}"
+        f"started from {started}: pass that to continue it, or resume=never (or another run_name, and no "
+        f"ckpt_path) to start afresh from {given}"
     )
 
 

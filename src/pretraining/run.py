@@ -26,7 +26,7 @@ from pretraining.checkpoint import parameter_shapes
 from pretraining.config import PROJECT_ROOT, redact_secrets
 from pretraining.data.datamodule import ShardDataModule
 from pretraining.data.tokenizer import Tokenizer
-from pretraining.errors import ConfigError, MissingExtraError
+from pretraining.errors import ConfigError, MissingExtraError, MissingFileError
 from pretraining.instantiate import build
 from pretraining.launch import check_devices, check_launcher_ranks
 from pretraining.objectives.base import PretrainingObjective, check_lengths, logged_values
@@ -44,6 +44,9 @@ LEFT_TO_YOU = {
 }
 FILLED_BY_THE_RUN = {"model.backbone.vocab_size"}  # from the tokenizer, by `build_objective`
 
+# The callbacks that give a fresh run its first weights (pretraining.init_from, the hf extra's init_from_hf).
+START_CALLBACKS = ("init_from", "init_from_hf")
+
 
 def check_config(cfg: DictConfig) -> None:
     """Stop before any work on an unset value, a schema misfit (`pretraining.schema`) or contradicting groups."""
@@ -58,11 +61,25 @@ def check_config(cfg: DictConfig) -> None:
             "to what fits on one device instead"
         )
     check_schema(cfg, TrainSettings, "configs/train.yaml")
+    check_start(cfg)
     check_optimizer_fits_strategy(cfg)
     check_mixture_tokenizer(cfg)
     loggers = cfg.logger or {}
     if "tensorboard" in loggers and not any(importlib.util.find_spec(m) for m in ("tensorboardX", "tensorboard")):
         raise MissingExtraError("logger=tensorboard", "tensorboard")
+
+
+def check_start(cfg: DictConfig) -> None:
+    """Refuse two starting points (init_from and init_from_hf), and under resume=never, which moves the earlier
+    run aside, a starting point that is not there."""
+    starts = [key for key in START_CALLBACKS if key in (cfg.callbacks or {})]
+    if len(starts) > 1:
+        raise ConfigError(f"callbacks.{' and callbacks.'.join(starts)} are two starting points: keep one")
+    if starts and cfg.resume == "never" and not Path(path := cfg.callbacks[starts[0]].path).exists():
+        raise MissingFileError(
+            f"callbacks.{starts[0]}.path={path}: no such checkpoint, run or model directory (resume=never keeps the "
+            "earlier run where it is until the start is found)"
+        )
 
 
 def check_mixture_tokenizer(cfg: DictConfig) -> None:
@@ -163,8 +180,9 @@ def run_lineage(cfg: DictConfig, datamodule: ShardDataModule, resume: Resume | N
     stored), code revision, data, tokenizer, and the checkpoint continued from."""
     config = cast(dict[str, Any], redact_secrets(OmegaConf.to_container(cfg, resolve=True)))
     parent = str(resume.path) if resume else None
+    origin = resume.sidecar.get("lineage", {}).get("origin") if resume else None
     code = code_revision(PROJECT_ROOT)
-    return Lineage(config, datamodule.data_version, datamodule.tokenizer.fingerprint, code, parent)
+    return Lineage(config, datamodule.data_version, datamodule.tokenizer.fingerprint, code, parent, origin)
 
 
 def build_trainer(cfg: DictConfig, datamodule: ShardDataModule, callbacks: list[Callback]) -> Trainer:

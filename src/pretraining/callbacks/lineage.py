@@ -28,10 +28,17 @@ def code_revision(directory: Path) -> dict[str, Any]:
 class Lineage(Callback):
     """Adds `checkpoint["lineage"]` (config, code revision, data version and sources, tokenizer fingerprint,
     `parent` checkpoint, W&B run id, step), so every checkpoint can be traced, rebuilt by `evaluate.py` and
-    checked against a resume. Others may add to it in their `on_save_checkpoint` (a distillation's teacher)."""
+    checked against a resume. Others may add to it in their `on_save_checkpoint` (a distillation's teacher, the
+    `origin` of a run's first weights); `origin`, the resumed run's, is carried on by every later checkpoint."""
 
     def __init__(
-        self, config: dict, data_version: str, tokenizer_fingerprint: str, code: dict[str, Any], parent: str | None
+        self,
+        config: dict,
+        data_version: str,
+        tokenizer_fingerprint: str,
+        code: dict[str, Any],
+        parent: str | None,
+        origin: dict[str, Any] | None = None,
     ) -> None:
         self.parent = Path(parent) if parent else None
         self.record = {
@@ -42,6 +49,8 @@ class Lineage(Callback):
             "tokenizer_fingerprint": tokenizer_fingerprint,
             "parent": parent,
         }
+        if origin:  # the callback that started the run writes the same again, if it is still configured
+            self.record["origin"] = origin
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         wandb_ids = [logger.version for logger in trainer.loggers if isinstance(logger, WandbLogger)]

@@ -10,8 +10,9 @@ A step's negatives are its micro-batch's, so a large pool needs a large micro-ba
 checkpointed (its activations dropped, then recomputed in backward, one chunk at a time). That is
 gradient caching (GradCache, Gao et al. 2021, arXiv 2101.06983) in torch's own terms: the forward
 keeps only the embeddings, the loss's backward gives their gradients, and each chunk's re-forward
-carries them into the weights; the gradient is that of one forward over the whole batch, and the
-memory that of a chunk plus the batch's similarity matrix.
+carries them into the weights; the gradient is that of one forward over the whole batch (with dropout,
+of each chunk's own masks, replayed in its recomputation), and the memory that of a chunk plus the
+batch's similarity matrix.
 
 Validation embeds every validation pair and ranks all candidates for every
 query, in both directions: Recall@k and MRR over the whole set (ties count

@@ -144,10 +144,8 @@ def check_same_table(config: dict[str, Any], backbone: Transformer | Llama, sour
     )
 
 
-def describe_origin(origin: dict[str, Any] | None) -> str:
+def describe_origin(origin: dict[str, Any]) -> str:
     """Where a run's first weights came from, in a line: the directory (and the checkpoint it was exported from)."""
-    if not origin:
-        return "random initialisation"
     exported = origin.get("exported_from")
     source = f", exported from {exported['checkpoint']} (step {exported['step']})" if exported else ""
     return f"{origin['init_from']} ({KEY}){source}"
