@@ -21,6 +21,7 @@ from pretraining.data.commands import train_texts
 from pretraining.data.corpus import Document, read_text_files, stdlib_root
 from pretraining.data.formats import PackedBlocks
 from pretraining.data.manifest import PAIR_FIELDS, Manifest
+from pretraining.data.negatives import mine_negatives
 from pretraining.data.pair_format import TokenizedPairs
 from pretraining.data.pairs import docstring_pairs
 from pretraining.data.shards import BuildSettings, build_shards
@@ -150,6 +151,14 @@ def pair_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     train_bpe(
         train_texts(Manifest.load(out)), vocab_size=320, out_path=out / "tokenizer.json"
     )  # contrastive_tiny's tokenizer=bpe
+    return out
+
+
+@pytest.fixture(scope="session")
+def negatives_dir(pair_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`pair_dir`'s pairs with 3 BM25-mined hard negatives each (`pretrain-data negatives`)."""
+    out = tmp_path_factory.mktemp("data") / "negatives"
+    mine_negatives(str(pair_dir), str(out), 3)
     return out
 
 

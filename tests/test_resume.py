@@ -197,8 +197,10 @@ def test_masked_lm(tmp_path: Path, shard_dir: Path) -> None:
 
 
 @pytest.mark.slow  # the objectives share the resume path: next-token's is in the fast suite
-def test_contrastive(tmp_path: Path, pair_dir: Path) -> None:
-    overrides = [*tiny_run("contrastive_tiny"), *RESUMABLE, f"data.dir={pair_dir}", "data.num_workers=2"]
+def test_contrastive(tmp_path: Path, negatives_dir: Path) -> None:
+    """With mined hard negatives and GradCache's chunks (dropout's masks replayed in each recomputation)."""
+    overrides = [*tiny_run("contrastive_tiny"), *RESUMABLE, f"data.dir={negatives_dir}", "data.num_workers=2"]
+    overrides += ["data.format.hard_negatives=2", "model.grad_cache_chunk=3"]
     kill_twice_and_compare(tmp_path, overrides, kills=(5, 10), max_steps=12)
 
 

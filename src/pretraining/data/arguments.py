@@ -20,7 +20,8 @@ def data_parser() -> argparse.ArgumentParser:
     """`pretrain-data`'s arguments; each subcommand is the function of `pretraining.data.commands` it names."""
     main = argparse.ArgumentParser(
         prog="pretrain-data",
-        description="Build shards from a corpus, index shards you already have, train a BPE tokenizer on shards.",
+        description="Build shards from a corpus, index shards you already have, train a BPE tokenizer on shards, "
+        "mine hard negatives into pair shards.",
     )
     commands = main.add_subparsers(dest="command", required=True)
     b = commands.add_parser("build", help="build WebDataset shards and manifest.json from a corpus")
@@ -93,4 +94,13 @@ def data_parser() -> argparse.ArgumentParser:
     i.add_argument("--remote-checksums", action="store_true", help="record sha256 of remote shards too")
     i.add_argument("--workers", type=int, default=8, help="shards read at once")
     i.add_argument("--quiet", action="store_true", help="no progress display")
+    n = commands.add_parser(
+        "negatives",
+        help="a copy of pair shards where every pair carries the training passages BM25 ranks best for its query, "
+        "as hard negatives (data.format.hard_negatives reads them)",
+    )
+    n.add_argument("--data", required=True, help="pair shard directory with manifest.json")
+    n.add_argument("--count", type=int, default=7, help="negatives per pair (default 7, as nomic-embed's)")
+    n.add_argument("--out", required=True, help="the new shard directory (replaced only when it is complete)")
+    n.add_argument("--trust-pipe-commands", action="store_true", help="run the pipe: commands the manifest names")
     return main

@@ -1,4 +1,4 @@
-"""What `pretrain-data build|tokenizer|index` do, with the arguments `pretraining.data.arguments.data_parser`
+"""What `pretrain-data build|tokenizer|index|negatives` do, with the arguments `pretraining.data.arguments.data_parser`
 parsed."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from pathlib import Path
 from pretraining.data.corpus import Document, is_record_source, read_source
 from pretraining.data.index import index_shards, summary, training_command
 from pretraining.data.manifest import PAIR_FIELDS, TEXT_FIELDS, TOKENIZER, Manifest
+from pretraining.data.negatives import mine_negatives
 from pretraining.data.pairs import PairCounts, docstring_pairs
 from pretraining.data.reader import SampleReader
 from pretraining.data.shards import BuildSettings, build_shards
@@ -127,6 +128,13 @@ def tokenizer(args: argparse.Namespace) -> None:
     texts = sum(shard.samples for shard in manifest.shards("train")) * len(text_fields(manifest, args.field))
     trained = train_bpe(train_texts(manifest, args.field), args.vocab_size, out, not args.quiet, length=texts)
     print(f"wrote {out}: vocabulary {trained.vocab_size}, fingerprint {trained.fingerprint}")
+
+
+def negatives(args: argparse.Namespace) -> None:
+    manifest = mine_negatives(args.data, args.out, args.count, args.trust_pipe_commands)
+    documents = ", ".join(f"{name} {split['documents']}" for name, split in manifest["splits"].items())
+    print(f"wrote {args.out}: version {manifest['version']}, {args.count} negatives for each pair ({documents})")
+    print(f"train on it: pretrain data.dir={Path(args.out).resolve()} data.format.hard_negatives={args.count}")
 
 
 def index(args: argparse.Namespace) -> None:

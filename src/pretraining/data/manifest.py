@@ -17,6 +17,13 @@ from pretraining.files import regular_file, sha256_of
 TEXT_FIELDS: tuple[str, ...] = ("txt",)  # the sample field of built text shards
 # WebDataset splits a member name at its first dot: key "train-000000001", field "query.txt".
 PAIR_FIELDS: tuple[str, ...] = ("query.txt", "passage.txt")  # the sample fields of built pair shards
+
+
+def negative_fields(count: int) -> tuple[str, ...]:
+    """The sample fields of a pair's first `count` hard negatives (`pretraining.data.negatives` mines them)."""
+    return tuple(f"negative{rank}.txt" for rank in range(1, count + 1))
+
+
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")  # the names of tar shards
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"  # where `pretrain-data tokenizer` puts a BPE by default

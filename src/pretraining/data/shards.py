@@ -21,6 +21,7 @@ import shutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rich.progress import Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
@@ -154,6 +155,18 @@ def build_shards(
     consumed, adds what the readers counted (e.g. pair extraction) to the manifest.
     `validation_documents` (read from `settings.validation_sources`) are the validation split."""
     settings = settings or BuildSettings()
+
+    def write(staging: Path) -> dict:
+        return _write_dataset(
+            documents, validation_documents, staging, sources, settings, show_progress, fields, provenance
+        )
+
+    return write_directory(out_dir, write)
+
+
+def write_directory(out_dir: Path, write: Callable[[Path], dict]) -> dict:
+    """Replace `out_dir` by the dataset `write` writes into an empty staging directory (returning its manifest),
+    whole once it is written: a failure leaves `out_dir` as it was and nothing half-written."""
     out_dir = out_dir.resolve()
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
         raise ShardError(f"{out_dir} is not empty and holds no {MANIFEST}; choose a new or empty --out directory")
@@ -166,9 +179,7 @@ def build_shards(
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        manifest = _write_dataset(
-            documents, validation_documents, staging, sources, settings, show_progress, fields, provenance
-        )
+        manifest = write(staging)
     except BaseException as error:
         shutil.rmtree(staging, ignore_errors=True)  # out_dir keeps the previous good dataset
         if isinstance(error, OSError):  # a full disk, a directory that cannot be written
@@ -237,7 +248,7 @@ def _write_dataset(
 def _manifest(
     sources: list[str], settings: BuildSettings, counts: BuildCounts, shards: dict, fields: tuple[str, ...]
 ) -> dict:
-    body = {
+    body: dict[str, Any] = {
         "format": FORMAT,
         "fields": list(fields),
         "sources": sources,
@@ -263,10 +274,13 @@ def _manifest(
             for split, infos in shards.items()
         },
     }
-    # The version names the data, not the build: same shards and settings, same version.
-    named = {"fields": body["fields"], "splits": body["splits"]}
-    version = hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
-    return {"version": version, **body}
+    return {"version": dataset_version(body["fields"], body["splits"]), **body}
+
+
+def dataset_version(fields: list[str], splits: dict) -> str:
+    """The version names the data, not the build: same fields and shards, same version."""
+    named = {"fields": fields, "splits": splits}
+    return hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _swap_in(staging: Path, out_dir: Path) -> None:

@@ -52,6 +52,11 @@ def load_source(
             f"every source of a mixture needs them: give {source.key} its own, ++{source.key}.fields.{example}="
             "<one of those> (a .json key reads as json:<key>)"
         )
+    if "hard_negatives" in source_format.field_keys:
+        fix = (
+            f"mine them into a copy of the shards, `pretrain-data negatives --data {source.dir} --count <n> --out "
+            f"<dir>`, and train on it ({source.key}.dir=<dir>), or set data.format.hard_negatives=0"
+        )
     manifest.require_fields([(f"{fields_key}.{key}", name) for key, name in source_format.field_keys.items()], fix)
     return Source(source, manifest, source_format)
 

@@ -14,6 +14,11 @@ carries them into the weights; the gradient is that of one forward over the whol
 of each chunk's own masks, replayed in its recomputation), and the memory that of a chunk plus the
 batch's similarity matrix.
 
+With hard negatives (`data.format.hard_negatives`, mined by `pretrain-data negatives`), each pair brings
+passages that BM25 found close to its query: the passage tower embeds them too, and every query is scored
+against them as well as against every pair's passage (no query is theirs: they add columns to the
+query-to-passage loss, and nothing to the passage-to-query one).
+
 Validation embeds every validation pair and ranks all candidates for every
 query, in both directions: Recall@k and MRR over the whole set (ties count
 against the model), and CodeSearchNet's MRR over pools of 1000.
@@ -207,10 +212,16 @@ class Contrastive(PretrainingObjective):
         return self.encode(tokens, "passage")
 
     def pair_loss(
-        self, queries: torch.Tensor, passages: torch.Tensor, distributed: bool, size_key: str
+        self,
+        queries: torch.Tensor,
+        passages: torch.Tensor,
+        distributed: bool,
+        size_key: str,
+        negatives: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The loss of local embeddings against all ranks' (or, not `distributed`, against each other).
 
+        `negatives`: embeddings of more passages, every query's candidates too (hard negatives; no query is theirs).
         `size_key` is the config key that sets how many pairs there are, for the error when too few."""
         rank = world()[0] if distributed else 0
         gather = gather_with_grad if distributed else (lambda x: x)
@@ -219,15 +230,18 @@ class Contrastive(PretrainingObjective):
             raise ConfigError(
                 f"contrastive learning needs at least 2 pairs (each is the others' negative): raise {size_key}"
             )
+        candidates = all_passages if negatives is None else torch.cat([all_passages, gather(negatives)])
         offset, scale = rank * len(queries), self.logit_scale.exp()
         if self.logit_bias is not None:
-            return sigmoid_loss(queries, all_passages, scale, self.logit_bias, offset)
-        return clip_loss(queries, passages, gather(queries), all_passages, scale, offset)
+            return sigmoid_loss(queries, candidates, scale, self.logit_bias, offset)
+        return clip_loss(queries, passages, gather(queries), candidates, scale, offset)
 
     def batch_work(self, batch: dict[str, torch.Tensor]) -> BatchWork:
         """Both towers' tokens (padding included: it is computed) and FLOPs; the projections and the
         similarity matrix are left out (well under 1 % at any useful size)."""
         sides = [(batch[side].shape, self.tower(side)[0]) for side in ("query", "passage")]
+        if "negatives" in batch:
+            sides.append((batch["negatives"].flatten(0, 1).shape, self.tower("passage")[0]))
         tokens = sum(samples * length for (samples, length), _ in sides)
         flops = sum(samples * length * backbone.flops_per_token(length) for (samples, length), backbone in sides)
         return BatchWork(len(batch["query"]), tokens, flops)
@@ -235,7 +249,10 @@ class Contrastive(PretrainingObjective):
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         queries = self.encode_in_chunks(batch["query"], "query")
         passages = self.encode_in_chunks(batch["passage"], "passage")
-        return self.pair_loss(queries, passages, distributed=True, size_key="data.global_batch_size")
+        negatives = batch.get("negatives")  # (pairs, hard_negatives, passage_len)
+        if negatives is not None:
+            negatives = self.encode_in_chunks(negatives.flatten(0, 1), "passage")
+        return self.pair_loss(queries, passages, True, "data.global_batch_size", negatives)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)
