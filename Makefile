@@ -15,6 +15,7 @@ LOCK_VENV ?= .venv-lock
 BIN := $(VENV)/bin
 DATA_DIR ?= data/stdlib
 PAIRS_DIR ?= data/stdlib_pairs
+CODE_DIR ?= data/stdlib_code
 EXPERIMENT ?= clm_modern
 ARGS ?=
 CKPT ?=
@@ -53,7 +54,7 @@ lock: ## Refresh constraints.txt: the versions a fresh install of every extra re
 	mv $(CONSTRAINTS).tmp $(CONSTRAINTS)
 	rm -rf $(LOCK_VENV)
 
-data: install $(DATA_DIR)/manifest.json $(PAIRS_DIR)/tokenizer.json ## Build the default shards: stdlib source text, and its (docstring, code) pairs
+data: install $(DATA_DIR)/manifest.json $(PAIRS_DIR)/tokenizer.json $(CODE_DIR)/manifest.json ## Build the default shards: stdlib source text, its (docstring, code) pairs, and the text split as the pairs
 
 $(DATA_DIR)/manifest.json: | $(VENV)/.installed
 	$(BIN)/pretrain-data build --source stdlib --out $(DATA_DIR)
@@ -62,6 +63,11 @@ $(DATA_DIR)/manifest.json: | $(VENV)/.installed
 $(PAIRS_DIR)/manifest.json: | $(VENV)/.installed
 	$(BIN)/pretrain-data build --pairs --source stdlib --validation-fraction 0.2 --out $(PAIRS_DIR)
 
+# The source text split as the pairs are (a file in validation iff its pairs are): the masked-LM stage of
+# experiment=contrastive_modern reads no validation pair's code.
+$(CODE_DIR)/manifest.json: | $(VENV)/.installed
+	$(BIN)/pretrain-data build --source stdlib --validation-fraction 0.2 --out $(CODE_DIR)
+
 # The BPE that experiment=contrastive_tiny reads (tokenizer=bpe).
 $(PAIRS_DIR)/tokenizer.json: $(PAIRS_DIR)/manifest.json
 	$(BIN)/pretrain-data tokenizer --data $(PAIRS_DIR) --vocab-size 1024
@@ -69,7 +75,7 @@ $(PAIRS_DIR)/tokenizer.json: $(PAIRS_DIR)/manifest.json
 tokenizer: data ## Train a BPE tokenizer on the default shards (then use tokenizer=bpe)
 	$(BIN)/pretrain-data tokenizer --data $(DATA_DIR) $(ARGS)
 
-train: install data ## Train (EXPERIMENT=clm_modern, clm_tiny, mlm_modern, mlm_tiny, contrastive_tiny; gpt2_124m, bert_base, contrastive_code need ARGS="data.dir=...")
+train: install data ## Train (EXPERIMENT=clm_modern, clm_tiny, mlm_modern, mlm_tiny, contrastive_tiny, contrastive_modern_mlm then contrastive_modern; gpt2_124m, bert_base, contrastive_code need ARGS="data.dir=...")
 	$(BIN)/pretrain experiment=$(EXPERIMENT) $(ARGS)
 
 sweep: install data ## A Hydra multirun, each job in logs/train/multiruns/<sweep>/<job>: make sweep ARGS="model.optimizer.lr_scale=0.5,1,2"
