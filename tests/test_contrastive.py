@@ -325,15 +325,24 @@ def model_gradients(
     return gradients
 
 
+def with_negatives(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`batch` with 2 hard negatives a pair, one of pair 0's the passage of pair 5 (another rank's, under 2)."""
+    negatives = pair_batch(2 * len(batch["query"]), seed=7)["passage"].view(len(batch["query"]), 2, -1)
+    negatives[0, 1] = batch["passage"][5]
+    return batch | {"negatives": negatives}
+
+
 def _rank_main(rank: int, world: int, port: int, batch: dict[str, torch.Tensor], results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         rows = len(batch["query"]) // world
         mine = {key: value[rank * rows : (rank + 1) * rows] for key, value in batch.items()}
+        hard = {key: value[rank * rows : (rank + 1) * rows] for key, value in with_negatives(batch).items()}
         for loss_name in ("clip", "sigmoid"):
             results[(rank, loss_name)] = model_gradients(loss_name, mine, True)
             results[(rank, loss_name, "grad cache")] = model_gradients(loss_name, mine, True, grad_cache_chunk=3)
+            results[(rank, loss_name, "negatives")] = model_gradients(loss_name, hard, True, grad_cache_chunk=3)
             contrastive_module.gather_with_grad = gather_without_grad
             results[(rank, loss_name, "no grad")] = model_gradients(loss_name, mine, True)
             contrastive_module.gather_with_grad = gather_with_grad
@@ -352,10 +361,15 @@ def test_two_process_gradients_equal_one_process_on_the_concatenated_batch() -> 
     for loss_name in ("clip", "sigmoid"):
         single = model_gradients(loss_name, batch, distributed=False)
         assert "logit_scale" in single and single["backbone.token_embedding.weight"].abs().max() > 0
+        hard = model_gradients(loss_name, with_negatives(batch), distributed=False)
         for rank in (0, 1):
-            for ranked in (results[(rank, loss_name)], results[(rank, loss_name, "grad cache")]):
-                assert ranked.keys() == single.keys()
-                for name, gradient in single.items():
+            for ranked, expected in (
+                (results[(rank, loss_name)], single),
+                (results[(rank, loss_name, "grad cache")], single),
+                (results[(rank, loss_name, "negatives")], hard),
+            ):
+                assert ranked.keys() == expected.keys()
+                for name, gradient in expected.items():
                     assert torch.allclose(ranked[name], gradient, atol=1e-6, rtol=1e-4), (loss_name, name)
             # Without the gradient through the gather the gradients are partial: the comparison can fail.
             partial_gradients = results[(rank, loss_name, "no grad")]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -18,10 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from pretraining.data.manifest import PAIR_FIELDS, Manifest, negative_fields
-from pretraining.data.negatives import mine_negatives
+from pretraining.data.negatives import mine, mine_negatives
 from pretraining.data.reader import SampleReader
 from pretraining.errors import ConfigError, ShardError
-from pretraining.objectives.contrastive import clip_loss, sigmoid_loss
+from pretraining.instantiate import build
+from pretraining.objectives.base import build_objective
 
 MINED = 3  # conftest's negatives_dir
 
@@ -68,9 +70,28 @@ def test_each_pair_gets_bm25s_best_training_passages_but_its_own(pair_dir: Path,
 
 
 def test_mining_again_gives_the_same_dataset(pair_dir: Path, negatives_dir: Path, tmp_path: Path) -> None:
-    again = mine_negatives(str(pair_dir), str(tmp_path / "again"), MINED)
+    parent = tmp_path / "pairs"
+    shutil.copytree(pair_dir, parent)
+    again = mine_negatives(str(parent), str(tmp_path / "again"), MINED)
     assert again["version"] == json.loads((negatives_dir / "manifest.json").read_text())["version"]
     assert again["version"] != Manifest.load(pair_dir).version
+    (parent / "tokenizer.json").write_text("{}")  # a tokenizer trained again: mining again brings it along
+    mine_negatives(str(parent), str(tmp_path / "again"), MINED)
+    assert (tmp_path / "again" / "tokenizer.json").read_text() == "{}"
+    with pytest.raises(ShardError, match=r"is --data itself"):
+        mine_negatives(str(parent), str(parent), MINED)
+
+
+def test_the_pairs_records_are_carried_over(pair_dir: Path, negatives_dir: Path) -> None:
+    field = ("json:source_id",)
+    assert read_pairs(negatives_dir, "validation", field) == read_pairs(pair_dir, "validation", field)
+
+
+def test_a_pair_that_shares_its_texts_with_all_but_a_few_is_refused() -> None:
+    pairs = [("find the key", "def find(key): ..."), ("other", "x = 1"), ("third", "y = 2")]
+    assert mine(pairs[:1], pairs, 2) == [[1, 2]]
+    with pytest.raises(ShardError, match=r"shares its texts with all but 2 training pairs: too few for 3"):
+        mine(pairs[:1], [*pairs, pairs[0]], 3)
 
 
 def test_bad_input_stops_in_one_line_and_leaves_nothing(pair_dir: Path, shard_dir: Path, tmp_path: Path) -> None:
@@ -91,8 +112,6 @@ def test_bad_input_stops_in_one_line_and_leaves_nothing(pair_dir: Path, shard_di
 def test_the_format_reads_the_negatives_and_refuses_shards_without(
     compose_train, negatives_dir: Path, pair_dir: Path
 ) -> None:
-    from pretraining.instantiate import build
-
     cfg = compose_train(f"data.dir={negatives_dir}", "data.format.hard_negatives=2", experiment="contrastive_tiny")
     data = build(cfg.data, tokenizer=build(cfg.tokenizer))
     example = data.validation_sets[0][0]
@@ -106,27 +125,38 @@ def test_the_format_reads_the_negatives_and_refuses_shards_without(
         build(cfg.data, tokenizer=build(cfg.tokenizer))
 
 
-@pytest.mark.parametrize("loss", ["clip", "sigmoid"])
-def test_every_query_is_scored_against_the_negatives_too(loss: str) -> None:
-    queries, passages = F.normalize(torch.randn(2, 5, 8), dim=-1)
-    negatives = F.normalize(torch.randn(10, 8), dim=-1)
-    candidates = torch.cat([passages, negatives])
-    scale, labels = torch.tensor(3.0), torch.arange(5)
-    if loss == "clip":
-        given = clip_loss(queries, passages, queries, candidates, scale)
-        by_hand = (
-            F.cross_entropy(scale * queries @ candidates.T, labels)
-            + F.cross_entropy(scale * passages @ queries.T, labels)
-        ) / 2
-    else:
-        given = sigmoid_loss(queries, candidates, scale, torch.tensor(-1.0))
-        signs = -torch.ones(5, 15)
-        signs[labels, labels] = 1
-        by_hand = -F.logsigmoid(signs * (scale * queries @ candidates.T - 1)).sum() / 5
-    assert torch.allclose(given, by_hand)
-    assert not torch.allclose(
-        given, clip_loss(queries, passages, queries, passages, scale) if loss == "clip" else given + 1
-    )
+@pytest.mark.parametrize(("loss", "chunk"), [("clip", None), ("sigmoid", None), ("clip", 3)])
+def test_every_query_is_scored_against_the_negatives_but_its_own_passage(
+    compose_train, negatives_dir: Path, loss: str, chunk: int | None
+) -> None:
+    """`training_loss` against the loss written out: the pairs' passages and all negatives as every query's
+    candidates, and a negative that is a pair's own passage (mined for another pair) left out for that pair."""
+    overrides = [f"data.dir={negatives_dir}", "data.format.hard_negatives=2", f"model.loss={loss}"]
+    cfg = compose_train(*overrides, f"model.grad_cache_chunk={chunk or 'null'}", experiment="contrastive_tiny")
+    cfg.model.backbone.dropout = 0.0
+    data = build(cfg.data, tokenizer=build(cfg.tokenizer))
+    model = build_objective(cfg.model, data.format)
+    pairs = data.validation_sets[0][:5]
+    batch = {key: torch.stack([pair[key] for pair in pairs]) for key in ("query", "passage", "negatives")}
+    batch["negatives"][0, 1] = batch["passage"][3]  # pair 3's passage, a negative of pair 0
+    queries, passages = model.encode(batch["query"], "query"), model.encode(batch["passage"], "passage")
+    negatives = model.encode(batch["negatives"].flatten(0, 1), "passage")
+    logits = model.logit_scale.exp() * queries @ torch.cat([passages, negatives]).T
+    own = torch.zeros_like(logits, dtype=torch.bool)
+    own[3, 5 + 1] = True  # the column of negative (0, 1) in row 3
+
+    def written_out(left_out: torch.Tensor) -> torch.Tensor:
+        if loss == "clip":
+            labels = torch.arange(5)
+            p2q = F.cross_entropy(model.logit_scale.exp() * passages @ queries.T, labels)
+            return (F.cross_entropy(logits.masked_fill(left_out, float("-inf")), labels) + p2q) / 2
+        signs = -torch.ones_like(logits)
+        signs[range(5), range(5)] = 1
+        return -F.logsigmoid(signs * (logits + model.logit_bias)).masked_fill(left_out, 0).sum() / 5
+
+    loss_value = model.training_loss(batch)
+    torch.testing.assert_close(loss_value, written_out(own))
+    assert not torch.allclose(loss_value, written_out(torch.zeros_like(own)))  # the false negative counts
 
 
 def test_a_run_trains_on_them(compose_train, negatives_dir: Path) -> None:

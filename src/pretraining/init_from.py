@@ -4,9 +4,9 @@ towers, a next-token one into masked-LM, a contrastive model into a contrastive 
 
 The parent is a checkpoint (a file or a sharded directory) or a run directory (its newest verified checkpoint). It
 must verify against its sidecar, have been trained with the run's tokenizer (fingerprint), and have a backbone of
-the run's class, settings (model.backbone, but for those a second stage may change: causal, dropout, max_seq_len
-where no tensor depends on it, output_init) and shapes (vocabulary rows, width, layers, positions, every tensor): a
-mismatch stops the run at set-up, before any step, in one line naming the key to set. Its stored config is rebuilt
+the run's class, shapes (vocabulary rows, width, layers, positions, every tensor) and the settings no shape shows
+(heads, activation, rotary base and scaling, norm epsilon): a mismatch stops the run at set-up, before any step, in
+one line naming the key to set. Its stored config is rebuilt
 only from trusted classes. An objective of the parent's class and every tensor's shape takes its whole model (heads
 and temperature too); any other, the backbone alone, into the towers `towers` names (a two-tower parent's passage
 tower into the passage tower). A resumed run keeps its own checkpoint's weights; the lineage records the parent
@@ -15,6 +15,7 @@ tower into the passage tower). A resumed run keeps its own checkpoint's weights;
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -79,7 +80,7 @@ class InitFrom(Callback):
         config = checkpoint["lineage"]["config"]
         if lineage := trainer_lineage(trainer):
             run_config: dict[str, Any] = lineage.record["config"]  # type: ignore[assignment]
-            check_same_settings(config["model"]["backbone"], run_config["model"]["backbone"], given)
+            check_same_settings(parent.backbone, config["model"]["backbone"], run_config["model"]["backbone"], given)
         loaded = load_parent(parent, objective, self.towers, pairs)
         run = f"{config.get('task_name')}/{config.get('run_name')}"
         origin = {
@@ -163,18 +164,20 @@ def tower_backbones(objective: PretrainingObjective, towers: Towers, given: str)
     return both if towers == "both" else {towers: both[towers]}
 
 
-# Backbone settings a second stage may change: none decides what a weight means.
-FREE_SETTINGS = frozenset({"_target_", "causal", "dropout", "max_seq_len", "output_init", "vocab_size"})
+# The backbone settings that change what a weight means and no tensor's shape shows (the shapes show the rest).
+MEANINGS = ("n_head", "activation", "rope_theta", "rope_scaling", "norm_eps")
 
 
-def check_same_settings(parent: dict[str, Any], run: dict[str, Any], given: str) -> None:
-    """Refuse a parent backbone built with other settings than the run's (a rotary base, an activation, a norm's
-    epsilon: same shapes, other meanings), naming the first key that differs; `FREE_SETTINGS` may differ."""
-    for key in sorted((parent.keys() | run.keys()) - FREE_SETTINGS):
-        if parent.get(key) != run.get(key):
+def check_same_settings(backbone: Backbone, parent: dict[str, Any], run: dict[str, Any], given: str) -> None:
+    """Refuse a parent `backbone` built with other `MEANINGS` than the run's (`parent`, `run`: their
+    model.backbone configs; a key one lacks, as an older checkpoint's, is the class's default)."""
+    defaults = {name: value.default for name, value in inspect.signature(type(backbone)).parameters.items()}
+    for key in (key for key in MEANINGS if key in defaults):
+        theirs, ours = parent.get(key, defaults[key]), run.get(key, defaults[key])
+        if theirs != ours:
             raise ConfigError(
-                f"{given} has a backbone of model.backbone.{key}={parent.get(key)} and this run's is "
-                f"{run.get(key)}: set model.backbone.{key}={parent.get(key)}, as the parent's run did"
+                f"{given} has a backbone of model.backbone.{key}={theirs} and this run's is {ours}: set "
+                f"model.backbone.{key}={theirs}, as the parent's run did"
             )
 
 

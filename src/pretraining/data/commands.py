@@ -134,7 +134,8 @@ def negatives(args: argparse.Namespace) -> None:
     manifest = mine_negatives(args.data, args.out, args.count, args.trust_pipe_commands)
     documents = ", ".join(f"{name} {split['documents']}" for name, split in manifest["splits"].items())
     print(f"wrote {args.out}: version {manifest['version']}, {args.count} negatives for each pair ({documents})")
-    print(f"train on it: pretrain data.dir={Path(args.out).resolve()} data.format.hard_negatives={args.count}")
+    out = Path(args.out).resolve()
+    print(f"train on it: pretrain data=pairs data.dir={out} data.format.hard_negatives={args.count}")
 
 
 def index(args: argparse.Namespace) -> None:

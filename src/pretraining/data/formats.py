@@ -26,7 +26,7 @@ Tensors = dict[str, torch.Tensor]
 class ExampleFormat(Protocol[Example]):
     """How a shard's decoded samples become examples, and what an example is."""
 
-    fields: tuple[str, ...]  # the sample fields it reads (`pretraining.data.reader.field_text`)
+    fields: tuple[str, ...]  # the sample fields it reads (`pretraining.data.reader.field_text`): field_keys' first
     field_keys: dict[str, str]  # the keys of data.format that name those fields, and their values
     kind: ClassVar[str]  # its examples in a word, for messages: "blocks", "pairs"
     lengths: dict[str, int]  # the lengths (keys of data.format) that decide how samples become examples

@@ -26,7 +26,7 @@ import torch
 from pretraining.data.manifest import MANIFEST, PAIR_FIELDS, SPLITS, TOKENIZER, Manifest, negative_fields
 from pretraining.data.reader import SampleReader
 from pretraining.data.shard_writer import ShardWriter
-from pretraining.data.shards import BuildSettings, dataset_version, text_digests, write_directory
+from pretraining.data.shards import FORMAT, BuildSettings, dataset_version, text_digests, write_directory
 from pretraining.errors import ShardError
 
 K1, B = 1.2, 0.75
@@ -68,7 +68,11 @@ class PassageIndex:
 
 
 def best(scores: torch.Tensor, count: int) -> list[int]:
-    """The `count` highest-scoring rows, best first, a tie to the lower row (whatever order topk gives)."""
+    """The `count` highest-scoring rows, best first, a tie to the lower row (whatever order topk gives); fewer
+    where fewer are not left out (-inf)."""
+    count = min(count, int(scores.isfinite().sum()))
+    if count == 0:
+        return []
     threshold = scores.topk(count).values[-1]
     chosen = (scores > threshold).nonzero().flatten().tolist()
     chosen += (scores == threshold).nonzero().flatten().tolist()[: count - len(chosen)]
@@ -92,6 +96,11 @@ def mine(pairs: Sequence[tuple[str, str]], training: Sequence[tuple[str, str]], 
             column_scores = scores[:, column].clone()
             column_scores[sharing["q" + query] + sharing["p" + passage]] = float("-inf")
             mined.append(best(column_scores, count))
+            if len(mined[-1]) < count:
+                raise ShardError(
+                    f"the pair {query[:60]!r} shares its texts with all but {len(mined[-1])} training pairs: too "
+                    f"few for {count} negatives; mine fewer (--count)"
+                )
     return mined
 
 
@@ -100,43 +109,50 @@ def mine_negatives(data: str, out: str, count: int, trust_pipe_commands: bool = 
     return the new manifest."""
     if count < 1:
         raise ShardError(f"--count={count}: mine at least one negative per pair")
-    manifest = Manifest.load(data, key="--data", trust_pipe_commands=trust_pipe_commands)
-    manifest.require_fields(
-        [("--data", field) for field in PAIR_FIELDS],
-        "`pretrain-data negatives` mines pair shards (`pretrain-data build --pairs` builds them)",
+    manifest = Manifest.load(
+        data, key="--data", trust_pipe_commands=trust_pipe_commands, trust_option="--trust-pipe-commands"
     )
-    reader = SampleReader(PAIR_FIELDS, "raise")
-    pairs = {split: [(q, p) for q, p in reader.all_texts(manifest.urls(split))] for split in SPLITS}
-    training = pairs["train"]
+    if Path(out).resolve() == manifest.directory:
+        raise ShardError(f"--out={out} is --data itself: write the pairs with negatives to a new directory")
+    manifest.require_fields(
+        [("--data", field) for field in PAIR_FIELDS], "`pretrain-data negatives` mines pair shards (`build --pairs`)"
+    )
+    # Built shards give each sample's record (source id, name, kind: what the probe labels) to carry on.
+    raw = json.loads((manifest.directory / MANIFEST).read_text())
+    fields = (*PAIR_FIELDS, *(() if raw.get("indexed") else ("json",)))
+    reader = SampleReader(fields, "raise")
+    samples = {split: list(reader.all_texts(manifest.urls(split))) for split in SPLITS}
+    training = [(query, passage) for query, passage, *_ in samples["train"]]
     if len(training) <= count:
         raise ShardError(f"{data} has {len(training)} training pairs: too few for {count} negatives each, and others")
-    raw = json.loads((manifest.directory / MANIFEST).read_text())
+    mined = {"from": str(manifest.directory), "version": manifest.version, "count": count, "k1": K1, "b": B}
 
     def write(staging: Path) -> dict:
-        splits = {split: write_split(staging, split, pairs[split], training, count) for split in SPLITS}
-        fields = [*PAIR_FIELDS, *negative_fields(count)]
-        mined = {"from": str(manifest.directory), "version": manifest.version, "count": count, "k1": K1, "b": B}
-        body = {key: value for key, value in raw.items() if key != "version"}
-        new = {"version": dataset_version(fields, splits), **body, "fields": fields, "splits": splits}
-        new["hard_negatives"] = mined
+        splits = {split: write_split(staging, split, samples[split], training, count) for split in SPLITS}
+        names = [*PAIR_FIELDS, *negative_fields(count)]
+        new = {"version": dataset_version(names, splits), "format": FORMAT, "fields": names, "splits": splits}
+        new |= {key: raw[key] for key in ("sources", "split_rule") if key in raw} | {"hard_negatives": mined}
         (staging / MANIFEST).write_text(json.dumps(new, indent=2) + "\n")
         if (manifest.directory / TOKENIZER).is_file():  # a run reads ${data.dir}/tokenizer.json
             shutil.copy2(manifest.directory / TOKENIZER, staging / TOKENIZER)
         return new
 
-    return write_directory(Path(out), write)
+    return write_directory(Path(out), write, keep_tokenizer=False)
 
 
 def write_split(
-    staging: Path, split: str, pairs: Sequence[tuple[str, str]], training: Sequence[tuple[str, str]], count: int
+    staging: Path, split: str, samples: Sequence[tuple[str, ...]], training: Sequence[tuple[str, str]], count: int
 ) -> dict:
-    """Write one split's pairs with their negatives as shards into `staging`; its entry in the manifest."""
+    """Write one split's pairs (each with its JSON record, from built shards) and their negatives as shards into
+    `staging`; its entry in the manifest."""
     settings = BuildSettings()
     writer = ShardWriter(staging, split, settings.max_shard_bytes, settings.max_shard_samples)
     fields = (*PAIR_FIELDS, *negative_fields(count))
-    for number, (pair, negatives) in enumerate(zip(pairs, mine(pairs, training, count), strict=True)):
-        texts = dict(zip(fields, (*pair, *(training[row][1] for row in negatives)), strict=True))
-        writer.write(f"{split}-{number:09d}", texts, {"sha256": text_digests(texts)})
+    pairs = [(query, passage) for query, passage, *_ in samples]
+    for number, (sample, negatives) in enumerate(zip(samples, mine(pairs, training, count), strict=True)):
+        texts = dict(zip(fields, (*sample[:2], *(training[row][1] for row in negatives)), strict=True))
+        record = json.loads(sample[2]) if len(sample) > 2 else {}
+        writer.write(f"{split}-{number:09d}", texts, record | {"sha256": text_digests(texts)})
     shards = writer.close()
     text_bytes = sum(shard.text_bytes or 0 for shard in shards)
     return {"documents": len(pairs), "text_bytes": text_bytes, "shards": [asdict(shard) for shard in shards]}

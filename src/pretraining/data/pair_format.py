@@ -56,10 +56,7 @@ class TokenizedPairs:
         self.lengths = {"query_len": query_len, "passage_len": passage_len}
         self.hard_negatives = hard_negatives
         self.field_keys = {"query_field": query_field, "passage_field": passage_field}
-        negatives = negative_fields(hard_negatives)
-        if negatives:  # the last: the shards hold all before it (`pretrain-data negatives` writes them in order)
-            self.field_keys["hard_negatives"] = negatives[-1]
-        self.fields = (query_field, passage_field, *negatives)
+        self.fields = (query_field, passage_field, *negative_fields(hard_negatives))
 
     def examples(self, samples: Iterable[tuple[str, ...]]) -> Iterator[Pair]:
         for query, *passages in samples:

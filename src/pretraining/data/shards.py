@@ -164,9 +164,10 @@ def build_shards(
     return write_directory(out_dir, write)
 
 
-def write_directory(out_dir: Path, write: Callable[[Path], dict]) -> dict:
+def write_directory(out_dir: Path, write: Callable[[Path], dict], keep_tokenizer: bool = True) -> dict:
     """Replace `out_dir` by the dataset `write` writes into an empty staging directory (returning its manifest),
-    whole once it is written: a failure leaves `out_dir` as it was and nothing half-written."""
+    whole once it is written: a failure leaves `out_dir` as it was and nothing half-written. `keep_tokenizer`:
+    a tokenizer.json trained in `out_dir` stays (a rebuild keeps it); else `write`'s own, if any."""
     out_dir = out_dir.resolve()
     if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
         raise ShardError(f"{out_dir} is not empty and holds no {MANIFEST}; choose a new or empty --out directory")
@@ -188,7 +189,7 @@ def write_directory(out_dir: Path, write: Callable[[Path], dict]) -> dict:
                 f"free space (or choose another --out) and build again"
             ) from error
         raise
-    _swap_in(staging, out_dir)
+    _swap_in(staging, out_dir, keep_tokenizer)
     return manifest
 
 
@@ -283,9 +284,9 @@ def dataset_version(fields: list[str], splits: dict) -> str:
     return hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _swap_in(staging: Path, out_dir: Path) -> None:
-    """Replace `out_dir` by the finished `staging` directory, keeping a tokenizer trained there."""
-    if (out_dir / TOKENIZER).is_file():
+def _swap_in(staging: Path, out_dir: Path, keep_tokenizer: bool) -> None:
+    """Replace `out_dir` by the finished `staging` directory, keeping a tokenizer trained there if asked."""
+    if keep_tokenizer and (out_dir / TOKENIZER).is_file():
         shutil.copy2(out_dir / TOKENIZER, staging / TOKENIZER)
     old = out_dir.with_name(f".{out_dir.name}.old")
     shutil.rmtree(old, ignore_errors=True)

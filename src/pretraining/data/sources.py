@@ -52,12 +52,14 @@ def load_source(
             f"every source of a mixture needs them: give {source.key} its own, ++{source.key}.fields.{example}="
             "<one of those> (a .json key reads as json:<key>)"
         )
-    if "hard_negatives" in source_format.field_keys:
-        fix = (
-            f"mine them into a copy of the shards, `pretrain-data negatives --data {source.dir} --count <n> --out "
-            f"<dir>`, and train on it ({source.key}.dir=<dir>), or set data.format.hard_negatives=0"
-        )
     manifest.require_fields([(f"{fields_key}.{key}", name) for key, name in source_format.field_keys.items()], fix)
+    if negatives := source_format.fields[len(source_format.field_keys) :]:  # a pair's hard negatives, in order
+        manifest.require_fields(
+            [("data.format.hard_negatives", negatives[-1])],
+            f"mine them into a copy of the shards, `pretrain-data negatives --data {source.dir} --count "
+            f"{len(negatives)} --out <dir>`, and train on it ({source.key}.dir=<dir>), or set "
+            "data.format.hard_negatives=0",
+        )
     return Source(source, manifest, source_format)
 
 

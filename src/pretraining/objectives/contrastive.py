@@ -1,9 +1,8 @@
 """Two-tower contrastive learning over (query, passage) pairs, with CLIP or SigLIP loss.
 
-Under data parallelism the negatives come from every rank: each rank gathers
-the embeddings of all ranks *with* gradient and scores its own rows against
-all columns (open_clip's `local_loss` + `gather_with_grad`), so the gradient
-equals that of one process on the concatenated batch.
+Under data parallelism the negatives come from every rank: each rank gathers the embeddings of all ranks
+*with* gradient and scores its own rows against all columns (open_clip's `local_loss` + `gather_with_grad`),
+so the gradient equals that of one process on the concatenated batch.
 
 A step's negatives are its micro-batch's, so a large pool needs a large micro-batch: with
 `grad_cache_chunk`, the towers embed it `grad_cache_chunk` sequences at a time, each chunk
@@ -15,13 +14,11 @@ of each chunk's own masks, replayed in its recomputation), and the memory that o
 batch's similarity matrix.
 
 With hard negatives (`data.format.hard_negatives`, mined by `pretrain-data negatives`), each pair brings
-passages that BM25 found close to its query: the passage tower embeds them too, and every query is scored
-against them as well as against every pair's passage (no query is theirs: they add columns to the
-query-to-passage loss, and nothing to the passage-to-query one).
+passages that BM25 found close to its query: every query is scored against all of them too (columns of the
+query-to-passage loss; no query is theirs), but for one that is its own passage, mined for another pair.
 
-Validation embeds every validation pair and ranks all candidates for every
-query, in both directions: Recall@k and MRR over the whole set (ties count
-against the model), and CodeSearchNet's MRR over pools of 1000.
+Validation embeds every validation pair and ranks all candidates for every query, in both directions:
+Recall@k and MRR over the whole set (ties count against the model), and CodeSearchNet's MRR over pools of 1000.
 """
 
 from __future__ import annotations
@@ -68,6 +65,15 @@ def gather_with_grad(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(dist_autograd.all_gather(x))
 
 
+def gathered(x: torch.Tensor) -> torch.Tensor:
+    """All ranks' `x` concatenated in rank order, without gradient."""
+    if world()[1] == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(world()[1])]
+    dist.all_gather(parts, x)
+    return torch.cat(parts)
+
+
 def clip_loss(
     queries: torch.Tensor,
     passages: torch.Tensor,
@@ -75,23 +81,49 @@ def clip_loss(
     all_passages: torch.Tensor,
     scale: torch.Tensor,
     offset: int = 0,
+    excluded: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Symmetric InfoNCE of the local rows against all columns; local pair i is global pair offset + i."""
+    """Symmetric InfoNCE of the local rows against all columns; local pair i is global pair offset + i.
+    `excluded`: (local rows, columns of `all_passages`) cells left out of the query-to-passage softmax."""
     labels = torch.arange(len(queries), device=queries.device) + offset
-    query_to_passage = F.cross_entropy(scale * queries @ all_passages.T, labels)
+    logits = scale * queries @ all_passages.T
+    if excluded is not None:
+        logits = logits.masked_fill(excluded, float("-inf"))
+    query_to_passage = F.cross_entropy(logits, labels)
     passage_to_query = F.cross_entropy(scale * passages @ all_queries.T, labels)
     return (query_to_passage + passage_to_query) / 2
 
 
 def sigmoid_loss(
-    queries: torch.Tensor, all_passages: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, offset: int = 0
+    queries: torch.Tensor,
+    all_passages: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    offset: int = 0,
+    excluded: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SigLIP: every (query, passage) cell is a binary match/no-match decision; summed, per local query."""
+    """SigLIP: every (query, passage) cell is a binary match/no-match decision; summed, per local query.
+    `excluded`: cells left out (as in `clip_loss`)."""
     logits = scale * queries @ all_passages.T + bias
     signs = -torch.ones_like(logits)
     rows = torch.arange(len(queries), device=queries.device)
     signs[rows, rows + offset] = 1.0
-    return -F.logsigmoid(signs * logits).sum() / len(queries)
+    terms = -F.logsigmoid(signs * logits)
+    if excluded is not None:
+        terms = terms.masked_fill(excluded, 0.0)
+    return terms.sum() / len(queries)
+
+
+def sequence_keys(tokens: torch.Tensor) -> torch.Tensor:
+    """An int64 key of each row of token ids: equal rows, equal keys (others differ, but by rare chance)."""
+    weights = torch.randint(1, 2**31, (tokens.shape[-1],), generator=torch.Generator().manual_seed(0))
+    return (tokens.long() * weights.to(tokens.device)).sum(-1)
+
+
+def false_negatives(passages: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
+    """(local pairs, all ranks' negatives): where a hard negative is the pair's own passage, mined for another
+    pair of the batch (a cell to leave out: scoring it as a negative would push the answer away)."""
+    return sequence_keys(passages)[:, None] == gathered(sequence_keys(negatives))[None, :]
 
 
 def retrieval_ranks(queries: torch.Tensor, candidates: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
@@ -218,11 +250,11 @@ class Contrastive(PretrainingObjective):
         distributed: bool,
         size_key: str,
         negatives: torch.Tensor | None = None,
+        false: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The loss of local embeddings against all ranks' (or, not `distributed`, against each other).
-
-        `negatives`: embeddings of more passages, every query's candidates too (hard negatives; no query is theirs).
-        `size_key` is the config key that sets how many pairs there are, for the error when too few."""
+        """The loss of local embeddings against all ranks' (or, not `distributed`, against each other); with
+        `negatives` (hard negatives' embeddings), every query's candidates too, but where `false` (local pairs x
+        all negatives) marks the pair's own passage. `size_key`: the config key of the pairs' count, for errors."""
         rank = world()[0] if distributed else 0
         gather = gather_with_grad if distributed else (lambda x: x)
         all_passages = gather(passages)
@@ -230,11 +262,14 @@ class Contrastive(PretrainingObjective):
             raise ConfigError(
                 f"contrastive learning needs at least 2 pairs (each is the others' negative): raise {size_key}"
             )
-        candidates = all_passages if negatives is None else torch.cat([all_passages, gather(negatives)])
+        candidates, excluded = all_passages, None
+        if negatives is not None and false is not None:
+            candidates = torch.cat([all_passages, gather(negatives)])
+            excluded = torch.cat([false.new_zeros(len(queries), len(all_passages)), false], 1)
         offset, scale = rank * len(queries), self.logit_scale.exp()
         if self.logit_bias is not None:
-            return sigmoid_loss(queries, candidates, scale, self.logit_bias, offset)
-        return clip_loss(queries, passages, gather(queries), candidates, scale, offset)
+            return sigmoid_loss(queries, candidates, scale, self.logit_bias, offset, excluded)
+        return clip_loss(queries, passages, gather(queries), candidates, scale, offset, excluded)
 
     def batch_work(self, batch: dict[str, torch.Tensor]) -> BatchWork:
         """Both towers' tokens (padding included: it is computed) and FLOPs; the projections and the
@@ -249,10 +284,12 @@ class Contrastive(PretrainingObjective):
     def training_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         queries = self.encode_in_chunks(batch["query"], "query")
         passages = self.encode_in_chunks(batch["passage"], "passage")
-        negatives = batch.get("negatives")  # (pairs, hard_negatives, passage_len)
-        if negatives is not None:
-            negatives = self.encode_in_chunks(negatives.flatten(0, 1), "passage")
-        return self.pair_loss(queries, passages, True, "data.global_batch_size", negatives)
+        if "negatives" not in batch:
+            return self.pair_loss(queries, passages, True, "data.global_batch_size")
+        tokens = batch["negatives"].flatten(0, 1)  # (pairs x hard_negatives, passage_len)
+        negatives = self.encode_in_chunks(tokens, "passage")
+        false = false_negatives(batch["passage"], tokens)
+        return self.pair_loss(queries, passages, True, "data.global_batch_size", negatives, false)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss = super().training_step(batch, batch_idx)

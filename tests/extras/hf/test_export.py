@@ -181,6 +181,7 @@ def test_a_second_stage_with_hard_negatives_exports_the_embeddings_and_retrieval
     ]
     metrics = train(compose_run(tmp_path / "run", "contrastive_tiny", negatives_dir, *stage_two))
     checkpoint = tmp_path / "run" / "checkpoints" / "last.ckpt"
+    assert load_checkpoint(checkpoint)["lineage"]["origin"]["loaded"] == "the backbone"
     export(checkpoint, tmp_path / "export")
     model, examples = template(checkpoint)
     encoder = SentenceTransformer(str(tmp_path / "export"), trust_remote_code=True, device="cpu")
@@ -199,7 +200,7 @@ def test_a_second_stage_with_hard_negatives_exports_the_embeddings_and_retrieval
         torch.testing.assert_close(embedded[side], expected[side], rtol=0, atol=1e-5)
     for direction, (asked, answers) in {"q2p": ("query", "passage"), "p2q": ("passage", "query")}.items():
         mrr = float((1 / retrieval_ranks(embedded[asked], embedded[answers]).double()).mean())
-        assert mrr == pytest.approx(metrics[f"val/{direction}_mrr"], abs=1e-6)
+        assert mrr == pytest.approx(metrics[f"val/{direction}_mrr"], abs=1e-3)  # embeddings equal to 1e-5: near-ties
 
 
 def test_a_masked_lm_cards_tokenizer_loads_without_the_directorys_code_a_prompt_or_a_warning(
