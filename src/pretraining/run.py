@@ -44,9 +44,6 @@ LEFT_TO_YOU = {
 }
 FILLED_BY_THE_RUN = {"model.backbone.vocab_size"}  # from the tokenizer, by `build_objective`
 
-# The callbacks that give a fresh run its first weights (pretraining.init_from, the hf extra's init_from_hf).
-START_CALLBACKS = ("init_from", "init_from_hf")
-
 
 def check_config(cfg: DictConfig) -> None:
     """Stop before any work on an unset value, a schema misfit (`pretraining.schema`) or contradicting groups."""
@@ -70,16 +67,13 @@ def check_config(cfg: DictConfig) -> None:
 
 
 def check_start(cfg: DictConfig) -> None:
-    """Refuse two starting points (init_from and init_from_hf), and under resume=never, which moves the earlier
-    run aside, a starting point that is not there."""
-    starts = [key for key in START_CALLBACKS if key in (cfg.callbacks or {})]
+    """Refuse two starting points (the core's init_from, the hf extra's init_from_hf); under resume=never, which
+    moves the earlier run aside, one that is not there (before the move)."""
+    starts = [key for key in ("init_from", "init_from_hf") if key in (cfg.callbacks or {})]
     if len(starts) > 1:
         raise ConfigError(f"callbacks.{' and callbacks.'.join(starts)} are two starting points: keep one")
     if starts and cfg.resume == "never" and not Path(path := cfg.callbacks[starts[0]].path).exists():
-        raise MissingFileError(
-            f"callbacks.{starts[0]}.path={path}: no such checkpoint, run or model directory (resume=never keeps the "
-            "earlier run where it is until the start is found)"
-        )
+        raise MissingFileError(f"callbacks.{starts[0]}.path={path}: no such checkpoint, run or model directory")
 
 
 def check_mixture_tokenizer(cfg: DictConfig) -> None:
