@@ -122,13 +122,16 @@ def mine_negatives(data: str, out: str, count: int, trust_pipe_commands: bool = 
     fields = (*PAIR_FIELDS, *(() if raw.get("indexed") else ("json",)))
     reader = SampleReader(fields, "raise")
     samples = {split: list(reader.all_texts(manifest.urls(split))) for split in SPLITS}
-    training = [(query, passage) for query, passage, *_ in samples["train"]]
+    pairs = {split: [(query, passage) for query, passage, *_ in samples[split]] for split in SPLITS}
+    training = pairs["train"]
     if len(training) <= count:
         raise ShardError(f"{data} has {len(training)} training pairs: too few for {count} negatives each, and others")
+    every = mine(pairs["train"] + pairs["validation"], training, count)  # one index of the passages for both
+    negatives = {"train": every[: len(training)], "validation": every[len(training) :]}
     mined = {"from": str(manifest.directory), "version": manifest.version, "count": count, "k1": K1, "b": B}
 
     def write(staging: Path) -> dict:
-        splits = {split: write_split(staging, split, samples[split], training, count) for split in SPLITS}
+        splits = {split: write_split(staging, split, samples[split], negatives[split], training) for split in SPLITS}
         names = [*PAIR_FIELDS, *negative_fields(count)]
         new = {"version": dataset_version(names, splits), "format": FORMAT, "fields": names, "splits": splits}
         new |= {key: raw[key] for key in ("sources", "split_rule") if key in raw} | {"hard_negatives": mined}
@@ -141,18 +144,21 @@ def mine_negatives(data: str, out: str, count: int, trust_pipe_commands: bool = 
 
 
 def write_split(
-    staging: Path, split: str, samples: Sequence[tuple[str, ...]], training: Sequence[tuple[str, str]], count: int
+    staging: Path,
+    split: str,
+    samples: Sequence[tuple[str, ...]],
+    negatives: Sequence[list[int]],
+    training: Sequence[tuple[str, str]],
 ) -> dict:
-    """Write one split's pairs (each with its JSON record, from built shards) and their negatives as shards into
-    `staging`; its entry in the manifest."""
+    """Write one split's pairs (each with its JSON record, from built shards) and their `negatives` (rows of
+    `training`) as shards into `staging`; its entry in the manifest."""
     settings = BuildSettings()
     writer = ShardWriter(staging, split, settings.max_shard_bytes, settings.max_shard_samples)
-    fields = (*PAIR_FIELDS, *negative_fields(count))
-    pairs = [(query, passage) for query, passage, *_ in samples]
-    for number, (sample, negatives) in enumerate(zip(samples, mine(pairs, training, count), strict=True)):
-        texts = dict(zip(fields, (*sample[:2], *(training[row][1] for row in negatives)), strict=True))
+    for number, (sample, rows) in enumerate(zip(samples, negatives, strict=True)):
+        fields = (*PAIR_FIELDS, *negative_fields(len(rows)))
+        texts = dict(zip(fields, (*sample[:2], *(training[row][1] for row in rows)), strict=True))
         record = json.loads(sample[2]) if len(sample) > 2 else {}
         writer.write(f"{split}-{number:09d}", texts, record | {"sha256": text_digests(texts)})
     shards = writer.close()
     text_bytes = sum(shard.text_bytes or 0 for shard in shards)
-    return {"documents": len(pairs), "text_bytes": text_bytes, "shards": [asdict(shard) for shard in shards]}
+    return {"documents": len(samples), "text_bytes": text_bytes, "shards": [asdict(shard) for shard in shards]}
