@@ -18,7 +18,8 @@ from pretraining.data.tokenizer import CLS_ID, PAD_ID
 from pretraining.errors import ConfigError
 from pretraining.instantiate import check_targets
 from pretraining.models.attention import document_positions, multi_head_attention
-from pretraining.models.llama import Llama, default_mlp_width, parameter_count
+from pretraining.models.llama import Llama
+from pretraining.models.llama_shape import default_mlp_width, parameter_count
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.contrastive import Contrastive
 from pretraining.objectives.masked_lm import MaskedLM

@@ -54,27 +54,39 @@ def head_width(d_model: int, n_head: int) -> int:
 
 
 def multi_head_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, causal: bool, dropout: float = 0.0
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: AttentionMask,
+    causal: bool,
+    dropout: float = 0.0,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Attention of queries (batch, head, length, width) over keys and values, which may have fewer heads
-    (grouped-query attention, never copied). `mask`: see `AttentionMask`; None keeps the fused (causal) kernels."""
+    (grouped-query attention, never copied). `mask`: see `AttentionMask`; None keeps the fused (causal) kernels.
+    `scale`: of the scores (`Parametrization.attention_scale`); None: 1 / sqrt(width)."""
     grouped = q.shape[1] != k.shape[1]
     if isinstance(mask, BlockMask):
-        return document_attention(q, k, v, mask, grouped)
+        return document_attention(q, k, v, mask, grouped, scale)
     is_causal = causal and mask is None
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, enable_gqa=grouped
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, enable_gqa=grouped, scale=scale
     )
 
 
 def document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask, grouped: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: BlockMask,
+    grouped: bool = False,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """FlexAttention under a block mask, compiled; inside `model.compile`'s graph, traced in instead: a compiled
     function called while another is traced breaks torch.compile's view replay."""
     if torch.compiler.is_compiling():
-        return cast(torch.Tensor, flex_attention(q, k, v, block_mask=mask, enable_gqa=grouped))
-    return cast(torch.Tensor, compiled(flex_attention)(q, k, v, block_mask=mask, enable_gqa=grouped))
+        return cast(torch.Tensor, flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=grouped))
+    return cast(torch.Tensor, compiled(flex_attention)(q, k, v, block_mask=mask, scale=scale, enable_gqa=grouped))
 
 
 def rotary_angles(

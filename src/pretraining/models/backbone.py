@@ -7,7 +7,8 @@ architecture is one `Backbone` subclass and one config (`configs/model/backbone/
 - `vocab_size`, `max_seq_len`, `d_model`, `causal`: the sizes and the kind the objectives check;
 - `repeated_layers()`: the units FSDP2 shards, `model.compile` compiles and `run_layers` checkpoints;
 - `flops_per_token` and `head_flops_per_token`: the model FLOPs behind `perf/mfu`;
-- `init_weights()` (a second contrastive tower draws its own) and `describe()` (the run's model line).
+- `init_weights()` (a second contrastive tower draws its own) and `describe()` (the run's model line);
+- `parametrization`: how it scales with width and depth (`pretraining.models.parametrization`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from pretraining.errors import ConfigError
+from pretraining.models.parametrization import STANDARD, Parametrization, scaled
 from pretraining.ranges import Range
 
 # `max_seq_len` of every backbone: positions are turned into rotary angles in float32, exact up to 2^24.
@@ -41,6 +43,7 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
     causal: bool  # True: a position sees only those before it (next-token); False: all (masked-LM, encoders)
     # Set by the FSDP policy (pretraining.plugins.fsdp): recompute each layer in backward to save activation memory.
     checkpoint_activations: bool = False
+    parametrization: Parametrization = STANDARD
 
     @abc.abstractmethod
     def forward(
@@ -80,8 +83,9 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
         """The language-model head: logits (..., padded vocabulary) of hidden states (..., d_model), through which
         losses, validation, generation and distillation all score. Chunked losses call it a few positions at a time,
         so it must score each alone. An override (a soft cap, a scale) keeps `head_weight` as its projection, which
-        the FLOPs count reads; the Hugging Face export writes only this default head."""
-        return F.linear(hidden, self.head_weight)
+        the FLOPs count reads; the Hugging Face export writes only this default head. Its input is multiplied by
+        the parametrization's output multiplier (1 under `standard`)."""
+        return F.linear(scaled(hidden, self.parametrization.output_multiplier), self.head_weight)
 
     def run_layers(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
         """`x` through every layer (`layer(x, *args)`), recomputed in backward if `checkpoint_activations`."""
@@ -114,9 +118,11 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
     def describe(self) -> str:
         """Its shape in a few words, for the run's model line."""
         count = len(self.repeated_layers())
+        rules = self.parametrization
+        scaling = "" if rules.name == "standard" else f", {rules.describe()}"
         return (
             f"{count} layer{'' if count == 1 else 's'} of width {self.d_model}, vocabulary {self.vocab_size}, "
-            f"{self.max_seq_len} positions"
+            f"{self.max_seq_len} positions{scaling}"
         )
 
 

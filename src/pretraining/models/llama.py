@@ -23,19 +23,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pretraining.errors import ConfigError
 from pretraining.models.attention import (
     FLEX_MIN_HEAD_WIDTH,
     AttentionMask,
     RopeScaling,
     attention_mask,
     checked_rope_scaling,
-    head_width,
     multi_head_attention,
     rotary_angles,
     rotate,
 )
 from pretraining.models.backbone import Backbone, SequenceLength, check_fits_in_memory, padded_vocabulary
+from pretraining.models.llama_shape import check_shape, default_mlp_width, parameter_count
+from pretraining.models.parametrization import checked_parametrization, scaled
 from pretraining.ranges import Positive, Range, checked_ranges
 
 
@@ -55,12 +55,6 @@ ATTENTION_BIASES = ("none", "qkv", "all")
 INIT_STD = 0.02
 
 
-def default_mlp_width(d_model: int) -> int:
-    """8/3 d_model rounded up to a multiple of 64: a gated MLP's three matrices then weigh about GPT-2's two at
-    4 d_model (Shazeer 2020; Llama)."""
-    return math.ceil(8 * d_model / 3 / 64) * 64
-
-
 class RMSNorm(nn.Module):
     """Scale by the reciprocal root mean square, then a learned weight; in float32, the weight applied after casting
     back, as Hugging Face's `LlamaRMSNorm` (the same logits in bfloat16)."""
@@ -78,7 +72,8 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Grouped-query self-attention with rotary positions (Hugging Face's `self_attn`): heads `head_width` wide
-    (None: d_model / n_head), biases as `bias` says (`Llama`'s `attention_bias`)."""
+    (None: d_model / n_head), biases as `bias` says (`Llama`'s `attention_bias`), scores scaled by `scale` (None:
+    1 / sqrt(head_width))."""
 
     def __init__(
         self,
@@ -91,11 +86,12 @@ class Attention(nn.Module):
         causal: bool,
         head_width: int | None = None,
         bias: str = "none",
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         head_width = head_width or d_model // n_head
         self.n_head, self.n_kv_head, self.head_width, self.causal = n_head, n_kv_head, head_width, causal
-        self.dropout = dropout
+        self.dropout, self.scale = dropout, scale
         self.q_proj = nn.Linear(d_model, n_head * head_width, bias=bias != "none")
         self.k_proj = nn.Linear(d_model, n_kv_head * head_width, bias=bias != "none")
         self.v_proj = nn.Linear(d_model, n_kv_head * head_width, bias=bias != "none")
@@ -112,7 +108,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # each head's own vector, before rotary (Qwen3)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (batch, head, length, width)
         dropout = self.dropout if self.training else 0.0
-        y = multi_head_attention(rotate(q, rotary), rotate(k, rotary), v, mask, self.causal, dropout)
+        y = multi_head_attention(rotate(q, rotary), rotate(k, rotary), v, mask, self.causal, dropout, self.scale)
         return self.o_proj(y.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -131,75 +127,38 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """A pre-norm layer (Hugging Face's `LlamaDecoderLayer`): the backbone's unit (`Backbone.repeated_layers`)."""
+    """A pre-norm layer (Hugging Face's `LlamaDecoderLayer`): the backbone's unit (`Backbone.repeated_layers`), each
+    branch times `branch_multiplier` (`Parametrization.branch_multiplier`)."""
 
-    def __init__(self, d_model: int, attention: Attention, mlp_width: int, activation: str, norm_eps: float) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        attention: Attention,
+        mlp_width: int,
+        activation: str,
+        norm_eps: float,
+        branch_multiplier: float = 1.0,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(d_model, norm_eps)
         self.self_attn = attention
         self.post_attention_layernorm = RMSNorm(d_model, norm_eps)
         self.mlp = MLP(d_model, mlp_width, activation)
         self.dropout = nn.Dropout(attention.dropout)
+        self.branch_multiplier = branch_multiplier
 
     def forward(self, x: torch.Tensor, mask: AttentionMask, rotary: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        x = x + self.dropout(self.self_attn(self.input_layernorm(x), mask, rotary))
-        return x + self.dropout(self.mlp(self.post_attention_layernorm(x)))
-
-
-def parameter_count(
-    vocab_size: int,
-    d_model: int,
-    n_layer: int,
-    n_head: int,
-    n_kv_head: int,
-    mlp_width: int,
-    qk_norm: bool,
-    tie_head: bool,
-    head_dim: int | None = None,
-    attention_bias: str = "none",
-    pad_vocabulary: bool = True,
-) -> int:
-    """The parameters of a `Llama` of these sizes, counted without building it."""
-    width = head_dim or d_model // n_head  # of a head
-    attention = 2 * d_model * n_head * width + 2 * d_model * n_kv_head * width + 2 * width * qk_norm
-    attention += (n_head + 2 * n_kv_head) * width * (attention_bias != "none") + d_model * (attention_bias == "all")
-    layer = attention + 3 * d_model * mlp_width + 2 * d_model  # and the two norms
-    table = padded_vocabulary(vocab_size, pad_vocabulary) * d_model
-    return table * (1 if tie_head else 2) + n_layer * layer + d_model
-
-
-def check_shape(
-    d_model: int, n_head: int, n_kv_head: int, head_dim: int | None, names: dict[str, tuple[str, tuple[str, ...]]]
-) -> int:
-    """The width of a head, once sizes and names (key: (value, choices)) that build no model are refused, naming
-    the key and the fix."""
-    width = head_dim or head_width(d_model, n_head)
-    if width % 2:
-        heads = (
-            (f"head_dim={head_dim}", "an even head_dim")
-            if head_dim
-            else (f"d_model={d_model} / n_head={n_head}", "d_model and n_head with an even head width")
-        )
-        raise ConfigError(
-            f"rotary positions turn pairs of each head's dimensions, and model.backbone.{heads[0]} is odd: choose "
-            f"{heads[1]}"
-        )
-    if n_head % n_kv_head:
-        raise ConfigError(
-            f"model.backbone.n_head={n_head} must be divisible by model.backbone.n_kv_head={n_kv_head}: each "
-            "key/value head serves n_head / n_kv_head query heads; choose a divisor of n_head (n_head itself: "
-            "plain multi-head attention)"
-        )
-    for key, (value, choices) in names.items():
-        if value not in choices:
-            raise ConfigError(f"model.backbone.{key}={value!r} must be one of {', '.join(choices)}")
-    return width
+        attended = self.dropout(self.self_attn(self.input_layernorm(x), mask, rotary))
+        x = x + scaled(attended, self.branch_multiplier)
+        return x + scaled(self.dropout(self.mlp(self.post_attention_layernorm(x))), self.branch_multiplier)
 
 
 class Llama(Backbone):
     """Token embeddings, `n_layer` pre-norm decoder layers, a final RMSNorm, and a tied or own head.
     `head_dim` null: heads of d_model / n_head dimensions. `rope_scaling`: null (plain rotary positions) or Llama 3's
-    ({rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings})."""
+    ({rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}).
+    `parametrization`, `base_width`, `base_depth`: `pretraining.models.parametrization` (a `head_dim` of its own
+    keeps its width at every d_model)."""
 
     @checked_ranges("model.backbone")
     def __init__(
@@ -223,6 +182,9 @@ class Llama(Backbone):
         dropout: Annotated[float, Range(ge=0, lt=1)] = 0.0,
         causal: bool = True,
         pad_vocabulary: bool = True,
+        parametrization: str = "standard",
+        base_width: Positive | None = None,
+        base_depth: Positive | None = None,
     ) -> None:
         super().__init__()
         n_kv_head = n_kv_head or n_head
@@ -230,21 +192,23 @@ class Llama(Backbone):
         names = {"activation": (activation, tuple(ACTIVATIONS)), "output_init": (output_init, OUTPUT_INITS)}
         names["attention_bias"] = (attention_bias, ATTENTION_BIASES)
         width = check_shape(d_model, n_head, n_kv_head, head_dim, names)
-        check_fits_in_memory(
-            parameter_count(
-                vocab_size,
-                d_model,
-                n_layer,
-                n_head,
-                n_kv_head,
-                mlp_width,
-                qk_norm,
-                tie_head,
-                width,
-                attention_bias,
-                pad_vocabulary,
-            ),
-            "lower model.backbone.d_model, n_layer or mlp_width",
+        parameters = parameter_count(
+            vocab_size,
+            d_model,
+            n_layer,
+            n_head,
+            n_kv_head,
+            mlp_width,
+            qk_norm,
+            tie_head,
+            width,
+            attention_bias,
+            pad_vocabulary,
+        )
+        check_fits_in_memory(parameters, "lower model.backbone.d_model, n_layer or mlp_width")
+        base_head = head_dim or (base_width // n_head if base_width and base_width % n_head == 0 else None)
+        self.parametrization = rules = checked_parametrization(
+            parametrization, (d_model, base_width), (n_layer, base_depth), (width, base_head)
         )
         self.vocab_size, self.max_seq_len, self.d_model, self.causal = vocab_size, max_seq_len, d_model, causal
         self.n_head, self.n_kv_head, self.head_width = n_head, n_kv_head, width
@@ -256,33 +220,34 @@ class Llama(Backbone):
         rows = padded_vocabulary(vocab_size, pad_vocabulary)
         self.embed_tokens = nn.Embedding(rows, d_model)
         self.dropout = nn.Dropout(dropout)
-        self.layers = nn.ModuleList(
-            DecoderLayer(
-                d_model,
-                Attention(d_model, n_head, n_kv_head, qk_norm, norm_eps, dropout, causal, width, attention_bias),
-                mlp_width,
-                activation,
-                norm_eps,
+        scale = rules.attention_scale(width)
+
+        def layer() -> DecoderLayer:
+            attention = Attention(
+                d_model, n_head, n_kv_head, qk_norm, norm_eps, dropout, causal, width, attention_bias, scale
             )
-            for _ in range(n_layer)
-        )
+            return DecoderLayer(d_model, attention, mlp_width, activation, norm_eps, rules.branch_multiplier)
+
+        self.layers = nn.ModuleList(layer() for _ in range(n_layer))
         self.norm = RMSNorm(d_model, norm_eps)
         self.lm_head = None if tie_head else nn.Linear(d_model, rows, bias=False)
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Draw fresh weights: N(0, 0.02), norms at one, the output projections as `output_init` says, zero
-        biases."""
+        """Draw fresh weights: N(0, 0.02) (the layers' as the parametrization says), norms at one, the output
+        projections as `output_init` says, zero biases."""
+        rules = self.parametrization
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
             if isinstance(module, nn.Linear | nn.Embedding):
+                std = rules.hidden_std(INIT_STD) if name.startswith("layers.") else INIT_STD
                 if name.endswith(("o_proj", "down_proj")) and self.output_init == "zero":
                     nn.init.zeros_(module.weight)
                 elif name.endswith(("o_proj", "down_proj")):
-                    nn.init.normal_(module.weight, std=INIT_STD / math.sqrt(2 * len(self.layers)))
+                    nn.init.normal_(module.weight, std=std / math.sqrt(2 * rules.residual_depth(len(self.layers))))
                 else:
-                    nn.init.normal_(module.weight, std=INIT_STD)
+                    nn.init.normal_(module.weight, std=std)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 

@@ -28,6 +28,7 @@ from pretraining.models.attention import (
     rotate,
 )
 from pretraining.models.backbone import Backbone, SequenceLength, check_fits_in_memory, padded_vocabulary
+from pretraining.models.parametrization import STANDARD, Parametrization, checked_parametrization, scaled
 from pretraining.ranges import Positive, Range, checked_ranges
 
 POSITIONS = ("learned", "rotary")
@@ -44,10 +45,12 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"gelu": F.gelu
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, causal: bool) -> None:
+    def __init__(
+        self, d_model: int, n_head: int, dropout: float, bias: bool, causal: bool, scale: float | None = None
+    ) -> None:
         super().__init__()
         head_width(d_model, n_head)
-        self.n_head, self.dropout, self.causal = n_head, dropout, causal
+        self.n_head, self.dropout, self.causal, self.scale = n_head, dropout, causal, scale
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=bias)
         self.proj = nn.Linear(d_model, d_model, bias=bias)
 
@@ -57,7 +60,7 @@ class SelfAttention(nn.Module):
         q, k, v = self.qkv(x).view(batch, length, 3, self.n_head, width // self.n_head).permute(2, 0, 3, 1, 4)
         if rotary is not None:
             q, k = rotate(q, rotary), rotate(k, rotary)
-        y = multi_head_attention(q, k, v, mask, self.causal, self.dropout if self.training else 0.0)
+        y = multi_head_attention(q, k, v, mask, self.causal, self.dropout if self.training else 0.0, self.scale)
         return self.proj(y.transpose(1, 2).reshape(batch, length, width))
 
 
@@ -74,19 +77,31 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """A pre-norm transformer layer: the backbone's unit (`Backbone.repeated_layers`)."""
+    """A pre-norm transformer layer: the backbone's unit (`Backbone.repeated_layers`), its branches scaled as
+    `rules` say."""
 
-    def __init__(self, d_model: int, n_head: int, dropout: float, bias: bool, causal: bool, activation: str) -> None:
+    def __init__(
+        self,
+        d_model: int,
+        n_head: int,
+        dropout: float,
+        bias: bool,
+        causal: bool,
+        activation: str,
+        rules: Parametrization = STANDARD,
+    ) -> None:
         super().__init__()
         self.attention_norm = nn.LayerNorm(d_model, bias=bias)
-        self.attention = SelfAttention(d_model, n_head, dropout, bias, causal)
+        self.attention = SelfAttention(d_model, n_head, dropout, bias, causal, rules.attention_scale(d_model // n_head))
         self.mlp_norm = nn.LayerNorm(d_model, bias=bias)
         self.mlp = MLP(d_model, dropout, bias, activation)
         self.residual_dropout = nn.Dropout(dropout)
+        self.branch_multiplier = rules.branch_multiplier
 
     def forward(self, x: torch.Tensor, mask: AttentionMask = None, rotary: Rotary = None) -> torch.Tensor:
-        x = x + self.residual_dropout(self.attention(self.attention_norm(x), mask, rotary))
-        return x + self.mlp(self.mlp_norm(x))
+        attended = self.residual_dropout(self.attention(self.attention_norm(x), mask, rotary))
+        x = x + scaled(attended, self.branch_multiplier)
+        return x + scaled(self.mlp(self.mlp_norm(x)), self.branch_multiplier)
 
 
 def parameter_count(
@@ -108,7 +123,7 @@ def parameter_count(
 class Transformer(Backbone):
     """Token embeddings (plus learned position embeddings, or rotary positions in attention), `n_layer` pre-norm
     blocks, a final norm. The table's rows are padded to a multiple of 64 (unless `pad_vocabulary=false`); those
-    ids never occur in data."""
+    ids never occur in data. `parametrization`, `base_width`, `base_depth`: `pretraining.models.parametrization`."""
 
     @checked_ranges("model.backbone")
     def __init__(
@@ -124,6 +139,9 @@ class Transformer(Backbone):
         positions: str = "learned",
         activation: str = "gelu",
         pad_vocabulary: bool = True,
+        parametrization: str = "standard",
+        base_width: Positive | None = None,
+        base_depth: Positive | None = None,
     ) -> None:
         super().__init__()
         for key, value, choices in (("positions", positions, POSITIONS), ("activation", activation, ACTIVATIONS)):
@@ -139,6 +157,10 @@ class Transformer(Backbone):
             "lower model.backbone.d_model, n_layer or max_seq_len (with learned positions, a table of max_seq_len x "
             "d_model)",
         )
+        base_head = base_width // n_head if base_width and base_width % n_head == 0 else None
+        self.parametrization = checked_parametrization(
+            parametrization, (d_model, base_width), (n_layer, base_depth), (head_width(d_model, n_head), base_head)
+        )
         self.positions, self.activation = positions, activation
         self.vocab_size, self.max_seq_len, self.n_layer, self.causal = vocab_size, max_seq_len, n_layer, causal
         self.attention_dropout = dropout
@@ -147,17 +169,22 @@ class Transformer(Backbone):
         if positions == "learned":
             self.position_embedding = nn.Embedding(max_seq_len, d_model)
         self.dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(d_model, n_head, dropout, bias, causal, activation) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(
+            Block(d_model, n_head, dropout, bias, causal, activation, self.parametrization) for _ in range(n_layer)
+        )
         self.final_norm = nn.LayerNorm(d_model, bias=bias)
         self.init_weights()
 
     def init_weights(self) -> None:
-        """Draw fresh weights: N(0, 0.02), residual projections scaled down, zero biases."""
+        """Draw fresh weights: N(0, 0.02) (the layers' as the parametrization says), residual projections scaled
+        down, zero biases."""
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear | nn.Embedding):
-                # GPT-2: residual-stream projections scaled down so its variance stays flat in depth.
-                residual = name.endswith(("attention.proj", "mlp.down"))
-                nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.n_layer) if residual else 0.02)
+                std = self.parametrization.hidden_std(0.02) if name.startswith("blocks.") else 0.02
+                if name.endswith(("attention.proj", "mlp.down")):
+                    # GPT-2: residual-stream projections scaled down so its variance stays flat in depth.
+                    std /= math.sqrt(2 * self.parametrization.residual_depth(self.n_layer))
+                nn.init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 

@@ -29,8 +29,9 @@ from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.instantiate import build
 from pretraining.models.backbone import Backbone, backbones
+from pretraining.models.parametrization import check_optimizer, check_same_parametrization
 from pretraining.objectives.optimization import check_same_optimizer, clips_unscaled, optimizer_and_schedule
-from pretraining.objectives.optimizers import hidden_matrices, is_muon
+from pretraining.objectives.optimizers import is_muon, layer_parameters
 from pretraining.objectives.schedules import ScheduleName
 from pretraining.objectives.step_values import LogStepValues
 from pretraining.plugins import fsdp2_strategy
@@ -75,6 +76,7 @@ class PretrainingObjective(LightningModule):
         compile: bool = False,
     ) -> None:
         super().__init__()
+        check_optimizer(backbone.parametrization.name, optimizer)
         self.backbone = backbone
         self.optimizer_factory = optimizer
         self.warmup_steps, self.min_lr_ratio = warmup_steps, min_lr_ratio
@@ -154,9 +156,13 @@ class PretrainingObjective(LightningModule):
         """The optimizer steps behind the weights: the trainer's, or a restored checkpoint's outside `fit`."""
         return max(self.global_step, self.restored_step)
 
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["parametrization"] = self.backbone.parametrization.record()
+
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.restored_step = checkpoint["global_step"]
         check_same_optimizer(checkpoint, is_muon(self.optimizer_factory))
+        check_same_parametrization(checkpoint.get("parametrization"), self.backbone.parametrization)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         states = self.source_states(dataloader_idx)
@@ -238,7 +244,8 @@ class PretrainingObjective(LightningModule):
             self.min_lr_ratio,
             schedule=self.schedule,
             decay_steps=self.decay_steps,
-            hidden=hidden_matrices(self),
+            layers=layer_parameters(self),
+            parametrization=self.backbone.parametrization,
         )
 
     def configure_gradient_clipping(

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
 from torch.optim import Optimizer
 
 from pretraining.errors import ConfigError
+from pretraining.models.parametrization import STANDARD, Parametrization
 from pretraining.objectives.optimizers import is_muon, muon_parameter_groups
 from pretraining.objectives.schedules import ScheduleName, lr_schedule
 
@@ -34,14 +35,19 @@ def optimizer_and_schedule(
     *,
     schedule: ScheduleName = "cosine",
     decay_steps: int = 120,
-    hidden: Sequence[torch.Tensor] = (),
+    layers: Sequence[torch.Tensor] = (),
+    parametrization: Parametrization = STANDARD,
 ) -> OptimizerLRSchedulerConfig:
     """The optimizer `factory` builds over the trained `parameters`, and its LR `schedule` to `max_steps`
-    (`pretraining.objectives.schedules`). Weight decay on matrices only; under `MuonAdamW`, Muon takes those
-    in `hidden` (`optimizers.hidden_matrices`)."""
+    (`pretraining.objectives.schedules`). Weight decay on matrices only; under `MuonAdamW`, Muon takes the
+    matrices among the backbones' `layers` (`optimizers.layer_parameters`); under a `parametrization` other than
+    standard, each kind of parameter has its group, scaled by its rules."""
     trained = [p for p in parameters if p.requires_grad]
     matrices, others = [p for p in trained if p.dim() >= 2], [p for p in trained if p.dim() < 2]
-    if is_muon(factory):
+    hidden = [p for p in layers if p.dim() == 2]
+    if parametrization.name != "standard":
+        groups = parametrization.parameter_groups(trained, hidden, layers, is_muon(factory))
+    elif is_muon(factory):
         groups = muon_parameter_groups(matrices, others, hidden)
     else:
         groups = [{"params": matrices}, {"params": others, "weight_decay": 0.0}]
@@ -49,6 +55,7 @@ def optimizer_and_schedule(
     scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
     fused = {} if scaled and trainer.gradient_clip_val else fused_if_open(factory, trained)
     optimizer = factory(groups, **fused)
+    parametrization.scale(optimizer.param_groups)
     scheduler = lr_schedule(optimizer, schedule, warmup_steps, min_lr_ratio, decay_steps, trainer.max_steps)
     optimizer.register_load_state_dict_pre_hook(report_kept_settings)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -133,16 +133,17 @@ def orthogonalised(matrix: torch.Tensor, steps: int, dtype: torch.dtype) -> torc
     return x if wide else x.T
 
 
-def hidden_matrices(module: nn.Module) -> list[nn.Parameter]:
-    """The matrices Muon may update: 2-D parameters in every backbone's `repeated_layers` (frozen ones too:
-    `optimizer_and_schedule` keeps the trained), not embeddings, head or parameters outside the layers."""
+def layer_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters in every backbone's `repeated_layers` (frozen ones too: `optimizer_and_schedule` keeps the
+    trained): not embeddings, head or parameters outside the layers."""
     return [
-        param
-        for backbone in backbones(module)
-        for layer in backbone.repeated_layers()
-        for param in layer.parameters()
-        if param.dim() == 2
+        param for backbone in backbones(module) for layer in backbone.repeated_layers() for param in layer.parameters()
     ]
+
+
+def hidden_matrices(module: nn.Module) -> list[nn.Parameter]:
+    """The matrices Muon may update: the 2-D `layer_parameters`."""
+    return [param for param in layer_parameters(module) if param.dim() == 2]
 
 
 def is_muon(factory: Callable[..., Optimizer]) -> bool:

@@ -109,6 +109,12 @@ def model_files(
             f"{type(backbone).__name__} has no Hugging Face export: pretrain-export writes the template's own "
             "backbones (pretraining.models.transformer.Transformer, pretraining.models.llama.Llama)"
         )
+    if backbone.parametrization.name != "standard":
+        raise ConfigError(
+            f"this model was trained under model.backbone.parametrization={backbone.parametrization.describe()}, "
+            "whose multipliers (of attention's scores, the residual branches and the head) the Hugging Face "
+            "architectures lack: pretrain-export writes models of standard parametrization"
+        )
     if not isinstance(model, Contrastive):  # an embedding model's export has no language-model head
         check_linear_head(backbone)
     if isinstance(backbone, Llama):

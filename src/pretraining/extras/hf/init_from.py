@@ -108,6 +108,12 @@ def initialise_from(backbone: Backbone, given: str, tokenizer: Tokenizer) -> dic
 def checked_loader(config: dict[str, Any], backbone: Transformer | Llama, vocab_size: int, source: str) -> Loader:
     """What loads the weights of the model `config` describes into `backbone` (`StoredTensors`, or a state dict),
     once the config is checked to fit it; a model of another kind than the backbone's is refused, naming both."""
+    if backbone.parametrization.name != "standard":
+        raise ConfigError(
+            f"{source} holds a model of standard parametrization, and this run builds "
+            f"{backbone.parametrization.describe()}, whose multipliers would change what its weights compute: start "
+            "from it with model.backbone.parametrization=standard"
+        )
     kind = config.get("model_type")
     if isinstance(backbone, Llama) and kind in LLAMA_TYPES:
         check_llama_fits(config, backbone, vocab_size, source)
