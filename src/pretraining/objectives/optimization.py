@@ -38,10 +38,28 @@ def optimizer_and_schedule(
     layers: Sequence[torch.Tensor] = (),
     parametrization: Parametrization = STANDARD,
 ) -> OptimizerLRSchedulerConfig:
-    """The optimizer `factory` builds over the trained `parameters`, and its LR `schedule` to `max_steps`
-    (`pretraining.objectives.schedules`). Weight decay on matrices only; under `MuonAdamW`, Muon takes the
-    matrices among the backbones' `layers` (`optimizers.layer_parameters`); under a `parametrization` other than
-    standard, each kind of parameter has its group, scaled by its rules."""
+    """The optimizer `factory` builds over the trained `parameters` (`built_optimizer`), and its LR `schedule` to
+    `max_steps` (`pretraining.objectives.schedules`)."""
+    # Under 16-mixed a fused optimizer unscales after the Trainer's clipping, which Lightning refuses: unfused.
+    scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
+    fusable = not (scaled and trainer.gradient_clip_val)
+    optimizer = built_optimizer(factory, parameters, layers, parametrization, fusable)
+    scheduler = lr_schedule(optimizer, schedule, warmup_steps, min_lr_ratio, decay_steps, trainer.max_steps)
+    optimizer.register_load_state_dict_pre_hook(report_kept_settings)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def built_optimizer(
+    factory: Callable[..., Optimizer],
+    parameters: Sequence[torch.Tensor],
+    layers: Sequence[torch.Tensor] = (),
+    parametrization: Parametrization = STANDARD,
+    fusable: bool = True,
+) -> Optimizer:
+    """The optimizer `factory` builds over the trained `parameters`, fused where `fusable` and open. Weight decay on
+    matrices only; under `MuonAdamW`, Muon takes the matrices among the backbones' `layers`
+    (`optimizers.layer_parameters`); under a `parametrization` other than standard, each kind of parameter has its
+    group, scaled by its rules."""
     trained = [p for p in parameters if p.requires_grad]
     matrices, others = [p for p in trained if p.dim() >= 2], [p for p in trained if p.dim() < 2]
     hidden = [p for p in layers if p.dim() == 2]
@@ -51,14 +69,9 @@ def optimizer_and_schedule(
         groups = muon_parameter_groups(matrices, others, hidden)
     else:
         groups = [{"params": matrices}, {"params": others, "weight_decay": 0.0}]
-    # Under 16-mixed a fused optimizer unscales after the Trainer's clipping, which Lightning refuses: unfused.
-    scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
-    fused = {} if scaled and trainer.gradient_clip_val else fused_if_open(factory, trained)
-    optimizer = factory(groups, **fused)
+    optimizer = factory(groups, **(fused_if_open(factory, trained) if fusable else {}))
     parametrization.scale(optimizer.param_groups)
-    scheduler = lr_schedule(optimizer, schedule, warmup_steps, min_lr_ratio, decay_steps, trainer.max_steps)
-    optimizer.register_load_state_dict_pre_hook(report_kept_settings)
-    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+    return optimizer
 
 
 def fused_if_open(factory: Callable[..., Optimizer], parameters: Sequence[torch.Tensor]) -> dict[str, bool]:

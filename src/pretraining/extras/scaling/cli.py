@@ -1,0 +1,79 @@
+"""`pretrain-scaling coordinates`: the coordinate check of a parametrization against standard's, as a table of
+growth exponents, its records (JSON) and the figure (PNG, with the plots extra)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pretraining.errors import ConfigError, MissingExtraError
+from pretraining.files import write_atomically
+
+# The rule each axis checks: width is µP's, depth CompleteP's (which includes µP).
+SWITCH = {"width": "mup", "depth": "completep"}
+SIZES = {"width": "32 64 128 256 512", "depth": "2 4 8 16"}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """`pretrain-scaling coordinates [--along width|depth] ...`."""
+    parser = argparse.ArgumentParser(prog="pretrain-scaling", description="Scaling checks of a parametrization.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    check = commands.add_parser("coordinates", help="activation sizes against width or depth (docs/scaling.md)")
+    check.add_argument("--along", choices=SWITCH, default="width")
+    check.add_argument(
+        "--sizes", type=int, nargs="+", help=f"widths or depths (default: {SIZES['width']}; {SIZES['depth']})"
+    )
+    check.add_argument("--backbone", choices=("llama", "gpt2"), default="llama")
+    check.add_argument("--optimizer", choices=("adamw", "muon"), default="adamw")
+    check.add_argument("--lr", type=float, help="AdamW's (Muon's is 20x): default 1e-2 with adamw, 1e-3 with muon")
+    check.add_argument("--steps", type=int, default=10)
+    check.add_argument("--out", type=Path, default=Path("logs/scaling"), metavar="DIR")
+    args = parser.parse_args(argv)
+    try:
+        coordinates(args)
+    except ConfigError as error:
+        sys.exit(f"pretrain-scaling: {error}")
+
+
+def coordinates(args: argparse.Namespace) -> None:
+    from pretraining.extras.scaling.coordinates import as_rows, check, growth
+
+    sizes = args.sizes or [int(size) for size in SIZES[args.along].split()]
+    if len(sizes) < 2 or min(sizes) < 1:
+        raise ConfigError(f"--sizes {sizes}: give two {args.along}s or more, each at least 1")
+    if args.along == "width" and any(size % 8 for size in sizes):
+        raise ConfigError(f"--sizes {sizes}: each width a multiple of 8 (4 heads of an even width)")
+    lr = args.lr or (1e-2 if args.optimizer == "adamw" else 1e-3)
+    shape = (
+        {"widths": sizes, "base_width": sizes[0]}
+        if args.along == "width"
+        else {"depths": sizes, "base_depth": sizes[0]}
+    )
+    if args.along == "depth":
+        shape |= {"widths": (64,), "base_width": 64}
+    checks = {
+        name: check(args.backbone, name, args.optimizer, steps=args.steps, lr=lr, **shape)  # type: ignore[arg-type]
+        for name in ("standard", SWITCH[args.along])
+    }
+    stem = f"coordinates-{args.along}-{args.backbone}-{args.optimizer}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = {name: as_rows(records) for name, records in checks.items()}
+    write_atomically(args.out / f"{stem}.json", json.dumps(rows, indent=1).encode())
+    layers = ["embedding", "layer 1", "last layer", "logits"]
+    print(f"growth exponent of each size against {args.along} at step {args.steps} (0: flat, 1: proportional)")
+    print(f"{'':12}" + "".join(f"{layer:>12}" for layer in layers))
+    for name, records in checks.items():
+        print(f"{name:12}" + "".join(f"{growth(records, layer, args.steps, args.along):+12.2f}" for layer in layers))
+    print(args.out / f"{stem}.json")
+    if importlib.util.find_spec("matplotlib") is None:
+        print(f"no figure: {MissingExtraError('drawing it (matplotlib)', 'plots')}")
+        return
+    from pretraining.extras.scaling.figures import coordinate_figure
+
+    title = f"{args.backbone}, {args.optimizer} (LR {lr:g}): activation size against {args.along}"
+    coordinate_figure(checks, args.along, title, args.out / f"{stem}.png")
+    print(args.out / f"{stem}.png")
