@@ -29,7 +29,7 @@ from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.contrastive import Contrastive
 from pretraining.objectives.optimizers import (
     MuonAdamW,
-    hidden_matrices,
+    layer_parameters,
     orthogonalisation_dtype,
     orthogonalised,
 )
@@ -64,7 +64,7 @@ def test_muon_takes_the_matrices_inside_the_layers_only() -> None:
 
 def test_a_contrastive_projection_and_temperature_stay_with_adamw() -> None:
     model = Contrastive(backbone(causal=False), optimizer=MUON, shared_towers=False, embed_dim=16)
-    hidden = {id(p) for p in hidden_matrices(model)}
+    hidden = {id(p) for p in layer_parameters(model) if p.dim() == 2}
     outside = [name for name, p in model.named_parameters() if id(p) not in hidden]
     assert {"logit_scale", "query_head.weight", "passage_head.weight"} <= set(outside)
     assert len(hidden) == 2 * 2 * sum(p.dim() == 2 for p in backbone().blocks[0].parameters())  # 2 towers x 2 layers

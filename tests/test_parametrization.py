@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,16 +14,21 @@ import torch
 from lightning.pytorch import Trainer
 
 from pretraining.errors import ConfigError
+from pretraining.init_from import check_same_backbone
 from pretraining.models.backbone import Backbone
 from pretraining.models.llama import Llama
 from pretraining.models.parametrization import STANDARD, check_same_parametrization
 from pretraining.models.transformer import Transformer
+from pretraining.objectives.base import PretrainingObjective
 from pretraining.objectives.causal_lm import CausalLM
+from pretraining.objectives.contrastive import Contrastive
 from pretraining.objectives.optimizers import MuonAdamW
+from pretraining.train import train
 
 ADAMW = partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1, eps=1e-8)
 MUON = partial(MuonAdamW, lr=1e-2, weight_decay=0.1, eps=1e-8, muon_lr=0.02)
 BACKBONES = {"gpt2": Transformer, "llama": partial(Llama, output_init="scaled")}
+MUP = ["model.backbone.parametrization=mup", "model.backbone.base_width=16"]  # twice the base width of 32
 
 
 def built(kind: str, **sizes: Any) -> Backbone:
@@ -30,12 +36,12 @@ def built(kind: str, **sizes: Any) -> Backbone:
     return BACKBONES[kind](**shape)  # type: ignore[no-any-return]
 
 
-def configured(model: CausalLM) -> torch.optim.Optimizer:
+def configured(model: PretrainingObjective) -> torch.optim.Optimizer:
     model.trainer = Trainer(max_steps=100, logger=False, enable_checkpointing=False)
     return model.configure_optimizers()["optimizer"]
 
 
-def groups(model: CausalLM) -> dict[str, dict[str, Any]]:
+def groups(model: PretrainingObjective) -> dict[str, dict[str, Any]]:
     return {group.get("name", str(index)): group for index, group in enumerate(configured(model).param_groups)}
 
 
@@ -64,7 +70,7 @@ def test_at_the_base_shape_the_rules_train_exactly_as_standard(kind: str, optimi
     assert losses(scaled) == losses(standard)
 
 
-def test_each_rule_at_twice_the_width_and_depth() -> None:
+def test_each_rule_at_four_times_the_width_and_twice_the_depth() -> None:
     """completep at 4x the base width and 2x its depth: init, attention's scale, branch and output multipliers,
     and the param groups' learning rate, eps and weight decay (Dey et al. 2025, Table 1; nanoGPT-mup)."""
     torch.manual_seed(0)
@@ -125,7 +131,7 @@ def test_standard_ignores_the_base_and_builds_as_before() -> None:
     [
         ({"parametrization": "mu-p"}, "must be one of standard, mup, completep"),
         ({"parametrization": "mup"}, "set model.backbone.base_width to the d_model"),
-        ({"parametrization": "mup", "base_width": 15}, "base_width divisible by model.backbone.n_head"),
+        ({"parametrization": "mup", "base_width": 15}, "base_width=15 does not split into base_n_head=2 heads"),
         ({"parametrization": "completep", "base_width": 32}, "set model.backbone.base_depth"),
     ],
 )
@@ -137,19 +143,57 @@ def test_settings_that_scale_nothing_are_refused(kind: str, sizes: dict[str, Any
 
 def test_an_optimizer_of_other_rules_is_refused() -> None:
     wide = built("gpt2", d_model=64, parametrization="mup", base_width=32)
-    with pytest.raises(ConfigError, match="scales AdamW's and Muon's settings, and model.optimizer builds SGD"):
+    with pytest.raises(ConfigError, match=r"scales AdamW's and Muon's settings, and model.optimizer builds SGD"):
         CausalLM(wide, optimizer=partial(torch.optim.SGD, lr=0.1))
     CausalLM(built("gpt2"), optimizer=partial(torch.optim.SGD, lr=0.1))  # standard takes any
 
 
-def test_a_checkpoint_records_its_rules_and_a_resume_under_others_is_refused() -> None:
-    wide = CausalLM(built("gpt2", d_model=64, parametrization="mup", base_width=32), optimizer=ADAMW)
-    checkpoint: dict[str, Any] = {}
-    wide.on_save_checkpoint(checkpoint)
-    assert checkpoint["parametrization"] == {"name": "mup", "width_multiplier": 2.0, "depth_multiplier": 1.0}
-    check_same_parametrization(checkpoint["parametrization"], wide.backbone.parametrization)
+def test_a_checkpoint_of_other_rules_is_refused_naming_both() -> None:
+    wide = built("gpt2", d_model=64, parametrization="mup", base_width=32).parametrization
+    assert wide.record() == {"name": "mup", "width_multiplier": 2.0, "depth_multiplier": 1.0}
+    check_same_parametrization(wide.record(), wide.record())
     with pytest.raises(ConfigError, match=r"trained under model.backbone.parametrization=mup at 2x its base width, "):
-        check_same_parametrization(checkpoint["parametrization"], STANDARD)
-    check_same_parametrization(None, STANDARD)  # a checkpoint from before parametrizations: standard
+        check_same_parametrization(wide.record(), STANDARD.record())
+    check_same_parametrization(None, STANDARD.record())  # a checkpoint from before parametrizations: standard
     with pytest.raises(ConfigError, match="this run builds mup at 2x its base width"):
-        check_same_parametrization(None, wide.backbone.parametrization)
+        check_same_parametrization(None, wide.record())
+
+
+def test_the_lineage_records_the_rules(compose_train, tmp_path: Path) -> None:
+    train(compose_train("trainer.max_steps=2", "callbacks.checkpoint.every_n_steps=2", *MUP))
+    lineage = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["lineage"]
+    assert lineage["parametrization"] == {"name": "mup", "width_multiplier": 2.0, "depth_multiplier": 1.0}
+
+
+def test_a_stage_two_from_a_parent_of_other_rules_is_refused() -> None:
+    parent, child = built("gpt2"), built("gpt2", parametrization="mup", base_width=16)
+    with pytest.raises(ConfigError, match="was trained under standard and this run builds mup at 2x its base width"):
+        check_same_backbone(parent, child, "parent.ckpt")
+
+
+@pytest.mark.parametrize("head_dim", [None, 16])
+def test_widening_by_adding_heads_keeps_their_scale(head_dim: int | None) -> None:
+    """From 2 heads of 16 to 4 of 16: the base's head count named (or a head width of its own), the scores' scale
+    stays standard's; this run's count taken for the base's, they would be read as heads twice as wide."""
+    sizes = {"d_model": 64, "n_head": 4, "parametrization": "mup", "base_width": 32}
+    llama = built("llama", **sizes, head_dim=head_dim, base_n_head=2)
+    assert llama.layers[0].self_attn.scale is None
+    gpt2 = built("gpt2", **sizes, base_n_head=2)
+    assert gpt2.blocks[0].attention.scale is None and gpt2.parametrization.width_multiplier == 2.0
+    assert built("gpt2", **sizes).blocks[0].attention.scale == pytest.approx(1 / (4 * math.sqrt(2)))
+
+
+def test_a_contrastive_projection_is_a_readout_and_its_temperature_keeps_its_rate() -> None:
+    model = Contrastive(built("gpt2", d_model=64, causal=False, parametrization="mup", base_width=32), optimizer=ADAMW)
+    named = groups(model)
+    assert {id(p) for p in named["readouts"]["params"]} == {id(model.query_head.weight)}
+    assert named["readouts"]["initial_lr"] == pytest.approx(5e-3) and named["readouts"]["weight_decay"] == 0.1
+    scalars = named["objective_vectors"]
+    assert {id(p) for p in scalars["params"]} == {id(model.logit_scale)}
+    assert (scalars["initial_lr"], scalars["eps"], scalars["weight_decay"]) == (1e-2, 1e-8, 0.0)
+
+
+def test_muon_scaled_to_match_adamw_is_refused() -> None:
+    wide = built("gpt2", d_model=64, parametrization="mup", base_width=32)
+    with pytest.raises(ConfigError, match="muon_lr_scaling=match_rms_adamw grows with the width: set it to original"):
+        CausalLM(wide, optimizer=partial(MuonAdamW, muon_lr_scaling="match_rms_adamw"))

@@ -51,6 +51,9 @@ LLAMA = [
     "callbacks.checkpoint.every_n_steps=4",
 ]
 DDP = ["trainer=ddp_cpu"]
+# A parametrization away from its base shape (twice the base width, half its depth: every rule differs from 1).
+MUP = ["model.backbone.parametrization=mup", "model.backbone.base_width=16"]
+COMPLETEP = ["model.backbone.parametrization=completep", "model.backbone.base_width=16", "model.backbone.base_depth=2"]
 FSDP = ["trainer=fsdp_cpu"]
 
 
@@ -258,8 +261,9 @@ def check_mixture_position(log_dir: Path, steps: int, sub_streams: int) -> None:
 
 @pytest.mark.slow  # three runs; the optimizer and schedule round trips: tests/test_optimizers.py, test_schedules.py
 def test_the_llama_backbone_with_muon_and_wsd_on_a_mixture_with_two_workers(tmp_path: Path, mixture: list[str]) -> None:
-    """Killed in the stable phase (batch 6) and in the decay (batch 11, decay from step 8 of 12)."""
-    overrides = [*tiny_run("clm_tiny"), *LLAMA, *MUON_WSD, *mixture, "data.num_workers=2"]
+    """Killed in the stable phase (batch 6) and in the decay (batch 11, decay from step 8 of 12), under
+    completep."""
+    overrides = [*tiny_run("clm_tiny"), *LLAMA, *MUON_WSD, *COMPLETEP, *mixture, "data.num_workers=2"]
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=12)
     check_mixture_position(tmp_path, steps=12, sub_streams=4)  # 2 streams, each in a sub-stream per worker
 
@@ -267,8 +271,16 @@ def test_the_llama_backbone_with_muon_and_wsd_on_a_mixture_with_two_workers(tmp_
 @pytest.mark.distributed
 @pytest.mark.slow  # two processes per run
 def test_ddp_on_two_processes_with_two_workers(tmp_path: Path, mixture: list[str]) -> None:
-    """Masked-LM with dropout: its masks and dropout are keyed on the sample and the step's slot."""
-    overrides = [*tiny_run("mlm_tiny"), *LLAMA, "model.backbone.dropout=0.1", *DDP, *mixture, "data.num_workers=2"]
+    """Masked-LM with dropout, under mup: its masks and dropout are keyed on the sample and the step's slot."""
+    overrides = [
+        *tiny_run("mlm_tiny"),
+        *LLAMA,
+        "model.backbone.dropout=0.1",
+        *DDP,
+        *MUP,
+        *mixture,
+        "data.num_workers=2",
+    ]
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
     # Rank zero's checkpoint holds every rank's data position (each rank reads one of the 2 streams,
     # in 2 sub-streams, one per worker, of each source).
@@ -279,9 +291,9 @@ def test_ddp_on_two_processes_with_two_workers(tmp_path: Path, mixture: list[str
 @pytest.mark.slow  # two processes per run
 def test_fsdp2_with_activation_checkpointing_on_two_processes(tmp_path: Path, mixture: list[str]) -> None:
     """Each Llama DecoderLayer an FSDP2 unit, recomputed in backward; the sharded checkpoints name its
-    parameters `layers.0.self_attn.q_proj.weight` ..., as Hugging Face does."""
+    parameters `layers.0.self_attn.q_proj.weight` ..., as Hugging Face does. Under completep."""
     checkpointed = "trainer.strategy.activation_checkpointing=true"
-    overrides = [*tiny_run("clm_tiny"), *LLAMA, *FSDP, checkpointed, *mixture]
+    overrides = [*tiny_run("clm_tiny"), *LLAMA, *FSDP, *COMPLETEP, checkpointed, *mixture]
     kill_twice_and_compare(tmp_path, overrides, kills=(6, 11), max_steps=14)
     assert "backbone.layers.0.self_attn.q_proj.weight" in final_weights(tmp_path, "killed")
     check_mixture_position(tmp_path, steps=14, sub_streams=2)
@@ -401,8 +413,9 @@ def test_an_explicit_checkpoint_is_resumed(compose_train, tmp_path: Path) -> Non
         (["model.backbone.d_model=64"], r"holds another model: parameter backbone\..* has shape \[.*32.*\] there"),
         (["resume=sometimes"], r"resume='sometimes' is not one of 'auto', 'never': change resume"),
         (["resume_allow=[everything]"], r"resume_allow\[0\]='everything' is not one of 'data', 'tokenizer'"),
+        (MUP, r"trained under model.backbone.parametrization=standard, and this run builds mup at 2x its base width"),
     ],
-    ids=["batch_size", "model", "resume_mode", "allow"],
+    ids=["batch_size", "model", "resume_mode", "allow", "parametrization"],
 )
 def test_a_resume_that_does_not_fit_is_refused_before_any_work(compose_train, tmp_path: Path, change, message) -> None:
     train(compose_train("trainer.max_steps=6"))

@@ -189,12 +189,6 @@ def check_same_backbone(parent: Backbone, backbone: Backbone, given: str) -> Non
             f"{given} has a {type(parent).__name__} backbone and this run a {type(backbone).__name__}: choose the "
             f"parent's (model/backbone=...), or start from a checkpoint of this backbone"
         )
-    if parent.parametrization != backbone.parametrization:
-        raise ConfigError(
-            f"{given} was trained under {parent.parametrization.describe()} and this run builds "
-            f"{backbone.parametrization.describe()}: set model.backbone.parametrization, base_width and base_depth "
-            "as the parent's run did"
-        )
     sizes = {
         "vocabulary rows": (len(parent.head_weight), len(backbone.head_weight), "model.backbone.pad_vocabulary"),
         "width": (parent.d_model, backbone.d_model, "model.backbone.d_model"),
@@ -209,6 +203,12 @@ def check_same_backbone(parent: Backbone, backbone: Backbone, given: str) -> Non
                 "run did, or start from a checkpoint of this shape"
             )
     check_same_shapes(parent, backbone, given)
+    if parent.parametrization != backbone.parametrization:
+        raise ConfigError(
+            f"{given} was trained under {parent.parametrization.describe()} and this run builds "
+            f"{backbone.parametrization.describe()}: set model.backbone.parametrization, base_width, base_depth and "
+            "base_n_head as the parent's run did"
+        )
 
 
 def same_shapes(parent: nn.Module, module: nn.Module) -> bool:

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 
 from pretraining.checkpoint import LINEAGE_FORMAT, newest_verified, verify
 from pretraining.errors import CheckpointError, ConfigError, MissingFileError
+from pretraining.models.parametrization import check_same_parametrization
 from pretraining.run_lock import is_job_file
 from pretraining.settings import Change, ResumeMode
 
@@ -88,7 +89,8 @@ def check_fits(
     parameters: dict[str, list[int]],
     allow: list[str],
 ) -> None:
-    """Refuse, before any work, a checkpoint trained on other data, tokenizer, topology or model shape."""
+    """Refuse, before any work, a checkpoint trained on other data, tokenizer, topology, parametrization or model
+    shape."""
     unknown = sorted(set(allow) - set(ALLOWABLE_CHANGES))
     if unknown:
         raise ConfigError(
@@ -102,6 +104,7 @@ def check_fits(
             f"code revision that wrote it ({(lineage.get('code') or {}).get('commit')}), or start a separate run "
             f"(run_name=<new name> or resume=never)"
         )
+    check_same_parametrization(lineage.get("parametrization"), expected["parametrization"])
     changed = [what for what, (key, _) in FIT_CHECKS.items() if what not in allow and lineage.get(key) != expected[key]]
     if changed:
         problems = []

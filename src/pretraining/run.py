@@ -231,12 +231,10 @@ def check_resume(
             f"{resume.path} is a sharded checkpoint (a directory written by FSDP2), which only FSDP2 can resume: "
             f"pass trainer=fsdp_cpu (or another ModelParallelStrategy config) with as many processes as wrote it"
         )
-    expected = {
-        "data_version": datamodule.data_version,
-        "tokenizer_fingerprint": datamodule.tokenizer.fingerprint,
-        "topology": datamodule.topology_for(trainer.world_size),
-        "mixture": datamodule.mixture_settings,
-    }
+    expected: dict[str, Any] = {"data_version": datamodule.data_version}
+    expected["tokenizer_fingerprint"] = datamodule.tokenizer.fingerprint
+    expected |= {"topology": datamodule.topology_for(trainer.world_size), "mixture": datamodule.mixture_settings}
+    expected["parametrization"] = model.backbone.parametrization.record()
     check_fits(resume.path, resume.sidecar, expected, parameter_shapes(model.state_dict()), allow)
 
 

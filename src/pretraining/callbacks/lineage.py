@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.loggers import WandbLogger
 
 from pretraining.checkpoint import LINEAGE_FORMAT
 from pretraining.data.contract import training_data
+from pretraining.models.backbone import Backbone
 
 
 def code_revision(directory: Path) -> dict[str, Any]:
@@ -27,9 +28,10 @@ def code_revision(directory: Path) -> dict[str, Any]:
 
 class Lineage(Callback):
     """Adds `checkpoint["lineage"]` (config, code revision, data version and sources, tokenizer fingerprint,
-    `parent` checkpoint, W&B run id, step), so every checkpoint can be traced, rebuilt by `evaluate.py` and
-    checked against a resume. Others may add to it in their `on_save_checkpoint` (a distillation's teacher, the
-    `origin` of a run's first weights); `origin`, the resumed run's, is carried on by every later checkpoint."""
+    `parent` checkpoint, W&B run id, step, the backbone's parametrization), so every checkpoint can be traced,
+    rebuilt by `evaluate.py` and checked against a resume. Others may add to it in their `on_save_checkpoint` (a
+    distillation's teacher, the `origin` of a run's first weights); `origin`, the resumed run's, is carried on by
+    every later checkpoint."""
 
     def __init__(
         self,
@@ -59,6 +61,8 @@ class Lineage(Callback):
             **training_data(trainer, "lineage").lineage,
             step=trainer.global_step,
             wandb_run_id=wandb_ids[0] if wandb_ids else None,
+            # What a resume checks before it loads anything (`pretraining.resume.check_fits`).
+            parametrization=cast(Backbone, pl_module.backbone).parametrization.record(),
         )
 
 

@@ -157,8 +157,8 @@ class Llama(Backbone):
     """Token embeddings, `n_layer` pre-norm decoder layers, a final RMSNorm, and a tied or own head.
     `head_dim` null: heads of d_model / n_head dimensions. `rope_scaling`: null (plain rotary positions) or Llama 3's
     ({rope_type: llama3, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings}).
-    `parametrization`, `base_width`, `base_depth`: `pretraining.models.parametrization` (a `head_dim` of its own
-    keeps its width at every d_model)."""
+    `parametrization` and the base shape (`base_width`, `base_depth`, `base_n_head`):
+    `pretraining.models.parametrization` (a `head_dim` of its own keeps the heads' width at every d_model)."""
 
     @checked_ranges("model.backbone")
     def __init__(
@@ -185,6 +185,7 @@ class Llama(Backbone):
         parametrization: str = "standard",
         base_width: Positive | None = None,
         base_depth: Positive | None = None,
+        base_n_head: Positive | None = None,
     ) -> None:
         super().__init__()
         n_kv_head = n_kv_head or n_head
@@ -206,9 +207,9 @@ class Llama(Backbone):
             pad_vocabulary,
         )
         check_fits_in_memory(parameters, "lower model.backbone.d_model, n_layer or mlp_width")
-        base_head = head_dim or (base_width // n_head if base_width and base_width % n_head == 0 else None)
+        base = (base_width, base_depth, base_n_head)
         self.parametrization = rules = checked_parametrization(
-            parametrization, (d_model, base_width), (n_layer, base_depth), (width, base_head)
+            parametrization, d_model, n_layer, n_head, base, head_dim
         )
         self.vocab_size, self.max_seq_len, self.d_model, self.causal = vocab_size, max_seq_len, d_model, causal
         self.n_head, self.n_kv_head, self.head_width = n_head, n_kv_head, width
@@ -221,14 +222,17 @@ class Llama(Backbone):
         self.embed_tokens = nn.Embedding(rows, d_model)
         self.dropout = nn.Dropout(dropout)
         scale = rules.attention_scale(width)
-
-        def layer() -> DecoderLayer:
-            attention = Attention(
-                d_model, n_head, n_kv_head, qk_norm, norm_eps, dropout, causal, width, attention_bias, scale
+        self.layers = nn.ModuleList(
+            DecoderLayer(
+                d_model,
+                Attention(d_model, n_head, n_kv_head, qk_norm, norm_eps, dropout, causal, width, attention_bias, scale),
+                mlp_width,
+                activation,
+                norm_eps,
+                rules.branch_multiplier,
             )
-            return DecoderLayer(d_model, attention, mlp_width, activation, norm_eps, rules.branch_multiplier)
-
-        self.layers = nn.ModuleList(layer() for _ in range(n_layer))
+            for _ in range(n_layer)
+        )
         self.norm = RMSNorm(d_model, norm_eps)
         self.lm_head = None if tie_head else nn.Linear(d_model, rows, bias=False)
         self.init_weights()

@@ -23,8 +23,9 @@ With m = d_model / base_width and, for `completep`, m_L = n_layer / base_depth:
 Muon (`model/optimizer=muon`) orthogonalises each hidden matrix's update and scales it by its shape (torch.optim.Muon's
 `adjust_lr_fn`), which already meets µP's spectral condition for hidden layers (Yang, Simon and Bernstein 2023,
 arXiv 2310.17813: an update of spectral norm ~ sqrt(fan_out / fan_in) x LR, fixed in width); its learning rate is
-not scaled, in width or (as AdamW's at alpha = 1) in depth. AdamW's share under it follows the rules above.
-Parameters outside the backbones' layers but 2-D (a contrastive projection) follow the embeddings' rules."""
+not scaled, in width or (as AdamW's at alpha = 1) in depth; its `match_rms_adamw` scaling, which grows with the
+matrix, is refused. AdamW's share under it follows the rules above. Each kind of parameter is a param group
+(`KINDS`)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ from pretraining.errors import ConfigError
 Name = Literal["standard", "mup", "completep"]
 NAMES: tuple[Name, ...] = ("standard", "mup", "completep")
 KEY = "model.backbone.parametrization"
+# The kinds of parameters, each its param group: the backbones' tables (token and position embeddings, a head read
+# through the output multiplier), the layers' matrices and vectors (norms, biases), the backbones' other vectors
+# (the final norm), and the objective's own: matrices (a contrastive projection, a readout without a multiplier:
+# Tensor Programs V's Table 3 output weights, Adam's LR / m) and vectors (a temperature: no rule).
+KINDS = ("embeddings", "hidden", "layer_vectors", "vectors", "readouts", "objective_vectors")
 
 
 @dataclass(frozen=True)
@@ -89,9 +95,11 @@ class Parametrization:
 
     def multipliers(self, group: str) -> dict[str, float]:
         """{optimizer setting: multiplier} of a param group named as `parameter_groups` names them."""
-        if self.name == "standard" or group == "muon":
+        if self.name == "standard" or group in ("muon", "objective_vectors"):
             return {}
         m, m_l = self.width_multiplier, self.depth_multiplier
+        if group == "readouts":
+            return {"lr": 1 / m, "eps": 1 / m}
         if self.name == "mup":
             return {"lr": 1 / m, "eps": 1 / m} if group == "hidden" else {"eps": 1 / m}
         if group == "hidden":
@@ -101,26 +109,29 @@ class Parametrization:
     def parameter_groups(
         self,
         trained: Sequence[torch.Tensor],
-        hidden: Sequence[torch.Tensor],
-        in_layers: Sequence[torch.Tensor],
+        layers: Sequence[torch.Tensor],
+        in_backbones: Sequence[torch.Tensor],
         muon: bool,
     ) -> list[dict[str, Any]]:
-        """The param groups of `trained` by kind: embeddings (2-D, outside the layers), hidden matrices (Muon's under
-        it), the layers' norms and biases, and other vectors; weight decay on matrices only. Empty ones left out."""
-        is_hidden, is_in_layers = {id(p) for p in hidden}, {id(p) for p in in_layers}
-        matrices = [p for p in trained if p.dim() >= 2]
-        vectors = [p for p in trained if p.dim() < 2]
-        hidden_group: dict[str, Any] = {"params": [p for p in matrices if id(p) in is_hidden], "name": "hidden"}
-        if muon:
-            hidden_group |= {"name": "muon", "muon": True}
-        groups: list[dict[str, Any]] = [
-            {"params": [p for p in matrices if id(p) not in is_hidden], "name": "embeddings"},
-            *([] if muon else [hidden_group]),
-            {"params": [p for p in vectors if id(p) in is_in_layers], "name": "layer_vectors", "weight_decay": 0.0},
-            {"params": [p for p in vectors if id(p) not in is_in_layers], "name": "vectors", "weight_decay": 0.0},
-            *([hidden_group] if muon else []),
-        ]
-        return [group for group in groups if group["params"]]
+        """The param groups of `trained` by kind (`KINDS`, Muon's matrices last), empty ones left out; weight decay on
+        matrices only. `layers`: the parameters in the backbones' layers; `in_backbones`: every backbone's."""
+        in_layers, owned = {id(p) for p in layers}, {id(p) for p in in_backbones}
+        groups: dict[str, list[torch.Tensor]] = {kind: [] for kind in KINDS}
+        for param in trained:
+            matrix = param.dim() >= 2
+            if id(param) in in_layers:
+                groups["hidden" if matrix else "layer_vectors"].append(param)
+            elif id(param) in owned:
+                groups["embeddings" if matrix else "vectors"].append(param)
+            else:
+                groups["readouts" if matrix else "objective_vectors"].append(param)
+        made: list[dict[str, Any]] = [{"params": params, "name": kind} for kind, params in groups.items() if params]
+        for group in made:
+            if group["params"][0].dim() < 2:
+                group["weight_decay"] = 0.0
+            if group["name"] == "hidden" and muon:
+                group |= {"name": "muon", "muon": True}
+        return sorted(made, key=lambda group: group["name"] == "muon")
 
     def scale(self, param_groups: Sequence[dict[str, Any]]) -> None:
         """Apply `multipliers` to an optimizer's groups, once, before its LR schedule reads their rates."""
@@ -134,32 +145,36 @@ STANDARD = Parametrization()
 
 def checked_parametrization(
     name: str,
-    width: tuple[int, int | None],
-    depth: tuple[int, int | None],
-    head: tuple[int, int | None],
+    d_model: int,
+    n_layer: int,
+    n_head: int,
+    base: tuple[int | None, int | None, int | None],
+    head_dim: int | None = None,
 ) -> Parametrization:
-    """The checked rules of a backbone: (its size, the base's) for width (d_model), depth (n_layer) and the width of
-    a head (None where the base's cannot be known, a head width set apart from d_model: it does not scale)."""
+    """The checked rules of a backbone of these sizes from its `base` shape (`base_width`, `base_depth`,
+    `base_n_head`; the last None: this run's n_head). A `head_dim` of its own keeps the heads' width at any d_model."""
     if name not in NAMES:
         raise ConfigError(f"{KEY}={name!r} must be one of {', '.join(NAMES)}")
     if name == "standard":
         return STANDARD
-    (d_model, base_width), (n_layer, base_depth), (head_width, base_head) = width, depth, head
+    base_width, base_depth, base_n_head = base
     if base_width is None:
         raise ConfigError(
             f"{KEY}={name} scales from a base shape: set model.backbone.base_width to the d_model the hyperparameters "
             f"were tuned at (this run's, {d_model}, where it is the base)"
-        )
-    if base_head is None:
-        raise ConfigError(
-            f"model.backbone.base_width={base_width} gives no whole head width over this backbone's heads: choose a "
-            "base_width divisible by model.backbone.n_head"
         )
     if name == "completep" and base_depth is None:
         raise ConfigError(
             f"{KEY}=completep scales depth from a base: set model.backbone.base_depth to the n_layer the "
             f"hyperparameters were tuned at (this run's, {n_layer}, where it is the base)"
         )
+    base_n_head = base_n_head or n_head
+    if not head_dim and base_width % base_n_head:
+        raise ConfigError(
+            f"model.backbone.base_width={base_width} does not split into base_n_head={base_n_head} heads: set "
+            "model.backbone.base_n_head to the n_head the hyperparameters were tuned with (null: this run's)"
+        )
+    head_width, base_head = (head_dim, head_dim) if head_dim else (d_model // n_head, base_width // base_n_head)
     return Parametrization(
         cast(Name, name),
         width_multiplier=d_model / base_width,
@@ -176,24 +191,33 @@ def scaled(x: torch.Tensor, multiplier: float) -> torch.Tensor:
 
 def check_optimizer(name: str, optimizer: Any) -> None:
     """Refuse an optimizer (a factory or class) whose scaling rules `name` does not know: AdamW's, and Muon's
-    (`MuonAdamW` is an AdamW)."""
+    (`MuonAdamW` is an AdamW) with its shape scaling `original`."""
+    if name == "standard":
+        return
     target = getattr(optimizer, "func", optimizer)
-    if name != "standard" and not (isinstance(target, type) and issubclass(target, torch.optim.AdamW)):
+    if not (isinstance(target, type) and issubclass(target, torch.optim.AdamW)):
         raise ConfigError(
             f"{KEY}={name} scales AdamW's and Muon's settings, and model.optimizer builds "
             f"{getattr(target, '__name__', target)}, whose rules differ: choose model/optimizer=adamw or muon, or "
             f"{KEY}=standard"
         )
-
-
-def check_same_parametrization(saved: dict[str, Any] | None, rules: Parametrization) -> None:
-    """Refuse to continue a checkpoint's weights and optimizer state under other rules than it was trained with
-    (`saved`: its `record`; none in a checkpoint from before parametrizations: standard)."""
-    saved = saved or STANDARD.record()
-    if saved != rules.record():
-        theirs = Parametrization(saved["name"], saved["width_multiplier"], saved["depth_multiplier"])
+    if getattr(optimizer, "keywords", {}).get("muon_lr_scaling", "original") != "original":
         raise ConfigError(
-            f"the checkpoint was trained under {KEY}={theirs.describe()}, and this run builds {rules.describe()}: "
-            f"continue it with the checkpoint's {KEY}, base_width and base_depth, or start a separate run "
-            "(run_name=<new name> or resume=never)"
+            f"{KEY}={name} keeps Muon's rate for matrices of any width, which holds for its shape scaling `original`; "
+            "model.optimizer.muon_lr_scaling=match_rms_adamw grows with the width: set it to original"
+        )
+
+
+def check_same_parametrization(saved: dict[str, Any] | None, ours: dict[str, Any]) -> None:
+    """Refuse to continue a checkpoint's weights and optimizer state under other rules than it was trained with
+    (`saved`, `ours`: `record`s; none in a checkpoint from before parametrizations: standard)."""
+    saved = saved or STANDARD.record()
+    if saved != ours:
+        theirs, wanted = (
+            Parametrization(r["name"], r["width_multiplier"], r["depth_multiplier"]) for r in (saved, ours)
+        )
+        raise ConfigError(
+            f"the checkpoint was trained under {KEY}={theirs.describe()}, and this run builds {wanted.describe()}: "
+            f"continue it with the checkpoint's {KEY}, base_width, base_depth and base_n_head, or start a separate "
+            "run (run_name=<new name> or resume=never)"
         )

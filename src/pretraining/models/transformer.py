@@ -123,7 +123,8 @@ def parameter_count(
 class Transformer(Backbone):
     """Token embeddings (plus learned position embeddings, or rotary positions in attention), `n_layer` pre-norm
     blocks, a final norm. The table's rows are padded to a multiple of 64 (unless `pad_vocabulary=false`); those
-    ids never occur in data. `parametrization`, `base_width`, `base_depth`: `pretraining.models.parametrization`."""
+    ids never occur in data. `parametrization` and the base shape (`base_width`, `base_depth`, `base_n_head`):
+    `pretraining.models.parametrization`."""
 
     @checked_ranges("model.backbone")
     def __init__(
@@ -142,6 +143,7 @@ class Transformer(Backbone):
         parametrization: str = "standard",
         base_width: Positive | None = None,
         base_depth: Positive | None = None,
+        base_n_head: Positive | None = None,
     ) -> None:
         super().__init__()
         for key, value, choices in (("positions", positions, POSITIONS), ("activation", activation, ACTIVATIONS)):
@@ -157,10 +159,9 @@ class Transformer(Backbone):
             "lower model.backbone.d_model, n_layer or max_seq_len (with learned positions, a table of max_seq_len x "
             "d_model)",
         )
-        base_head = base_width // n_head if base_width and base_width % n_head == 0 else None
-        self.parametrization = checked_parametrization(
-            parametrization, (d_model, base_width), (n_layer, base_depth), (head_width(d_model, n_head), base_head)
-        )
+        head_width(d_model, n_head)
+        base = (base_width, base_depth, base_n_head)
+        self.parametrization = checked_parametrization(parametrization, d_model, n_layer, n_head, base)
         self.positions, self.activation = positions, activation
         self.vocab_size, self.max_seq_len, self.n_layer, self.causal = vocab_size, max_seq_len, n_layer, causal
         self.attention_dropout = dropout

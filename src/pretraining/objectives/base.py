@@ -29,9 +29,9 @@ from pretraining.data.tokenizer import Tokenizer
 from pretraining.errors import ConfigError
 from pretraining.instantiate import build
 from pretraining.models.backbone import Backbone, backbones
-from pretraining.models.parametrization import check_optimizer, check_same_parametrization
+from pretraining.models.parametrization import check_optimizer
 from pretraining.objectives.optimization import check_same_optimizer, clips_unscaled, optimizer_and_schedule
-from pretraining.objectives.optimizers import is_muon, layer_parameters
+from pretraining.objectives.optimizers import is_muon
 from pretraining.objectives.schedules import ScheduleName
 from pretraining.objectives.step_values import LogStepValues
 from pretraining.plugins import fsdp2_strategy
@@ -156,13 +156,9 @@ class PretrainingObjective(LightningModule):
         """The optimizer steps behind the weights: the trainer's, or a restored checkpoint's outside `fit`."""
         return max(self.global_step, self.restored_step)
 
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["parametrization"] = self.backbone.parametrization.record()
-
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self.restored_step = checkpoint["global_step"]
         check_same_optimizer(checkpoint, is_muon(self.optimizer_factory))
-        check_same_parametrization(checkpoint.get("parametrization"), self.backbone.parametrization)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
         states = self.source_states(dataloader_idx)
@@ -238,14 +234,12 @@ class PretrainingObjective(LightningModule):
         # trainer.max_steps is above warmup_steps (+ decay_steps): see pretraining.run.fit_schedule
         return optimizer_and_schedule(
             self.optimizer_factory,
-            list(self.parameters()),
+            self,
             self.trainer,
             self.warmup_steps,
             self.min_lr_ratio,
             schedule=self.schedule,
             decay_steps=self.decay_steps,
-            layers=layer_parameters(self),
-            parametrization=self.backbone.parametrization,
         )
 
     def configure_gradient_clipping(

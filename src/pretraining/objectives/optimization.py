@@ -13,11 +13,13 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType, rank_zero_info
 from lightning.pytorch.utilities.types import OptimizerLRSchedulerConfig
+from torch import nn
 from torch.optim import Optimizer
 
 from pretraining.errors import ConfigError
+from pretraining.models.backbone import backbones
 from pretraining.models.parametrization import STANDARD, Parametrization
-from pretraining.objectives.optimizers import is_muon, muon_parameter_groups
+from pretraining.objectives.optimizers import is_muon, layer_parameters, muon_parameter_groups
 from pretraining.objectives.schedules import ScheduleName, lr_schedule
 
 # The param group settings that model.optimizer keys set, in AdamW's groups and in Muon's (`initial_lr`: a
@@ -28,50 +30,53 @@ MUON_SETTINGS = ("initial_lr", "weight_decay", "momentum", "nesterov", "ns_steps
 
 def optimizer_and_schedule(
     factory: Callable[..., Optimizer],
-    parameters: Sequence[torch.Tensor],
+    module: nn.Module,
     trainer: Trainer,
     warmup_steps: int,
     min_lr_ratio: float,
     *,
     schedule: ScheduleName = "cosine",
     decay_steps: int = 120,
-    layers: Sequence[torch.Tensor] = (),
-    parametrization: Parametrization = STANDARD,
 ) -> OptimizerLRSchedulerConfig:
-    """The optimizer `factory` builds over the trained `parameters` (`built_optimizer`), and its LR `schedule` to
-    `max_steps` (`pretraining.objectives.schedules`)."""
+    """The optimizer `factory` builds over `module`'s trained parameters (`built_optimizer`), and its LR `schedule`
+    to `max_steps` (`pretraining.objectives.schedules`)."""
     # Under 16-mixed a fused optimizer unscales after the Trainer's clipping, which Lightning refuses: unfused.
     scaled = getattr(trainer.precision_plugin, "scaler", None) is not None
-    fusable = not (scaled and trainer.gradient_clip_val)
-    optimizer = built_optimizer(factory, parameters, layers, parametrization, fusable)
+    optimizer = built_optimizer(factory, module, fusable=not (scaled and trainer.gradient_clip_val))
     scheduler = lr_schedule(optimizer, schedule, warmup_steps, min_lr_ratio, decay_steps, trainer.max_steps)
     optimizer.register_load_state_dict_pre_hook(report_kept_settings)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def built_optimizer(
-    factory: Callable[..., Optimizer],
-    parameters: Sequence[torch.Tensor],
-    layers: Sequence[torch.Tensor] = (),
-    parametrization: Parametrization = STANDARD,
-    fusable: bool = True,
-) -> Optimizer:
-    """The optimizer `factory` builds over the trained `parameters`, fused where `fusable` and open. Weight decay on
-    matrices only; under `MuonAdamW`, Muon takes the matrices among the backbones' `layers`
-    (`optimizers.layer_parameters`); under a `parametrization` other than standard, each kind of parameter has its
-    group, scaled by its rules."""
-    trained = [p for p in parameters if p.requires_grad]
+def built_optimizer(factory: Callable[..., Optimizer], module: nn.Module, fusable: bool = True) -> Optimizer:
+    """The optimizer `factory` builds over `module`'s trained parameters, fused where `fusable` and open. Weight
+    decay on matrices only; under `MuonAdamW`, Muon takes the matrices in the backbones' layers
+    (`optimizers.layer_parameters`); under a parametrization other than standard (the backbones'), each kind of
+    parameter has its group, scaled by its rules."""
+    trained = [p for p in module.parameters() if p.requires_grad]
+    parametrization = rules_of(module)
+    layers = layer_parameters(module)
     matrices, others = [p for p in trained if p.dim() >= 2], [p for p in trained if p.dim() < 2]
-    hidden = [p for p in layers if p.dim() == 2]
     if parametrization.name != "standard":
-        groups = parametrization.parameter_groups(trained, hidden, layers, is_muon(factory))
+        owned = [p for backbone in backbones(module) for p in backbone.parameters()]
+        groups = parametrization.parameter_groups(trained, layers, owned, is_muon(factory))
     elif is_muon(factory):
-        groups = muon_parameter_groups(matrices, others, hidden)
+        groups = muon_parameter_groups(matrices, others, [p for p in layers if p.dim() == 2])
     else:
         groups = [{"params": matrices}, {"params": others, "weight_decay": 0.0}]
     optimizer = factory(groups, **(fused_if_open(factory, trained) if fusable else {}))
     parametrization.scale(optimizer.param_groups)
     return optimizer
+
+
+def rules_of(module: nn.Module) -> Parametrization:
+    """The parametrization of `module`'s backbones (a contrastive model's two towers share theirs)."""
+    rules = {backbone.parametrization for backbone in backbones(module)}
+    if len(rules) > 1:
+        raise ConfigError(
+            f"one model's backbones have other parametrizations ({', '.join(r.describe() for r in rules)})"
+        )
+    return rules.pop() if rules else STANDARD
 
 
 def fused_if_open(factory: Callable[..., Optimizer], parameters: Sequence[torch.Tensor]) -> dict[str, bool]:

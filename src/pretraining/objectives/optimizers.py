@@ -1,7 +1,7 @@
 """Muon for the hidden matrices, AdamW for everything else, as one optimizer: `MuonAdamW`.
 
 Muon (https://kellerjordan.github.io/posts/muon/) updates a matrix with its orthogonalised gradient momentum,
-so no direction dominates; it suits the layers' projections (`hidden_matrices`), while embeddings, head,
+so no direction dominates; it suits the layers' projections (2-D `layer_parameters`), while embeddings, head,
 norms and scalars keep AdamW. One optimizer holds both, so a checkpoint has one state, and the schedule and
 `lr_scale` (the key to sweep) scale both LRs. The update is torch.optim.Muon's, but orthogonalised in float32 off CUDA
 (`orthogonalisation_dtype`). Muon needs whole matrices: FSDP is refused with it (`pretraining.run.check_config`)."""
@@ -134,16 +134,11 @@ def orthogonalised(matrix: torch.Tensor, steps: int, dtype: torch.dtype) -> torc
 
 
 def layer_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters in every backbone's `repeated_layers` (frozen ones too: `optimizer_and_schedule` keeps the
-    trained): not embeddings, head or parameters outside the layers."""
+    """The parameters in every backbone's `repeated_layers` (frozen ones too: `optimization.built_optimizer` keeps
+    the trained): not embeddings, head or parameters outside the layers. Muon updates their matrices."""
     return [
         param for backbone in backbones(module) for layer in backbone.repeated_layers() for param in layer.parameters()
     ]
-
-
-def hidden_matrices(module: nn.Module) -> list[nn.Parameter]:
-    """The matrices Muon may update: the 2-D `layer_parameters`."""
-    return [param for param in layer_parameters(module) if param.dim() == 2]
 
 
 def is_muon(factory: Callable[..., Optimizer]) -> bool:

@@ -45,7 +45,7 @@ from pretraining.instantiate import build
 from pretraining.models.transformer import Transformer
 from pretraining.objectives.base import PretrainingObjective
 from pretraining.objectives.causal_lm import CausalLM
-from pretraining.objectives.contrastive import retrieval_ranks
+from pretraining.objectives.contrastive import Contrastive, retrieval_ranks
 from pretraining.objectives.masked_lm import MaskedLM
 from pretraining.stored import load_checkpoint, stored_model
 from pretraining.train import train
@@ -262,6 +262,21 @@ def test_a_backbone_with_a_head_of_its_own_is_refused(objective: type) -> None:
         model_files(objective(backbone, optimizer=torch.optim.AdamW), ByteTokenizer(), {})
 
 
+@pytest.mark.parametrize("objective", [CausalLM, MaskedLM, Contrastive])
+def test_a_model_of_other_rules_than_standard_is_refused(objective: type) -> None:
+    backbone = Transformer(
+        vocab_size=100,
+        d_model=64,
+        n_layer=1,
+        n_head=2,
+        causal=objective is CausalLM,
+        parametrization="mup",
+        base_width=32,
+    )
+    with pytest.raises(ConfigError, match=r"trained under model.backbone.parametrization=mup at 2x its base width"):
+        model_files(objective(backbone, optimizer=torch.optim.AdamW), ByteTokenizer(), {"passage_len": 16})
+
+
 def test_an_fsdp2_sharded_checkpoint_exports_as_its_single_process_model(tmp_path: Path, small_shards: Path) -> None:
     assert pretrain(tmp_path, "fsdp", [*tiny_run("clm_tiny"), *SHARDED, f"data.dir={small_shards}"]) == 0
     last = run_dir(tmp_path, "fsdp") / "checkpoints" / "last.ckpt"
@@ -372,6 +387,14 @@ def refused_start(cfg: DictConfig, error: type[Exception], message: str) -> None
 def test_init_from_refuses_another_size_naming_the_overrides(exports: Path, tmp_path: Path, shard_dir: Path) -> None:
     cfg = compose_run(tmp_path, "clm_tiny", shard_dir, *init_from(exports / "clm_tiny"), "model.backbone.d_model=64")
     refused_start(cfg, ConfigError, r"has n_embd=32 \(model.backbone.d_model=64\): pass model.backbone.d_model=32")
+
+
+def test_init_from_refuses_to_read_a_standard_model_under_other_rules(
+    exports: Path, tmp_path: Path, shard_dir: Path
+) -> None:
+    rules = ["model.backbone.parametrization=mup", "model.backbone.base_width=16"]
+    cfg = compose_run(tmp_path, "clm_tiny", shard_dir, *init_from(exports / "clm_tiny"), *rules)
+    refused_start(cfg, ConfigError, r"holds a model of standard parametrization, and this run builds mup at 2x its")
 
 
 def test_init_from_refuses_gpt2_for_a_bidirectional_objective(exports: Path, tmp_path: Path, shard_dir: Path) -> None:

@@ -89,9 +89,16 @@ def test_the_command_prints_the_exponents_and_writes_records_and_figure(
 
 
 @pytest.mark.parametrize(
-    ("sizes", "words"), [(["64"], "give two widths or more"), (["30", "60"], "each width a multiple of 8")]
+    ("arguments", "words"),
+    [
+        (["--sizes", "64"], "give two different widths or more"),
+        (["--sizes", "64", "64"], "give two different widths or more"),
+        (["--sizes", "30", "60"], "each width a multiple of 8"),
+        (["--steps", "0"], "train at least one step at a positive rate"),
+        (["--lr", "0"], "train at least one step at a positive rate"),
+    ],
 )
-def test_sizes_that_check_nothing_are_refused(tmp_path: Path, sizes: list[str], words: str) -> None:
+def test_settings_that_check_nothing_are_refused(tmp_path: Path, arguments: list[str], words: str) -> None:
     with pytest.raises(SystemExit, match=words):
-        main(["coordinates", "--sizes", *sizes, "--out", str(tmp_path)])
+        main(["coordinates", *arguments, "--out", str(tmp_path)])
     assert not any(tmp_path.iterdir())

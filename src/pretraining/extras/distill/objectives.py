@@ -114,7 +114,6 @@ class Distillation(LanguageModel):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Record the teacher in the checkpoint's lineage: a resumed run takes it, and `pretrain-info` shows it."""
-        super().on_save_checkpoint(checkpoint)
         checkpoint.setdefault("lineage", {})["teacher"] = self.teacher_record
 
     def on_fit_start(self) -> None:

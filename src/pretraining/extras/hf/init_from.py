@@ -108,17 +108,13 @@ def initialise_from(backbone: Backbone, given: str, tokenizer: Tokenizer) -> dic
 def checked_loader(config: dict[str, Any], backbone: Transformer | Llama, vocab_size: int, source: str) -> Loader:
     """What loads the weights of the model `config` describes into `backbone` (`StoredTensors`, or a state dict),
     once the config is checked to fit it; a model of another kind than the backbone's is refused, naming both."""
-    if backbone.parametrization.name != "standard":
-        raise ConfigError(
-            f"{source} holds a model of standard parametrization, and this run builds "
-            f"{backbone.parametrization.describe()}, whose multipliers would change what its weights compute: start "
-            "from it with model.backbone.parametrization=standard"
-        )
     kind = config.get("model_type")
     if isinstance(backbone, Llama) and kind in LLAMA_TYPES:
+        check_standard(backbone, source)
         check_llama_fits(config, backbone, vocab_size, source)
         return lambda tensors: load_llama(tensors, backbone, source)
     if isinstance(backbone, Transformer) and kind == "gpt2":
+        check_standard(backbone, source)
         check_gpt2_fits(config, backbone, vocab_size, source)
         return lambda tensors: load_gpt2(tensors, backbone, source)
     (words,) = [words for kinds, _, words, _ in STARTS if isinstance(backbone, kinds)]
@@ -128,6 +124,16 @@ def checked_loader(config: dict[str, Any], backbone: Transformer | Llama, vocab_
         f"{source} holds a {kind!r} model: {KEY} starts from {words} into this run's "
         f"{type(backbone).__name__} backbone{hint}"
     )
+
+
+def check_standard(backbone: Transformer | Llama, source: str) -> None:
+    """A model directory's weights compute under standard rules; other multipliers would change what they do."""
+    if backbone.parametrization.name != "standard":
+        raise ConfigError(
+            f"{source} holds a model of standard parametrization, and this run builds "
+            f"{backbone.parametrization.describe()}, whose multipliers would change what its weights compute: start "
+            "from it with model.backbone.parametrization=standard"
+        )
 
 
 def check_same_table(config: dict[str, Any], backbone: Transformer | Llama, source: str) -> None:

@@ -40,14 +40,16 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def coordinates(args: argparse.Namespace) -> None:
-    from pretraining.extras.scaling.coordinates import as_rows, check, growth
+    from pretraining.extras.scaling.coordinates import SHOWN, as_rows, check, growth
 
     sizes = args.sizes or [int(size) for size in SIZES[args.along].split()]
-    if len(sizes) < 2 or min(sizes) < 1:
-        raise ConfigError(f"--sizes {sizes}: give two {args.along}s or more, each at least 1")
+    if len(set(sizes)) < 2 or min(sizes) < 1:
+        raise ConfigError(f"--sizes {sizes}: give two different {args.along}s or more, each at least 1")
+    if args.steps < 1 or (args.lr is not None and args.lr <= 0):
+        raise ConfigError(f"--steps {args.steps} --lr {args.lr}: train at least one step at a positive rate")
     if args.along == "width" and any(size % 8 for size in sizes):
         raise ConfigError(f"--sizes {sizes}: each width a multiple of 8 (4 heads of an even width)")
-    lr = args.lr or (1e-2 if args.optimizer == "adamw" else 1e-3)
+    lr = args.lr if args.lr is not None else (1e-2 if args.optimizer == "adamw" else 1e-3)
     shape = (
         {"widths": sizes, "base_width": sizes[0]}
         if args.along == "width"
@@ -63,11 +65,10 @@ def coordinates(args: argparse.Namespace) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = {name: as_rows(records) for name, records in checks.items()}
     write_atomically(args.out / f"{stem}.json", json.dumps(rows, indent=1).encode())
-    layers = ["embedding", "layer 1", "last layer", "logits"]
     print(f"growth exponent of each size against {args.along} at step {args.steps} (0: flat, 1: proportional)")
-    print(f"{'':12}" + "".join(f"{layer:>12}" for layer in layers))
+    print(f"{'':12}" + "".join(f"{layer:>12}" for layer in SHOWN))
     for name, records in checks.items():
-        print(f"{name:12}" + "".join(f"{growth(records, layer, args.steps, args.along):+12.2f}" for layer in layers))
+        print(f"{name:12}" + "".join(f"{growth(records, layer, args.steps, args.along):+12.2f}" for layer in SHOWN))
     print(args.out / f"{stem}.json")
     if importlib.util.find_spec("matplotlib") is None:
         print(f"no figure: {MissingExtraError('drawing it (matplotlib)', 'plots')}")

@@ -23,11 +23,13 @@ from pretraining.models.llama import Llama
 from pretraining.models.transformer import Transformer
 from pretraining.objectives.causal_lm import CausalLM
 from pretraining.objectives.optimization import built_optimizer
-from pretraining.objectives.optimizers import MuonAdamW, layer_parameters
+from pretraining.objectives.optimizers import MuonAdamW
 
 BACKBONES: dict[str, type[Transformer | Llama]] = {"gpt2": Transformer, "llama": Llama}
 VOCABULARY = 256
 LENGTH = 64
+# What the table and the figure show: the first and the last layer of any depth, what comes in and goes out.
+SHOWN = ("embedding", "layer 1", "last layer", "logits")
 
 
 @dataclass(frozen=True)
@@ -91,9 +93,7 @@ def check(
 
 def trained_sizes(net: CausalLM, tokens: torch.Tensor, steps: int, width: int, depth: int) -> list[Coordinate]:
     """Train `net` `steps` steps on `tokens`, recording its activation sizes after each."""
-    opt = built_optimizer(
-        net.optimizer_factory, list(net.parameters()), layer_parameters(net), net.backbone.parametrization
-    )
+    opt = built_optimizer(net.optimizer_factory, net)
     records: list[Coordinate] = []
     for step in range(1, steps + 1):
         opt.zero_grad()

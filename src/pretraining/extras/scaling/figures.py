@@ -1,5 +1,5 @@
-"""The coordinate check's figure, as µP papers draw it: per parametrization, each layer's activation size
-against width (or depth) on log axes, one line per layer, after the last step."""
+"""The coordinate check's figure, as µP papers draw it: per parametrization, the activation sizes against width
+(or depth) on log axes, one line per layer, after the last step."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from pretraining.extras.plots.plots import save_png
-from pretraining.extras.scaling.coordinates import Coordinate
+from pretraining.extras.scaling.coordinates import SHOWN, Coordinate
 
 
 def coordinate_figure(checks: Mapping[str, Sequence[Coordinate]], along: str, title: str, out: Path) -> None:
@@ -20,8 +20,7 @@ def coordinate_figure(checks: Mapping[str, Sequence[Coordinate]], along: str, ti
     panels = figure.subplots(1, len(checks), sharey=True, squeeze=False)[0]  # one scale: flat against growing
     for axes, (name, records) in zip(panels, checks.items(), strict=True):
         last = max(record.step for record in records)
-        layers = dict.fromkeys(r.layer for r in records if r.layer != "last layer" and r.step == last)
-        for layer in layers:
+        for layer in SHOWN:
             points = sorted((getattr(r, along), r.size) for r in records if r.layer == layer and r.step == last)
             axes.plot(*zip(*points, strict=True), marker="o", label=layer)
         axes.set_xscale("log", base=2)
