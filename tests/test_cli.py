@@ -33,7 +33,7 @@ QUICK = [
     # The extras' commands, those this checkout keeps (a fork may have deleted them).
     *[
         (f"pretraining.extras.{extra}.cli:main", ["--help"])
-        for extra in ("hf", "plots", "registry", "sweeps", "goodput")
+        for extra in ("hf", "plots", "registry", "sweeps", "goodput", "scaling")
         if has_extra(extra)
     ],
 ]

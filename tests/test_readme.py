@@ -78,6 +78,7 @@ EXTRA_MENTIONS = {
     "probe": r"\bprobe\b",
     "goodput": r"pretrain-goodput|callbacks\.goodput",
     "evals": r"\bevals\b",
+    "scaling": r"pretrain-scaling",
     "bench": r"\bmake bench|scripts/bench/",
 }
 EXTRA_NEEDS = {"sweeps": {"plots"}}
@@ -270,6 +271,8 @@ def check(command: str, config_dir: Path) -> None:
         arguments.data_parser().parse_args(args)
     elif program == "pretrain-registry":  # parsed only: run, it would write to this checkout's registry
         importlib.import_module("pretraining.extras.registry.cli").registry_parser().parse_args(args)
+    elif program == "pretrain-scaling":  # parsed only: run, it would train a dozen models
+        importlib.import_module("pretraining.extras.scaling.cli").scaling_parser().parse_args(args)
     elif program in ENTRY_POINTS:
         check_entry_point(entry_point(program), args)
     elif program == "rm":

@@ -20,6 +20,14 @@ SIZES = {"width": "32 64 128 256 512", "depth": "2 4 8 16"}
 
 def main(argv: Sequence[str] | None = None) -> None:
     """`pretrain-scaling coordinates [--along width|depth] ...`."""
+    args = scaling_parser().parse_args(argv)
+    try:
+        coordinates(args)
+    except ConfigError as error:
+        sys.exit(f"pretrain-scaling: {error}")
+
+
+def scaling_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pretrain-scaling", description="Scaling checks of a parametrization.")
     commands = parser.add_subparsers(dest="command", required=True)
     check = commands.add_parser("coordinates", help="activation sizes against width or depth (docs/scaling.md)")
@@ -32,11 +40,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     check.add_argument("--lr", type=float, help="AdamW's (Muon's is 20x): default 1e-2 with adamw, 1e-3 with muon")
     check.add_argument("--steps", type=int, default=10)
     check.add_argument("--out", type=Path, default=Path("logs/scaling"), metavar="DIR")
-    args = parser.parse_args(argv)
-    try:
-        coordinates(args)
-    except ConfigError as error:
-        sys.exit(f"pretrain-scaling: {error}")
+    return parser
 
 
 def coordinates(args: argparse.Namespace) -> None:
