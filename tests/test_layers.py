@@ -60,6 +60,7 @@ DEFERS_IMPORTS = (
     "extras.sweeps.cli",
     "extras.goodput.cli",
     "extras.evals.cli",
+    "extras.scaling.cli",
     "plugins",
     "plugins.fsdp",
     "objectives.base",
@@ -137,7 +138,7 @@ def test_the_core_imports_no_extra() -> None:
 @pytest.mark.parametrize("module", [module for module in MODULES if module.startswith("models.")])
 def test_a_backbone_imports_only_torch_the_checks_of_its_settings_and_other_models(module: str) -> None:
     checks = {"pretraining.ranges", "pretraining.errors"}
-    standard = {"__future__", "abc", "collections", "functools", "math", "os", "typing", "torch"}
+    standard = {"__future__", "abc", "collections", "dataclasses", "functools", "math", "os", "typing", "torch"}
     for name, _ in imports(MODULES[module]):
         assert name.split(".")[0] in standard or name in checks or name.startswith("pretraining.models."), name
 

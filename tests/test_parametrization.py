@@ -13,6 +13,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 
+from pretraining.cli import info as info_main
 from pretraining.errors import ConfigError
 from pretraining.init_from import check_same_backbone
 from pretraining.models.backbone import Backbone
@@ -150,19 +151,34 @@ def test_an_optimizer_of_other_rules_is_refused() -> None:
 
 def test_a_checkpoint_of_other_rules_is_refused_naming_both() -> None:
     wide = built("gpt2", d_model=64, parametrization="mup", base_width=32).parametrization
-    assert wide.record() == {"name": "mup", "width_multiplier": 2.0, "depth_multiplier": 1.0}
+    summary = "mup at 2x its base width, heads 2x as wide as the base's"
+    assert wide.record() == {
+        "name": "mup",
+        "width_multiplier": 2.0,
+        "depth_multiplier": 1.0,
+        "head_multiplier": 2.0,
+    } | {"summary": summary}
     check_same_parametrization(wide.record(), wide.record())
     with pytest.raises(ConfigError, match=r"trained under model.backbone.parametrization=mup at 2x its base width, "):
         check_same_parametrization(wide.record(), STANDARD.record())
     check_same_parametrization(None, STANDARD.record())  # a checkpoint from before parametrizations: standard
     with pytest.raises(ConfigError, match="this run builds mup at 2x its base width"):
         check_same_parametrization(None, wide.record())
+    other_heads = built("gpt2", d_model=64, parametrization="mup", base_width=32, base_n_head=1).parametrization
+    with pytest.raises(
+        ConfigError, match=r"heads 2x as wide as the base's, and this run builds mup at 2x its base width:"
+    ):
+        check_same_parametrization(wide.record(), other_heads.record())  # the same width, other heads at the base
 
 
-def test_the_lineage_records_the_rules(compose_train, tmp_path: Path) -> None:
+def test_the_lineage_records_the_rules_and_info_shows_them(
+    compose_train, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     train(compose_train("trainer.max_steps=2", "callbacks.checkpoint.every_n_steps=2", *MUP))
     lineage = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["lineage"]
-    assert lineage["parametrization"] == {"name": "mup", "width_multiplier": 2.0, "depth_multiplier": 1.0}
+    assert lineage["parametrization"]["summary"] == "mup at 2x its base width, heads 2x as wide as the base's"
+    info_main([str(tmp_path / "checkpoints" / "last.ckpt")])
+    assert "CausalLM, mup at 2x its base width, heads 2x as wide" in capsys.readouterr().out  # the model row
 
 
 def test_a_stage_two_from_a_parent_of_other_rules_is_refused() -> None:
@@ -191,6 +207,17 @@ def test_a_contrastive_projection_is_a_readout_and_its_temperature_keeps_its_rat
     scalars = named["objective_vectors"]
     assert {id(p) for p in scalars["params"]} == {id(model.logit_scale)}
     assert (scalars["initial_lr"], scalars["eps"], scalars["weight_decay"]) == (1e-2, 1e-8, 0.0)
+
+
+def test_two_towers_share_their_rules_and_their_groups() -> None:
+    encoder = built("llama", d_model=64, causal=False, parametrization="completep", base_width=32, base_depth=1)
+    model = Contrastive(encoder, optimizer=MUON, shared_towers=False, embed_dim=16)
+    named = groups(model)
+    towers = [model.backbone, model.passage_backbone]
+    hidden = {id(p) for tower in towers for layer in tower.layers for p in layer.parameters() if p.dim() == 2}
+    assert {id(p) for p in named["muon"]["params"]} == hidden
+    heads = {id(model.query_head.weight), id(model.passage_head.weight)}
+    assert {id(p) for p in named["readouts"]["params"]} == heads
 
 
 def test_muon_scaled_to_match_adamw_is_refused() -> None:

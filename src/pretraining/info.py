@@ -31,6 +31,7 @@ OWN_KEYS = {
     "sources",
     "mixture",
     "mixture_phases",
+    "parametrization",
 }
 
 
@@ -71,7 +72,7 @@ def describe(chain: list[dict[str, Any]]) -> str:
         ("validation", validation_summary(newest["validation"])),
         ("run", f"{config.get('task_name')}/{config.get('run_name')} (W&B run {lineage.get('wandb_run_id')})"),
         ("code", f"{code.get('commit')}{dirty}"),
-        ("model", config.get("model", {}).get("_target_")),
+        ("model", f"{config.get('model', {}).get('_target_')}{rules_summary(lineage)}"),
         ("data", f"version {lineage.get('data_version')} from {data_origin(lineage, config)}"),
         *mixture_rows(lineage),
         ("tokenizer", f"fingerprint {lineage.get('tokenizer_fingerprint')}"),
@@ -89,6 +90,12 @@ def describe(chain: list[dict[str, Any]]) -> str:
     rows += list(zip(labels, ancestors or ["nothing: a first start"], strict=False))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def rules_summary(lineage: dict[str, Any]) -> str:
+    """The backbone's parametrization, where it is not standard (`pretraining.models.parametrization`)."""
+    rules = lineage.get("parametrization") or {}
+    return f", {rules['summary']}" if rules.get("name", "standard") != "standard" else ""
 
 
 def validation_summary(validation: Any) -> str:

@@ -127,7 +127,8 @@ class Backbone(nn.Module, metaclass=abc.ABCMeta):
 
 
 def backbones(module: nn.Module) -> list[Backbone]:
-    """Every backbone inside `module`: an objective's, a second contrastive tower, a distillation's teacher."""
+    """Every backbone inside `module`: an objective's, a second contrastive tower (not a distillation's teacher,
+    which is kept outside the module's tree)."""
     return [m for m in module.modules() if isinstance(m, Backbone)]
 
 

@@ -87,11 +87,13 @@ class Parametrization:
         if self.name == "standard":
             return self.name
         depth = f" and {self.depth_multiplier:g}x its base depth" if self.name == "completep" else ""
-        return f"{self.name} at {self.width_multiplier:g}x its base width{depth}"
+        heads = f", heads {self.head_multiplier:g}x as wide as the base's" if self.head_multiplier != 1 else ""
+        return f"{self.name} at {self.width_multiplier:g}x its base width{depth}{heads}"
 
     def record(self) -> dict[str, Any]:
-        """What a checkpoint stores, and a resume compares."""
-        return {"name": self.name, "width_multiplier": self.width_multiplier, "depth_multiplier": self.depth_multiplier}
+        """What the lineage stores, a resume compares and `pretrain-info` shows (its summary)."""
+        fields = ("name", "width_multiplier", "depth_multiplier", "head_multiplier")
+        return {field: getattr(self, field) for field in fields} | {"summary": self.describe()}
 
     def multipliers(self, group: str) -> dict[str, float]:
         """{optimizer setting: multiplier} of a param group named as `parameter_groups` names them."""
@@ -213,11 +215,8 @@ def check_same_parametrization(saved: dict[str, Any] | None, ours: dict[str, Any
     (`saved`, `ours`: `record`s; none in a checkpoint from before parametrizations: standard)."""
     saved = saved or STANDARD.record()
     if saved != ours:
-        theirs, wanted = (
-            Parametrization(r["name"], r["width_multiplier"], r["depth_multiplier"]) for r in (saved, ours)
-        )
         raise ConfigError(
-            f"the checkpoint was trained under {KEY}={theirs.describe()}, and this run builds {wanted.describe()}: "
+            f"the checkpoint was trained under {KEY}={saved['summary']}, and this run builds {ours['summary']}: "
             f"continue it with the checkpoint's {KEY}, base_width, base_depth and base_n_head, or start a separate "
             "run (run_name=<new name> or resume=never)"
         )

@@ -183,7 +183,8 @@ class Transformer(Backbone):
             if isinstance(module, nn.Linear | nn.Embedding):
                 std = self.parametrization.hidden_std(0.02) if name.startswith("blocks.") else 0.02
                 if name.endswith(("attention.proj", "mlp.down")):
-                    # GPT-2: residual-stream projections scaled down so its variance stays flat in depth.
+                    # GPT-2: residual-stream projections scaled down so its variance stays flat in depth
+                    # (under completep, the branch multiplier does that, and the base depth is counted here).
                     std /= math.sqrt(2 * self.parametrization.residual_depth(self.n_layer))
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             if isinstance(module, nn.Linear) and module.bias is not None:

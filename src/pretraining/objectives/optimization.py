@@ -56,14 +56,14 @@ def built_optimizer(factory: Callable[..., Optimizer], module: nn.Module, fusabl
     trained = [p for p in module.parameters() if p.requires_grad]
     parametrization = rules_of(module)
     layers = layer_parameters(module)
-    matrices, others = [p for p in trained if p.dim() >= 2], [p for p in trained if p.dim() < 2]
     if parametrization.name != "standard":
         owned = [p for backbone in backbones(module) for p in backbone.parameters()]
         groups = parametrization.parameter_groups(trained, layers, owned, is_muon(factory))
-    elif is_muon(factory):
-        groups = muon_parameter_groups(matrices, others, [p for p in layers if p.dim() == 2])
     else:
-        groups = [{"params": matrices}, {"params": others, "weight_decay": 0.0}]
+        matrices, others = [p for p in trained if p.dim() >= 2], [p for p in trained if p.dim() < 2]
+        hidden = [p for p in layers if p.dim() == 2]
+        plain: list[dict[str, Any]] = [{"params": matrices}, {"params": others, "weight_decay": 0.0}]
+        groups = muon_parameter_groups(matrices, others, hidden) if is_muon(factory) else plain
     optimizer = factory(groups, **(fused_if_open(factory, trained) if fusable else {}))
     parametrization.scale(optimizer.param_groups)
     return optimizer

@@ -73,6 +73,7 @@ def test_every_backbone_and_optimizer(backbone: str, optimizer: str, along: str)
 def test_the_command_prints_the_exponents_and_writes_records_and_figure(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    pytest.importorskip("pretraining.extras.plots")  # the figure's
     pytest.importorskip("matplotlib")
     main(["coordinates", "--sizes", "32", "64", "128", "--steps", "3", "--out", str(tmp_path)])
     printed = capsys.readouterr().out

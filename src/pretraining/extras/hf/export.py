@@ -45,7 +45,7 @@ from pretraining.extras.hf.directory import (
 from pretraining.extras.hf.llama import LLAMA_TYPES, llama_config, to_llama
 from pretraining.extras.hf.model_tokenizer import ModelTokenizer
 from pretraining.extras.hf.tokenizer import CLS, EOS, MASK, PAD, tokenizer_files
-from pretraining.extras.hf.weights import encoder_config, gpt2_config, to_encoder, to_gpt2
+from pretraining.extras.hf.weights import check_standard, encoder_config, gpt2_config, to_encoder, to_gpt2
 from pretraining.models.backbone import Backbone
 from pretraining.models.llama import Llama
 from pretraining.models.transformer import Transformer
@@ -109,12 +109,9 @@ def model_files(
             f"{type(backbone).__name__} has no Hugging Face export: pretrain-export writes the template's own "
             "backbones (pretraining.models.transformer.Transformer, pretraining.models.llama.Llama)"
         )
-    if backbone.parametrization.name != "standard":
-        raise ConfigError(
-            f"this model was trained under model.backbone.parametrization={backbone.parametrization.describe()}, "
-            "whose multipliers (of attention's scores, the residual branches and the head) the Hugging Face "
-            "architectures lack: pretrain-export writes models of standard parametrization"
-        )
+    check_standard(
+        backbone, "whose multipliers the Hugging Face architectures lack: pretrain-export writes standard ones"
+    )
     if not isinstance(model, Contrastive):  # an embedding model's export has no language-model head
         check_linear_head(backbone)
     if isinstance(backbone, Llama):

@@ -22,11 +22,12 @@ from pretraining.extras.hf.directory import LINEAGE, StoredTensors, read_config,
 from pretraining.extras.hf.llama import LLAMA_TYPES, check_llama_fits, load_llama
 from pretraining.extras.hf.loading import Tensors
 from pretraining.extras.hf.tokenizer import check_same_tokenizer
-from pretraining.extras.hf.weights import GPT2_VOCAB_SIZE, check_gpt2_fits, load_gpt2
+from pretraining.extras.hf.weights import GPT2_VOCAB_SIZE, check_gpt2_fits, check_standard, load_gpt2
 from pretraining.files import sha256_of
 from pretraining.init_from import InitFrom
 from pretraining.models.backbone import Backbone, padded_vocabulary
 from pretraining.models.llama import Llama
+from pretraining.models.parametrization import KEY as RULES
 from pretraining.models.transformer import Transformer
 from pretraining.objectives.base import PretrainingObjective
 
@@ -110,11 +111,11 @@ def checked_loader(config: dict[str, Any], backbone: Transformer | Llama, vocab_
     once the config is checked to fit it; a model of another kind than the backbone's is refused, naming both."""
     kind = config.get("model_type")
     if isinstance(backbone, Llama) and kind in LLAMA_TYPES:
-        check_standard(backbone, source)
+        check_standard(backbone, f"and {source} holds a standard one: start from it with {RULES}=standard")
         check_llama_fits(config, backbone, vocab_size, source)
         return lambda tensors: load_llama(tensors, backbone, source)
     if isinstance(backbone, Transformer) and kind == "gpt2":
-        check_standard(backbone, source)
+        check_standard(backbone, f"and {source} holds a standard one: start from it with {RULES}=standard")
         check_gpt2_fits(config, backbone, vocab_size, source)
         return lambda tensors: load_gpt2(tensors, backbone, source)
     (words,) = [words for kinds, _, words, _ in STARTS if isinstance(backbone, kinds)]
@@ -124,16 +125,6 @@ def checked_loader(config: dict[str, Any], backbone: Transformer | Llama, vocab_
         f"{source} holds a {kind!r} model: {KEY} starts from {words} into this run's "
         f"{type(backbone).__name__} backbone{hint}"
     )
-
-
-def check_standard(backbone: Transformer | Llama, source: str) -> None:
-    """A model directory's weights compute under standard rules; other multipliers would change what they do."""
-    if backbone.parametrization.name != "standard":
-        raise ConfigError(
-            f"{source} holds a model of standard parametrization, and this run builds "
-            f"{backbone.parametrization.describe()}, whose multipliers would change what its weights compute: start "
-            "from it with model.backbone.parametrization=standard"
-        )
 
 
 def check_same_table(config: dict[str, Any], backbone: Transformer | Llama, source: str) -> None:

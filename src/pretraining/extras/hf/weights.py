@@ -29,6 +29,8 @@ from pretraining.extras.hf.loading import (
     load_placements,
     stored_names,
 )
+from pretraining.models.backbone import Backbone
+from pretraining.models.parametrization import KEY
 from pretraining.models.transformer import Transformer
 
 # What the backbone computes, as GPT-2 config keys: (the value it writes, GPT2Config's default, in words).
@@ -221,3 +223,10 @@ def check_gpt2_fits(config: dict[str, Any], backbone: Transformer, vocab_size: i
             f"{source} has vocab_size={vocabulary!r}, not the {vocab_size} ids of the run's tokenizer at least: "
             "use the tokenizer it was trained with"
         )
+
+
+def check_standard(backbone: Backbone, refusal: str) -> None:
+    """The Hugging Face architectures compute standard rules: no multiplier of the scores, branches or head. A
+    backbone under others is refused with `refusal` (what it cannot do and the fix)."""
+    if backbone.parametrization.name != "standard":
+        raise ConfigError(f"this model is under {KEY}={backbone.parametrization.describe()}, {refusal}")

@@ -9,6 +9,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pretraining.errors import ConfigError, MissingExtraError
 from pretraining.files import write_atomically
@@ -44,8 +45,35 @@ def scaling_parser() -> argparse.ArgumentParser:
 
 
 def coordinates(args: argparse.Namespace) -> None:
+    """Run the check along `args.along`, print the exponents, write the records and draw the figure."""
     from pretraining.extras.scaling.coordinates import SHOWN, as_rows, check, growth
 
+    shape, lr = checked_shape(args)
+    checks = {
+        name: check(args.backbone, name, args.optimizer, steps=args.steps, lr=lr, **shape)
+        for name in ("standard", SWITCH[args.along])
+    }
+    stem = args.out / f"coordinates-{args.along}-{args.backbone}-{args.optimizer}"
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = {name: as_rows(records) for name, records in checks.items()}
+    write_atomically(stem.with_suffix(".json"), json.dumps(rows, indent=1).encode())
+    print(f"growth exponent of each size against {args.along} at step {args.steps} (0: flat, 1: proportional)")
+    print(f"{'':12}" + "".join(f"{layer:>12}" for layer in SHOWN))
+    for name, records in checks.items():
+        print(f"{name:12}" + "".join(f"{growth(records, layer, args.steps, args.along):+12.2f}" for layer in SHOWN))
+    print(stem.with_suffix(".json"))
+    if importlib.util.find_spec("matplotlib") is None or importlib.util.find_spec("pretraining.extras.plots") is None:
+        print(f"no figure: {MissingExtraError('drawing it (matplotlib, the plots extra)', 'plots')}")
+        return
+    from pretraining.extras.scaling.figures import coordinate_figure
+
+    title = f"{args.backbone}, {args.optimizer} (LR {lr:g}): activation size against {args.along}"
+    coordinate_figure(checks, args.along, title, stem.with_suffix(".png"))
+    print(stem.with_suffix(".png"))
+
+
+def checked_shape(args: argparse.Namespace) -> tuple[dict[str, Any], float]:
+    """The sizes and base of the check, and its learning rate, once the arguments are checked."""
     sizes = args.sizes or [int(size) for size in SIZES[args.along].split()]
     if len(set(sizes)) < 2 or min(sizes) < 1:
         raise ConfigError(f"--sizes {sizes}: give two different {args.along}s or more, each at least 1")
@@ -54,31 +82,6 @@ def coordinates(args: argparse.Namespace) -> None:
     if args.along == "width" and any(size % 8 for size in sizes):
         raise ConfigError(f"--sizes {sizes}: each width a multiple of 8 (4 heads of an even width)")
     lr = args.lr if args.lr is not None else (1e-2 if args.optimizer == "adamw" else 1e-3)
-    shape = (
-        {"widths": sizes, "base_width": sizes[0]}
-        if args.along == "width"
-        else {"depths": sizes, "base_depth": sizes[0]}
-    )
-    if args.along == "depth":
-        shape |= {"widths": (64,), "base_width": 64}
-    checks = {
-        name: check(args.backbone, name, args.optimizer, steps=args.steps, lr=lr, **shape)  # type: ignore[arg-type]
-        for name in ("standard", SWITCH[args.along])
-    }
-    stem = f"coordinates-{args.along}-{args.backbone}-{args.optimizer}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    rows = {name: as_rows(records) for name, records in checks.items()}
-    write_atomically(args.out / f"{stem}.json", json.dumps(rows, indent=1).encode())
-    print(f"growth exponent of each size against {args.along} at step {args.steps} (0: flat, 1: proportional)")
-    print(f"{'':12}" + "".join(f"{layer:>12}" for layer in SHOWN))
-    for name, records in checks.items():
-        print(f"{name:12}" + "".join(f"{growth(records, layer, args.steps, args.along):+12.2f}" for layer in SHOWN))
-    print(args.out / f"{stem}.json")
-    if importlib.util.find_spec("matplotlib") is None:
-        print(f"no figure: {MissingExtraError('drawing it (matplotlib)', 'plots')}")
-        return
-    from pretraining.extras.scaling.figures import coordinate_figure
-
-    title = f"{args.backbone}, {args.optimizer} (LR {lr:g}): activation size against {args.along}"
-    coordinate_figure(checks, args.along, title, args.out / f"{stem}.png")
-    print(args.out / f"{stem}.png")
+    if args.along == "width":
+        return {"widths": sizes, "base_width": sizes[0]}, lr
+    return {"depths": sizes, "base_depth": sizes[0], "widths": (64,), "base_width": 64}, lr
