@@ -149,6 +149,7 @@ def draw(all_results: dict[str, Curves], out: Path) -> None:
         axes.set(
             xscale="log", xlabel="learning rate" if "adamw" in name else "lr_scale", ylabel="held-out loss", title=name
         )
+        axes.minorticks_off()  # a narrow log range labels its minor ticks over one another
         axes.legend(fontsize="small")
     save_png(figure, out)
 
