@@ -1,5 +1,6 @@
 """`pretrain-scaling coordinates`: the coordinate check of a parametrization against standard's, as a table of
-growth exponents, its records (JSON) and the figure (PNG, with the plots extra)."""
+growth exponents, its records (JSON) and the figure (PNG, with the plots extra). `pretrain-scaling ladder`: the
+scaling ladder (`ladder`), its rungs, fits and prediction (JSON, CSV) and their figure."""
 
 from __future__ import annotations
 
@@ -11,21 +12,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pretraining.errors import ConfigError, MissingExtraError
+from pretraining.errors import ConfigError, MissingExtraError, PretrainingError
 from pretraining.files import write_atomically
 
 # The rule each axis checks: width is µP's, depth CompleteP's (which includes µP).
 SWITCH = {"width": "mup", "depth": "completep"}
 SIZES = {"width": "32 64 128 256 512", "depth": "2 4 8 16"}
+# The ladder's widths: non-embedding parameters from 14k to 427k (31x), then 886k (2.1x) to predict.
+RUNGS, NEXT = (24, 32, 48, 64, 96, 128), 192
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """`pretrain-scaling coordinates [--along width|depth] ...`."""
     args = scaling_parser().parse_args(argv)
+    from hydra.errors import HydraException
+
     try:
-        coordinates(args)
-    except ConfigError as error:
-        sys.exit(f"pretrain-scaling: {error}")
+        {"coordinates": coordinates, "ladder": ladder}[args.command](args)
+    except (PretrainingError, HydraException) as error:
+        sys.exit(f"pretrain-scaling {args.command}: {error}")
 
 
 def scaling_parser() -> argparse.ArgumentParser:
@@ -41,6 +46,12 @@ def scaling_parser() -> argparse.ArgumentParser:
     check.add_argument("--lr", type=float, help="AdamW's (Muon's is 20x): default 1e-2 with adamw, 1e-3 with muon")
     check.add_argument("--steps", type=int, default=10)
     check.add_argument("--out", type=Path, default=Path("logs/scaling"), metavar="DIR")
+    ladder = commands.add_parser("ladder", help="train widths, fit power laws, predict the next (docs/scaling.md)")
+    ladder.add_argument("--widths", type=int, nargs="+", default=RUNGS, help="the rungs fitted")
+    ladder.add_argument("--next", type=int, default=NEXT, help="the width predicted, then trained")
+    ladder.add_argument("--tokens-per-parameter", type=float, default=20.0, metavar="RATIO")
+    ladder.add_argument("--out", type=Path, default=Path("logs/scaling/ladder"), metavar="DIR")
+    ladder.add_argument("overrides", nargs="*", help="pretrain's, for every rung (default: experiment=ladder)")
     return parser
 
 
@@ -62,14 +73,51 @@ def coordinates(args: argparse.Namespace) -> None:
     for name, records in checks.items():
         print(f"{name:12}" + "".join(f"{growth(records, layer, args.steps, args.along):+12.2f}" for layer in SHOWN))
     print(stem.with_suffix(".json"))
-    if importlib.util.find_spec("matplotlib") is None or importlib.util.find_spec("pretraining.extras.plots") is None:
-        print(f"no figure: {MissingExtraError('drawing it (matplotlib, the plots extra)', 'plots')}")
+    if not can_draw():
         return
     from pretraining.extras.scaling.figures import coordinate_figure
 
     title = f"{args.backbone}, {args.optimizer} (LR {lr:g}): activation size against {args.along}"
     coordinate_figure(checks, args.along, title, stem.with_suffix(".png"))
     print(stem.with_suffix(".png"))
+
+
+def ladder(args: argparse.Namespace) -> None:
+    """Train the fitted rungs, fit, predict the next rung, train it and report the error; write the files."""
+    from pretraining.extras.scaling.ladder import Ladder, check_overrides, plan, summary, train, write
+
+    widths = [*args.widths, args.next]
+    if len(args.widths) < 4 or widths != sorted(set(widths)) or args.tokens_per_parameter <= 0:
+        raise ConfigError(
+            f"--widths {args.widths} --next {args.next} --tokens-per-parameter {args.tokens_per_parameter}: four "
+            "widths or more (the fit has three parameters), increasing, then a wider --next, at a positive ratio"
+        )
+    check_overrides(args.overrides)
+    overrides = ["experiment=ladder", *args.overrides]
+    *fitted, following = plan(widths, args.tokens_per_parameter, overrides)
+    settings = {"tokens_per_parameter": args.tokens_per_parameter, "overrides": overrides}
+    result = Ladder(fitted, [train(rung, overrides, args.out) for rung in fitted], following)
+    write(result, args.out, settings)  # the prediction, on file before its rung trains
+    print("\n".join(summary(result)))
+    result.measured = train(following, overrides, args.out)
+    write(result, args.out, settings)
+    print("\n".join(summary(result)))
+    print(args.out / "ladder.json")
+    print(args.out / "ladder.csv")
+    if not can_draw():
+        return
+    from pretraining.extras.scaling.figures import ladder_figure
+
+    ladder_figure(result, args.out / "ladder.png")
+    print(args.out / "ladder.png")
+
+
+def can_draw() -> bool:
+    """Whether the plots extra is installed; if not, say so."""
+    if importlib.util.find_spec("matplotlib") and importlib.util.find_spec("pretraining.extras.plots"):
+        return True
+    print(f"no figure: {MissingExtraError('drawing it (matplotlib, the plots extra)', 'plots')}")
+    return False
 
 
 def checked_shape(args: argparse.Namespace) -> tuple[dict[str, Any], float]:

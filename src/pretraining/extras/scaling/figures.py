@@ -1,16 +1,20 @@
 """The coordinate check's figure, as µP papers draw it: per parametrization, the activation sizes against width
-(or depth) on log axes, one line per layer, after the last step."""
+(or depth) on log axes, one line per layer, after the last step; and the scaling ladder's fits."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from operator import attrgetter
 from pathlib import Path
 
+import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from pretraining.extras.plots.plots import save_png
+from pretraining.extras.scaling import power_law
 from pretraining.extras.scaling.coordinates import SHOWN, Coordinate
+from pretraining.extras.scaling.ladder import Ladder
 
 
 def coordinate_figure(checks: Mapping[str, Sequence[Coordinate]], along: str, title: str, out: Path) -> None:
@@ -31,4 +35,26 @@ def coordinate_figure(checks: Mapping[str, Sequence[Coordinate]], along: str, ti
     figure.axes[0].set_ylabel("mean |activation|")
     figure.axes[-1].legend(fontsize="small")
     figure.suptitle(title)
+    save_png(figure, out)
+
+
+def ladder_figure(ladder: Ladder, out: Path) -> None:
+    """The validation loss against compute and against parameters on log axes: the fitted rungs, each fit extended
+    to the next rung with its prediction interval, and the next rung as measured."""
+    figure = Figure(figsize=(9, 3.8), layout="constrained")
+    FigureCanvasAgg(figure)
+    panels = figure.subplots(1, 2, sharey=True)
+    for axes, (axis, law) in zip(panels, ladder.fits().items(), strict=True):
+        value = attrgetter(axis)
+        xs = np.geomspace(value(ladder.fitted[0]), value(ladder.following), 50)
+        low, high = zip(*map(law.interval, xs), strict=True)
+        axes.fill_between(xs, low, high, alpha=0.2, label=f"{power_law.LEVEL:.0%} prediction interval")
+        axes.plot(xs, [law(x) for x in xs], label=f"fit: exponent {law.exponent:.3f}")
+        axes.plot([value(r) for r in ladder.fitted], ladder.losses, "o", label="rungs fitted")
+        if ladder.measured is not None:
+            axes.plot([value(ladder.following)], [ladder.measured], "*", markersize=12, label=ladder.following.name)
+        axes.set(xscale="log", yscale="log", xlabel="FLOPs (6ND)" if axis == "compute" else "parameters (N)")
+    panels[0].set_ylabel("validation loss")
+    panels[0].legend(fontsize="small")
+    figure.suptitle("The scaling ladder: the next rung's loss, predicted and measured")
     save_png(figure, out)
