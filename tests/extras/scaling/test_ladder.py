@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,9 +25,9 @@ from pretraining.job_status import read_status
 
 TESTS = Path(__file__).parents[2]
 TEST_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
-# Rungs of 256-token steps: at 0.5 tokens per parameter, width 16 trains 16 steps, width 64 209.
+# Rungs of 256-token steps: at 0.5 tokens per parameter, 16x1 trains 8 steps, 48x2 108.
 SMALL = ["data.global_batch_size=4", "model.backbone.max_seq_len=64", "data.num_workers=0", "data.val_size=8"]
-LADDER = ["ladder", "--widths", "16", "24", "32", "48", "--next", "64"]
+LADDER = ["ladder", "--shapes", "16x1", "24x1", "32x1", "32x2", "--next", "48x2"]
 
 
 def test_a_power_law_finds_its_parameters_and_its_intervals_cover_the_truth() -> None:
@@ -48,12 +49,12 @@ def test_a_power_law_finds_its_parameters_and_its_intervals_cover_the_truth() ->
 
 def test_each_rung_counts_its_layers_parameters_and_trains_its_ratio_of_tokens(shard_dir: Path) -> None:
     overrides = ["experiment=ladder", f"data.dir={shard_dir}", *SMALL]
-    rungs = plan([16, 32], 0.5, overrides)
-    for rung, width in zip(rungs, (16, 32), strict=True):
+    rungs = plan([(16, 2), (32, 3)], 0.5, overrides)
+    for rung, (width, depth) in zip(rungs, [(16, 2), (32, 3)], strict=True):
         mlp = 64 * math.ceil(8 * width / 3 / 64)  # the gated MLP's width, rounded up to a multiple of 64
         head = width // 4
-        # Two layers of attention (4 matrices), the gated MLP (3), two norms and QK-norm's two (clm_modern's).
-        assert rung.parameters == 2 * (4 * width * width + 3 * width * mlp + 2 * width + 2 * head)
+        # Each layer's attention (4 matrices), gated MLP (3), two norms and QK-norm's two (clm_modern's).
+        assert rung.parameters == depth * (4 * width * width + 3 * width * mlp + 2 * width + 2 * head)
         assert rung.steps == round(0.5 * rung.parameters / 256) and rung.tokens == 256 * rung.steps
         assert rung.compute == 6 * rung.parameters * rung.tokens
 
@@ -61,9 +62,10 @@ def test_each_rung_counts_its_layers_parameters_and_trains_its_ratio_of_tokens(s
 @pytest.mark.parametrize(
     ("arguments", "words"),
     [
-        (["--widths", "32", "16", "48", "64"], r"three parameters\), increasing"),
-        (["--widths", "16", "24", "32"], "four widths or more"),
-        (["--widths", "16", "24", "32", "48", "--next", "48"], "then a wider --next"),
+        (["--shapes", "16x1", "24x1", "32x1"], r"four shapes or more \(the fit has three parameters\)"),
+        (["--shapes", "32x1", "16x1", "48x1", "64x1"], "give the shapes smallest first"),
+        (["--shapes", "16x1", "24x1", "32x1", "48x1", "--next", "16x2"], "and --next the largest"),
+        (["--shapes", "16x1", "24", "32x1", "48x1"], "a shape is WIDTHxDEPTH"),
         (["--tokens-per-parameter", "0"], "at a positive ratio"),
         (["trainer.max_steps=5"], "the ladder sets trainer.max_steps for each rung"),
         (["model.backbone.d_model=64"], "the ladder sets model.backbone.d_model for each rung"),
@@ -73,16 +75,17 @@ def test_each_rung_counts_its_layers_parameters_and_trains_its_ratio_of_tokens(s
     ],
 )
 def test_settings_the_ladder_cannot_run_are_refused_before_any_training(
-    tmp_path: Path, arguments: list[str], words: str
+    tmp_path: Path, arguments: list[str], words: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    with pytest.raises(SystemExit, match=words):
+    with pytest.raises(SystemExit) as refused:
         main(["ladder", *arguments, "--out", str(tmp_path)])
+    assert re.search(words, f"{refused.value} {capsys.readouterr().err}")  # ours, or argparse's usage error
     assert not any(tmp_path.iterdir())
 
 
-def ladder(out: Path, shard_dir: Path, *more: str, ratio: float = 0.5) -> subprocess.Popen[str]:
+def ladder(out: Path, shard_dir: Path, *more: str) -> subprocess.Popen[str]:
     command = [str(Path(sys.executable).parent / "pretrain-scaling"), *LADDER, "--out", str(out)]
-    command += ["--tokens-per-parameter", str(ratio)]
+    command += ["--tokens-per-parameter", "0.5"]
     command += [f"data.dir={shard_dir}", *SMALL, *more]
     return subprocess.Popen(command, env=TEST_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -94,7 +97,7 @@ def test_the_ladder_fits_predicts_measures_and_a_rerun_trains_nothing(tmp_path: 
     output, _ = ladder(out, shard_dir).communicate(timeout=600)
     assert "Traceback" not in output and "the prediction is off by" in output, output[-3000:]
     record = json.loads((out / "ladder.json").read_text())
-    assert [row["rung"] for row in record["rungs"]] == [f"width-{w:04d}" for w in (16, 24, 32, 48, 64)]
+    assert [row["rung"] for row in record["rungs"]] == ["16x1", "24x1", "32x1", "32x2", "48x2"]
     assert [row["fitted"] for row in record["rungs"]] == [True, True, True, True, False]
     losses = [row["val_loss"] for row in record["rungs"]]
     assert losses == sorted(losses, reverse=True)  # larger and longer, lower
@@ -107,26 +110,33 @@ def test_the_ladder_fits_predicts_measures_and_a_rerun_trains_nothing(tmp_path: 
     assert record["fits"]["compute"]["exponent"] > 0 and record["fits"]["parameters"]["exponent"] > 0
     assert (out / "ladder.csv").read_text().count("\n") == 6
     assert (out / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    saved = {rung: saved_checkpoints(out / "rungs" / rung / "checkpoints") for rung in ("width-0016", "width-0064")}
+    saved = {rung: saved_checkpoints(out / "rungs" / rung / "checkpoints") for rung in ("16x1", "48x2")}
 
     again, _ = ladder(out, shard_dir).communicate(timeout=600)
     assert again.splitlines()[-8:] == output.splitlines()[-8:]
     assert {rung: saved_checkpoints(out / "rungs" / rung / "checkpoints") for rung in saved} == saved
 
 
-@pytest.mark.slow  # a run killed with its ladder, then the ladder again
-@pytest.mark.skipif(sys.platform != "linux", reason="the kernel stops the rung with its ladder on Linux (prctl)")
-def test_a_killed_ladder_stops_its_rung_with_a_checkpoint_and_continues(tmp_path: Path, shard_dir: Path) -> None:
-    out, rung = tmp_path / "ladder", tmp_path / "ladder" / "rungs" / "width-0016"
+@pytest.mark.slow  # a run stopped with its ladder, then the ladder again
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL])
+def test_a_stopped_ladder_stops_its_rung_with_a_checkpoint_and_continues(
+    tmp_path: Path, shard_dir: Path, stop: signal.Signals
+) -> None:
+    if stop == signal.SIGKILL and sys.platform != "linux":
+        pytest.skip("the kernel stops the rung of a killed ladder on Linux (prctl)")
+    out, rung = tmp_path / "ladder", tmp_path / "ladder" / "rungs" / "16x1"
     slow = ["+callbacks.slow._target_=kill.SleepEachStep", "+callbacks.slow.seconds=0.2"]
     overrides = [*slow, "callbacks.checkpoint.every_n_steps=2"]
-    process = ladder(out, shard_dir, *overrides, ratio=0.25)
+    process = ladder(out, shard_dir, *overrides)
     deadline = time.monotonic() + 120
     while not saved_checkpoints(rung / "checkpoints") and time.monotonic() < deadline:
         time.sleep(0.2)
-    process.send_signal(signal.SIGKILL)  # no handler: the kernel's signal to its rung is all that stops it
-    process.communicate()
+    process.send_signal(stop)  # SIGTERM: passed on; SIGKILL, which no handler sees: the kernel's SIGTERM to the rung
+    output, _ = process.communicate()
     pid, deadline = read_status(rung)["pid"], time.monotonic() + 60
+    if stop == signal.SIGTERM:  # the ladder waited for its rung
+        assert process.returncode == 1 and not alive(pid), output[-3000:]
+        assert "rung 16x1 ended with exit status 143" in output and "Traceback" not in output
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     status = read_status(rung)
@@ -134,7 +144,7 @@ def test_a_killed_ladder_stops_its_rung_with_a_checkpoint_and_continues(tmp_path
     (stopped, _), *_ = saved_checkpoints(rung / "checkpoints")
     assert 2 <= stopped < 8 and stopped == status["step"]
 
-    output, _ = ladder(out, shard_dir, *overrides, ratio=0.25).communicate(timeout=600)
+    output, _ = ladder(out, shard_dir, *overrides).communicate(timeout=600)
     assert "the prediction is off by" in output, output[-3000:]
     assert f"resuming from {rung / 'checkpoints'}" in (rung / "train.log").read_text()
     assert saved_checkpoints(rung / "checkpoints")[0][0] == 8

@@ -18,8 +18,10 @@ from pretraining.files import write_atomically
 # The rule each axis checks: width is µP's, depth CompleteP's (which includes µP).
 SWITCH = {"width": "mup", "depth": "completep"}
 SIZES = {"width": "32 64 128 256 512", "depth": "2 4 8 16"}
-# The ladder's widths: non-embedding parameters from 14k to 427k (31x), then 886k (2.1x) to predict.
-RUNGS, NEXT = (24, 32, 48, 64, 96, 128), 192
+# The ladder's shapes (width x depth, d_model / n_layer from 12 to 48): non-embedding parameters from 7k to 222k
+# (32x), then 443k (2x) to predict. Widths are multiples of 24, where the gated MLP's 8/3 d_model is a multiple of
+# 64 as the backbone rounds it: at others (32: 128 wide, 4 d_model) a rung's MLP is out of proportion.
+RUNGS, NEXT = ("24x1", "24x2", "48x1", "48x2", "72x2", "96x2"), "96x4"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -46,9 +48,9 @@ def scaling_parser() -> argparse.ArgumentParser:
     check.add_argument("--lr", type=float, help="AdamW's (Muon's is 20x): default 1e-2 with adamw, 1e-3 with muon")
     check.add_argument("--steps", type=int, default=10)
     check.add_argument("--out", type=Path, default=Path("logs/scaling"), metavar="DIR")
-    ladder = commands.add_parser("ladder", help="train widths, fit power laws, predict the next (docs/scaling.md)")
-    ladder.add_argument("--widths", type=int, nargs="+", default=RUNGS, help="the rungs fitted")
-    ladder.add_argument("--next", type=int, default=NEXT, help="the width predicted, then trained")
+    ladder = commands.add_parser("ladder", help="train shapes, fit power laws, predict the next (docs/scaling.md)")
+    ladder.add_argument("--shapes", type=shape, nargs="+", default=list(map(shape, RUNGS)), metavar="WxD")
+    ladder.add_argument("--next", type=shape, default=shape(NEXT), metavar="WxD", help="predicted, then trained")
     ladder.add_argument("--tokens-per-parameter", type=float, default=20.0, metavar="RATIO")
     ladder.add_argument("--out", type=Path, default=Path("logs/scaling/ladder"), metavar="DIR")
     ladder.add_argument("overrides", nargs="*", help="pretrain's, for every rung (default: experiment=ladder)")
@@ -86,15 +88,20 @@ def ladder(args: argparse.Namespace) -> None:
     """Train the fitted rungs, fit, predict the next rung, train it and report the error; write the files."""
     from pretraining.extras.scaling.ladder import Ladder, check_overrides, plan, summary, train, write
 
-    widths = [*args.widths, args.next]
-    if len(args.widths) < 4 or widths != sorted(set(widths)) or args.tokens_per_parameter <= 0:
+    if len(args.shapes) < 4 or args.tokens_per_parameter <= 0:
         raise ConfigError(
-            f"--widths {args.widths} --next {args.next} --tokens-per-parameter {args.tokens_per_parameter}: four "
-            "widths or more (the fit has three parameters), increasing, then a wider --next, at a positive ratio"
+            f"--shapes {' '.join(map(shape_name, args.shapes))} --tokens-per-parameter {args.tokens_per_parameter}: "
+            "four shapes or more (the fit has three parameters), at a positive ratio"
         )
     check_overrides(args.overrides)
     overrides = ["experiment=ladder", *args.overrides]
-    *fitted, following = plan(widths, args.tokens_per_parameter, overrides)
+    *fitted, following = plan([*args.shapes, args.next], args.tokens_per_parameter, overrides)
+    sizes = [rung.parameters for rung in [*fitted, following]]
+    if sizes != sorted(set(sizes)):
+        raise ConfigError(
+            f"--shapes ... --next: parameters {sizes}; give the shapes smallest first, each larger than the last, "
+            "and --next the largest"
+        )
     settings = {"tokens_per_parameter": args.tokens_per_parameter, "overrides": overrides}
     result = Ladder(fitted, [train(rung, overrides, args.out) for rung in fitted], following)
     write(result, args.out, settings)  # the prediction, on file before its rung trains
@@ -110,6 +117,18 @@ def ladder(args: argparse.Namespace) -> None:
 
     ladder_figure(result, args.out / "ladder.png")
     print(args.out / "ladder.png")
+
+
+def shape(text: str) -> tuple[int, int]:
+    """`WIDTHxDEPTH` as (width, depth)."""
+    width, _, depth = text.partition("x")
+    if not (width.isdigit() and depth.isdigit() and int(width) > 0 and int(depth) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: a shape is WIDTHxDEPTH, as 64x2 (d_model 64, 2 layers)")
+    return int(width), int(depth)
+
+
+def shape_name(size: tuple[int, int]) -> str:
+    return "x".join(map(str, size))
 
 
 def can_draw() -> bool:

@@ -51,9 +51,13 @@ def ladder_figure(ladder: Ladder, out: Path) -> None:
         axes.fill_between(xs, low, high, alpha=0.2, label=f"{power_law.LEVEL:.0%} prediction interval")
         axes.plot(xs, [law(x) for x in xs], label=f"fit: exponent {law.exponent:.3f}")
         axes.plot([value(r) for r in ladder.fitted], ladder.losses, "o", label="rungs fitted")
+        axes.plot([value(ladder.following)], [law(value(ladder.following))], "x", markersize=9, label="predicted")
         if ladder.measured is not None:
-            axes.plot([value(ladder.following)], [ladder.measured], "*", markersize=12, label=ladder.following.name)
+            measured = f"{ladder.following.name}, measured"
+            axes.plot([value(ladder.following)], [ladder.measured], "*", markersize=12, label=measured)
         axes.set(xscale="log", yscale="log", xlabel="FLOPs (6ND)" if axis == "compute" else "parameters (N)")
+        axes.yaxis.set_major_formatter("{x:g}")
+        axes.yaxis.set_minor_formatter("{x:.1f}")
     panels[0].set_ylabel("validation loss")
     panels[0].legend(fontsize="small")
     figure.suptitle("The scaling ladder: the next rung's loss, predicted and measured")

@@ -1,11 +1,13 @@
-"""The scaling ladder: train a model at several widths, each for a fixed number of tokens per parameter (Hoffmann
-et al. 2022's compute-optimal ratio, 20 by default), fit power laws of the validation loss against compute and
-parameters (`power_law`), predict the next, larger rung before it is trained, then train it and measure the error.
+"""The scaling ladder: train a model at several shapes (width x depth), each for a fixed number of tokens per
+parameter (Hoffmann et al. 2022's compute-optimal ratio, 20 by default), fit power laws of the validation loss
+against compute and parameters (`power_law`), predict the next, larger rung before it is trained, then train it
+and measure the error.
 
-Each rung is a `pretrain` run of its own (`<out>/rungs/width-NNNN`), with every guarantee of one: the same command
-again continues an interrupted rung and skips the finished ones. The rung's overrides are the ladder's
-(`experiment=ladder` unless given) and the user's (`trainer=ddp`, `data.dir=...`), then its width, its steps (its
-tokens over the tokens of a step), a warmup-stable-decay decay over its last fifth, and a validation every fifth.
+Each rung is a `pretrain` run of its own (`<out>/rungs/<width>x<depth>`), with every guarantee of one: the same
+command again continues an interrupted rung and finds the finished ones finished. The rung's overrides are the
+ladder's (`experiment=ladder` unless given) and the user's (`trainer=ddp`, `data.dir=...`), then its shape, its
+steps (its tokens over the tokens of a step), a warmup-stable-decay decay over its last fifth and a validation
+every fifth.
 
 Parameters are Kaplan et al. 2020's non-embedding count: those of the backbone's layers (no embeddings, head or
 final norm); compute is 6 x parameters x tokens."""
@@ -39,7 +41,13 @@ from pretraining.objectives.base import build_objective
 from pretraining.objectives.optimizers import layer_parameters
 
 # The keys the ladder sets for each rung: given by the user, they would make the rungs something else.
-LADDER_KEYS = ("model.backbone.d_model", "trainer.max_steps", "model.decay_steps", "trainer.val_check_interval")
+LADDER_KEYS = (
+    "model.backbone.d_model",
+    "model.backbone.n_layer",
+    "trainer.max_steps",
+    "model.decay_steps",
+    "trainer.val_check_interval",
+)
 DECAY_FRACTION = 0.2  # of each rung's steps, the end of its warmup-stable-decay schedule
 VALIDATIONS = 5  # per rung: its learning curve
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -54,13 +62,14 @@ class Rung:
     """One size of the ladder, as planned: `parameters` non-embedding, `tokens` trained on in `steps` steps."""
 
     width: int
+    depth: int
     parameters: int
     steps: int
     tokens: int
 
     @property
     def name(self) -> str:
-        return f"width-{self.width:04d}"
+        return f"{self.width}x{self.depth}"
 
     @property
     def compute(self) -> float:
@@ -74,7 +83,7 @@ def check_overrides(overrides: Sequence[str]) -> None:
         key = override.split("=", 1)[0].lstrip("+~")
         if key in LADDER_KEYS or key.startswith("hydra.run.dir"):
             raise ConfigError(
-                f"{override}: the ladder sets {key} for each rung (--widths, --tokens-per-parameter and --out choose "
+                f"{override}: the ladder sets {key} for each rung (--shapes, --tokens-per-parameter and --out choose "
                 "the rungs); leave it out"
             )
 
@@ -85,17 +94,17 @@ def composed(overrides: Sequence[str]) -> DictConfig:
         return compose("train", overrides=list(overrides))
 
 
-def plan(widths: Sequence[int], tokens_per_parameter: float, overrides: Sequence[str]) -> list[Rung]:
-    """The rung of each width: its model built as the run builds it, to count its parameters and steps."""
+def plan(shapes: Sequence[tuple[int, int]], tokens_per_parameter: float, overrides: Sequence[str]) -> list[Rung]:
+    """The rung of each (width, depth): its model built as the run builds it, to count its parameters and steps."""
     rungs = []
-    for width in widths:
-        cfg = composed([*overrides, f"model.backbone.d_model={width}"])
+    for width, depth in shapes:
+        cfg = composed([*overrides, f"model.backbone.d_model={width}", f"model.backbone.n_layer={depth}"])
         tokenizer = build(cfg.tokenizer)
         model = build_objective(cfg.model, build(cfg.data, tokenizer=tokenizer).format)
         parameters = sum(param.numel() for param in layer_parameters(model))
         step_tokens = cfg.data.global_batch_tokens or cfg.data.global_batch_size * cfg.data.format.block_size
         steps = max(1, round(tokens_per_parameter * parameters / step_tokens))
-        rungs.append(Rung(width, parameters, steps, steps * step_tokens))
+        rungs.append(Rung(width, depth, parameters, steps, steps * step_tokens))
     return rungs
 
 
@@ -104,6 +113,7 @@ def rung_overrides(rung: Rung, overrides: Sequence[str], out: Path) -> list[str]
     return [
         *overrides,
         f"model.backbone.d_model={rung.width}",
+        f"model.backbone.n_layer={rung.depth}",
         f"trainer.max_steps={rung.steps}",
         f"model.decay_steps={max(1, round(DECAY_FRACTION * rung.steps))}",
         f"trainer.val_check_interval={max(1, math.ceil(rung.steps / VALIDATIONS))}",
@@ -117,18 +127,21 @@ def rung_dir(out: Path, rung: Rung) -> Path:
 
 def train(rung: Rung, overrides: Sequence[str], out: Path) -> float:
     """Train `rung` (or continue it, or find it finished) in a `pretrain` process; return its final validation
-    loss. A Ctrl-C reaches the run too, which saves and stops; a ladder killed otherwise has its rung sent SIGTERM
-    (Linux), which saves and stops it."""
+    loss. A stop reaches the run, which saves and stops, before the ladder ends: Ctrl-C reaches both, SIGTERM is
+    passed on, and a ladder killed has the kernel send its rung SIGTERM (Linux)."""
     command = [sys.executable, "-m", "pretraining", *rung_overrides(rung, overrides, out)]
     with subprocess.Popen(command, preexec_fn=stop_with_the_ladder) as process:
+        previous = signal.signal(signal.SIGTERM, lambda signum, _: process.send_signal(signum))
         try:
             code = process.wait()
         except KeyboardInterrupt:
             code = process.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     if code != 0:
         raise LadderError(
-            f"rung {rung.name} stopped (exit {code}; its log: {rung_dir(out, rung) / 'train.log'}): run the same "
-            "command again to continue the ladder from its last checkpoint"
+            f"rung {rung.name} ended with exit status {code} (its log: {rung_dir(out, rung) / 'train.log'}); "
+            "once what stopped it is fixed, the same command continues the ladder from the rung's last checkpoint"
         )
     return final_loss(rung_dir(out, rung))
 
