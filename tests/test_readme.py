@@ -78,7 +78,7 @@ EXTRA_MENTIONS = {
     "probe": r"\bprobe\b",
     "goodput": r"pretrain-goodput|callbacks\.goodput",
     "evals": r"\bevals\b",
-    "scaling": r"pretrain-scaling",
+    "scaling": r"pretrain-scaling|\bmake ladder\b|EXPERIMENT=ladder|experiment=ladder",
     "bench": r"\bmake bench|scripts/bench/",
 }
 EXTRA_NEEDS = {"sweeps": {"plots"}}

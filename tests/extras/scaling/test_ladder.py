@@ -20,7 +20,7 @@ import pytest
 from pretraining.checkpoint import saved_checkpoints
 from pretraining.extras.scaling import power_law
 from pretraining.extras.scaling.cli import main
-from pretraining.extras.scaling.ladder import plan
+from pretraining.extras.scaling.ladder import Rung, plan, rung_dir
 from pretraining.job_status import read_status
 
 TESTS = Path(__file__).parents[2]
@@ -59,6 +59,16 @@ def test_each_rung_counts_its_layers_parameters_and_trains_its_ratio_of_tokens(s
         assert rung.compute == 6 * rung.parameters * rung.tokens
 
 
+def test_a_rung_of_other_settings_has_a_directory_of_its_own(tmp_path: Path) -> None:
+    rung = Rung(width=24, depth=1, parameters=6972, steps=136, tokens=139264)
+    here = rung_dir(tmp_path, rung, ["experiment=ladder"])
+    assert here.parent == tmp_path.resolve() / "rungs" and here.name.startswith("24x1-")
+    assert rung_dir(tmp_path, rung, ["experiment=ladder"]) == here
+    assert rung_dir(tmp_path, rung, ["experiment=ladder", "model.optimizer.lr_scale=2"]) != here
+    assert rung_dir(tmp_path, Rung(24, 1, 6972, 68, 69632), ["experiment=ladder"]) != here  # another ratio's steps
+    assert rung_dir(tmp_path, rung, ["experiment=clm_modern"]) != here
+
+
 @pytest.mark.parametrize(
     ("arguments", "words"),
     [
@@ -70,15 +80,16 @@ def test_each_rung_counts_its_layers_parameters_and_trains_its_ratio_of_tokens(s
         (["trainer.max_steps=5"], "the ladder sets trainer.max_steps for each rung"),
         (["model.backbone.d_model=64"], "the ladder sets model.backbone.d_model for each rung"),
         (["hydra.run.dir=/tmp/x"], "--out choose"),
+        (["trainer.max_time=00:00:01:00"], "it would end a rung early"),
         (["model.backbone.n_head=5"], "n_head"),
         (["no_such_key=1"], "no_such_key"),
     ],
 )
 def test_settings_the_ladder_cannot_run_are_refused_before_any_training(
-    tmp_path: Path, arguments: list[str], words: str, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, shard_dir: Path, arguments: list[str], words: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as refused:
-        main(["ladder", *arguments, "--out", str(tmp_path)])
+        main(["ladder", f"data.dir={shard_dir}", *arguments, "--out", str(tmp_path)])
     assert re.search(words, f"{refused.value} {capsys.readouterr().err}")  # ours, or argparse's usage error
     assert not any(tmp_path.iterdir())
 
@@ -90,7 +101,7 @@ def ladder(out: Path, shard_dir: Path, *more: str) -> subprocess.Popen[str]:
     return subprocess.Popen(command, env=TEST_ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-@pytest.mark.slow  # four short runs, twice
+@pytest.mark.slow  # five short runs, then found finished
 def test_the_ladder_fits_predicts_measures_and_a_rerun_trains_nothing(tmp_path: Path, shard_dir: Path) -> None:
     pytest.importorskip("matplotlib")
     out = tmp_path / "ladder"
@@ -110,33 +121,47 @@ def test_the_ladder_fits_predicts_measures_and_a_rerun_trains_nothing(tmp_path: 
     assert record["fits"]["compute"]["exponent"] > 0 and record["fits"]["parameters"]["exponent"] > 0
     assert (out / "ladder.csv").read_text().count("\n") == 6
     assert (out / "ladder.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    saved = {rung: saved_checkpoints(out / "rungs" / rung / "checkpoints") for rung in ("16x1", "48x2")}
+    written = sidecar_times(out)
+    assert len(written) == 5  # each rung's last step (fewer steps than callbacks.checkpoint.every_n_steps)
 
     again, _ = ladder(out, shard_dir).communicate(timeout=600)
     assert again.splitlines()[-8:] == output.splitlines()[-8:]
-    assert {rung: saved_checkpoints(out / "rungs" / rung / "checkpoints") for rung in saved} == saved
+    assert sidecar_times(out) == written  # every rung found finished: nothing saved again
 
 
-@pytest.mark.slow  # a run stopped with its ladder, then the ladder again
+def sidecar_times(out: Path) -> dict[Path, int]:
+    return {path: path.stat().st_mtime_ns for path in (out / "rungs").glob("*/checkpoints/*.json")}
+
+
+def rung_of(out: Path, shape: str) -> Path:
+    """The directory of the rung of `shape` (named with a hash of its overrides), once it exists."""
+    found = list((out / "rungs").glob(f"{shape}-*"))
+    return found[0] if found else out / "rungs" / shape
+
+
+@pytest.mark.slow  # a run stopped with its ladder (then, after SIGKILL, the ladder again)
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL])
 def test_a_stopped_ladder_stops_its_rung_with_a_checkpoint_and_continues(
     tmp_path: Path, shard_dir: Path, stop: signal.Signals
 ) -> None:
     if stop == signal.SIGKILL and sys.platform != "linux":
         pytest.skip("the kernel stops the rung of a killed ladder on Linux (prctl)")
-    out, rung = tmp_path / "ladder", tmp_path / "ladder" / "rungs" / "16x1"
+    out = tmp_path / "ladder"
     slow = ["+callbacks.slow._target_=kill.SleepEachStep", "+callbacks.slow.seconds=0.2"]
     overrides = [*slow, "callbacks.checkpoint.every_n_steps=2"]
     process = ladder(out, shard_dir, *overrides)
     deadline = time.monotonic() + 120
-    while not saved_checkpoints(rung / "checkpoints") and time.monotonic() < deadline:
+    while not saved_checkpoints(rung_of(out, "16x1") / "checkpoints") and time.monotonic() < deadline:
         time.sleep(0.2)
+    rung = rung_of(out, "16x1")
     process.send_signal(stop)  # SIGTERM: passed on; SIGKILL, which no handler sees: the kernel's SIGTERM to the rung
     output, _ = process.communicate()
     pid, deadline = read_status(rung)["pid"], time.monotonic() + 60
-    if stop == signal.SIGTERM:  # the ladder waited for its rung
-        assert process.returncode == 1 and not alive(pid), output[-3000:]
-        assert "rung 16x1 ended with exit status 143" in output and "Traceback" not in output
+    if stop == signal.SIGTERM:  # the ladder waited for its rung, and exits as `pretrain` does on the signal
+        assert process.returncode == 128 + signal.SIGTERM and not alive(pid), output[-3000:]
+        assert "SIGTERM stopped the ladder in rung 16x1" in output and "Traceback" not in output
+        assert read_status(rung)["status"] == "stopped"
+        return  # continuing is the same as after SIGKILL's stop
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.2)
     status = read_status(rung)

@@ -85,6 +85,19 @@ def coordinates(args: argparse.Namespace) -> None:
 
 
 def ladder(args: argparse.Namespace) -> None:
+    """Climb the ladder; a signal's stop exits 128 + its number, as `pretrain` does (a scheduler requeues on it)."""
+    if importlib.util.find_spec("scipy") is None:
+        raise MissingExtraError("the ladder's fits (scipy)", "scaling")
+    from pretraining.extras.scaling.ladder import LadderStopped
+
+    try:
+        climb(args)
+    except LadderStopped as stopped:
+        print(f"pretrain-scaling ladder: {stopped}", file=sys.stderr)
+        sys.exit(stopped.status)
+
+
+def climb(args: argparse.Namespace) -> None:
     """Train the fitted rungs, fit, predict the next rung, train it and report the error; write the files."""
     from pretraining.extras.scaling.ladder import Ladder, check_overrides, plan, summary, train, write
 

@@ -6,15 +6,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from operator import attrgetter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from pretraining.extras.plots.plots import save_png
-from pretraining.extras.scaling import power_law
 from pretraining.extras.scaling.coordinates import SHOWN, Coordinate
-from pretraining.extras.scaling.ladder import Ladder
+
+if TYPE_CHECKING:  # the ladder's fits need scipy, which the coordinate check's figure does not
+    from pretraining.extras.scaling.ladder import Ladder
 
 
 def coordinate_figure(checks: Mapping[str, Sequence[Coordinate]], along: str, title: str, out: Path) -> None:
@@ -44,17 +46,18 @@ def ladder_figure(ladder: Ladder, out: Path) -> None:
     figure = Figure(figsize=(9, 3.8), layout="constrained")
     FigureCanvasAgg(figure)
     panels = figure.subplots(1, 2, sharey=True)
-    for axes, (axis, law) in zip(panels, ladder.fits().items(), strict=True):
-        value = attrgetter(axis)
-        xs = np.geomspace(value(ladder.fitted[0]), value(ladder.following), 50)
+    for axes, (axis, law) in zip(panels, ladder.fits.items(), strict=True):
+        coordinate = attrgetter(axis)
+        xs = np.geomspace(coordinate(ladder.fitted[0]), coordinate(ladder.following), 50)
         low, high = zip(*map(law.interval, xs), strict=True)
-        axes.fill_between(xs, low, high, alpha=0.2, label=f"{power_law.LEVEL:.0%} prediction interval")
+        axes.fill_between(xs, low, high, alpha=0.2, label=f"{law.level:.0%} prediction interval")
         axes.plot(xs, [law(x) for x in xs], label=f"fit: exponent {law.exponent:.3f}")
-        axes.plot([value(r) for r in ladder.fitted], ladder.losses, "o", label="rungs fitted")
-        axes.plot([value(ladder.following)], [law(value(ladder.following))], "x", markersize=9, label="predicted")
+        axes.plot([coordinate(r) for r in ladder.fitted], ladder.losses, "o", label="rungs fitted")
+        following = coordinate(ladder.following)
+        axes.plot([following], [law(following)], "x", markersize=9, label="predicted")
         if ladder.measured is not None:
             measured = f"{ladder.following.name}, measured"
-            axes.plot([value(ladder.following)], [ladder.measured], "*", markersize=12, label=measured)
+            axes.plot([following], [ladder.measured], "*", markersize=12, label=measured)
         axes.set(xscale="log", yscale="log", xlabel="FLOPs (6ND)" if axis == "compute" else "parameters (N)")
         axes.yaxis.set_major_formatter("{x:g}")
         axes.yaxis.set_minor_formatter("{x:.1f}")

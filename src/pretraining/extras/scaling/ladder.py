@@ -3,11 +3,11 @@ parameter (Hoffmann et al. 2022's compute-optimal ratio, 20 by default), fit pow
 against compute and parameters (`power_law`), predict the next, larger rung before it is trained, then train it
 and measure the error.
 
-Each rung is a `pretrain` run of its own (`<out>/rungs/<width>x<depth>`), with every guarantee of one: the same
-command again continues an interrupted rung and finds the finished ones finished. The rung's overrides are the
-ladder's (`experiment=ladder` unless given) and the user's (`trainer=ddp`, `data.dir=...`), then its shape, its
-steps (its tokens over the tokens of a step), a warmup-stable-decay decay over its last fifth and a validation
-every fifth.
+Each rung is a `pretrain` run of its own (`<out>/rungs/<width>x<depth>-<hash of its overrides>`), with every
+guarantee of one: the same command again continues an interrupted rung and finds the finished ones finished. The
+rung's overrides are the ladder's (`experiment=ladder` unless given) and the user's (`trainer=ddp`,
+`data.dir=...`), then its shape, its steps (its tokens over the tokens of a step), a warmup-stable-decay decay over
+its last fifth and a validation every fifth.
 
 Parameters are Kaplan et al. 2020's non-embedding count: those of the backbone's layers (no embeddings, head or
 final norm); compute is 6 x parameters x tokens."""
@@ -16,22 +16,28 @@ from __future__ import annotations
 
 import csv
 import ctypes
+import hashlib
 import io
 import json
 import math
+import os
 import signal
 import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from pretraining.checkpoint import read_sidecar, saved_checkpoints
 from pretraining.config import CONFIG_DIR
+from pretraining.data.batches import global_batch_examples
+from pretraining.data.loader import PR_SET_PDEATHSIG
 from pretraining.errors import ConfigError, PretrainingError
 from pretraining.extras.scaling import power_law
 from pretraining.files import write_atomically
@@ -40,21 +46,37 @@ from pretraining.launch import hydra_quote
 from pretraining.objectives.base import build_objective
 from pretraining.objectives.optimizers import layer_parameters
 
-# The keys the ladder sets for each rung: given by the user, they would make the rungs something else.
+# The keys the ladder sets for each rung, and those that would end a rung early or move it elsewhere: given by the
+# user, they would make the rungs something else.
 LADDER_KEYS = (
     "model.backbone.d_model",
     "model.backbone.n_layer",
     "trainer.max_steps",
     "model.decay_steps",
     "trainer.val_check_interval",
+    "trainer.max_time",
+    "trainer.max_epochs",
+    "ckpt_path",
+    "paths.output_dir",
+    "paths.checkpoint_dir",
 )
-DECAY_FRACTION = 0.2  # of each rung's steps, the end of its warmup-stable-decay schedule
+# Each rung's warmup-stable-decay schedule decays over its last fifth (Hägele et al. 2024's 20 %, which matches a
+# cosine run of the same length); a cosine schedule (model.schedule=cosine) decays over the whole rung instead.
+DECAY_FRACTION = 0.2
 VALIDATIONS = 5  # per rung: its learning curve
-PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None  # loaded here, not in a forked child
 
 
 class LadderError(PretrainingError):
-    """A rung that did not finish; the message says how to continue."""
+    """A rung that did not finish, or a fit that failed; the message says what to do."""
+
+
+class LadderStopped(PretrainingError):
+    """A signal stopped the ladder (its rung saved first); `status` is the exit status, 128 + the signal's number."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass(frozen=True)
@@ -78,13 +100,13 @@ class Rung:
 
 
 def check_overrides(overrides: Sequence[str]) -> None:
-    """Refuse the overrides of the keys the ladder sets, naming the option that sets them."""
+    """Refuse the overrides of the keys the ladder sets or that would cut a rung short, naming what to use."""
     for override in overrides:
         key = override.split("=", 1)[0].lstrip("+~")
         if key in LADDER_KEYS or key.startswith("hydra.run.dir"):
             raise ConfigError(
-                f"{override}: the ladder sets {key} for each rung (--shapes, --tokens-per-parameter and --out choose "
-                "the rungs); leave it out"
+                f"{override}: the ladder sets {key} for each rung, or it would end a rung early or move it (--shapes, "
+                "--tokens-per-parameter and --out choose the rungs); leave it out"
             )
 
 
@@ -95,69 +117,98 @@ def composed(overrides: Sequence[str]) -> DictConfig:
 
 
 def plan(shapes: Sequence[tuple[int, int]], tokens_per_parameter: float, overrides: Sequence[str]) -> list[Rung]:
-    """The rung of each (width, depth): its model built as the run builds it, to count its parameters and steps."""
+    """The rung of each (width, depth): its model built as the run builds it (on the meta device: no memory, no
+    init) to count its parameters, and its steps from the data's tokens per step (without reading the shards)."""
     rungs = []
     for width, depth in shapes:
         cfg = composed([*overrides, f"model.backbone.d_model={width}", f"model.backbone.n_layer={depth}"])
-        tokenizer = build(cfg.tokenizer)
-        model = build_objective(cfg.model, build(cfg.data, tokenizer=tokenizer).format)
-        parameters = sum(param.numel() for param in layer_parameters(model))
-        step_tokens = cfg.data.global_batch_tokens or cfg.data.global_batch_size * cfg.data.format.block_size
+        examples = build(cfg.data.format)(build(cfg.tokenizer))
+        with torch.device("meta"):
+            parameters = sum(param.numel() for param in layer_parameters(build_objective(cfg.model, examples)))
+        step_examples = global_batch_examples(
+            cfg.data.global_batch_size, cfg.data.global_batch_tokens, examples.example_tokens
+        )
+        step_tokens = step_examples * examples.example_tokens
         steps = max(1, round(tokens_per_parameter * parameters / step_tokens))
         rungs.append(Rung(width, depth, parameters, steps, steps * step_tokens))
     return rungs
 
 
-def rung_overrides(rung: Rung, overrides: Sequence[str], out: Path) -> list[str]:
-    """The `pretrain` overrides of `rung`: the user's, then the ladder's."""
+def shape_overrides(rung: Rung) -> list[str]:
+    """What the ladder sets for `rung`: its shape, steps, decay and validations."""
     return [
-        *overrides,
         f"model.backbone.d_model={rung.width}",
         f"model.backbone.n_layer={rung.depth}",
         f"trainer.max_steps={rung.steps}",
         f"model.decay_steps={max(1, round(DECAY_FRACTION * rung.steps))}",
         f"trainer.val_check_interval={max(1, math.ceil(rung.steps / VALIDATIONS))}",
-        f"hydra.run.dir={hydra_quote(str(rung_dir(out, rung)))}",
     ]
 
 
-def rung_dir(out: Path, rung: Rung) -> Path:
-    return out.resolve() / "rungs" / rung.name
+def rung_dir(out: Path, rung: Rung, overrides: Sequence[str]) -> Path:
+    """`<out>/rungs/<shape>-<hash of its overrides>`: a ladder of other settings (an experiment, a ratio, an
+    lr_scale) trains rungs of its own instead of finding these finished."""
+    settings = " ".join(sorted([*overrides, *shape_overrides(rung)]))
+    return out.resolve() / "rungs" / f"{rung.name}-{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
 
 
 def train(rung: Rung, overrides: Sequence[str], out: Path) -> float:
     """Train `rung` (or continue it, or find it finished) in a `pretrain` process; return its final validation
-    loss. A stop reaches the run, which saves and stops, before the ladder ends: Ctrl-C reaches both, SIGTERM is
-    passed on, and a ladder killed has the kernel send its rung SIGTERM (Linux)."""
-    command = [sys.executable, "-m", "pretraining", *rung_overrides(rung, overrides, out)]
-    with subprocess.Popen(command, preexec_fn=stop_with_the_ladder) as process:
-        previous = signal.signal(signal.SIGTERM, lambda signum, _: process.send_signal(signum))
+    loss. A stop reaches the run, which saves, and then stops the ladder: Ctrl-C reaches both, SIGTERM is passed
+    on, and a ladder killed has the kernel send its rung SIGTERM (Linux)."""
+    directory = rung_dir(out, rung, overrides)
+    command = [sys.executable, "-m", "pretraining", *overrides, *shape_overrides(rung)]
+    command.append(f"hydra.run.dir={hydra_quote(str(directory))}")
+    stopped_by: list[int] = []
+    with subprocess.Popen(command, preexec_fn=stop_with(os.getpid())) as process:
+
+        def pass_on(signum: int, _: object) -> None:
+            stopped_by.append(signum)
+            process.send_signal(signum)
+
+        previous = signal.signal(signal.SIGTERM, pass_on)
         try:
             code = process.wait()
         except KeyboardInterrupt:
+            stopped_by.append(signal.SIGINT)
             code = process.wait()
         finally:
             signal.signal(signal.SIGTERM, previous)
+    if stopped_by:
+        name = signal.Signals(stopped_by[0]).name
+        raise LadderStopped(
+            f"{name} stopped the ladder in rung {rung.name} ({directory}); the same command continues it",
+            128 + stopped_by[0],
+        )
     if code != 0:
         raise LadderError(
-            f"rung {rung.name} ended with exit status {code} (its log: {rung_dir(out, rung) / 'train.log'}); "
-            "once what stopped it is fixed, the same command continues the ladder from the rung's last checkpoint"
+            f"rung {rung.name} ended with exit status {code} (its log: {directory / 'train.log'}): once what stopped "
+            "it is fixed, the same command continues the ladder from the rung's last checkpoint"
         )
-    return final_loss(rung_dir(out, rung))
+    return final_loss(directory, rung.steps)
 
 
-def stop_with_the_ladder() -> None:
-    """In the rung's process, before it starts: have the kernel send it SIGTERM when the ladder dies."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+def stop_with(ladder: int) -> Any:
+    """What the rung's process runs before it starts: have the kernel send it SIGTERM when the ladder dies (Linux),
+    and end it at once if the ladder died before that could be asked."""
+
+    def set_up() -> None:
+        if LIBC is not None:
+            LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != ladder:
+                os._exit(1)
+
+    return set_up
 
 
-def final_loss(run_dir: Path) -> float:
-    """The validation loss its newest checkpoint records (a finished run's last step is validated)."""
+def final_loss(run_dir: Path, steps: int) -> float:
+    """The validation loss the rung's checkpoint of its last step records (a finished run's last step is validated)."""
     saved = saved_checkpoints(run_dir / "checkpoints")
-    validation = read_sidecar(saved[0][1]).get("validation", {}) if saved else {}
+    validation = read_sidecar(saved[0][1]).get("validation", {}) if saved and saved[0][0] == steps else {}
     if "val/loss" not in validation:
-        raise LadderError(f"{run_dir}: no validated checkpoint; run the same command again to finish the rung")
+        raise LadderError(
+            f"{run_dir}: no validated checkpoint at the rung's last step, {steps}; its train.log says what stopped it"
+        )
     return float(validation["val/loss"])
 
 
@@ -170,16 +221,20 @@ class Ladder:
     following: Rung
     measured: float | None = None
 
+    @cached_property
     def fits(self) -> dict[str, power_law.PowerLaw]:
-        """The loss against compute and against parameters."""
-        return {
-            "compute": power_law.fit([rung.compute for rung in self.fitted], self.losses),
-            "parameters": power_law.fit([rung.parameters for rung in self.fitted], self.losses),
-        }
+        """The loss against compute and against parameters (of the fitted rungs only: the same once `measured`)."""
+        try:
+            return {
+                "compute": power_law.fit([rung.compute for rung in self.fitted], self.losses),
+                "parameters": power_law.fit([rung.parameters for rung in self.fitted], self.losses),
+            }
+        except (ValueError, RuntimeError) as failed:  # curve_fit gives up with a RuntimeError
+            raise LadderError(f"the power law did not fit the rungs' losses {self.losses}: {failed}") from failed
 
     def prediction(self) -> dict[str, Any]:
         """The next rung's loss as the fit against compute predicts it, with its interval, and as measured."""
-        law = self.fits()["compute"]
+        law = self.fits["compute"]
         predicted = law(self.following.compute)
         return {
             "rung": self.following.name,
@@ -200,7 +255,7 @@ class Ladder:
 
 def write(ladder: Ladder, out: Path, settings: dict[str, Any]) -> None:
     """`<out>/ladder.json` (the settings, rungs, fits and prediction) and `<out>/ladder.csv` (the rungs)."""
-    fits = {axis: law.record() for axis, law in ladder.fits().items()}
+    fits = {axis: law.record() for axis, law in ladder.fits.items()}
     record = {"settings": settings, "rungs": ladder.rows(), "fits": fits, "next": ladder.prediction()}
     write_atomically(out / "ladder.json", json.dumps(record, indent=1).encode())
     table = io.StringIO()
@@ -216,7 +271,7 @@ def summary(ladder: Ladder) -> list[str]:
     for row in ladder.rows():
         loss = "" if row["val_loss"] is None else f"{row['val_loss']:.4f}"
         lines.append(f"{row['rung']:12}{row['parameters']:>12,}{row['tokens']:>13,}{row['compute']:>11.3g}{loss:>10}")
-    for axis, law in ladder.fits().items():
+    for axis, law in ladder.fits.items():
         low, high = law.exponent_interval
         symbol = "C" if axis == "compute" else "N"
         lines.append(

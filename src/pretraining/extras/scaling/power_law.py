@@ -9,13 +9,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from scipy import optimize, stats
 
 LEVEL = 0.95
-PARAMETERS = 3  # irreducible, coefficient, exponent
+FREE_PARAMETERS = 3  # the law's: irreducible, coefficient, exponent
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,9 @@ class PowerLaw:
     """The fit of `points` points: its parameters, their covariance (of irreducible, coefficient at x = `scale`,
     exponent) and `scatter`, the residuals' standard deviation."""
 
+    level: ClassVar[float] = LEVEL  # of its intervals
     irreducible: float
-    coefficient: float  # at x itself: y - irreducible = coefficient at x = 1
+    coefficient: float  # y - irreducible = coefficient * x ** -exponent, in x's own units
     exponent: float
     exponent_interval: tuple[float, float]
     scatter: float
@@ -45,17 +46,20 @@ class PowerLaw:
         return self(x) - half, self(x) + half
 
     def record(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fit as JSON takes it: a covariance curve_fit could not estimate (infinite) as null."""
+        record = asdict(self)
+        record["covariance"] = [[c if math.isfinite(c) else None for c in row] for row in self.covariance]
+        return record
 
 
 def quantile(points: int) -> float:
     """Student's t quantile of the two-sided LEVEL interval, at the fit's degrees of freedom."""
-    return float(stats.t.ppf((1 + LEVEL) / 2, points - PARAMETERS))
+    return float(stats.t.ppf((1 + LEVEL) / 2, points - FREE_PARAMETERS))
 
 
 def fit(x: Sequence[float], y: Sequence[float]) -> PowerLaw:
     """The law through (x, y): four points or more (one more than its parameters), all positive, at distinct x."""
-    if len(x) != len(y) or len(x) <= PARAMETERS or min(*x, *y) <= 0 or len(set(x)) < len(x):
+    if len(x) != len(y) or len(x) <= FREE_PARAMETERS or min(*x, *y) <= 0 or len(set(x)) < len(x):
         raise ValueError(f"a power law needs four positive points or more at distinct x: x={list(x)}, y={list(y)}")
     xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     scale = float(xs.min())
@@ -67,7 +71,7 @@ def fit(x: Sequence[float], y: Sequence[float]) -> PowerLaw:
     bounds = ([0.0, 0.0, 0.0], [ys.min(), np.inf, 10.0])
     (irreducible, reducible, exponent), covariance = optimize.curve_fit(law, xs, ys, start, bounds=bounds)
     residuals = ys - law(xs, irreducible, reducible, exponent)
-    scatter = math.sqrt(float(residuals @ residuals) / (len(xs) - PARAMETERS))
+    scatter = math.sqrt(float(residuals @ residuals) / (len(xs) - FREE_PARAMETERS))
     # curve_fit scales the covariance by the residuals' variance (absolute_sigma=False): of the same scatter.
     half = quantile(len(xs)) * math.sqrt(covariance[2, 2])
     return PowerLaw(
