@@ -24,7 +24,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
@@ -188,7 +188,7 @@ def train(rung: Rung, overrides: Sequence[str], out: Path) -> float:
     return final_loss(directory, rung.steps)
 
 
-def stop_with(ladder: int) -> Any:
+def stop_with(ladder: int) -> Callable[[], None]:
     """What the rung's process runs before it starts: have the kernel send it SIGTERM when the ladder dies (Linux),
     and end it at once if the ladder died before that could be asked."""
 
