@@ -255,13 +255,13 @@ class Ladder:
 
 def write(ladder: Ladder, out: Path, settings: dict[str, Any]) -> None:
     """`<out>/ladder.json` (the settings, rungs, fits and prediction) and `<out>/ladder.csv` (the rungs)."""
-    fits = {axis: law.record() for axis, law in ladder.fits.items()}
-    record = {"settings": settings, "rungs": ladder.rows(), "fits": fits, "next": ladder.prediction()}
+    rows, fits = ladder.rows(), {axis: law.record() for axis, law in ladder.fits.items()}
+    record = {"settings": settings, "rungs": rows, "fits": fits, "next": ladder.prediction()}
     write_atomically(out / "ladder.json", json.dumps(record, indent=1).encode())
     table = io.StringIO()
-    writer = csv.DictWriter(table, fieldnames=list(ladder.rows()[0]))
+    writer = csv.DictWriter(table, fieldnames=list(rows[0]))
     writer.writeheader()
-    writer.writerows(ladder.rows())
+    writer.writerows(rows)
     write_atomically(out / "ladder.csv", table.getvalue().encode())
 
 
