@@ -64,6 +64,7 @@ def test_a_rung_of_other_settings_has_a_directory_of_its_own(tmp_path: Path) -> 
     here = rung_dir(tmp_path, rung, ["experiment=ladder"])
     assert here.parent == tmp_path.resolve() / "rungs" and here.name.startswith("24x1-")
     assert rung_dir(tmp_path, rung, ["experiment=ladder"]) == here
+    assert rung_dir(tmp_path, rung, ["model.optimizer.lr_scale=1.0", "experiment=ladder"]) == here  # the config's
     assert rung_dir(tmp_path, rung, ["experiment=ladder", "model.optimizer.lr_scale=2"]) != here
     assert rung_dir(tmp_path, Rung(24, 1, 6972, 68, 69632), ["experiment=ladder"]) != here  # another ratio's steps
     assert rung_dir(tmp_path, rung, ["experiment=clm_modern"]) != here

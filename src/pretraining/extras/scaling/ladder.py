@@ -3,7 +3,7 @@ parameter (Hoffmann et al. 2022's compute-optimal ratio, 20 by default), fit pow
 against compute and parameters (`power_law`), predict the next, larger rung before it is trained, then train it
 and measure the error.
 
-Each rung is a `pretrain` run of its own (`<out>/rungs/<width>x<depth>-<hash of its overrides>`), with every
+Each rung is a `pretrain` run of its own (`<out>/rungs/<width>x<depth>-<hash of its composed config>`), with every
 guarantee of one: the same command again continues an interrupted rung and finds the finished ones finished. The
 rung's overrides are the ladder's (`experiment=ladder` unless given) and the user's (`trainer=ddp`,
 `data.dir=...`), then its shape, its steps (its tokens over the tokens of a step), a warmup-stable-decay decay over
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from pretraining.checkpoint import read_sidecar, saved_checkpoints
 from pretraining.config import CONFIG_DIR
@@ -146,10 +146,10 @@ def shape_overrides(rung: Rung) -> list[str]:
 
 
 def rung_dir(out: Path, rung: Rung, overrides: Sequence[str]) -> Path:
-    """`<out>/rungs/<shape>-<hash of its overrides>`: a ladder of other settings (an experiment, a ratio, an
-    lr_scale) trains rungs of its own instead of finding these finished."""
-    settings = " ".join(sorted([*overrides, *shape_overrides(rung)]))
-    return out.resolve() / "rungs" / f"{rung.name}-{hashlib.sha256(settings.encode()).hexdigest()[:8]}"
+    """`<out>/rungs/<shape>-<hash of its composed config>`: a ladder of other settings (an experiment, a ratio, an
+    lr_scale, an edited preset) trains rungs of its own instead of finding these finished."""
+    config = OmegaConf.to_yaml(composed([*overrides, *shape_overrides(rung)]), sort_keys=True)
+    return out.resolve() / "rungs" / f"{rung.name}-{hashlib.sha256(config.encode()).hexdigest()[:8]}"
 
 
 def train(rung: Rung, overrides: Sequence[str], out: Path) -> float:
