@@ -157,7 +157,12 @@ def test_manifest_matches_files_on_disk(dataset):
     out, manifest = dataset
     assert manifest["format"] == "pretraining-shards/2"
     assert manifest["fields"] == ["txt"]
-    assert manifest["settings"] == {"validation_fraction": 0.3, "max_shard_samples": 4, "max_shard_bytes": 4096}
+    assert manifest["settings"] == {
+        "validation_fraction": 0.3,
+        "max_shard_samples": 4,
+        "max_shard_bytes": 4096,
+        "decontaminate": 0.7,
+    }
     assert len(manifest["version"]) == 16 and int(manifest["version"], 16) >= 0
     assert json.loads((out / MANIFEST).read_text()) == manifest
     listed = []

@@ -71,6 +71,21 @@ def data_parser() -> argparse.ArgumentParser:
         default=argparse.SUPPRESS,
         help="or hold out the last FRACTION of every document (from a line start) for validation, the rest training",
     )
+    b.add_argument(
+        "--decontaminate",
+        type=float,
+        default=argparse.SUPPRESS,
+        metavar="SHARE",
+        help="leave out a validation document when this share of its 8-grams is in the training split (default 0.7)",
+    )
+    b.add_argument(
+        "--no-decontaminate",
+        action="store_const",
+        const=None,
+        default=argparse.SUPPRESS,
+        dest="decontaminate",
+        help="keep every validation document, however much of it the training split holds",
+    )
     b.add_argument("--shard-samples", type=int, default=argparse.SUPPRESS, dest="max_shard_samples")
     b.add_argument("--shard-bytes", type=int, default=argparse.SUPPRESS, dest="max_shard_bytes")
     b.add_argument("--quiet", action="store_true", help="no progress display")

@@ -75,7 +75,8 @@ def build(args: argparse.Namespace) -> None:
         f"wrote {args.out}: version {manifest['version']}, "
         + ", ".join(f"{name} {s['documents']} docs in {len(s['shards'])} shards" for name, s in splits.items())
         + f"; dropped {dedup['exact_duplicates_dropped']} duplicates, {dedup['empty_dropped']} empty, "
-        f"{dedup['undecodable_dropped']} not UTF-8 (or a null in a table)"
+        f"{dedup['undecodable_dropped']} not UTF-8 (or a null in a table), "
+        f"{len(manifest['decontamination']['dropped'])} validation documents mostly in the training split"
     )
     if counts.files:
         print(f"docstring pairs: {asdict(counts)}")

@@ -26,7 +26,8 @@ import torch
 from pretraining.data.manifest import MANIFEST, PAIR_FIELDS, SPLITS, TOKENIZER, Manifest, negative_fields
 from pretraining.data.reader import SampleReader
 from pretraining.data.shard_writer import ShardWriter
-from pretraining.data.shards import FORMAT, BuildSettings, dataset_version, text_digests, write_directory
+from pretraining.data.shards import FORMAT, BuildSettings, dataset_version, text_digests
+from pretraining.data.staging import write_directory
 from pretraining.errors import ShardError
 
 K1, B = 1.2, 0.75

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
-import shutil
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,9 +23,11 @@ from typing import Any
 
 from rich.progress import Progress, SpinnerColumn, TaskProgressColumn, TextColumn, TimeElapsedColumn
 
+from pretraining.data.contamination import NGRAM, TrainingNgrams
 from pretraining.data.corpus import Document, normalize
-from pretraining.data.manifest import MANIFEST, SPLITS, TEXT_FIELDS, TOKENIZER
+from pretraining.data.manifest import MANIFEST, SPLITS, TEXT_FIELDS
 from pretraining.data.shard_writer import ShardWriter
+from pretraining.data.staging import write_directory
 from pretraining.errors import ShardError
 from pretraining.files import write_atomically
 
@@ -44,13 +44,16 @@ TAIL_RULE = (
 class BuildSettings:
     """Everything that decides the bytes of the shards. The validation split is one of: a hash of each
     document's source id against `validation_fraction` (the default); the documents of
-    `validation_sources`; or the last `validation_tail` of every document."""
+    `validation_sources`; or the last `validation_tail` of every document. A validation document with at
+    least `decontaminate` of its 8-grams in the training split is left out (`pretraining.data.contamination`;
+    None keeps every one)."""
 
     validation_fraction: float = 0.05
     max_shard_samples: int = 10_000
     max_shard_bytes: int = 1_000_000
     validation_sources: list[str] = field(default_factory=list)
     validation_tail: float | None = None
+    decontaminate: float | None = 0.7
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.validation_fraction < 1.0:
@@ -61,6 +64,11 @@ class BuildSettings:
             raise ShardError(f"--validation-tail {self.validation_tail} must be in (0, 1): the share of each document")
         if self.validation_sources and self.validation_tail is not None:
             raise ShardError("--validation-source and --validation-tail are two ways to choose validation: give one")
+        if self.decontaminate is not None and not 0.0 < self.decontaminate <= 1.0:
+            raise ShardError(
+                f"--decontaminate {self.decontaminate} must be in (0, 1]: the share of a validation document's "
+                f"8-grams found in training at which it is left out (--no-decontaminate keeps every one)"
+            )
         if self.validation_sources or self.validation_tail is not None:
             self.validation_fraction = 0.0  # not used: the manifest says so
 
@@ -79,6 +87,7 @@ class BuildCounts:
     undecodable: int = 0
     empty: int = 0
     exact_duplicates: int = 0
+    contaminated: list[str] = field(default_factory=list)
     kept: dict[str, int] = field(default_factory=lambda: dict.fromkeys(SPLITS, 0))
 
 
@@ -164,35 +173,6 @@ def build_shards(
     return write_directory(out_dir, write)
 
 
-def write_directory(out_dir: Path, write: Callable[[Path], dict], keep_tokenizer: bool = True) -> dict:
-    """Replace `out_dir` by the dataset `write` writes into an empty staging directory (returning its manifest),
-    whole once it is written: a failure leaves `out_dir` as it was and nothing half-written. `keep_tokenizer`:
-    a tokenizer.json trained in `out_dir` stays (a rebuild keeps it); else `write`'s own, if any."""
-    out_dir = out_dir.resolve()
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not (out_dir / MANIFEST).is_file():
-        raise ShardError(f"{out_dir} is not empty and holds no {MANIFEST}; choose a new or empty --out directory")
-    if (out_dir / MANIFEST).is_file() and json.loads((out_dir / MANIFEST).read_bytes()).get("indexed"):
-        raise ShardError(
-            f"{out_dir} holds the manifest of shards indexed with `pretrain-data index`, and a build replaces the "
-            f"whole directory, shards included: choose a new or empty --out directory"
-        )
-    staging = out_dir.with_name(f".{out_dir.name}.building")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        manifest = write(staging)
-    except BaseException as error:
-        shutil.rmtree(staging, ignore_errors=True)  # out_dir keeps the previous good dataset
-        if isinstance(error, OSError):  # a full disk, a directory that cannot be written
-            raise ShardError(
-                f"writing the shards failed: {error}; {out_dir} is unchanged and nothing half-written was left: "
-                f"free space (or choose another --out) and build again"
-            ) from error
-        raise
-    _swap_in(staging, out_dir, keep_tokenizer)
-    return manifest
-
-
 def _write_dataset(
     documents: Iterable[Document],
     validation_documents: Iterable[Document],
@@ -208,6 +188,15 @@ def _write_dataset(
         split: ShardWriter(staging, split, settings.max_shard_bytes, settings.max_shard_samples) for split in SPLITS
     }
     counts = BuildCounts()
+    training = None if settings.decontaminate is None else TrainingNgrams()
+    held: list[tuple[Document, dict[str, str]]] = []  # validation parts, judged once all training text is read
+
+    def write(split: str, part: Document, digests: dict[str, str]) -> None:
+        assert part.texts is not None
+        meta = {"source_id": part.source_id, "sha256": digests, **part.meta}
+        writers[split].write(f"{split}-{counts.kept[split]:09d}", part.texts, meta)
+        counts.kept[split] += 1
+
     # A corpus's size is unknown until it is read: the display counts what has been done, and how fast.
     status = "building shards: {task.fields[read]:,} documents read, {task.completed:,} kept, {task.fields[mb]:,.1f} MB"
     columns = (SpinnerColumn(), TextColumn(status), TaskProgressColumn(show_speed=True), TimeElapsedColumn())
@@ -227,12 +216,21 @@ def _write_dataset(
                         counts.exact_duplicates += 1  # a head or tail that repeats a text kept before
                         continue
                     seen.update(part_digests.values())
-                    key = f"{split}-{counts.kept[split]:09d}"
-                    meta = {"source_id": part.source_id, "sha256": part_digests, **part.meta}
-                    writers[split].write(key, part.texts, meta)
-                    counts.kept[split] += 1
+                    if training is None or split == "train":
+                        write(split, part, part_digests)
+                    if training is not None:
+                        if split == "train":
+                            training.add(part.texts.values())
+                        else:
+                            held.append((part, part_digests))
                 text_bytes += sum(len(text) for text in document.texts.values())
                 progress.update(task, advance=1, read=counts.read, mb=text_bytes / 1e6)
+    for part, digests in held:
+        assert training is not None and settings.decontaminate is not None and part.texts is not None
+        if training.share(part.texts.values()) >= settings.decontaminate:
+            counts.contaminated.append(part.source_id)
+        else:
+            write("validation", part, digests)
     shards = {split: writer.close() for split, writer in writers.items()}
     if counts.kept["train"] == 0:
         raise ShardError(
@@ -266,6 +264,13 @@ def _manifest(
             "empty_dropped": counts.empty,
             "exact_duplicates_dropped": counts.exact_duplicates,
         },
+        "decontamination": {
+            "rule": f"a validation document with at least {settings.decontaminate} of its distinct {NGRAM}-grams "
+            "of words and punctuation marks in the training split is dropped"
+            if settings.decontaminate is not None
+            else "none: every validation document is kept",
+            "dropped": counts.contaminated,
+        },
         "splits": {
             split: {
                 "documents": counts.kept[split],
@@ -282,15 +287,3 @@ def dataset_version(fields: list[str], splits: dict) -> str:
     """The version names the data, not the build: same fields and shards, same version."""
     named = {"fields": fields, "splits": splits}
     return hashlib.sha256(json.dumps(named, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _swap_in(staging: Path, out_dir: Path, keep_tokenizer: bool) -> None:
-    """Replace `out_dir` by the finished `staging` directory, keeping a tokenizer trained there if asked."""
-    if keep_tokenizer and (out_dir / TOKENIZER).is_file():
-        shutil.copy2(out_dir / TOKENIZER, staging / TOKENIZER)
-    old = out_dir.with_name(f".{out_dir.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if out_dir.exists():
-        os.replace(out_dir, old)
-    os.replace(staging, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
