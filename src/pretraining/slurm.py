@@ -55,11 +55,16 @@ def leave_the_notice_alone() -> None:
 
 
 def requeue_and_exit(signum: int, frame: FrameType | None) -> None:
-    """The first task requeues the job and exits 128 + the signal. The others go on, the notice noted: exiting,
-    they would have `srun --kill-on-bad-exit` kill the first task before its requeue; SLURM's requeue ends them."""
+    """The first task requeues the job and exits 128 + the signal at once, as the signal's default action would
+    have ended it. The others go on, the notice noted: exiting, they would have `srun --kill-on-bad-exit` kill the
+    first task before its requeue; SLURM's requeue ends them.
+
+    Not by raising SystemExit: raised at whatever line the start-up was on, it can meet cleanup code that is not
+    written for it (OmegaConf's, while Hydra composes the config: an AttributeError replaces it, and Hydra catches
+    that), and the run went on training after its job was requeued."""
     if os.environ.get("SLURM_PROCID", "0") != "0":
         EarlyNotice.received = True
         return
     _, message = requeue_this_job()  # first: a write to a blocked stderr could stop the handler before it
     os.write(2, f"{signal.Signals(signum).name} received outside training: {message}\n".encode())
-    raise SystemExit(128 + signum)
+    os._exit(128 + signum)
