@@ -81,6 +81,8 @@ def test_the_cli_decontaminates_by_default_and_says_so(tmp_path, capsys):
         assert manifest["splits"]["validation"]["documents"] == kept
         printed = capsys.readouterr().out
         assert f"{2 - kept} validation documents mostly in the training split" in printed
+        # Fewer than 8 validation documents are warned of, and the warning says where the others went.
+        assert ("has 1 documents (1 more were left out as mostly training text" in printed) == (kept == 1)
 
 
 @pytest.mark.parametrize(("value", "shown"), [("0", "0.0"), ("1.5", "1.5"), ("-0.2", "-0.2")])

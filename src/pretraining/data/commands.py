@@ -80,23 +80,31 @@ def build(args: argparse.Namespace) -> None:
     )
     if counts.files:
         print(f"docstring pairs: {asdict(counts)}")
-    warning = small_validation_warning(splits["validation"]["documents"], args.pairs)
+    warning = small_validation_warning(
+        splits["validation"]["documents"], args.pairs, len(manifest["decontamination"]["dropped"])
+    )
     if warning:
         print(warning)
     print(training_command(manifest, Path(args.out).resolve()))
 
 
-def small_validation_warning(documents: int, pairs: bool) -> str | None:
+def small_validation_warning(documents: int, pairs: bool, contaminated: int = 0) -> str | None:
     """A warning line for a validation split of fewer documents than the examples a run keeps to share them
     alike on up to `DEVICE_MULTIPLE` devices (one example per device is the least it accepts): found at build
-    time, not at the first validation."""
+    time, not at the first validation. `contaminated`: the validation documents left out as training text."""
     if documents >= DEVICE_MULTIPLE:
         return None
     flags = "--validation-fraction" if pairs else "--validation-fraction or --validation-tail"
+    left_out = (
+        f" ({contaminated} more were left out as mostly training text: the manifest's decontamination names them)"
+        if contaminated
+        else ""
+    )
     return (
-        f"warning: the validation split has {documents} documents, fewer than the {DEVICE_MULTIPLE} validation "
-        f"examples a run shares alike on up to {DEVICE_MULTIPLE} devices (training refuses fewer than one per "
-        f"device{'; a pair is one example' if pairs else ''}): raise {flags}, or give a larger --validation-source"
+        f"warning: the validation split has {documents} documents{left_out}, fewer than the {DEVICE_MULTIPLE} "
+        f"validation examples a run shares alike on up to {DEVICE_MULTIPLE} devices (training refuses fewer than "
+        f"one per device{'; a pair is one example' if pairs else ''}): raise {flags}, or give a larger "
+        f"--validation-source"
     )
 
 
