@@ -63,8 +63,8 @@ $(DATA_DIR)/manifest.json: | $(VENV)/.installed
 $(PAIRS_DIR)/manifest.json: | $(VENV)/.installed
 	$(BIN)/pretrain-data build --pairs --source stdlib --validation-fraction 0.2 --out $(PAIRS_DIR)
 
-# The source text split as the pairs are (a file in validation iff its pairs are): the masked-LM stage of
-# experiment=contrastive_modern reads no validation pair's code.
+# The source text split as the pairs are (a file trains in both builds or in neither; either may leave out a
+# validation file as training text): the masked-LM stage of experiment=contrastive_modern reads no validation pair's code.
 $(CODE_DIR)/manifest.json: | $(VENV)/.installed
 	$(BIN)/pretrain-data build --source stdlib --validation-fraction 0.2 --out $(CODE_DIR)
 

@@ -26,8 +26,8 @@ def test_the_share_counts_distinct_ngrams_found_in_training():
     probe = " ".join(f"a{i}" for i in range(10))  # a0 ... a9: three, the first two in training
     assert training.share([probe]) == pytest.approx(2 / 3)
     assert training.share(["a0 a1 a2"]) == 0.0  # fewer than 8 words: no 8-grams, never contaminated
-    # Marks are words of their own, and no 8-gram spans two texts (a pair's query and passage).
-    assert training.share(["a0 a1 a2 a3,", "a4 a5 a6 a7"]) == 0.0
+    assert training.share(["a0 a1 a2 a3", "a4 a5 a6 a7"]) == 0.0  # no 8-gram spans two texts (a query, a passage)
+    assert training.share(["a0 a1 a2, a3 a4 a5 a6 a7"]) == 0.0  # a mark is a word of its own: no 8-gram there
     training.add(["x = f(a0, a1)"])  # x = f ( a0 , a1 ): one 8-gram
     assert training.share(["y; x = f(a0, a1)"]) == pytest.approx(1 / 3)  # the last of y ; x = f ( a0 , a1 )'s 3
     assert TrainingNgrams().share([probe]) == 0.0  # nothing added yet
@@ -66,7 +66,8 @@ def test_a_near_copy_of_a_training_document_is_left_out_of_validation(tmp_path, 
 
 def test_the_cli_decontaminates_by_default_and_says_so(tmp_path, capsys):
     corpus, held_out = tmp_path / "corpus", tmp_path / "held_out"
-    corpus.mkdir(), held_out.mkdir()
+    corpus.mkdir()
+    held_out.mkdir()
     (corpus / "table.txt").write_text("\n".join(" ".join(words(n, 12)) for n in range(50)))
     (corpus / "other.txt").write_text(" ".join(words(99, 300)))
     # 45 of the table's rows and 5 of its own: about 0.9 of its 8-grams are the table's
@@ -74,15 +75,22 @@ def test_the_cli_decontaminates_by_default_and_says_so(tmp_path, capsys):
         "\n".join(" ".join(words(n, 12)) for n in [*range(5, 50), *range(200, 205)])
     )
     (held_out / "fresh.txt").write_text(" ".join(words(100, 300)))
-    for flags, kept in (([], 1), (["--decontaminate", "0.95"], 2), (["--no-decontaminate"], 2)):
-        out = tmp_path / f"out{len(flags)}{flags[-1:]}"
+    runs = {"default": ([], 1), "0.95": (["--decontaminate", "0.95"], 2), "off": (["--no-decontaminate"], 2)}
+    for name, (flags, kept) in runs.items():
+        out = tmp_path / name
         cli_main(["build", "--source", str(corpus), "--validation-source", str(held_out), "--out", str(out), *flags])
         manifest = json.loads((out / MANIFEST).read_text())
         assert manifest["splits"]["validation"]["documents"] == kept
         printed = capsys.readouterr().out
-        assert f"{2 - kept} validation documents mostly in the training split" in printed
+        summary = {
+            "default": "1 validation documents mostly in the training split",
+            "0.95": "0 validation documents mostly in the training split",
+            "off": "no validation document for being training text (--no-decontaminate)",
+        }
+        assert summary[name] in printed
         # Fewer than 8 validation documents are warned of, and the warning says where the others went.
-        assert ("has 1 documents (1 more were left out as mostly training text" in printed) == (kept == 1)
+        left_out = "has 1 documents (and 1 left out as mostly training text"
+        assert (left_out in printed and "or keep more with a higher --decontaminate" in printed) == (name == "default")
 
 
 @pytest.mark.parametrize(("value", "shown"), [("0", "0.0"), ("1.5", "1.5"), ("-0.2", "-0.2")])

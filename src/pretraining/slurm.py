@@ -5,9 +5,11 @@ installs the start-up handler before anything loads torch."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
+import sys
 from types import FrameType
 
 # The signal scripts/launch_slurm.sh and the slurm launcher ask for before the time limit (`--signal=USR1@120`).
@@ -55,9 +57,10 @@ def leave_the_notice_alone() -> None:
 
 
 def requeue_and_exit(signum: int, frame: FrameType | None) -> None:
-    """The first task requeues the job and exits 128 + the signal at once, as the signal's default action would
-    have ended it. The others go on, the notice noted: exiting, they would have `srun --kill-on-bad-exit` kill the
-    first task before its requeue; SLURM's requeue ends them.
+    """The first task requeues the job and exits 128 + the signal at once, as abruptly as the signal's default
+    action would have ended it (after training, a checkpoint being written is, atomically, whole or not there; the
+    requeued job continues from the newest there). The others go on, the notice noted: exiting, they would have
+    `srun --kill-on-bad-exit` kill the first task before its requeue; SLURM's requeue ends them.
 
     Not by raising SystemExit: raised at whatever line the start-up was on, it can meet cleanup code that is not
     written for it (OmegaConf's, while Hydra composes the config: an AttributeError replaces it, and Hydra catches
@@ -67,4 +70,7 @@ def requeue_and_exit(signum: int, frame: FrameType | None) -> None:
         return
     _, message = requeue_this_job()  # first: a write to a blocked stderr could stop the handler before it
     os.write(2, f"{signal.Signals(signum).name} received outside training: {message}\n".encode())
+    for stream in (sys.stdout, sys.stderr):  # what a print left in a buffer (SLURM's output is a file)
+        with contextlib.suppress(Exception):
+            stream.flush()
     os._exit(128 + signum)

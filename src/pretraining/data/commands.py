@@ -76,7 +76,11 @@ def build(args: argparse.Namespace) -> None:
         + ", ".join(f"{name} {s['documents']} docs in {len(s['shards'])} shards" for name, s in splits.items())
         + f"; dropped {dedup['exact_duplicates_dropped']} duplicates, {dedup['empty_dropped']} empty, "
         f"{dedup['undecodable_dropped']} not UTF-8 (or a null in a table), "
-        f"{len(manifest['decontamination']['dropped'])} validation documents mostly in the training split"
+        + (
+            f"{len(manifest['decontamination']['dropped'])} validation documents mostly in the training split"
+            if settings.decontaminate is not None
+            else "no validation document for being training text (--no-decontaminate)"
+        )
     )
     if counts.files:
         print(f"docstring pairs: {asdict(counts)}")
@@ -96,7 +100,7 @@ def small_validation_warning(documents: int, pairs: bool, contaminated: int = 0)
         return None
     flags = "--validation-fraction" if pairs else "--validation-fraction or --validation-tail"
     left_out = (
-        f" ({contaminated} more were left out as mostly training text: the manifest's decontamination names them)"
+        f" (and {contaminated} left out as mostly training text: the manifest's decontamination names them)"
         if contaminated
         else ""
     )
@@ -104,7 +108,7 @@ def small_validation_warning(documents: int, pairs: bool, contaminated: int = 0)
         f"warning: the validation split has {documents} documents{left_out}, fewer than the {DEVICE_MULTIPLE} "
         f"validation examples a run shares alike on up to {DEVICE_MULTIPLE} devices (training refuses fewer than "
         f"one per device{'; a pair is one example' if pairs else ''}): raise {flags}, or give a larger "
-        f"--validation-source"
+        f"--validation-source" + (", or keep more with a higher --decontaminate" if contaminated else "")
     )
 
 

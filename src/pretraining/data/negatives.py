@@ -135,7 +135,8 @@ def mine_negatives(data: str, out: str, count: int, trust_pipe_commands: bool = 
         splits = {split: write_split(staging, split, samples[split], negatives[split], training) for split in SPLITS}
         names = [*PAIR_FIELDS, *negative_fields(count)]
         new = {"version": dataset_version(names, splits), "format": FORMAT, "fields": names, "splits": splits}
-        new |= {key: raw[key] for key in ("sources", "split_rule") if key in raw} | {"hard_negatives": mined}
+        copied = ("sources", "split_rule", "decontamination")
+        new |= {key: raw[key] for key in copied if key in raw} | {"hard_negatives": mined}
         (staging / MANIFEST).write_text(json.dumps(new, indent=2) + "\n")
         if (manifest.directory / TOKENIZER).is_file():  # a run reads ${data.dir}/tokenizer.json
             shutil.copy2(manifest.directory / TOKENIZER, staging / TOKENIZER)

@@ -2,8 +2,8 @@
 
 `build_shards` turns documents into `train-NNNNNN.tar` / `validation-NNNNNN.tar`
 shards plus a `manifest.json` (per-shard samples, bytes, sha256; dataset
-fields, sources, settings, dedup counts, split rule, provenance and a version
-hash). A sample holds one tar member per text field (`<key>.txt`, or
+fields, sources, settings, dedup counts, split rule, the validation documents
+left out as training text, provenance and a version hash). A sample holds one tar member per text field (`<key>.txt`, or
 `<key>.query.txt` and `<key>.passage.txt` for pairs) and `<key>.json` metadata. The whole
 dataset is built in a staging directory and swapped in only when complete, so
 a crash never leaves a half-written shard or manifest where a good one was.
@@ -252,7 +252,7 @@ def _manifest(
         "fields": list(fields),
         "sources": sources,
         "python": platform.python_version(),
-        # The ways of choosing validation not used are left out: a default build writes the manifest it always did.
+        # The ways of choosing validation not used are left out.
         "settings": {key: value for key, value in asdict(settings).items() if value not in (None, [])},
         "split_rule": settings.split_rule,
         "normalization": "NFC, \\n newlines, trailing whitespace and leading blank lines stripped",
