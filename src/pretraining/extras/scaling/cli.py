@@ -21,7 +21,8 @@ SIZES = {"width": "32 64 128 256 512", "depth": "2 4 8 16"}
 # The ladder's shapes (width x depth, d_model / n_layer from 12 to 48): non-embedding parameters from 7k to 222k
 # (32x), then 443k (2x) to predict. Widths are multiples of 24, where the gated MLP's 8/3 d_model is a multiple of
 # 64 as the backbone rounds it: at others (32: 128 wide, 4 d_model) a rung's MLP is out of proportion.
-RUNGS, NEXT = ("24x1", "24x2", "48x1", "48x2", "72x2", "96x2"), "96x4"
+# Two layers at least (one cannot compose two attention heads), deeper as they widen: docs/scaling.md.
+RUNGS, NEXT = ("24x2", "48x2", "48x4", "72x3", "96x4"), "120x5"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
