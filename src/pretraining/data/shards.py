@@ -216,13 +216,12 @@ def _write_dataset(
                         counts.exact_duplicates += 1  # a head or tail that repeats a text kept before
                         continue
                     seen.update(part_digests.values())
-                    if training is None or split == "train":
-                        write(split, part, part_digests)
+                    if training is not None and split == "validation":
+                        held.append((part, part_digests))
+                        continue
+                    write(split, part, part_digests)
                     if training is not None:
-                        if split == "train":
-                            training.add(part.texts.values())
-                        else:
-                            held.append((part, part_digests))
+                        training.add(part.texts.values())
                 text_bytes += sum(len(text) for text in document.texts.values())
                 progress.update(task, advance=1, read=counts.read, mb=text_bytes / 1e6)
     for part, digests in held:
