@@ -3,8 +3,9 @@
 `build_shards` turns documents into `train-NNNNNN.tar` / `validation-NNNNNN.tar`
 shards plus a `manifest.json` (per-shard samples, bytes, sha256; dataset
 fields, sources, settings, dedup counts, split rule, the validation documents
-left out as training text, provenance and a version hash). A sample holds one tar member per text field (`<key>.txt`, or
-`<key>.query.txt` and `<key>.passage.txt` for pairs) and `<key>.json` metadata. The whole
+left out as training text, provenance and a version hash). A sample holds one
+tar member per text field (`<key>.txt`, or `<key>.query.txt` and
+`<key>.passage.txt` for pairs) and `<key>.json` metadata. The whole
 dataset is built in a staging directory and swapped in only when complete, so
 a crash never leaves a half-written shard or manifest where a good one was.
 

@@ -18,10 +18,10 @@ from pretraining.files import write_atomically
 # The rule each axis checks: width is µP's, depth CompleteP's (which includes µP).
 SWITCH = {"width": "mup", "depth": "completep"}
 SIZES = {"width": "32 64 128 256 512", "depth": "2 4 8 16"}
-# The ladder's shapes (width x depth, d_model / n_layer from 12 to 48): non-embedding parameters from 7k to 222k
-# (32x), then 443k (2x) to predict. Widths are multiples of 24, where the gated MLP's 8/3 d_model is a multiple of
-# 64 as the backbone rounds it: at others (32: 128 wide, 4 d_model) a rung's MLP is out of proportion.
-# Two layers at least (one cannot compose two attention heads), deeper as they widen: docs/scaling.md.
+# The ladder's shapes (width x depth): two layers at least (one cannot compose two attention heads), deeper as they
+# widen (d_model / n_layer from 12 to 24); non-embedding parameters from 14k to 443k (32x), then 866k (2x) to
+# predict. Widths are multiples of 24, where the gated MLP's 8/3 d_model is a multiple of 64 as the backbone rounds
+# it: at others (32: 128 wide, 4 d_model) a rung's MLP is out of proportion. docs/scaling.md.
 RUNGS, NEXT = ("24x2", "48x2", "48x4", "72x3", "96x4"), "120x5"
 
 
