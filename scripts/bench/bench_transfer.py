@@ -9,7 +9,8 @@ Data: the default corpus (the standard library's source) as bytes, training file
 optimizer groups and warmup-cosine schedule, and is scored by its mean loss on 256 held-out blocks. Under Muon the
 swept rate is `lr_scale` (both rates, from lr 3e-3 and muon_lr 0.02); under AdamW, `lr`.
 
-    python scripts/bench/bench_transfer.py [--widths 32 64 128 256] [--depths 2 4 8] [--steps 200] [--out DIR]
+    python scripts/bench/bench_transfer.py [--widths 64 128 256 512] [--depths 2 4 8] [--steps 200]
+        [--optimizers adamw muon] [--axes width depth] [--rules standard switch] [--grid -3 3] [--out DIR]
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ from pretraining.objectives.optimizers import MuonAdamW
 from pretraining.objectives.schedules import lr_schedule
 
 LENGTH = 128
-GRID = [2.0**k for k in range(-3, 4)]  # multiples of the base rate, one grid step a factor of 2
 BASE_LR = {"adamw": 4e-3, "muon": 1.0}  # AdamW's lr; Muon's lr_scale (lr 3e-3, muon_lr 0.02)
 
 
@@ -101,8 +101,8 @@ def sweep(
     results: Curves = {}
     for width, depth in shapes:
         results[f"{width}x{depth}"] = {}
-        for multiple in GRID:
-            rate = BASE_LR[optimizer] * multiple
+        for exponent in range(args.grid[0], args.grid[1] + 1):  # one grid step a factor of 2
+            rate = BASE_LR[optimizer] * 2.0**exponent
             start = time.perf_counter()
             loss = held_out_loss(optimizer, parametrization, width, depth, base, rate, args.steps, args.batch)
             results[f"{width}x{depth}"][rate] = loss
@@ -139,10 +139,14 @@ def draw(all_results: dict[str, Curves], out: Path) -> None:
 
     from pretraining.extras.plots.plots import save_png
 
-    figure = Figure(figsize=(4 * len(all_results) // 2, 7), layout="constrained")
+    rows = 2 if len(all_results) > 1 else 1
+    columns = math.ceil(len(all_results) / rows)
+    figure = Figure(figsize=(4 * columns, 3.5 * rows), layout="constrained")
     FigureCanvasAgg(figure)
-    panels = figure.subplots(2, len(all_results) // 2, squeeze=False).flatten()
-    for axes, (name, results) in zip(panels, all_results.items(), strict=True):
+    panels = figure.subplots(rows, columns, squeeze=False).flatten()
+    for axes in panels[len(all_results) :]:
+        axes.set_visible(False)
+    for axes, (name, results) in zip(panels, all_results.items(), strict=False):
         for size, curve in results.items():
             rates = sorted(curve)
             axes.plot(rates, [curve[rate] for rate in rates], marker="o", label=size)
@@ -156,12 +160,23 @@ def draw(all_results: dict[str, Curves], out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--widths", type=int, nargs="+", default=[32, 64, 128, 256])
+    parser.add_argument("--widths", type=int, nargs="+", default=[64, 128, 256, 512])
     parser.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--depth-width", type=int, default=64, help="the width of the depth sweep")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--optimizers", nargs="+", default=["adamw", "muon"])
+    parser.add_argument("--axes", nargs="+", choices=["width", "depth"], default=["width", "depth"])
+    parser.add_argument(
+        "--rules",
+        nargs="+",
+        choices=["standard", "switch"],
+        default=["standard", "switch"],
+        help="switch: mup along width, completep along depth",
+    )
+    parser.add_argument(
+        "--grid", type=int, nargs=2, default=[-3, 3], metavar=("LOW", "HIGH"), help="the rates: base x 2^LOW .. 2^HIGH"
+    )
     parser.add_argument("--out", type=Path, default=Path("logs/bench/transfer"))
     args = parser.parse_args()
     print(
@@ -172,7 +187,9 @@ def main() -> None:
     all_results: dict[str, Curves] = {}
     for optimizer in args.optimizers:
         for axis, shapes, switch in (("width", widths, "mup"), ("depth", depths, "completep")):
-            for name in ("standard", switch):
+            if axis not in args.axes:
+                continue
+            for name in [switch if rule == "switch" else rule for rule in args.rules]:
                 key = f"{optimizer}, {name}, {axis}"
                 all_results[key] = sweep(optimizer, name, shapes, shapes[0], args)
                 report(key, all_results[key])

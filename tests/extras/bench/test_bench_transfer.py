@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pretraining.config import PROJECT_ROOT
 
 
@@ -29,3 +31,15 @@ def test_the_transfer_benchmark_reports_each_sweep_and_writes_its_curves(tmp_pat
         f"adamw, {name}" for name in ("standard, width", "mup, width", "standard, depth", "completep, depth")
     }
     assert all(len(losses) == 7 for sizes in curves.values() for losses in sizes.values())  # the grid: 7 rates
+
+
+def test_the_transfer_benchmark_runs_only_the_sweeps_and_rates_asked_for(tmp_path: Path) -> None:
+    script = PROJECT_ROOT / "scripts" / "bench" / "bench_transfer.py"
+    command = [sys.executable, str(script), "--widths", "32", "64", "--axes", "width", "--rules", "switch"]
+    command += ["--grid", "2", "4", "--steps", "3", "--batch", "2", "--optimizers", "adamw", "--out", str(tmp_path)]
+    finished = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    curves = json.loads((tmp_path / "transfer.json").read_text())
+    assert list(curves) == ["adamw, mup, width"]
+    rates = [sorted(map(float, losses)) for losses in curves["adamw, mup, width"].values()]
+    assert rates == [pytest.approx([0.016, 0.032, 0.064])] * 2  # base 4e-3 x 2^2 .. 2^4, at both widths
